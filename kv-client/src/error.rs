@@ -1,0 +1,57 @@
+use kv_common::protocol::ErrorKind;
+use kv_common::transport::TransportError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("key is empty")]
+    EmptyKey,
+    #[error("key of {len} bytes exceeds the {max}-byte limit")]
+    KeyTooLarge { len: usize, max: usize },
+    #[error("value of {len} bytes exceeds this server's {max}-byte limit")]
+    ValueTooLarge { len: usize, max: usize },
+    #[error("server unreachable: {0}")]
+    Unreachable(String),
+    #[error("server refused the connection: {0}")]
+    Refused(String),
+    #[error("protocol or version mismatch: {0}")]
+    VersionMismatch(String),
+    #[error("region full: no free heap space for a {0}-byte block")]
+    RegionFull(u64),
+    #[error("region full: both candidate buckets of this key are full (index resize is not available yet)")]
+    IndexFull,
+    #[error("gave up after {0} attempts under contention")]
+    Contended(u32),
+    #[error("unexpected reply from server: {0}")]
+    Protocol(String),
+    #[error("transport: {0}")]
+    Transport(TransportError),
+}
+
+impl From<TransportError> for Error {
+    fn from(e: TransportError) -> Self {
+        match e {
+            TransportError::Unreachable { .. } | TransportError::Disconnected(_) => {
+                Error::Unreachable(e.to_string())
+            }
+            TransportError::Codec(c) => Error::Protocol(c.to_string()),
+            other => Error::Transport(other),
+        }
+    }
+}
+
+impl Error {
+    pub(crate) fn from_server(kind: ErrorKind, message: String) -> Self {
+        match kind {
+            ErrorKind::BadSecret => Error::Refused(message),
+            ErrorKind::VersionMismatch => Error::VersionMismatch(message),
+            other => Error::Protocol(format!("{other:?}: {message}")),
+        }
+    }
+
+    /// True when the server's registration changed under us (restart): the
+    /// operation can be redone on a fresh connection.
+    pub(crate) fn is_stale_region(&self) -> bool {
+        matches!(self, Error::Transport(TransportError::RemoteAccess(m)) if m.contains("rkey"))
+            || matches!(self, Error::Unreachable(_))
+    }
+}

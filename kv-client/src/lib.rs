@@ -1,0 +1,558 @@
+//! The onekv client. It reaches the server's region with one-sided verbs
+//! only: a GET reads both candidate buckets in one batch and the matching
+//! block in a second; a PUT writes its block out of place in the same batch
+//! as the bucket reads and publishes it with a CAS on the slot.
+//!
+//! ```no_run
+//! let mut kv = kv_client::Client::connect("shm:///dev/shm/onekv")?;
+//! kv.put(b"user1", b"hello")?;
+//! assert_eq!(kv.get(b"user1")?.as_deref(), Some(&b"hello"[..]));
+//! kv.delete(b"user1")?;
+//! # Ok::<(), kv_client::Error>(())
+//! ```
+//!
+//! A `Client` is one connection; give each thread its own.
+
+use std::time::{Duration, Instant};
+
+use kv_common::layout::{
+    block_len, class_for, class_size, decode_block, encode_block, Geometry, KeyHash, Slot, SlotPos,
+    BUCKET_BYTES, MAX_KEY, SLOTS_PER_BUCKET,
+};
+use kv_common::protocol::{
+    ConnectInfo, ErrorKind, Extent, Request, Response, ServerStats, PROTOCOL_VERSION,
+};
+use kv_common::transport::{self, read_u64, Connection, Verb, VerbStats};
+use kv_common::Address;
+
+mod alloc;
+mod error;
+
+use alloc::BlockAllocator;
+pub use error::Error;
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// Local buffer layout: both buckets, a CAS result, the block being written,
+/// then room for candidate blocks.
+const BUCKETS_AT: usize = 0;
+const CAS_AT: usize = 2 * BUCKET_BYTES as usize;
+const BLOCK_AT: usize = 256;
+const SLOTS: usize = 2 * SLOTS_PER_BUCKET;
+
+#[derive(Debug, Clone)]
+pub struct ClientOptions {
+    /// Presented at connect when the server requires a secret.
+    pub secret: Option<Vec<u8>>,
+    /// Attempts of one operation under contention before giving up.
+    pub max_attempts: u32,
+    /// Fault injection for tests: between reading the index and reading the
+    /// blocks it points at, sleep as a reader on a slow or preempted host
+    /// would: one time in four this long, otherwise up to a quarter of it.
+    pub slow_reader: Option<Duration>,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        ClientOptions { secret: None, max_attempts: 10_000, slow_reader: None }
+    }
+}
+
+pub struct Client {
+    address: Address,
+    options: ClientOptions,
+    conn: Box<dyn Connection>,
+    info: ConnectInfo,
+    deadline: Duration,
+    max_block: usize,
+    max_value: usize,
+    alloc: BlockAllocator,
+    /// Verb counters of connections replaced after a server restart.
+    retired_stats: VerbStats,
+    jitter: u64,
+}
+
+/// Result of reading a key's candidate blocks.
+enum Scan {
+    /// Saw something inconsistent (a block being rewritten, or too slow to
+    /// trust): start again from the buckets.
+    Retry,
+    /// Slots holding the key, lowest position first.
+    Found(Vec<(SlotPos, Slot)>),
+}
+
+impl Client {
+    pub fn connect(address: &str) -> Result<Client> {
+        Client::connect_with(address, ClientOptions::default())
+    }
+
+    pub fn connect_with(address: &str, options: ClientOptions) -> Result<Client> {
+        let address = Address::parse(address).map_err(Error::Unreachable)?;
+        let (conn, info) = open(&address, &options)?;
+        let g = info.geometry;
+        let max_value = g.max_value();
+        let max_block = max_block(&g);
+        let deadline = Duration::from_micros(info.op_deadline_us);
+        Ok(Client {
+            address,
+            options,
+            conn,
+            info,
+            deadline,
+            max_block,
+            max_value,
+            alloc: BlockAllocator::new(deadline * 4),
+            retired_stats: VerbStats::default(),
+            jitter: 0x853c_49e6_748f_ea9b,
+        })
+    }
+
+    pub fn address(&self) -> &Address {
+        &self.address
+    }
+
+    pub fn geometry(&self) -> &Geometry {
+        &self.info.geometry
+    }
+
+    /// Largest value this server accepts.
+    pub fn max_value(&self) -> usize {
+        self.max_value
+    }
+
+    /// Verbs, round trips and bytes this client has used so far.
+    pub fn verb_stats(&self) -> VerbStats {
+        let mut s = self.retired_stats;
+        s.add(self.conn.stats());
+        s
+    }
+
+    /// The server's counters (a control message, not the data path).
+    pub fn server_stats(&mut self) -> Result<ServerStats> {
+        match self.conn.call(&Request::Stats)? {
+            Response::Stats(s) => Ok(s),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// The value of `key`, or None.
+    pub fn get(&mut self, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        let mut out = Vec::new();
+        Ok(self.get_into(key, &mut out)?.then_some(out))
+    }
+
+    /// Reads the value of `key` into `out` (reusing its allocation); false if
+    /// there is no such key.
+    pub fn get_into(&mut self, key: &[u8], out: &mut Vec<u8>) -> Result<bool> {
+        self.check_key(key)?;
+        self.redo_after_restart(|c| c.get_once(key, out))
+    }
+
+    /// Stores `value` under `key`, replacing any earlier value.
+    pub fn put(&mut self, key: &[u8], value: &[u8]) -> Result<()> {
+        self.check_key(key)?;
+        if value.len() > self.max_value {
+            return Err(Error::ValueTooLarge { len: value.len(), max: self.max_value });
+        }
+        self.redo_after_restart(|c| c.put_once(key, value))
+    }
+
+    /// Removes `key`; false if it was not there.
+    pub fn delete(&mut self, key: &[u8]) -> Result<bool> {
+        self.check_key(key)?;
+        self.redo_after_restart(|c| c.delete_once(key))
+    }
+
+    fn check_key(&self, key: &[u8]) -> Result<()> {
+        if key.is_empty() {
+            return Err(Error::EmptyKey);
+        }
+        if key.len() > MAX_KEY {
+            return Err(Error::KeyTooLarge { len: key.len(), max: MAX_KEY });
+        }
+        Ok(())
+    }
+
+    /// Runs an operation; if the server restarted under it (the access key
+    /// changed), reconnects once and runs it again from the start.
+    fn redo_after_restart<T>(&mut self, mut op: impl FnMut(&mut Self) -> Result<T>) -> Result<T> {
+        match op(self) {
+            Err(e) if e.is_stale_region() => {
+                self.reconnect()?;
+                op(self)
+            }
+            other => other,
+        }
+    }
+
+    fn reconnect(&mut self) -> Result<()> {
+        let (conn, info) = open(&self.address, &self.options)?;
+        if info.geometry != self.info.geometry {
+            return Err(Error::Protocol("the region's geometry changed across a restart".into()));
+        }
+        self.retired_stats.add(self.conn.stats());
+        self.conn = conn;
+        self.info = info;
+        self.alloc.reset();
+        Ok(())
+    }
+
+    fn get_once(&mut self, key: &[u8], out: &mut Vec<u8>) -> Result<bool> {
+        let kh = KeyHash::new(key, self.info.geometry.bucket_count);
+        for _ in 0..self.options.max_attempts {
+            let started = Instant::now();
+            self.conn.post(&self.bucket_reads(&kh))?;
+            let slots = self.bucket_slots();
+            let scan = self.scan(key, &kh, &slots, started, true, |v| {
+                out.clear();
+                out.extend_from_slice(v);
+            })?;
+            if let Scan::Found(found) = scan {
+                return Ok(!found.is_empty());
+            }
+        }
+        Err(Error::Contended(self.options.max_attempts))
+    }
+
+    fn put_once(&mut self, key: &[u8], value: &[u8]) -> Result<()> {
+        let kh = KeyHash::new(key, self.info.geometry.bucket_count);
+        let used = block_len(key.len(), value.len());
+        let class = class_for(used).ok_or(Error::ValueTooLarge { len: value.len(), max: self.max_value })?;
+        let offset = self.take_block(class)?;
+        encode_block(key, value, &mut self.conn.local_mut()[BLOCK_AT..]);
+        let new = Slot::new(kh.fingerprint, class, offset);
+        let write = Verb::Write { remote: offset, local: BLOCK_AT, len: used.div_ceil(8) as usize * 8 };
+        let result = self.publish(key, &kh, new, write);
+        if result.is_err() {
+            // Never published: nobody can be reading it.
+            self.alloc.release(offset, class);
+        }
+        result
+    }
+
+    /// Writes the block (with the first bucket read) and CASes it into the
+    /// key's slot, or an empty one.
+    fn publish(&mut self, key: &[u8], kh: &KeyHash, new: Slot, write: Verb) -> Result<()> {
+        let mut pending_write = Some(write);
+        for _ in 0..self.options.max_attempts {
+            let started = Instant::now();
+            let reads = self.bucket_reads(kh);
+            match pending_write.take() {
+                Some(w) => self.conn.post(&[w, reads[0], reads[1]])?,
+                None => self.conn.post(&reads)?,
+            }
+            let slots = self.bucket_slots();
+            let found = match self.scan(key, kh, &slots, started, false, |_| {})? {
+                Scan::Retry => continue,
+                Scan::Found(found) => found,
+            };
+            if let Some(&(pos, old)) = found.first() {
+                if started.elapsed() > self.deadline {
+                    continue;
+                }
+                if self.cas(pos, old, new)? {
+                    self.alloc.release(old.offset(), old.class());
+                    self.remove_duplicates(&found[1..], started)?;
+                    return Ok(());
+                }
+                continue;
+            }
+            let empty = slots.iter().position(|s| s.is_empty()).ok_or(Error::IndexFull)?;
+            let pos = slot_pos(kh, empty);
+            if self.cas(pos, Slot::EMPTY, new)? {
+                return self.resolve_insert(key, kh, pos, new);
+            }
+        }
+        Err(Error::Contended(self.options.max_attempts))
+    }
+
+    /// After inserting into an empty slot: another client may have inserted
+    /// the same key elsewhere at the same time. The lowest slot position
+    /// wins; a higher copy is emptied by whoever sees it.
+    fn resolve_insert(&mut self, key: &[u8], kh: &KeyHash, mine: SlotPos, new: Slot) -> Result<()> {
+        for _ in 0..self.options.max_attempts {
+            let started = Instant::now();
+            self.conn.post(&self.bucket_reads(kh))?;
+            let slots = self.bucket_slots();
+            if slots[slot_index(kh, mine)] != new {
+                // Replaced or deleted already: our value was published and is
+                // now superseded; the block belongs to whoever unlinked it.
+                return Ok(());
+            }
+            let found = match self.scan(key, kh, &slots, started, false, |_| {})? {
+                Scan::Retry => continue,
+                Scan::Found(found) => found,
+            };
+            let lowest = found.first().map(|&(p, _)| p);
+            if lowest == Some(mine) || lowest.is_none() {
+                self.remove_duplicates(&found[1.min(found.len())..], started)?;
+                return Ok(());
+            }
+            if started.elapsed() > self.deadline {
+                continue;
+            }
+            if self.cas(mine, new, Slot::EMPTY)? {
+                self.alloc.release(new.offset(), new.class());
+                return Ok(());
+            }
+        }
+        Err(Error::Contended(self.options.max_attempts))
+    }
+
+    fn delete_once(&mut self, key: &[u8]) -> Result<bool> {
+        let kh = KeyHash::new(key, self.info.geometry.bucket_count);
+        for _ in 0..self.options.max_attempts {
+            let started = Instant::now();
+            self.conn.post(&self.bucket_reads(&kh))?;
+            let slots = self.bucket_slots();
+            let found = match self.scan(key, &kh, &slots, started, false, |_| {})? {
+                Scan::Retry => continue,
+                Scan::Found(found) => found,
+            };
+            let Some(&(pos, old)) = found.first() else {
+                return Ok(false);
+            };
+            if started.elapsed() > self.deadline {
+                continue;
+            }
+            if self.cas(pos, old, Slot::EMPTY)? {
+                self.alloc.release(old.offset(), old.class());
+                self.remove_duplicates(&found[1..], started)?;
+                return Ok(true);
+            }
+        }
+        Err(Error::Contended(self.options.max_attempts))
+    }
+
+    /// Empties slots that hold extra copies of a key (verified by `scan`
+    /// within the deadline that began at `started`).
+    fn remove_duplicates(&mut self, dups: &[(SlotPos, Slot)], started: Instant) -> Result<()> {
+        for &(pos, slot) in dups {
+            if started.elapsed() > self.deadline {
+                return Ok(());
+            }
+            if self.cas(pos, slot, Slot::EMPTY)? {
+                self.alloc.release(slot.offset(), slot.class());
+            }
+        }
+        Ok(())
+    }
+
+    fn bucket_reads(&self, kh: &KeyHash) -> [Verb; 2] {
+        let g = &self.info.geometry;
+        let [b0, b1] = kh.buckets();
+        let len = BUCKET_BYTES as usize;
+        [
+            Verb::Read { remote: g.bucket_offset(b0), local: BUCKETS_AT, len },
+            Verb::Read { remote: g.bucket_offset(b1), local: BUCKETS_AT + len, len },
+        ]
+    }
+
+    fn bucket_slots(&self) -> [Slot; SLOTS] {
+        let local = self.conn.local();
+        std::array::from_fn(|i| Slot(read_u64(local, BUCKETS_AT + i * 8)))
+    }
+
+    fn cas(&mut self, pos: SlotPos, expect: Slot, swap: Slot) -> Result<bool> {
+        let remote = self.info.geometry.slot_offset(pos);
+        self.conn.post(&[Verb::Cas { remote, local: CAS_AT, expect: expect.0, swap: swap.0 }])?;
+        Ok(read_u64(self.conn.local(), CAS_AT) == expect.0)
+    }
+
+    /// Reads the blocks of slots whose fingerprint matches and keeps those
+    /// that pass the checksum and hold `key`. `on_value` sees the value of
+    /// the lowest match; with `first_only` the scan stops there.
+    fn scan(
+        &mut self,
+        key: &[u8],
+        kh: &KeyHash,
+        slots: &[Slot; SLOTS],
+        started: Instant,
+        first_only: bool,
+        mut on_value: impl FnMut(&[u8]),
+    ) -> Result<Scan> {
+        let g = self.info.geometry;
+        let candidates: Vec<(usize, Slot)> = slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| !s.is_empty() && s.fingerprint() == kh.fingerprint)
+            .map(|(i, s)| (i, *s))
+            .collect();
+        let reads_at = BLOCK_AT + self.max_block;
+        let room = self.conn.local().len() - reads_at;
+        let mut found = Vec::new();
+        let mut next = 0;
+        while next < candidates.len() {
+            let mut verbs = Vec::new();
+            let mut at = reads_at;
+            while let Some(&(_, slot)) = candidates.get(next) {
+                let len = slot.block_len() as usize;
+                let inside = slot.offset() >= g.heap_offset
+                    && slot.offset() + len as u64 <= g.heap_offset + g.heap_size
+                    && len <= room;
+                if !inside {
+                    // Only a recycled or corrupt slot can look like this.
+                    return Ok(Scan::Retry);
+                }
+                if !verbs.is_empty() && at + len > reads_at + room {
+                    break;
+                }
+                verbs.push(Verb::Read { remote: slot.offset(), local: at, len });
+                at += len;
+                next += 1;
+            }
+            self.pause_if_slow();
+            self.conn.post(&verbs)?;
+            if started.elapsed() > self.deadline {
+                // Too slow to trust anything read: a block may have been
+                // freed and rewritten (even for another key) since the slot
+                // was read, so not even "not found" can be concluded.
+                return Ok(Scan::Retry);
+            }
+            let local = self.conn.local();
+            let mut at = reads_at;
+            for &(i, slot) in &candidates[next - verbs.len()..next] {
+                let len = slot.block_len() as usize;
+                let block = &local[at..at + len];
+                at += len;
+                // A block that fails validation is being rewritten (recycled):
+                // never returned, the buckets are read again.
+                let Ok(view) = decode_block(block) else {
+                    return Ok(Scan::Retry);
+                };
+                if view.key != key {
+                    continue;
+                }
+                if found.is_empty() {
+                    on_value(view.value);
+                }
+                found.push((slot_pos(kh, i), slot));
+                if first_only {
+                    return Ok(Scan::Found(found));
+                }
+            }
+        }
+        Ok(Scan::Found(found))
+    }
+
+    fn pause_if_slow(&mut self) {
+        if let Some(max) = self.options.slow_reader {
+            self.jitter ^= self.jitter << 13;
+            self.jitter ^= self.jitter >> 7;
+            self.jitter ^= self.jitter << 17;
+            let pause = match self.jitter % 4 {
+                0 => max,
+                _ => Duration::from_micros(self.jitter % (max.as_micros() as u64 / 4 + 1)),
+            };
+            std::thread::sleep(pause);
+        }
+    }
+
+    /// A block of `class`, leasing heap space from the server when the
+    /// client has none. Before leasing it gives back the freed blocks it
+    /// holds beyond a chunk, so mixed sizes do not strand space. When the
+    /// heap is full only because freed space is still in its grace period,
+    /// it waits for that space rather than failing.
+    fn take_block(&mut self, class: u8) -> Result<u64> {
+        let grace = self.deadline * 4;
+        let give_up = Instant::now() + grace * 4;
+        loop {
+            if let Some(offset) = self.alloc.take(class) {
+                return Ok(offset);
+            }
+            if self.alloc.freed_bytes() >= self.info.geometry.chunk_size {
+                let extents = self.alloc.drain_freed();
+                self.give_back(extents)?;
+            }
+            let size = class_size(class);
+            match self.conn.call(&Request::Lease { min_len: size })? {
+                Response::Leased(e) => self.alloc.add_extent(e),
+                Response::Error { kind: ErrorKind::HeapFull, .. } => {
+                    if Instant::now() >= give_up {
+                        return Err(Error::RegionFull(size));
+                    }
+                    // Freed blocks of other sizes may merge into what we need.
+                    let extents = self.alloc.drain_freed();
+                    if !extents.is_empty() {
+                        self.give_back(extents)?;
+                    }
+                    std::thread::sleep((grace / 8).max(Duration::from_millis(1)));
+                }
+                other => return Err(unexpected(other)),
+            }
+        }
+    }
+
+    fn give_back(&mut self, extents: Vec<Extent>) -> Result<()> {
+        // Stay well inside the control message size limit.
+        for part in extents.chunks(2048) {
+            match self.conn.call(&Request::GiveBack { extents: part.to_vec() })? {
+                Response::GivenBack => {}
+                Response::Error { kind, message } => return Err(Error::from_server(kind, message)),
+                other => return Err(unexpected(other)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Gives back held heap space and says goodbye (also done on drop).
+    pub fn close(mut self) -> Result<()> {
+        self.disconnect()
+    }
+
+    fn disconnect(&mut self) -> Result<()> {
+        let extents = self.alloc.drain_all();
+        if !extents.is_empty() {
+            self.give_back(extents)?;
+        }
+        match self.conn.call(&Request::Disconnect)? {
+            Response::Goodbye => Ok(()),
+            other => Err(unexpected(other)),
+        }
+    }
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        let _ = self.disconnect();
+    }
+}
+
+/// Connects, presents the secret, and attaches the region.
+fn open(address: &Address, options: &ClientOptions) -> Result<(Box<dyn Connection>, ConnectInfo)> {
+    let mut conn = transport::connect(address)?;
+    let secret = options.secret.clone().unwrap_or_default();
+    let info = match conn.call(&Request::Connect { protocol_version: PROTOCOL_VERSION, secret })? {
+        Response::Connected(info) => info,
+        Response::Error { kind, message } => return Err(Error::from_server(kind, message)),
+        other => return Err(unexpected(other)),
+    };
+    let g = info.geometry;
+    g.validate().map_err(|e| Error::Protocol(e.to_string()))?;
+    // Room for the block being written and at least two candidate blocks.
+    let local_len = BLOCK_AT + 3 * max_block(&g);
+    conn.attach(&info.region, local_len)?;
+    Ok((conn, info))
+}
+
+/// The largest block a client writes: a maximal key and value.
+fn max_block(g: &Geometry) -> usize {
+    let largest = block_len(MAX_KEY, g.max_value());
+    class_for(largest).map_or(g.max_block(), class_size) as usize
+}
+
+fn unexpected(r: Response) -> Error {
+    match r {
+        Response::Error { kind, message } => Error::from_server(kind, message),
+        other => Error::Protocol(format!("unexpected reply {other:?}")),
+    }
+}
+
+fn slot_pos(kh: &KeyHash, index: usize) -> SlotPos {
+    SlotPos { bucket: kh.buckets()[index / SLOTS_PER_BUCKET], index: index % SLOTS_PER_BUCKET }
+}
+
+fn slot_index(kh: &KeyHash, pos: SlotPos) -> usize {
+    let first = if pos.bucket == kh.buckets()[0] { 0 } else { SLOTS_PER_BUCKET };
+    first + pos.index
+}

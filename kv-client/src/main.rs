@@ -1,0 +1,105 @@
+//! `kv`: a command-line client for poking at a onekv server.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use kv_client::{Client, ClientOptions};
+
+/// Reads and writes a onekv server with one-sided verbs, like any embedded
+/// client. Keys and values are taken as the bytes of the arguments.
+#[derive(Parser)]
+#[command(version, about, long_about)]
+struct Args {
+    /// Server address, e.g. shm:///dev/shm/onekv.
+    #[arg(long, env = "ONEKV_SERVER", default_value = "shm:///dev/shm/onekv")]
+    server: String,
+    /// File holding the server's shared secret, if it requires one.
+    #[arg(long)]
+    secret_file: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Store VALUE under KEY.
+    Put { key: String, value: String },
+    /// Print the value of KEY; exits with status 1 if there is none.
+    Get { key: String },
+    /// Remove KEY; exits with status 1 if there was none.
+    Del { key: String },
+    /// Print the server's statistics.
+    Stats,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(args) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("kv: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn run(args: Args) -> Result<ExitCode, String> {
+    let mut options = ClientOptions::default();
+    if let Some(path) = &args.secret_file {
+        let mut secret = std::fs::read(path)
+            .map_err(|e| format!("cannot read secret file {}: {e}", path.display()))?;
+        while secret.last().is_some_and(|b| *b == b'\n' || *b == b'\r') {
+            secret.pop();
+        }
+        options.secret = Some(secret);
+    }
+    let mut kv = Client::connect_with(&args.server, options).map_err(|e| e.to_string())?;
+    let code = match args.command {
+        Command::Put { key, value } => {
+            kv.put(key.as_bytes(), value.as_bytes()).map_err(|e| e.to_string())?;
+            ExitCode::SUCCESS
+        }
+        Command::Get { key } => match kv.get(key.as_bytes()).map_err(|e| e.to_string())? {
+            Some(value) => {
+                let mut out = std::io::stdout().lock();
+                out.write_all(&value).and_then(|_| out.write_all(b"\n")).map_err(|e| e.to_string())?;
+                ExitCode::SUCCESS
+            }
+            None => {
+                eprintln!("kv: key not found: {key}");
+                ExitCode::from(1)
+            }
+        },
+        Command::Del { key } => {
+            if kv.delete(key.as_bytes()).map_err(|e| e.to_string())? {
+                ExitCode::SUCCESS
+            } else {
+                eprintln!("kv: key not found: {key}");
+                ExitCode::from(1)
+            }
+        }
+        Command::Stats => {
+            let s = kv.server_stats().map_err(|e| e.to_string())?;
+            let g = kv.geometry();
+            println!("clients_connected {}", s.clients_connected);
+            println!("connects {}", s.connects);
+            println!("rejected_connects {}", s.rejected_connects);
+            println!("leases {}", s.leases);
+            println!("give_backs {}", s.give_backs);
+            println!("disconnects {}", s.disconnects);
+            println!("malformed_messages {}", s.malformed);
+            println!("buckets {} (slots {})", s.bucket_count, s.bucket_count * 8);
+            println!("live_slots {}", s.live_slots);
+            println!("heap_bytes {}", s.heap_size);
+            println!("heap_free_bytes {}", s.heap_free);
+            println!("chunk_bytes {}", g.chunk_size);
+            println!("max_value_bytes {}", kv.max_value());
+            println!("server_cpu_us {}", s.server_cpu_us);
+            ExitCode::SUCCESS
+        }
+    };
+    kv.close().map_err(|e| e.to_string())?;
+    Ok(code)
+}

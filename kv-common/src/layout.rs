@@ -1,0 +1,442 @@
+//! The registered region: header, index of buckets of 8-byte slots, and a heap
+//! of key-value blocks. Everything a client reaches with one-sided verbs is
+//! described here, so server and client agree on it byte for byte.
+//!
+//! ```text
+//! 0          4096                      heap_offset                 region_len
+//! | header   | index: buckets × 64 B   | heap: chunks of blocks ... |
+//! ```
+
+use serde::{Deserialize, Serialize};
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+
+/// "ONEKVRG1" read as a little-endian word.
+pub const MAGIC: u64 = u64::from_le_bytes(*b"ONEKVRG1");
+/// Bumped whenever the byte layout of the region changes.
+pub const FORMAT_VERSION: u64 = 1;
+pub const HEADER_SIZE: u64 = 4096;
+/// Words of the header covered by its checksum (the checksum is word 9).
+const HEADER_WORDS: usize = 9;
+/// Byte offset of the transport's registration key (the shm "rkey"). It is
+/// outside the header checksum because every registration changes it.
+pub const HEADER_RKEY_OFFSET: u64 = 128;
+
+pub const SLOTS_PER_BUCKET: usize = 8;
+/// One bucket is one 64-byte cache line: one READ fetches it.
+pub const BUCKET_BYTES: u64 = (SLOTS_PER_BUCKET * 8) as u64;
+
+/// Block header: checksum word, then a word of lengths.
+pub const BLOCK_HEADER: usize = 16;
+pub const MAX_KEY: usize = 1024;
+pub const MAX_VALUE: usize = 1 << 20;
+/// Every size class is a multiple of this, so blocks stay 8-byte aligned.
+pub const BLOCK_ALIGN: u64 = 16;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LayoutError {
+    #[error("not a onekv region (bad magic number)")]
+    BadMagic,
+    #[error("region has format version {found}, this build reads version {expected}")]
+    UnsupportedVersion { found: u64, expected: u64 },
+    #[error("region header checksum mismatch (corrupt header)")]
+    BadHeaderChecksum,
+    #[error("bad region geometry: {0}")]
+    BadGeometry(String),
+}
+
+/// Where everything is inside the region; the server writes it into the
+/// header and hands it to every client at connect.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Geometry {
+    pub region_len: u64,
+    pub index_offset: u64,
+    pub bucket_count: u64,
+    pub heap_offset: u64,
+    pub heap_size: u64,
+    pub chunk_size: u64,
+    pub epoch: u64,
+}
+
+fn round_up(v: u64, to: u64) -> u64 {
+    v.div_ceil(to) * to
+}
+
+impl Geometry {
+    /// Lays out a region of `memory` bytes. The index takes about 1/16 of it
+    /// (unless `buckets` says otherwise); chunks are 1/16 of the heap,
+    /// between 64 KiB and 4 MiB.
+    pub fn for_memory(memory: u64, buckets: Option<u64>) -> Result<Self, LayoutError> {
+        let region_len = memory / 4096 * 4096;
+        if region_len < 1 << 20 {
+            return Err(LayoutError::BadGeometry(format!(
+                "{memory} bytes is too small; a region needs at least 1 MiB"
+            )));
+        }
+        let bucket_count = match buckets {
+            Some(b) if b >= 2 && b.is_power_of_two() => b,
+            Some(b) => {
+                return Err(LayoutError::BadGeometry(format!(
+                    "bucket count {b} must be a power of two, at least 2"
+                )))
+            }
+            None => {
+                // The largest power of two that keeps the index near 1/16.
+                let target = (region_len / 16 / BUCKET_BYTES).max(2);
+                1u64 << (63 - target.leading_zeros())
+            }
+        };
+        let heap_offset = round_up(HEADER_SIZE + bucket_count * BUCKET_BYTES, 4096);
+        if heap_offset + (256 << 10) > region_len {
+            return Err(LayoutError::BadGeometry(format!(
+                "{bucket_count} buckets leave less than 256 KiB of heap in {region_len} bytes"
+            )));
+        }
+        let heap_size = region_len - heap_offset;
+        let chunk_size = (heap_size / 16).clamp(64 << 10, 4 << 20) / 4096 * 4096;
+        let g = Geometry {
+            region_len,
+            index_offset: HEADER_SIZE,
+            bucket_count,
+            heap_offset,
+            heap_size,
+            chunk_size,
+            epoch: 1,
+        };
+        g.validate()?;
+        Ok(g)
+    }
+
+    pub fn validate(&self) -> Result<(), LayoutError> {
+        let bad = |m: &str| Err(LayoutError::BadGeometry(m.to_string()));
+        if !self.bucket_count.is_power_of_two() || self.bucket_count < 2 {
+            return bad("bucket count is not a power of two");
+        }
+        if self.index_offset < HEADER_SIZE
+            || self.index_offset + self.bucket_count * BUCKET_BYTES > self.heap_offset
+        {
+            return bad("index overlaps header or heap");
+        }
+        if self.heap_offset % 4096 != 0 || self.heap_offset + self.heap_size != self.region_len {
+            return bad("heap does not end at the region end");
+        }
+        if self.chunk_size < 4096 || self.chunk_size > self.heap_size {
+            return bad("chunk size out of range");
+        }
+        if self.heap_offset + self.heap_size > Slot::OFFSET_MASK {
+            return bad("region larger than a slot can address");
+        }
+        Ok(())
+    }
+
+    /// Largest block the allocator hands out: the biggest size class that
+    /// fits in one chunk.
+    pub fn max_block(&self) -> u64 {
+        let mut best = 0;
+        for c in 0..=MAX_CLASS {
+            let s = class_size(c);
+            if s <= self.chunk_size {
+                best = s;
+            }
+        }
+        best
+    }
+
+    /// Largest value a client may store (keys up to MAX_KEY always fit).
+    pub fn max_value(&self) -> usize {
+        let room = self.max_block() as usize - BLOCK_HEADER - MAX_KEY;
+        room.min(MAX_VALUE)
+    }
+
+    pub fn bucket_offset(&self, bucket: u64) -> u64 {
+        self.index_offset + bucket * BUCKET_BYTES
+    }
+
+    pub fn slot_offset(&self, pos: SlotPos) -> u64 {
+        self.bucket_offset(pos.bucket) + pos.index as u64 * 8
+    }
+
+    /// The header as words; the checksum covers words 0..9.
+    pub fn encode_header(&self) -> [u64; HEADER_WORDS + 1] {
+        let mut w = [
+            MAGIC,
+            FORMAT_VERSION,
+            self.region_len,
+            self.index_offset,
+            self.bucket_count,
+            self.heap_offset,
+            self.heap_size,
+            self.chunk_size,
+            self.epoch,
+            0,
+        ];
+        w[HEADER_WORDS] = words_checksum(&w[..HEADER_WORDS]);
+        w
+    }
+
+    pub fn decode_header(w: &[u64]) -> Result<Self, LayoutError> {
+        if w.len() < HEADER_WORDS + 1 || w[0] != MAGIC {
+            return Err(LayoutError::BadMagic);
+        }
+        if w[1] != FORMAT_VERSION {
+            return Err(LayoutError::UnsupportedVersion { found: w[1], expected: FORMAT_VERSION });
+        }
+        if words_checksum(&w[..HEADER_WORDS]) != w[HEADER_WORDS] {
+            return Err(LayoutError::BadHeaderChecksum);
+        }
+        let g = Geometry {
+            region_len: w[2],
+            index_offset: w[3],
+            bucket_count: w[4],
+            heap_offset: w[5],
+            heap_size: w[6],
+            chunk_size: w[7],
+            epoch: w[8],
+        };
+        g.validate()?;
+        Ok(g)
+    }
+}
+
+fn words_checksum(words: &[u64]) -> u64 {
+    let mut bytes = Vec::with_capacity(words.len() * 8);
+    for w in words {
+        bytes.extend_from_slice(&w.to_le_bytes());
+    }
+    xxh3_64(&bytes)
+}
+
+/// Size classes: four steps per power of two (≤ 25% waste), 64 B upwards.
+/// The class fits in a slot, so a reader fetches a whole block in one READ.
+pub const MAX_CLASS: u8 = 120;
+
+pub fn class_size(class: u8) -> u64 {
+    let group = (class >> 2) as u32;
+    let step = (class & 3) as u64;
+    (4 + step) << (group + 4)
+}
+
+/// Smallest class whose blocks hold `len` bytes.
+pub fn class_for(len: u64) -> Option<u8> {
+    if len <= 64 {
+        return Some(0);
+    }
+    // Start from the power of two below len and walk at most five classes.
+    let group = (63 - (len - 1).leading_zeros()).saturating_sub(6);
+    let first = (group as u8).saturating_mul(4);
+    (first..=MAX_CLASS).find(|&c| class_size(c) >= len)
+}
+
+/// Position of a slot: bucket number and index inside the bucket. Ordered,
+/// because duplicate inserts of one key are resolved to the lowest position.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct SlotPos {
+    pub bucket: u64,
+    pub index: usize,
+}
+
+/// An index slot, the unit of CAS: `fingerprint:8 | class:8 | frozen:1 | offset:47`.
+/// Zero means empty (no block lives at offset 0, the header does).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Slot(pub u64);
+
+impl Slot {
+    pub const EMPTY: Slot = Slot(0);
+    const OFFSET_MASK: u64 = (1 << 47) - 1;
+    const FROZEN: u64 = 1 << 47;
+
+    pub fn new(fingerprint: u8, class: u8, offset: u64) -> Slot {
+        debug_assert!(offset > 0 && offset <= Self::OFFSET_MASK);
+        Slot((fingerprint as u64) << 56 | (class as u64) << 48 | offset)
+    }
+    pub fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+    pub fn fingerprint(self) -> u8 {
+        (self.0 >> 56) as u8
+    }
+    pub fn class(self) -> u8 {
+        (self.0 >> 48) as u8
+    }
+    /// Set by a resize that is migrating this slot: writers must not CAS it.
+    pub fn is_frozen(self) -> bool {
+        self.0 & Self::FROZEN != 0
+    }
+    pub fn offset(self) -> u64 {
+        self.0 & Self::OFFSET_MASK
+    }
+    pub fn block_len(self) -> u64 {
+        class_size(self.class())
+    }
+}
+
+/// Where a key may live: two candidate buckets and an 8-bit fingerprint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeyHash {
+    pub bucket_a: u64,
+    pub bucket_b: u64,
+    pub fingerprint: u8,
+}
+
+const SECOND_BUCKET_SEED: u64 = 0x6f6e_656b_765f_6232;
+
+impl KeyHash {
+    pub fn new(key: &[u8], bucket_count: u64) -> KeyHash {
+        let mask = bucket_count - 1;
+        let h = xxh3_64(key);
+        let bucket_a = h & mask;
+        let mut bucket_b = xxh3_64_with_seed(key, SECOND_BUCKET_SEED) & mask;
+        if bucket_b == bucket_a {
+            bucket_b = bucket_a ^ 1;
+        }
+        KeyHash { bucket_a, bucket_b, fingerprint: (h >> 56) as u8 }
+    }
+
+    /// The two buckets in ascending order, so slot positions compare the
+    /// same way for every client.
+    pub fn buckets(&self) -> [u64; 2] {
+        [self.bucket_a.min(self.bucket_b), self.bucket_a.max(self.bucket_b)]
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BlockError {
+    #[error("block lengths run past the block")]
+    BadLength,
+    #[error("block checksum mismatch")]
+    BadChecksum,
+}
+
+/// Bytes a block of this key and value occupies before class rounding.
+pub fn block_len(key_len: usize, value_len: usize) -> u64 {
+    (BLOCK_HEADER + key_len + value_len) as u64
+}
+
+/// Writes a block (checksum, lengths, key, value) into `out`, which must be
+/// at least `block_len` long. Returns the bytes used.
+pub fn encode_block(key: &[u8], value: &[u8], out: &mut [u8]) -> usize {
+    let used = BLOCK_HEADER + key.len() + value.len();
+    let lengths = (key.len() as u64) | (value.len() as u64) << 32;
+    out[8..16].copy_from_slice(&lengths.to_le_bytes());
+    out[16..16 + key.len()].copy_from_slice(key);
+    out[16 + key.len()..used].copy_from_slice(value);
+    let sum = xxh3_64(&out[8..used]);
+    out[0..8].copy_from_slice(&sum.to_le_bytes());
+    used
+}
+
+/// A block that passed its checksum.
+#[derive(Debug, PartialEq, Eq)]
+pub struct BlockView<'a> {
+    pub key: &'a [u8],
+    pub value: &'a [u8],
+}
+
+pub fn decode_block(bytes: &[u8]) -> Result<BlockView<'_>, BlockError> {
+    if bytes.len() < BLOCK_HEADER {
+        return Err(BlockError::BadLength);
+    }
+    let word = |i: usize| u64::from_le_bytes(bytes[i..i + 8].try_into().expect("8 bytes"));
+    let lengths = word(8);
+    let key_len = (lengths & 0xffff_ffff) as usize;
+    let value_len = (lengths >> 32) as usize;
+    let used = BLOCK_HEADER
+        .checked_add(key_len)
+        .and_then(|n| n.checked_add(value_len))
+        .ok_or(BlockError::BadLength)?;
+    if key_len > MAX_KEY || used > bytes.len() {
+        return Err(BlockError::BadLength);
+    }
+    if xxh3_64(&bytes[8..used]) != word(0) {
+        return Err(BlockError::BadChecksum);
+    }
+    Ok(BlockView { key: &bytes[16..16 + key_len], value: &bytes[16 + key_len..used] })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_round_trips_and_rejects_damage() {
+        let g = Geometry::for_memory(64 << 20, None).unwrap();
+        let w = g.encode_header();
+        assert_eq!(Geometry::decode_header(&w), Ok(g));
+
+        let mut bad = w;
+        bad[4] ^= 1;
+        assert_eq!(Geometry::decode_header(&bad), Err(LayoutError::BadHeaderChecksum));
+        let mut other = w;
+        other[1] = 7;
+        assert_eq!(
+            Geometry::decode_header(&other),
+            Err(LayoutError::UnsupportedVersion { found: 7, expected: FORMAT_VERSION })
+        );
+        assert_eq!(Geometry::decode_header(&[0; 10]), Err(LayoutError::BadMagic));
+    }
+
+    #[test]
+    fn geometry_fits_region() {
+        for mem in [1u64 << 20, 16 << 20, 1 << 30, 3 << 30] {
+            let g = Geometry::for_memory(mem, None).unwrap();
+            assert!(g.heap_offset + g.heap_size == g.region_len);
+            assert!(g.max_value() >= 16 << 10, "{g:?}");
+        }
+        assert!(Geometry::for_memory(1000, None).is_err());
+        assert!(Geometry::for_memory(1 << 20, Some(3)).is_err());
+        assert!(Geometry::for_memory(1 << 20, Some(1 << 20)).is_err());
+        assert_eq!(Geometry::for_memory(1 << 30, None).unwrap().max_value(), MAX_VALUE);
+    }
+
+    #[test]
+    fn slot_fields_round_trip() {
+        let s = Slot::new(0xab, 17, 0x1234_5678_9a);
+        assert_eq!((s.fingerprint(), s.class(), s.offset()), (0xab, 17, 0x1234_5678_9a));
+        assert!(!s.is_empty() && !s.is_frozen());
+        assert!(Slot(s.0 | 1 << 47).is_frozen());
+        assert_eq!(Slot(s.0 | 1 << 47).offset(), s.offset());
+    }
+
+    #[test]
+    fn size_classes_are_tight_and_aligned() {
+        for len in 1..200_000u64 {
+            let c = class_for(len).unwrap();
+            let size = class_size(c);
+            assert!(size >= len && size % BLOCK_ALIGN == 0);
+            assert!(c == 0 || class_size(c - 1) < len, "class {c} not smallest for {len}");
+            assert!(len <= 64 || size * 4 <= len * 5 + 64, "waste too high at {len}");
+        }
+        assert!(class_size(MAX_CLASS) >= 1 << 36);
+    }
+
+    #[test]
+    fn key_hash_picks_two_distinct_buckets() {
+        for i in 0..1000u32 {
+            let h = KeyHash::new(&i.to_le_bytes(), 64);
+            assert_ne!(h.bucket_a, h.bucket_b);
+            assert!(h.bucket_a < 64 && h.bucket_b < 64);
+            assert!(h.buckets()[0] < h.buckets()[1]);
+        }
+    }
+
+    #[test]
+    fn block_round_trips_and_detects_any_flipped_byte() {
+        let mut buf = vec![0u8; 128];
+        let used = encode_block(b"key-1", b"some value bytes", &mut buf);
+        assert_eq!(used as u64, block_len(5, 16));
+        let v = decode_block(&buf).unwrap();
+        assert_eq!((v.key, v.value), (&b"key-1"[..], &b"some value bytes"[..]));
+        for i in 0..used {
+            for bit in [0x01u8, 0x80] {
+                let mut damaged = buf.clone();
+                damaged[i] ^= bit;
+                assert!(decode_block(&damaged).is_err(), "flip at byte {i} not caught");
+            }
+        }
+        // An all-zero (never written) block never validates.
+        assert!(decode_block(&[0u8; 64]).is_err());
+        // Lengths that run past the buffer are refused, not trusted.
+        let mut huge = buf.clone();
+        huge[12..16].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert_eq!(decode_block(&huge), Err(BlockError::BadLength));
+    }
+}

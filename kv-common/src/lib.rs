@@ -1,0 +1,11 @@
+//! Shared pieces of onekv: the layout of the registered region, key hashing
+//! and block checksums, the two-sided control protocol, and the transport
+//! that carries one-sided verbs (READ, WRITE, CAS, FETCH-AND-ADD).
+
+pub mod address;
+pub mod layout;
+pub mod protocol;
+pub mod size;
+pub mod transport;
+
+pub use address::Address;

@@ -1,0 +1,158 @@
+//! Two-sided control messages (connect, lease, return space, stats,
+//! disconnect). They are serde types encoded with postcard; the data path
+//! never uses them.
+
+use serde::{Deserialize, Serialize};
+
+use crate::layout::Geometry;
+use crate::transport::RemoteRegion;
+
+/// Bumped when a message changes shape.
+pub const PROTOCOL_VERSION: u32 = 1;
+/// Largest encoded message either side accepts.
+pub const MAX_MESSAGE: usize = 64 * 1024;
+
+/// A run of heap bytes: leased to a client, or given back by it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Extent {
+    pub offset: u64,
+    pub len: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Request {
+    /// Must be the first message. `secret` is checked when the server has one.
+    Connect { protocol_version: u32, secret: Vec<u8> },
+    /// Lease heap space of at least `min_len` bytes (at most a chunk).
+    Lease { min_len: u64 },
+    /// Give back unused or freed heap space (at disconnect, or when a client
+    /// holds more free space than it needs).
+    GiveBack { extents: Vec<Extent> },
+    Stats,
+    Disconnect,
+}
+
+/// What a connected client learns: where the region is and how it is laid out.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConnectInfo {
+    pub client_id: u64,
+    pub region: RemoteRegion,
+    pub geometry: Geometry,
+    /// A one-sided operation whose reads took longer than this is retried; a
+    /// freed block is reused only after several of these (the grace period).
+    pub op_deadline_us: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ErrorKind {
+    BadSecret,
+    VersionMismatch,
+    NotConnected,
+    Malformed,
+    HeapFull,
+    BadExtent,
+}
+
+/// Counters a server keeps about its control plane and heap.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServerStats {
+    pub clients_connected: u64,
+    pub connects: u64,
+    pub rejected_connects: u64,
+    pub leases: u64,
+    pub give_backs: u64,
+    pub stats_requests: u64,
+    pub disconnects: u64,
+    pub malformed: u64,
+    pub heap_size: u64,
+    pub heap_free: u64,
+    pub bucket_count: u64,
+    pub live_slots: u64,
+    pub server_cpu_us: u64,
+}
+
+impl ServerStats {
+    /// Messages the control plane has handled, of every kind.
+    pub fn messages(&self) -> u64 {
+        self.connects
+            + self.rejected_connects
+            + self.leases
+            + self.give_backs
+            + self.stats_requests
+            + self.disconnects
+            + self.malformed
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Response {
+    Connected(ConnectInfo),
+    Leased(Extent),
+    GivenBack,
+    Stats(ServerStats),
+    Goodbye,
+    Error { kind: ErrorKind, message: String },
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CodecError {
+    #[error("message of {0} bytes exceeds the {MAX_MESSAGE}-byte limit")]
+    TooLarge(usize),
+    #[error("malformed message: {0}")]
+    Malformed(String),
+}
+
+pub fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>, CodecError> {
+    let bytes = postcard::to_stdvec(msg).map_err(|e| CodecError::Malformed(e.to_string()))?;
+    if bytes.len() > MAX_MESSAGE {
+        return Err(CodecError::TooLarge(bytes.len()));
+    }
+    Ok(bytes)
+}
+
+pub fn decode<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, CodecError> {
+    if bytes.len() > MAX_MESSAGE {
+        return Err(CodecError::TooLarge(bytes.len()));
+    }
+    postcard::from_bytes(bytes).map_err(|e| CodecError::Malformed(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_round_trip() {
+        let reqs = [
+            Request::Connect { protocol_version: PROTOCOL_VERSION, secret: b"s3".to_vec() },
+            Request::Lease { min_len: 4096 },
+            Request::GiveBack { extents: vec![Extent { offset: 8192, len: 64 }] },
+            Request::Stats,
+            Request::Disconnect,
+        ];
+        for r in reqs {
+            assert_eq!(decode::<Request>(&encode(&r).unwrap()).unwrap(), r);
+        }
+        let resp = Response::Error { kind: ErrorKind::BadSecret, message: "no".into() };
+        assert_eq!(decode::<Response>(&encode(&resp).unwrap()).unwrap(), resp);
+    }
+
+    #[test]
+    fn garbage_is_an_error_not_a_panic() {
+        for junk in [&b""[..], b"\xff\xff\xff\xff\xff", b"\x09", b"\x00\x01"] {
+            assert!(decode::<Request>(junk).is_err());
+        }
+        let mut seed = 1u64;
+        for _ in 0..2000 {
+            let len = (seed % 40) as usize;
+            let bytes: Vec<u8> = (0..len)
+                .map(|_| {
+                    seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    (seed >> 33) as u8
+                })
+                .collect();
+            let _ = decode::<Request>(&bytes);
+        }
+        assert!(matches!(decode::<Request>(&vec![0; MAX_MESSAGE + 1]), Err(CodecError::TooLarge(_))));
+    }
+}

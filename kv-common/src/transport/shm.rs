@@ -1,0 +1,396 @@
+//! The shared-memory backend: the region is a file mapped by the server and
+//! by every client; verbs are word-wise atomic copies and CPU atomics on the
+//! mapping; the control channel is a Unix-domain socket beside the file.
+//!
+//! Accesses to the mapping never form data races in Rust's memory model:
+//! every word is an `AtomicU64`. A WRITE is a Release fence followed by
+//! relaxed stores, a READ relaxed loads followed by an Acquire fence, and
+//! CAS/FETCH-AND-ADD are SeqCst read-modify-writes. So a block written before
+//! the CAS that publishes its slot is visible to any reader that saw the slot.
+
+use std::fs::{File, OpenOptions};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{fence, AtomicU64, Ordering};
+
+use memmap2::MmapRaw;
+
+use super::{
+    frame_call, read_frame, write_frame, Connection, ControlPeer, RemoteRegion, TransportError,
+    Verb, VerbStats,
+};
+use crate::layout::HEADER_RKEY_OFFSET;
+use crate::protocol::{Request, Response};
+use crate::Address;
+
+/// A mapped region file, accessed only through atomics.
+pub struct SharedRegion {
+    map: MmapRaw,
+    path: PathBuf,
+}
+
+// SAFETY: the mapping is only touched through `&[AtomicU64]`, which is Sync.
+unsafe impl Send for SharedRegion {}
+unsafe impl Sync for SharedRegion {}
+
+impl SharedRegion {
+    /// Creates a new zero-filled region file of `len` bytes; fails if the
+    /// file exists, so an existing region is never overwritten.
+    pub fn create(path: &Path, len: u64) -> std::io::Result<Self> {
+        let file = OpenOptions::new().read(true).write(true).create_new(true).open(path)?;
+        file.set_len(len)?;
+        Self::map(file, path)
+    }
+
+    pub fn open(path: &Path) -> std::io::Result<Self> {
+        let file = OpenOptions::new().read(true).write(true).open(path)?;
+        Self::map(file, path)
+    }
+
+    fn map(file: File, path: &Path) -> std::io::Result<Self> {
+        let len = file.metadata()?.len();
+        if len < 4096 || len % 8 != 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("{}: {len} bytes is not a region", path.display()),
+            ));
+        }
+        let map = MmapRaw::map_raw(&file)?;
+        Ok(SharedRegion { map, path: path.to_path_buf() })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn len(&self) -> u64 {
+        self.map.len() as u64
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.len() == 0
+    }
+
+    fn words(&self) -> &[AtomicU64] {
+        // SAFETY: the mapping is page-aligned, lives as long as self, and is
+        // only ever accessed atomically, by this and every other process.
+        unsafe {
+            std::slice::from_raw_parts(self.map.as_mut_ptr() as *const AtomicU64, self.map.len() / 8)
+        }
+    }
+
+    /// The words covering `[offset, offset + len)`, or why that range is not
+    /// accessible (the checks a NIC does against a memory region).
+    pub fn span(&self, offset: u64, len: usize) -> Result<&[AtomicU64], TransportError> {
+        if offset % 8 != 0 || len % 8 != 0 {
+            return Err(TransportError::RemoteAccess(format!(
+                "offset {offset} length {len}: shm verbs need 8-byte alignment"
+            )));
+        }
+        let end = offset.checked_add(len as u64).filter(|&e| e <= self.len()).ok_or_else(|| {
+            TransportError::RemoteAccess(format!(
+                "range {offset}+{len} outside the {}-byte region",
+                self.len()
+            ))
+        })?;
+        Ok(&self.words()[(offset / 8) as usize..(end / 8) as usize])
+    }
+
+    pub fn load(&self, offset: u64) -> Result<u64, TransportError> {
+        Ok(self.span(offset, 8)?[0].load(Ordering::Acquire))
+    }
+
+    pub fn store(&self, offset: u64, value: u64) -> Result<(), TransportError> {
+        self.span(offset, 8)?[0].store(value, Ordering::Release);
+        Ok(())
+    }
+
+    pub fn read(&self, offset: u64, dst: &mut [u64]) -> Result<(), TransportError> {
+        let src = self.span(offset, dst.len() * 8)?;
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = s.load(Ordering::Relaxed);
+        }
+        fence(Ordering::Acquire);
+        Ok(())
+    }
+
+    pub fn write(&self, offset: u64, src: &[u64]) -> Result<(), TransportError> {
+        let dst = self.span(offset, src.len() * 8)?;
+        fence(Ordering::Release);
+        for (d, s) in dst.iter().zip(src) {
+            d.store(*s, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// Returns the old value; the swap happened iff it equals `expect`.
+    pub fn cas(&self, offset: u64, expect: u64, swap: u64) -> Result<u64, TransportError> {
+        let w = &self.span(offset, 8)?[0];
+        Ok(match w.compare_exchange(expect, swap, Ordering::SeqCst, Ordering::SeqCst) {
+            Ok(old) | Err(old) => old,
+        })
+    }
+
+    pub fn fetch_add(&self, offset: u64, add: u64) -> Result<u64, TransportError> {
+        Ok(self.span(offset, 8)?[0].fetch_add(add, Ordering::SeqCst))
+    }
+
+    /// Writes dirty pages back to the file (meaningful for on-disk regions).
+    pub fn flush(&self) -> std::io::Result<()> {
+        self.map.flush()
+    }
+}
+
+/// A client connection over shm.
+pub struct ShmConnection {
+    stream: UnixStream,
+    region_path: PathBuf,
+    region: Option<(SharedRegion, RemoteRegion)>,
+    local: Vec<u64>,
+    stats: VerbStats,
+}
+
+impl ShmConnection {
+    pub fn connect(region_path: &Path) -> Result<Self, TransportError> {
+        let socket = Address::shm_socket(region_path);
+        let stream = UnixStream::connect(&socket).map_err(|source| TransportError::Unreachable {
+            address: format!("shm://{} (socket {})", region_path.display(), socket.display()),
+            source,
+        })?;
+        Ok(ShmConnection {
+            stream,
+            region_path: region_path.to_path_buf(),
+            region: None,
+            local: Vec::new(),
+            stats: VerbStats::default(),
+        })
+    }
+
+    fn local_words(&mut self, at: usize, len: usize) -> Result<&mut [u64], TransportError> {
+        let local_len = self.local.len() * 8;
+        if at % 8 != 0 || len % 8 != 0 || at.checked_add(len).is_none_or(|e| e > local_len) {
+            return Err(TransportError::LocalAccess(format!(
+                "local range {at}+{len} outside the {local_len}-byte buffer or unaligned"
+            )));
+        }
+        Ok(&mut self.local[at / 8..(at + len) / 8])
+    }
+}
+
+impl Connection for ShmConnection {
+    fn call(&mut self, request: &Request) -> Result<Response, TransportError> {
+        frame_call(&mut self.stream, request)
+    }
+
+    fn attach(&mut self, remote: &RemoteRegion, local_len: usize) -> Result<(), TransportError> {
+        let region = SharedRegion::open(&self.region_path)?;
+        if region.len() < remote.len {
+            return Err(TransportError::RemoteAccess(format!(
+                "{} is {} bytes, the server registered {}",
+                self.region_path.display(),
+                region.len(),
+                remote.len
+            )));
+        }
+        self.region = Some((region, *remote));
+        self.local = vec![0u64; local_len.div_ceil(8)];
+        Ok(())
+    }
+
+    fn local(&self) -> &[u8] {
+        // SAFETY: any u64 slice is a valid, aligned u8 slice of 8× the length.
+        unsafe { std::slice::from_raw_parts(self.local.as_ptr() as *const u8, self.local.len() * 8) }
+    }
+
+    fn local_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `local`; every byte pattern is a valid u64.
+        unsafe {
+            std::slice::from_raw_parts_mut(self.local.as_mut_ptr() as *mut u8, self.local.len() * 8)
+        }
+    }
+
+    fn post(&mut self, verbs: &[Verb]) -> Result<(), TransportError> {
+        let (region, remote) = match self.region.take() {
+            Some(r) => r,
+            None => return Err(TransportError::NotAttached),
+        };
+        let result = self.execute(&region, &remote, verbs);
+        self.region = Some((region, remote));
+        result
+    }
+
+    fn stats(&self) -> &VerbStats {
+        &self.stats
+    }
+}
+
+impl ShmConnection {
+    fn execute(
+        &mut self,
+        region: &SharedRegion,
+        remote: &RemoteRegion,
+        verbs: &[Verb],
+    ) -> Result<(), TransportError> {
+        // As a NIC checks the rkey against its table of registrations: a
+        // region the server re-registered (restart) has a new key.
+        let registered = region.load(HEADER_RKEY_OFFSET)?;
+        if registered != remote.rkey as u64 {
+            return Err(TransportError::RemoteAccess(format!(
+                "rkey {:#x} is not registered (the server restarted or shut down)",
+                remote.rkey
+            )));
+        }
+        for verb in verbs {
+            let (off, len) = match *verb {
+                Verb::Read { remote, len, .. } | Verb::Write { remote, len, .. } => (remote, len),
+                Verb::Cas { remote, .. } | Verb::FetchAdd { remote, .. } => (remote, 8),
+            };
+            if off.checked_add(len as u64).is_none_or(|e| e > remote.len) {
+                return Err(TransportError::RemoteAccess(format!(
+                    "range {off}+{len} outside the registered {} bytes",
+                    remote.len
+                )));
+            }
+        }
+        for verb in verbs {
+            match *verb {
+                Verb::Read { remote, local, len } => {
+                    region.read(remote, self.local_words(local, len)?)?;
+                    self.stats.bytes_read += len as u64;
+                }
+                Verb::Write { remote, local, len } => {
+                    region.write(remote, self.local_words(local, len)?)?;
+                    self.stats.bytes_written += len as u64;
+                }
+                Verb::Cas { remote, local, expect, swap } => {
+                    let dst = self.local_words(local, 8)?;
+                    let old = region.cas(remote, expect, swap)?;
+                    dst[0] = old;
+                    self.stats.atomics += 1;
+                    if old != expect {
+                        self.stats.cas_failures += 1;
+                    }
+                }
+                Verb::FetchAdd { remote, local, add } => {
+                    let dst = self.local_words(local, 8)?;
+                    dst[0] = region.fetch_add(remote, add)?;
+                    self.stats.atomics += 1;
+                }
+            }
+        }
+        self.stats.verbs += verbs.len() as u64;
+        self.stats.round_trips += 1;
+        Ok(())
+    }
+}
+
+/// The server's control socket.
+pub struct ShmListener {
+    listener: UnixListener,
+    socket: PathBuf,
+}
+
+impl ShmListener {
+    /// Binds the control socket beside the region file. A stale socket left
+    /// by a dead server is replaced; a live one is refused.
+    pub fn bind(region_path: &Path) -> Result<Self, TransportError> {
+        let socket = Address::shm_socket(region_path);
+        if socket.exists() {
+            if UnixStream::connect(&socket).is_ok() {
+                return Err(TransportError::Io(std::io::Error::new(
+                    std::io::ErrorKind::AddrInUse,
+                    format!("a server is already listening on {}", socket.display()),
+                )));
+            }
+            std::fs::remove_file(&socket)?;
+        }
+        let listener = UnixListener::bind(&socket)?;
+        Ok(ShmListener { listener, socket })
+    }
+
+    pub fn accept(&self) -> Result<ShmPeer, TransportError> {
+        let (stream, _) = self.listener.accept()?;
+        Ok(ShmPeer { stream })
+    }
+
+    /// Unblocks a thread waiting in `accept` (used at shutdown).
+    pub fn wake(&self) {
+        let _ = UnixStream::connect(&self.socket);
+    }
+}
+
+impl Drop for ShmListener {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.socket);
+    }
+}
+
+pub struct ShmPeer {
+    stream: UnixStream,
+}
+
+impl ControlPeer for ShmPeer {
+    fn recv(&mut self) -> Result<Option<Vec<u8>>, TransportError> {
+        read_frame(&mut self.stream)
+    }
+
+    fn send(&mut self, bytes: &[u8]) -> Result<(), TransportError> {
+        write_frame(&mut self.stream, bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn region(dir: &tempfile::TempDir) -> SharedRegion {
+        let r = SharedRegion::create(&dir.path().join("r"), 1 << 16).unwrap();
+        r.store(HEADER_RKEY_OFFSET, 0x77).unwrap();
+        r
+    }
+
+    #[test]
+    fn create_refuses_to_overwrite() {
+        let dir = tempfile::tempdir().unwrap();
+        let _r = region(&dir);
+        assert!(SharedRegion::create(&dir.path().join("r"), 1 << 16).is_err());
+    }
+
+    #[test]
+    fn verbs_check_bounds_alignment_and_atomics() {
+        let dir = tempfile::tempdir().unwrap();
+        let r = region(&dir);
+        assert!(r.span(1 << 16, 8).is_err());
+        assert!(r.span((1 << 16) - 8, 16).is_err());
+        assert!(r.span(4, 8).is_err());
+        assert!(r.span(u64::MAX - 3, 8).is_err());
+        r.write(4096, &[1, 2, 3]).unwrap();
+        let mut out = [0u64; 3];
+        r.read(4096, &mut out).unwrap();
+        assert_eq!(out, [1, 2, 3]);
+        assert_eq!(r.cas(4096, 1, 9).unwrap(), 1);
+        assert_eq!(r.cas(4096, 1, 10).unwrap(), 9);
+        assert_eq!(r.fetch_add(4104, 5).unwrap(), 2);
+        assert_eq!(r.load(4104).unwrap(), 7);
+    }
+
+    #[test]
+    fn concurrent_fetch_add_loses_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("r");
+        let _r = region(&dir);
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                let path = path.clone();
+                s.spawn(move || {
+                    // Each thread maps the file itself, as another process would.
+                    let mine = SharedRegion::open(&path).unwrap();
+                    for _ in 0..10_000 {
+                        mine.fetch_add(4096, 1).unwrap();
+                    }
+                });
+            }
+        });
+        assert_eq!(SharedRegion::open(&path).unwrap().load(4096).unwrap(), 40_000);
+    }
+}

@@ -1,0 +1,93 @@
+//! Helpers shared by the end-to-end tests: servers in temporary regions,
+//! and the paths of the workspace's binaries.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use kv_common::Address;
+use kv_server::{Server, ServerConfig};
+
+/// A directory for regions: /dev/shm when the machine has it.
+pub fn region_dir() -> tempfile::TempDir {
+    let base = Path::new("/dev/shm");
+    if base.is_dir() {
+        tempfile::tempdir_in(base).expect("temporary directory in /dev/shm")
+    } else {
+        tempfile::tempdir().expect("temporary directory")
+    }
+}
+
+/// A server on a fresh region in its own temporary directory.
+pub struct TestServer {
+    pub server: Server,
+    pub address: String,
+    pub dir: tempfile::TempDir,
+}
+
+impl TestServer {
+    pub fn start(tune: impl FnOnce(&mut ServerConfig)) -> TestServer {
+        let dir = region_dir();
+        let path = dir.path().join("region");
+        let mut config = ServerConfig::new(Address::Shm { region: path.clone() });
+        config.memory = 16 << 20;
+        tune(&mut config);
+        let server = Server::start(config).expect("server starts");
+        TestServer { server, address: format!("shm://{}", path.display()), dir }
+    }
+
+    pub fn region_path(&self) -> PathBuf {
+        self.dir.path().join("region")
+    }
+}
+
+/// Configuration that recycles freed blocks within milliseconds, so that
+/// tests exercise reuse while slow readers may still hold old offsets.
+pub fn aggressive_reuse(config: &mut ServerConfig) {
+    config.op_deadline = Duration::from_millis(2);
+}
+
+/// A binary of this workspace (built by `cargo test --workspace`).
+pub fn workspace_bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    // target/<profile>/deps/<test> → target/<profile>/<name>
+    let dir = exe.parent().and_then(Path::parent).expect("target directory");
+    let bin = dir.join(name);
+    assert!(
+        bin.exists(),
+        "{} is not built; run the tests with `cargo test --workspace` (or `cargo build --bins` first)",
+        bin.display()
+    );
+    bin
+}
+
+/// A value that says which key and which write it belongs to, so any
+/// foreign, torn or stale value is recognisable.
+pub fn tagged_value(key: &str, writer: &str, seq: u64, pad: usize) -> Vec<u8> {
+    let mut v = format!("{key}|{writer}|{seq}|").into_bytes();
+    v.extend(std::iter::repeat_n(b'.', pad));
+    v
+}
+
+/// Splits a tagged value into (key, writer, seq), checking the padding.
+pub fn parse_tagged(value: &[u8]) -> Option<(String, String, u64)> {
+    let text = std::str::from_utf8(value).ok()?;
+    let mut parts = text.splitn(4, '|');
+    let key = parts.next()?.to_string();
+    let writer = parts.next()?.to_string();
+    let seq = parts.next()?.parse().ok()?;
+    let pad = parts.next()?;
+    pad.bytes().all(|b| b == b'.').then_some((key, writer, seq))
+}
+
+/// Unwraps a result inside a test's worker thread, aborting the whole test
+/// process on error: a panicking worker would leave the others waiting at a
+/// barrier forever instead of failing the test.
+pub fn or_abort<T, E: std::fmt::Display>(result: Result<T, E>, what: &str) -> T {
+    match result {
+        Ok(v) => v,
+        Err(e) => {
+            eprintln!("{what} failed: {e}");
+            std::process::abort();
+        }
+    }
+}

@@ -1,0 +1,197 @@
+//! Many clients hammer a few keys with PUT, GET and DELETE while freed blocks
+//! are recycled within milliseconds. Every history is checked with
+//! stateright's LinearizabilityTester, one register per key.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Barrier, Mutex};
+
+use std::time::Duration;
+
+use kv_client::{Client, ClientOptions};
+use onekv_tests::{aggressive_reuse, or_abort, parse_tagged, tagged_value, TestServer};
+use stateright::semantics::register::{Register, RegisterOp, RegisterRet};
+use stateright::semantics::{ConsistencyTester, LinearizabilityTester};
+
+type Value = Option<Vec<u8>>;
+
+enum Event {
+    Invoke(usize, usize, RegisterOp<Value>),
+    Return(usize, usize, RegisterRet<Value>),
+}
+
+const THREADS: usize = 4;
+const KEYS: usize = 6;
+const OPS_PER_ROUND: usize = 6;
+const ROUNDS: usize = 400;
+
+fn key(k: usize) -> String {
+    format!("lin-{k}")
+}
+
+#[test]
+fn histories_are_linearizable_under_aggressive_reuse() {
+    // A 4 MiB region with a tiny index: the values written (tens of MiB) do
+    // not fit unless freed blocks are reused, and keys share buckets.
+    let srv = TestServer::start(|c| {
+        aggressive_reuse(c);
+        c.memory = 4 << 20;
+        c.buckets = Some(8);
+    });
+    let log = Mutex::new(Vec::new());
+    let barrier = Barrier::new(THREADS);
+    let done = AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        for t in 0..THREADS {
+            let (log, barrier, done, address) = (&log, &barrier, &done, &srv.address);
+            s.spawn(move || {
+                // One client reads slowly, at times for longer than the grace
+                // period: it holds old offsets while their blocks are freed
+                // and rewritten, and must notice it was too slow.
+                let options = ClientOptions {
+                    slow_reader: (t == 1).then_some(Duration::from_millis(12)),
+                    ..ClientOptions::default()
+                };
+                let mut kv = or_abort(Client::connect_with(address, options), "connect");
+                let mut rng = 0x2545_f491_4f6c_dd1du64.wrapping_mul(t as u64 + 1);
+                for round in 0..ROUNDS {
+                    barrier.wait();
+                    for i in 0..OPS_PER_ROUND {
+                        rng ^= rng << 13;
+                        rng ^= rng >> 7;
+                        rng ^= rng << 17;
+                        let k = (rng % KEYS as u64) as usize;
+                        let name = key(k);
+                        let op = match (rng >> 8) % 8 {
+                            0..=3 => RegisterOp::Read,
+                            4..=6 => {
+                                let pad = [0, 100, 700, 2000][(rng >> 16) as usize % 4];
+                                let seq = (round * OPS_PER_ROUND + i) as u64;
+                                RegisterOp::Write(Some(tagged_value(&name, &format!("t{t}"), seq, pad)))
+                            }
+                            _ => RegisterOp::Write(None),
+                        };
+                        log.lock().unwrap().push(Event::Invoke(k, t, op.clone()));
+                        let ret = match op {
+                            RegisterOp::Read => {
+                                let v = or_abort(kv.get(name.as_bytes()), "get");
+                                if let Some(v) = &v {
+                                    let Some((owner, _, _)) = parse_tagged(v) else {
+                                        or_abort(Err("torn value"), "get")
+                                    };
+                                    if owner != name {
+                                        or_abort(Err(format!("{name} read {owner}'s value")), "get")
+                                    }
+                                }
+                                RegisterRet::ReadOk(v)
+                            }
+                            RegisterOp::Write(Some(v)) => {
+                                or_abort(kv.put(name.as_bytes(), &v), "put");
+                                RegisterRet::WriteOk
+                            }
+                            RegisterOp::Write(None) => {
+                                or_abort(kv.delete(name.as_bytes()), "delete");
+                                RegisterRet::WriteOk
+                            }
+                        };
+                        log.lock().unwrap().push(Event::Return(k, t, ret));
+                    }
+                    // Until everyone is done, keep writing other keys: this
+                    // recycles the blocks this round freed while the slow
+                    // reader may still be about to read them.
+                    done.fetch_add(1, Ordering::SeqCst);
+                    let mut n = 0;
+                    while done.load(Ordering::SeqCst) < THREADS * (round + 1) {
+                        let churn = format!("churn-{t}-{}", n % 4);
+                        let pad = [0, 100, 700, 2000][n % 4];
+                        or_abort(kv.put(churn.as_bytes(), &tagged_value(&churn, "churn", n as u64, pad)), "put");
+                        n += 1;
+                    }
+                    barrier.wait();
+                    if t == 0 {
+                        // A read after everyone finished fixes each key's value
+                        // at the end of the round (the next round's start).
+                        for k in 0..KEYS {
+                            let v = or_abort(kv.get(key(k).as_bytes()), "get");
+                            let mut log = log.lock().unwrap();
+                            log.push(Event::Invoke(k, THREADS, RegisterOp::Read));
+                            log.push(Event::Return(k, THREADS, RegisterRet::ReadOk(v)));
+                        }
+                        log.lock().unwrap().push(Event::Invoke(usize::MAX, 0, RegisterOp::Read));
+                    }
+                }
+            });
+        }
+    });
+
+    let events = log.into_inner().unwrap();
+    let mut state: Vec<Value> = vec![None; KEYS];
+    let mut rounds_checked = 0;
+    for round in events.split(|e| matches!(e, Event::Invoke(usize::MAX, ..))) {
+        if round.is_empty() {
+            continue;
+        }
+        for k in 0..KEYS {
+            let mut tester = LinearizabilityTester::new(Register(state[k].clone()));
+            let mut final_read = None;
+            for e in round {
+                match e {
+                    Event::Invoke(kk, t, op) if *kk == k => {
+                        tester.on_invoke(*t, op.clone()).expect("valid history");
+                    }
+                    Event::Return(kk, t, ret) if *kk == k => {
+                        tester.on_return(*t, ret.clone()).expect("valid history");
+                        if *t == THREADS {
+                            if let RegisterRet::ReadOk(v) = ret {
+                                final_read = Some(v.clone());
+                            }
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            if !tester.is_consistent() {
+                let shown: Vec<String> = round
+                    .iter()
+                    .filter_map(|e| match e {
+                        Event::Invoke(kk, t, op) if *kk == k => Some(format!("t{t} invoke {}", show_op(op))),
+                        Event::Return(kk, t, ret) if *kk == k => Some(format!("t{t} return {}", show_ret(ret))),
+                        _ => None,
+                    })
+                    .collect();
+                panic!(
+                    "round {rounds_checked}, key {}: history is not linearizable; start {:?}\n{}",
+                    key(k),
+                    state[k].as_deref().map(short),
+                    shown.join("\n")
+                );
+            }
+            state[k] = final_read.expect("round ends with a read");
+        }
+        rounds_checked += 1;
+    }
+    assert_eq!(rounds_checked, ROUNDS);
+    let stats = srv.server.stats();
+    assert!(
+        stats.leases * srv.server.geometry().chunk_size < 8 << 20,
+        "more space leased than the region holds: {stats:?}"
+    );
+}
+
+fn short(v: &[u8]) -> String {
+    parse_tagged(v).map_or_else(|| "<torn>".into(), |(_, w, seq)| format!("{w}#{seq}"))
+}
+
+fn show_op(op: &RegisterOp<Value>) -> String {
+    match op {
+        RegisterOp::Read => "read".into(),
+        RegisterOp::Write(Some(v)) => format!("put {}", short(v)),
+        RegisterOp::Write(None) => "delete".into(),
+    }
+}
+
+fn show_ret(ret: &RegisterRet<Value>) -> String {
+    match ret {
+        RegisterRet::WriteOk => "ok".into(),
+        RegisterRet::ReadOk(v) => format!("{:?}", v.as_deref().map(short)),
+    }
+}
