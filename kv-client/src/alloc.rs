@@ -13,13 +13,12 @@ use kv_common::protocol::Extent;
 pub struct BlockAllocator {
     extents: Vec<Extent>,
     freed: BTreeMap<u8, VecDeque<(u64, Instant)>>,
-    freed_bytes: u64,
     grace: Duration,
 }
 
 impl BlockAllocator {
     pub fn new(grace: Duration) -> Self {
-        BlockAllocator { extents: Vec::new(), freed: BTreeMap::new(), freed_bytes: 0, grace }
+        BlockAllocator { extents: Vec::new(), freed: BTreeMap::new(), grace }
     }
 
     /// A block of `class`: a freed one past its grace period, or fresh space.
@@ -29,7 +28,6 @@ impl BlockAllocator {
             if let Some(&(offset, at)) = q.front() {
                 if at.elapsed() >= self.grace {
                     q.pop_front();
-                    self.freed_bytes -= size;
                     return Some(offset);
                 }
             }
@@ -52,12 +50,6 @@ impl BlockAllocator {
     /// Records a block this client unlinked (or never published).
     pub fn release(&mut self, offset: u64, class: u8) {
         self.freed.entry(class).or_default().push_back((offset, Instant::now()));
-        self.freed_bytes += class_size(class);
-    }
-
-    /// Bytes in freed blocks waiting for reuse.
-    pub fn freed_bytes(&self) -> u64 {
-        self.freed_bytes
     }
 
     /// Takes every freed block, for giving back to the server.
@@ -66,7 +58,6 @@ impl BlockAllocator {
         for (class, q) in std::mem::take(&mut self.freed) {
             out.extend(q.into_iter().map(|(offset, _)| Extent { offset, len: class_size(class) }));
         }
-        self.freed_bytes = 0;
         out
     }
 
@@ -81,7 +72,6 @@ impl BlockAllocator {
     pub fn reset(&mut self) {
         self.extents.clear();
         self.freed.clear();
-        self.freed_bytes = 0;
     }
 }
 
@@ -101,7 +91,7 @@ mod tests {
         assert_eq!(a.take(0), None, "freed block reused inside its grace period");
         std::thread::sleep(Duration::from_millis(40));
         assert_eq!(a.take(0), Some(4096));
-        assert_eq!(a.freed_bytes(), 0);
+        assert_eq!(a.take(0), None);
     }
 
     #[test]

@@ -46,15 +46,16 @@ pub struct ClientOptions {
     pub secret: Option<Vec<u8>>,
     /// Attempts of one operation under contention before giving up.
     pub max_attempts: u32,
-    /// Fault injection for tests: between reading the index and reading the
-    /// blocks it points at, sleep as a reader on a slow or preempted host
-    /// would: one time in four this long, otherwise up to a quarter of it.
-    pub slow_reader: Option<Duration>,
+    /// Fault injection for tests: after reading the index, before reading the
+    /// blocks it points at (and so before any CAS based on it), sleep as a
+    /// client on a slow or preempted host would: one time in four this long,
+    /// otherwise up to a quarter of it.
+    pub pause_after_index_read: Option<Duration>,
 }
 
 impl Default for ClientOptions {
     fn default() -> Self {
-        ClientOptions { secret: None, max_attempts: 10_000, slow_reader: None }
+        ClientOptions { secret: None, max_attempts: 10_000, pause_after_index_read: None }
     }
 }
 
@@ -203,7 +204,7 @@ impl Client {
             let started = Instant::now();
             self.conn.post(&self.bucket_reads(&kh))?;
             let slots = self.bucket_slots();
-            let scan = self.scan(key, &kh, &slots, started, true, |v| {
+            let scan = self.scan(key, &kh, &slots, started, true, None, |v| {
                 out.clear();
                 out.extend_from_slice(v);
             })?;
@@ -242,7 +243,7 @@ impl Client {
                 None => self.conn.post(&reads)?,
             }
             let slots = self.bucket_slots();
-            let found = match self.scan(key, kh, &slots, started, false, |_| {})? {
+            let found = match self.scan(key, kh, &slots, started, false, None, |_| {})? {
                 Scan::Retry => continue,
                 Scan::Found(found) => found,
             };
@@ -252,6 +253,8 @@ impl Client {
                 }
                 if self.cas(pos, old, new)? {
                     self.alloc.release(old.offset(), old.class());
+                    // Copies above ours belong to inserts still in flight,
+                    // which remove them themselves; trying here only helps.
                     self.remove_duplicates(&found[1..], started)?;
                     return Ok(());
                 }
@@ -268,31 +271,33 @@ impl Client {
 
     /// After inserting into an empty slot: another client may have inserted
     /// the same key elsewhere at the same time. The lowest slot position
-    /// wins; a higher copy is emptied by whoever sees it.
+    /// wins. This insert does not return until it has seen at most one copy
+    /// left: a copy that changed under the removing CAS, or an update that
+    /// landed on our slot meanwhile, is read again. So extra copies exist
+    /// only while the PUTs that made them are in flight. (A client that saw
+    /// a higher copy but not the lowest read before the lowest was inserted,
+    /// so its operation is concurrent with that insert and ordered before it.)
     fn resolve_insert(&mut self, key: &[u8], kh: &KeyHash, mine: SlotPos, new: Slot) -> Result<()> {
+        let inserted = Instant::now();
         for _ in 0..self.options.max_attempts {
             let started = Instant::now();
             self.conn.post(&self.bucket_reads(kh))?;
             let slots = self.bucket_slots();
-            if slots[slot_index(kh, mine)] != new {
-                // Replaced or deleted already: our value was published and is
-                // now superseded; the block belongs to whoever unlinked it.
-                return Ok(());
-            }
-            let found = match self.scan(key, kh, &slots, started, false, |_| {})? {
+            // Our own block cannot have been unlinked and reused for another
+            // key sooner than a grace period after we published it.
+            let known = (inserted.elapsed() < self.deadline).then_some(new);
+            let found = match self.scan(key, kh, &slots, started, false, known, |_| {})? {
                 Scan::Retry => continue,
                 Scan::Found(found) => found,
             };
-            let lowest = found.first().map(|&(p, _)| p);
-            if lowest == Some(mine) || lowest.is_none() {
-                self.remove_duplicates(&found[1.min(found.len())..], started)?;
-                return Ok(());
-            }
-            if started.elapsed() > self.deadline {
-                continue;
-            }
-            if self.cas(mine, new, Slot::EMPTY)? {
-                self.alloc.release(new.offset(), new.class());
+            let ours_is_higher = slots[slot_index(kh, mine)] == new
+                && found.first().is_some_and(|&(lowest, _)| lowest != mine);
+            if ours_is_higher {
+                if started.elapsed() <= self.deadline && self.cas(mine, new, Slot::EMPTY)? {
+                    self.alloc.release(new.offset(), new.class());
+                    return Ok(());
+                }
+            } else if self.remove_duplicates(found.get(1..).unwrap_or(&[]), started)? {
                 return Ok(());
             }
         }
@@ -305,7 +310,7 @@ impl Client {
             let started = Instant::now();
             self.conn.post(&self.bucket_reads(&kh))?;
             let slots = self.bucket_slots();
-            let found = match self.scan(key, &kh, &slots, started, false, |_| {})? {
+            let found = match self.scan(key, &kh, &slots, started, false, None, |_| {})? {
                 Scan::Retry => continue,
                 Scan::Found(found) => found,
             };
@@ -317,6 +322,8 @@ impl Client {
             }
             if self.cas(pos, old, Slot::EMPTY)? {
                 self.alloc.release(old.offset(), old.class());
+                // A copy that survives this belongs to a PUT still in flight,
+                // which is then ordered after this delete.
                 self.remove_duplicates(&found[1..], started)?;
                 return Ok(true);
             }
@@ -325,17 +332,16 @@ impl Client {
     }
 
     /// Empties slots that hold extra copies of a key (verified by `scan`
-    /// within the deadline that began at `started`).
-    fn remove_duplicates(&mut self, dups: &[(SlotPos, Slot)], started: Instant) -> Result<()> {
+    /// within the deadline that began at `started`). False if any could not
+    /// be removed: it changed since it was read, or time ran out.
+    fn remove_duplicates(&mut self, dups: &[(SlotPos, Slot)], started: Instant) -> Result<bool> {
         for &(pos, slot) in dups {
-            if started.elapsed() > self.deadline {
-                return Ok(());
+            if started.elapsed() > self.deadline || !self.cas(pos, slot, Slot::EMPTY)? {
+                return Ok(false);
             }
-            if self.cas(pos, slot, Slot::EMPTY)? {
-                self.alloc.release(slot.offset(), slot.class());
-            }
+            self.alloc.release(slot.offset(), slot.class());
         }
-        Ok(())
+        Ok(true)
     }
 
     fn bucket_reads(&self, kh: &KeyHash) -> [Verb; 2] {
@@ -361,7 +367,9 @@ impl Client {
 
     /// Reads the blocks of slots whose fingerprint matches and keeps those
     /// that pass the checksum and hold `key`. `on_value` sees the value of
-    /// the lowest match; with `first_only` the scan stops there.
+    /// the lowest match; with `first_only` the scan stops there. A slot equal
+    /// to `known` is taken to hold the key without reading its block.
+    #[allow(clippy::too_many_arguments)]
     fn scan(
         &mut self,
         key: &[u8],
@@ -369,18 +377,25 @@ impl Client {
         slots: &[Slot; SLOTS],
         started: Instant,
         first_only: bool,
+        known: Option<Slot>,
         mut on_value: impl FnMut(&[u8]),
     ) -> Result<Scan> {
         let g = self.info.geometry;
-        let candidates: Vec<(usize, Slot)> = slots
-            .iter()
-            .enumerate()
-            .filter(|(_, s)| !s.is_empty() && s.fingerprint() == kh.fingerprint)
-            .map(|(i, s)| (i, *s))
-            .collect();
+        let mut found = Vec::new();
+        let mut candidates: Vec<(usize, Slot)> = Vec::new();
+        for (i, &s) in slots.iter().enumerate() {
+            if s.is_empty() || s.fingerprint() != kh.fingerprint {
+                continue;
+            }
+            if Some(s) == known {
+                found.push((slot_pos(kh, i), s));
+            } else {
+                candidates.push((i, s));
+            }
+        }
+        self.pause_if_slow();
         let reads_at = BLOCK_AT + self.max_block;
         let room = self.conn.local().len() - reads_at;
-        let mut found = Vec::new();
         let mut next = 0;
         while next < candidates.len() {
             let mut verbs = Vec::new();
@@ -401,7 +416,6 @@ impl Client {
                 at += len;
                 next += 1;
             }
-            self.pause_if_slow();
             self.conn.post(&verbs)?;
             if started.elapsed() > self.deadline {
                 // Too slow to trust anything read: a block may have been
@@ -432,11 +446,12 @@ impl Client {
                 }
             }
         }
+        found.sort_by_key(|&(pos, _)| pos);
         Ok(Scan::Found(found))
     }
 
     fn pause_if_slow(&mut self) {
-        if let Some(max) = self.options.slow_reader {
+        if let Some(max) = self.options.pause_after_index_read {
             self.jitter ^= self.jitter << 13;
             self.jitter ^= self.jitter >> 7;
             self.jitter ^= self.jitter << 17;
@@ -449,20 +464,15 @@ impl Client {
     }
 
     /// A block of `class`, leasing heap space from the server when the
-    /// client has none. Before leasing it gives back the freed blocks it
-    /// holds beyond a chunk, so mixed sizes do not strand space. When the
-    /// heap is full only because freed space is still in its grace period,
-    /// it waits for that space rather than failing.
+    /// client has none. When the heap is full, it gives back the freed
+    /// blocks it holds (other sizes may merge into what it needs) and waits
+    /// for space still in its grace period rather than failing at once.
     fn take_block(&mut self, class: u8) -> Result<u64> {
         let grace = self.deadline * 4;
         let give_up = Instant::now() + grace * 4;
         loop {
             if let Some(offset) = self.alloc.take(class) {
                 return Ok(offset);
-            }
-            if self.alloc.freed_bytes() >= self.info.geometry.chunk_size {
-                let extents = self.alloc.drain_freed();
-                self.give_back(extents)?;
             }
             let size = class_size(class);
             match self.conn.call(&Request::Lease { min_len: size })? {

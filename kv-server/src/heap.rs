@@ -43,11 +43,16 @@ impl HeapPool {
         pool
     }
 
-    /// Leases the first free extent that holds `min_len`, cut to a chunk.
+    /// Leases a whole chunk when one is free (fewer leases), else the first
+    /// free extent that holds `min_len`.
     pub fn lease(&mut self, min_len: u64) -> Option<Extent> {
         self.mature();
         let want = min_len.max(self.chunk);
-        let (&offset, &len) = self.free.iter().find(|(_, &len)| len >= min_len)?;
+        let (&offset, &len) = self
+            .free
+            .iter()
+            .find(|(_, &len)| len >= want)
+            .or_else(|| self.free.iter().find(|(_, &len)| len >= min_len))?;
         self.free.remove(&offset);
         let take = len.min(want);
         if take < len {

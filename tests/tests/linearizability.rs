@@ -48,7 +48,7 @@ fn histories_are_linearizable_under_aggressive_reuse() {
                 // period: it holds old offsets while their blocks are freed
                 // and rewritten, and must notice it was too slow.
                 let options = ClientOptions {
-                    slow_reader: (t == 1).then_some(Duration::from_millis(12)),
+                    pause_after_index_read: (t == 1).then_some(Duration::from_millis(12)),
                     ..ClientOptions::default()
                 };
                 let mut kv = or_abort(Client::connect_with(address, options), "connect");

@@ -1,0 +1,146 @@
+//! Hostile or mistaken input gets a clear error, and the server keeps
+//! serving: wrong secrets, garbage on the control socket, oversized keys and
+//! values, bogus give-backs, and region files it does not understand.
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+
+use kv_client::{Client, ClientOptions, Error};
+use kv_common::layout::{Geometry, MAX_KEY};
+use kv_common::protocol::{self, ErrorKind, Extent, Request, Response, PROTOCOL_VERSION};
+use kv_common::transport::{read_frame, write_frame};
+use kv_common::Address;
+use kv_server::{Server, ServerConfig, ServerError};
+use onekv_tests::TestServer;
+
+fn control_socket(srv: &TestServer) -> UnixStream {
+    UnixStream::connect(Address::shm_socket(&srv.region_path())).unwrap()
+}
+
+fn call(s: &mut UnixStream, r: &Request) -> Option<Response> {
+    write_frame(s, &protocol::encode(r).unwrap()).ok()?;
+    read_frame(s).ok().flatten().map(|b| protocol::decode(&b).unwrap())
+}
+
+#[test]
+fn wrong_or_missing_secret_is_refused() {
+    let srv = TestServer::start(|c| c.secret = Some(b"open sesame".to_vec()));
+    let with = |s: Option<&[u8]>| {
+        Client::connect_with(&srv.address, ClientOptions { secret: s.map(<[u8]>::to_vec), ..Default::default() })
+    };
+    assert!(matches!(with(None), Err(Error::Refused(_))));
+    assert!(matches!(with(Some(b"open sesamE")), Err(Error::Refused(_))));
+    assert!(matches!(with(Some(b"open sesame!")), Err(Error::Refused(_))));
+    let mut kv = with(Some(b"open sesame")).unwrap();
+    kv.put(b"a", b"b").unwrap();
+    assert_eq!(srv.server.stats().rejected_connects, 3);
+}
+
+#[test]
+fn garbage_on_the_control_socket_does_not_hurt_the_server() {
+    let srv = TestServer::start(|_| {});
+    // Not our framing at all: an HTTP request. Its first bytes read as a huge
+    // length, which is refused before anything is allocated.
+    let mut s = control_socket(&srv);
+    s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let mut reply = Vec::new();
+    let _ = s.read_to_end(&mut reply);
+    // A well-framed but undecodable message gets an error and the
+    // connection stays usable.
+    let mut s = control_socket(&srv);
+    write_frame(&mut s, &[0xff, 0x13, 0x37]).unwrap();
+    let r: Response = protocol::decode(&read_frame(&mut s).unwrap().unwrap()).unwrap();
+    assert!(matches!(r, Response::Error { kind: ErrorKind::Malformed, .. }));
+    // Requests before Connect are refused.
+    let r = call(&mut s, &Request::Lease { min_len: 64 });
+    assert!(matches!(r, Some(Response::Error { kind: ErrorKind::NotConnected, .. })));
+    // A truncated frame, then the peer vanishes.
+    let mut s = control_socket(&srv);
+    s.write_all(&100u32.to_le_bytes()).unwrap();
+    s.write_all(b"short").unwrap();
+    drop(s);
+    // Wrong protocol version.
+    let mut s = control_socket(&srv);
+    let r = call(&mut s, &Request::Connect { protocol_version: PROTOCOL_VERSION + 1, secret: vec![] });
+    assert!(matches!(r, Some(Response::Error { kind: ErrorKind::VersionMismatch, .. })));
+
+    // Bogus leases and give-backs from a connected client.
+    let mut s = control_socket(&srv);
+    assert!(matches!(
+        call(&mut s, &Request::Connect { protocol_version: PROTOCOL_VERSION, secret: vec![] }),
+        Some(Response::Connected(_))
+    ));
+    for bad in [Request::Lease { min_len: 0 }, Request::Lease { min_len: u64::MAX }] {
+        assert!(matches!(call(&mut s, &bad), Some(Response::Error { kind: ErrorKind::Malformed, .. })));
+    }
+    let outside = Request::GiveBack { extents: vec![Extent { offset: 0, len: 4096 }] };
+    assert!(matches!(call(&mut s, &outside), Some(Response::Error { kind: ErrorKind::BadExtent, .. })));
+    let g = srv.server.geometry();
+    let free = Request::GiveBack { extents: vec![Extent { offset: g.heap_offset, len: 64 }] };
+    assert!(matches!(call(&mut s, &free), Some(Response::Error { kind: ErrorKind::BadExtent, .. })));
+
+    // The server still serves real clients, and counted the garbage.
+    let mut kv = Client::connect(&srv.address).unwrap();
+    kv.put(b"still", b"here").unwrap();
+    assert_eq!(kv.get(b"still").unwrap().as_deref(), Some(&b"here"[..]));
+    assert!(srv.server.stats().malformed >= 3);
+}
+
+#[test]
+fn oversized_keys_and_values_are_typed_errors_with_the_limit() {
+    let srv = TestServer::start(|_| {});
+    let mut kv = Client::connect(&srv.address).unwrap();
+    let max = kv.max_value();
+    match kv.put(&vec![b'k'; MAX_KEY + 1], b"v") {
+        Err(Error::KeyTooLarge { len, max }) => assert_eq!((len, max), (MAX_KEY + 1, MAX_KEY)),
+        other => panic!("expected KeyTooLarge, got {other:?}"),
+    }
+    match kv.put(b"k", &vec![0; max + 1]) {
+        Err(e @ Error::ValueTooLarge { .. }) => assert!(e.to_string().contains(&max.to_string())),
+        other => panic!("expected ValueTooLarge, got {other:?}"),
+    }
+    assert!(matches!(kv.get(b""), Err(Error::EmptyKey)));
+    // The largest allowed key and value work.
+    let key = vec![b'k'; MAX_KEY];
+    kv.put(&key, &vec![9; max]).unwrap();
+    assert_eq!(kv.get(&key).unwrap().map(|v| v.len()), Some(max));
+}
+
+#[test]
+fn region_files_of_another_version_or_kind_are_refused_untouched() {
+    let dir = onekv_tests::region_dir();
+    let start = |name: &str| {
+        let config = ServerConfig { memory: 4 << 20, ..ServerConfig::new(Address::Shm { region: dir.path().join(name) }) };
+        Server::start(config)
+    };
+
+    let g = Geometry::for_memory(4 << 20, None).unwrap();
+    let mut header = g.encode_header();
+    header[1] = 99; // a future format version
+    let mut bytes: Vec<u8> = header.iter().flat_map(|w| w.to_le_bytes()).collect();
+    bytes.resize(4 << 20, 0);
+    std::fs::write(dir.path().join("future"), &bytes).unwrap();
+    match start("future") {
+        Err(e @ ServerError::Region { .. }) => assert!(e.to_string().contains("version 99"), "{e}"),
+        Err(e) => panic!("wrong error: {e}"),
+        Ok(_) => panic!("a version-99 region was accepted"),
+    }
+    assert_eq!(std::fs::read(dir.path().join("future")).unwrap(), bytes, "file was modified");
+
+    let junk = b"these are somebody's important notes".repeat(200);
+    std::fs::write(dir.path().join("notes"), &junk).unwrap();
+    match start("notes") {
+        Err(e) => assert!(e.to_string().contains("not a onekv region"), "{e}"),
+        Ok(_) => panic!("a non-region file was accepted"),
+    }
+    assert_eq!(std::fs::read(dir.path().join("notes")).unwrap(), junk, "file was modified");
+}
+
+#[test]
+fn a_second_server_on_the_same_region_is_refused() {
+    let srv = TestServer::start(|_| {});
+    let config = ServerConfig::new(Address::Shm { region: srv.region_path() });
+    assert!(Server::start(config).is_err());
+    let mut kv = Client::connect(&srv.address).unwrap();
+    kv.put(b"first", b"server").unwrap();
+}

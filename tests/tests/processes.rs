@@ -1,0 +1,146 @@
+//! Server and clients as separate processes: the `kv-server` daemon, the
+//! `kv` command-line client, and several client processes at once.
+
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use kv_common::Address;
+use onekv_tests::{region_dir, workspace_bin};
+
+/// A kv-server process, killed if a test ends without stopping it.
+struct Daemon(Option<Child>);
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.0.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+fn start_daemon(region: &Path, extra: &[&str]) -> Daemon {
+    let child = Command::new(workspace_bin("kv-server"))
+        .arg("--listen")
+        .arg(format!("shm://{}", region.display()))
+        .args(["--memory", "32MiB"])
+        .args(extra)
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start kv-server");
+    let socket = Address::shm_socket(region);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
+        assert!(Instant::now() < deadline, "kv-server did not start listening");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Daemon(Some(child))
+}
+
+fn kv(region: &Path, args: &[&str]) -> Output {
+    Command::new(workspace_bin("kv"))
+        .arg("--server")
+        .arg(format!("shm://{}", region.display()))
+        .args(args)
+        .output()
+        .expect("run kv")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).trim_end().to_string()
+}
+
+fn terminate(mut daemon: Daemon) -> Output {
+    let child = daemon.0.take().expect("running daemon");
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn daemon_and_cli() {
+    let dir = region_dir();
+    let region = dir.path().join("cli");
+    let daemon = start_daemon(&region, &[]);
+
+    assert!(kv(&region, &["put", "greeting", "hello world"]).status.success());
+    let got = kv(&region, &["get", "greeting"]);
+    assert!(got.status.success());
+    assert_eq!(stdout(&got), "hello world");
+
+    let missing = kv(&region, &["get", "nope"]);
+    assert_eq!(missing.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("key not found: nope"));
+
+    assert!(kv(&region, &["put", "gone", "soon"]).status.success());
+    assert!(kv(&region, &["del", "gone"]).status.success());
+    assert_eq!(kv(&region, &["del", "gone"]).status.code(), Some(1));
+
+    let stats = kv(&region, &["stats"]);
+    assert!(stats.status.success());
+    assert!(stdout(&stats).contains("live_slots 1"), "{}", stdout(&stats));
+
+    // SIGTERM: clean shutdown, socket removed, region kept.
+    let out = terminate(daemon);
+    assert!(out.status.success(), "kv-server exited with {:?}", out.status);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("stopped"));
+    assert!(!Address::shm_socket(&region).exists());
+    let down = kv(&region, &["get", "greeting"]);
+    assert_eq!(down.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&down.stderr).contains("unreachable"));
+
+    // A new daemon reopens the region with its data.
+    let _daemon = start_daemon(&region, &[]);
+    assert_eq!(stdout(&kv(&region, &["get", "greeting"])), "hello world");
+}
+
+#[test]
+fn secret_file_is_enforced() {
+    let dir = region_dir();
+    let region = dir.path().join("secret");
+    let secret = dir.path().join("secret.txt");
+    std::fs::write(&secret, "s3cret\n").unwrap();
+    let _daemon = start_daemon(&region, &["--secret-file", secret.to_str().unwrap()]);
+    let refused = kv(&region, &["put", "a", "b"]);
+    assert_eq!(refused.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("refused"));
+    let ok = Command::new(workspace_bin("kv"))
+        .args(["--server", &format!("shm://{}", region.display()), "--secret-file"])
+        .arg(&secret)
+        .args(["put", "a", "b"])
+        .output()
+        .unwrap();
+    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+}
+
+#[test]
+fn many_client_processes_share_one_server() {
+    let dir = region_dir();
+    let region = dir.path().join("multi");
+    let _daemon = start_daemon(&region, &[]);
+    let address = format!("shm://{}", region.display());
+    let names = ["p0", "p1", "p2", "p3"];
+    let workers: Vec<Child> = names
+        .iter()
+        .map(|name| {
+            Command::new(env!("CARGO_BIN_EXE_kv-stress"))
+                .args([&address, *name, "4000", &names.join(",")])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for (name, w) in names.iter().zip(workers) {
+        let out = w.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "client process {name} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    // Every worker process disconnected cleanly: only this one is left.
+    let last = kv(&region, &["stats"]);
+    assert!(stdout(&last).contains("clients_connected 1"), "{}", stdout(&last));
+}
