@@ -18,7 +18,11 @@ pub struct BlockAllocator {
 
 impl BlockAllocator {
     pub fn new(grace: Duration) -> Self {
-        BlockAllocator { extents: Vec::new(), freed: BTreeMap::new(), grace }
+        BlockAllocator {
+            extents: Vec::new(),
+            freed: BTreeMap::new(),
+            grace,
+        }
     }
 
     /// A block of `class`: a freed one past its grace period, or fresh space.
@@ -49,14 +53,20 @@ impl BlockAllocator {
 
     /// Records a block this client unlinked (or never published).
     pub fn release(&mut self, offset: u64, class: u8) {
-        self.freed.entry(class).or_default().push_back((offset, Instant::now()));
+        self.freed
+            .entry(class)
+            .or_default()
+            .push_back((offset, Instant::now()));
     }
 
     /// Takes every freed block, for giving back to the server.
     pub fn drain_freed(&mut self) -> Vec<Extent> {
         let mut out = Vec::new();
         for (class, q) in std::mem::take(&mut self.freed) {
-            out.extend(q.into_iter().map(|(offset, _)| Extent { offset, len: class_size(class) }));
+            out.extend(q.into_iter().map(|(offset, _)| Extent {
+                offset,
+                len: class_size(class),
+            }));
         }
         out
     }
@@ -83,12 +93,19 @@ mod tests {
     fn carves_extents_and_reuses_only_after_grace() {
         let mut a = BlockAllocator::new(Duration::from_millis(30));
         assert_eq!(a.take(0), None);
-        a.add_extent(Extent { offset: 4096, len: 128 });
+        a.add_extent(Extent {
+            offset: 4096,
+            len: 128,
+        });
         assert_eq!(a.take(0), Some(4096));
         assert_eq!(a.take(0), Some(4096 + 64));
         assert_eq!(a.take(0), None);
         a.release(4096, 0);
-        assert_eq!(a.take(0), None, "freed block reused inside its grace period");
+        assert_eq!(
+            a.take(0),
+            None,
+            "freed block reused inside its grace period"
+        );
         std::thread::sleep(Duration::from_millis(40));
         assert_eq!(a.take(0), Some(4096));
         assert_eq!(a.take(0), None);
@@ -97,7 +114,10 @@ mod tests {
     #[test]
     fn drains_everything_it_holds() {
         let mut a = BlockAllocator::new(Duration::ZERO);
-        a.add_extent(Extent { offset: 0, len: 1000 });
+        a.add_extent(Extent {
+            offset: 0,
+            len: 1000,
+        });
         let b = a.take(1).unwrap();
         a.release(b, 1);
         let all = a.drain_all();

@@ -55,7 +55,11 @@ pub struct ClientOptions {
 
 impl Default for ClientOptions {
     fn default() -> Self {
-        ClientOptions { secret: None, max_attempts: 10_000, pause_after_index_read: None }
+        ClientOptions {
+            secret: None,
+            max_attempts: 10_000,
+            pause_after_index_read: None,
+        }
     }
 }
 
@@ -153,7 +157,10 @@ impl Client {
     pub fn put(&mut self, key: &[u8], value: &[u8]) -> Result<()> {
         self.check_key(key)?;
         if value.len() > self.max_value {
-            return Err(Error::ValueTooLarge { len: value.len(), max: self.max_value });
+            return Err(Error::ValueTooLarge {
+                len: value.len(),
+                max: self.max_value,
+            });
         }
         self.redo_after_restart(|c| c.put_once(key, value))
     }
@@ -169,7 +176,10 @@ impl Client {
             return Err(Error::EmptyKey);
         }
         if key.len() > MAX_KEY {
-            return Err(Error::KeyTooLarge { len: key.len(), max: MAX_KEY });
+            return Err(Error::KeyTooLarge {
+                len: key.len(),
+                max: MAX_KEY,
+            });
         }
         Ok(())
     }
@@ -189,7 +199,9 @@ impl Client {
     fn reconnect(&mut self) -> Result<()> {
         let (conn, info) = open(&self.address, &self.options)?;
         if info.geometry != self.info.geometry {
-            return Err(Error::Protocol("the region's geometry changed across a restart".into()));
+            return Err(Error::Protocol(
+                "the region's geometry changed across a restart".into(),
+            ));
         }
         self.retired_stats.add(self.conn.stats());
         self.conn = conn;
@@ -218,11 +230,18 @@ impl Client {
     fn put_once(&mut self, key: &[u8], value: &[u8]) -> Result<()> {
         let kh = KeyHash::new(key, self.info.geometry.bucket_count);
         let used = block_len(key.len(), value.len());
-        let class = class_for(used).ok_or(Error::ValueTooLarge { len: value.len(), max: self.max_value })?;
+        let class = class_for(used).ok_or(Error::ValueTooLarge {
+            len: value.len(),
+            max: self.max_value,
+        })?;
         let offset = self.take_block(class)?;
         encode_block(key, value, &mut self.conn.local_mut()[BLOCK_AT..]);
         let new = Slot::new(kh.fingerprint, class, offset);
-        let write = Verb::Write { remote: offset, local: BLOCK_AT, len: used.div_ceil(8) as usize * 8 };
+        let write = Verb::Write {
+            remote: offset,
+            local: BLOCK_AT,
+            len: used.div_ceil(8) as usize * 8,
+        };
         let result = self.publish(key, &kh, new, write);
         if result.is_err() {
             // Never published: nobody can be reading it.
@@ -260,7 +279,10 @@ impl Client {
                 }
                 continue;
             }
-            let empty = slots.iter().position(|s| s.is_empty()).ok_or(Error::IndexFull)?;
+            let empty = slots
+                .iter()
+                .position(|s| s.is_empty())
+                .ok_or(Error::IndexFull)?;
             let pos = slot_pos(kh, empty);
             if self.cas(pos, Slot::EMPTY, new)? {
                 return self.resolve_insert(key, kh, pos, new);
@@ -349,8 +371,16 @@ impl Client {
         let [b0, b1] = kh.buckets();
         let len = BUCKET_BYTES as usize;
         [
-            Verb::Read { remote: g.bucket_offset(b0), local: BUCKETS_AT, len },
-            Verb::Read { remote: g.bucket_offset(b1), local: BUCKETS_AT + len, len },
+            Verb::Read {
+                remote: g.bucket_offset(b0),
+                local: BUCKETS_AT,
+                len,
+            },
+            Verb::Read {
+                remote: g.bucket_offset(b1),
+                local: BUCKETS_AT + len,
+                len,
+            },
         ]
     }
 
@@ -361,7 +391,12 @@ impl Client {
 
     fn cas(&mut self, pos: SlotPos, expect: Slot, swap: Slot) -> Result<bool> {
         let remote = self.info.geometry.slot_offset(pos);
-        self.conn.post(&[Verb::Cas { remote, local: CAS_AT, expect: expect.0, swap: swap.0 }])?;
+        self.conn.post(&[Verb::Cas {
+            remote,
+            local: CAS_AT,
+            expect: expect.0,
+            swap: swap.0,
+        }])?;
         Ok(read_u64(self.conn.local(), CAS_AT) == expect.0)
     }
 
@@ -412,7 +447,11 @@ impl Client {
                 if !verbs.is_empty() && at + len > reads_at + room {
                     break;
                 }
-                verbs.push(Verb::Read { remote: slot.offset(), local: at, len });
+                verbs.push(Verb::Read {
+                    remote: slot.offset(),
+                    local: at,
+                    len,
+                });
                 at += len;
                 next += 1;
             }
@@ -477,7 +516,10 @@ impl Client {
             let size = class_size(class);
             match self.conn.call(&Request::Lease { min_len: size })? {
                 Response::Leased(e) => self.alloc.add_extent(e),
-                Response::Error { kind: ErrorKind::HeapFull, .. } => {
+                Response::Error {
+                    kind: ErrorKind::HeapFull,
+                    ..
+                } => {
                     if Instant::now() >= give_up {
                         return Err(Error::RegionFull(size));
                     }
@@ -496,7 +538,9 @@ impl Client {
     fn give_back(&mut self, extents: Vec<Extent>) -> Result<()> {
         // Stay well inside the control message size limit.
         for part in extents.chunks(2048) {
-            match self.conn.call(&Request::GiveBack { extents: part.to_vec() })? {
+            match self.conn.call(&Request::GiveBack {
+                extents: part.to_vec(),
+            })? {
                 Response::GivenBack => {}
                 Response::Error { kind, message } => return Err(Error::from_server(kind, message)),
                 other => return Err(unexpected(other)),
@@ -532,7 +576,10 @@ impl Drop for Client {
 fn open(address: &Address, options: &ClientOptions) -> Result<(Box<dyn Connection>, ConnectInfo)> {
     let mut conn = transport::connect(address)?;
     let secret = options.secret.clone().unwrap_or_default();
-    let info = match conn.call(&Request::Connect { protocol_version: PROTOCOL_VERSION, secret })? {
+    let info = match conn.call(&Request::Connect {
+        protocol_version: PROTOCOL_VERSION,
+        secret,
+    })? {
         Response::Connected(info) => info,
         Response::Error { kind, message } => return Err(Error::from_server(kind, message)),
         other => return Err(unexpected(other)),
@@ -559,10 +606,17 @@ fn unexpected(r: Response) -> Error {
 }
 
 fn slot_pos(kh: &KeyHash, index: usize) -> SlotPos {
-    SlotPos { bucket: kh.buckets()[index / SLOTS_PER_BUCKET], index: index % SLOTS_PER_BUCKET }
+    SlotPos {
+        bucket: kh.buckets()[index / SLOTS_PER_BUCKET],
+        index: index % SLOTS_PER_BUCKET,
+    }
 }
 
 fn slot_index(kh: &KeyHash, pos: SlotPos) -> usize {
-    let first = if pos.bucket == kh.buckets()[0] { 0 } else { SLOTS_PER_BUCKET };
+    let first = if pos.bucket == kh.buckets()[0] {
+        0
+    } else {
+        SLOTS_PER_BUCKET
+    };
     first + pos.index
 }

@@ -58,13 +58,16 @@ fn run(args: Args) -> Result<ExitCode, String> {
     let mut kv = Client::connect_with(&args.server, options).map_err(|e| e.to_string())?;
     let code = match args.command {
         Command::Put { key, value } => {
-            kv.put(key.as_bytes(), value.as_bytes()).map_err(|e| e.to_string())?;
+            kv.put(key.as_bytes(), value.as_bytes())
+                .map_err(|e| e.to_string())?;
             ExitCode::SUCCESS
         }
         Command::Get { key } => match kv.get(key.as_bytes()).map_err(|e| e.to_string())? {
             Some(value) => {
                 let mut out = std::io::stdout().lock();
-                out.write_all(&value).and_then(|_| out.write_all(b"\n")).map_err(|e| e.to_string())?;
+                out.write_all(&value)
+                    .and_then(|_| out.write_all(b"\n"))
+                    .map_err(|e| e.to_string())?;
                 ExitCode::SUCCESS
             }
             None => {

@@ -21,7 +21,9 @@ impl Address {
                     "'{text}': a shm address names an absolute file path, e.g. shm:///dev/shm/onekv"
                 ));
             }
-            return Ok(Address::Shm { region: PathBuf::from(path) });
+            return Ok(Address::Shm {
+                region: PathBuf::from(path),
+            });
         }
         if let Some(rest) = text.strip_prefix("rdma://") {
             let (host, port) = rest
@@ -33,7 +35,10 @@ impl Address {
             if host.is_empty() {
                 return Err(format!("'{text}': missing host"));
             }
-            return Ok(Address::Rdma { host: host.to_string(), port });
+            return Ok(Address::Rdma {
+                host: host.to_string(),
+                port,
+            });
         }
         Err(format!(
             "'{text}' is not a onekv address: use shm:///dev/shm/NAME or rdma://HOST:PORT"
@@ -72,15 +77,23 @@ mod tests {
     fn parses_both_schemes() {
         assert_eq!(
             Address::parse("shm:///dev/shm/x").unwrap(),
-            Address::Shm { region: "/dev/shm/x".into() }
+            Address::Shm {
+                region: "/dev/shm/x".into()
+            }
         );
         assert_eq!(
             Address::parse("rdma://10.0.0.1:7471").unwrap(),
-            Address::Rdma { host: "10.0.0.1".into(), port: 7471 }
+            Address::Rdma {
+                host: "10.0.0.1".into(),
+                port: 7471
+            }
         );
         assert!(Address::parse("shm://relative").is_err());
         assert!(Address::parse("tcp://x:1").is_err());
         assert!(Address::parse("rdma://host").is_err());
-        assert_eq!(Address::parse("shm:///a/b").unwrap().to_string(), "shm:///a/b");
+        assert_eq!(
+            Address::parse("shm:///a/b").unwrap().to_string(),
+            "shm:///a/b"
+        );
     }
 }

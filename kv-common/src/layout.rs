@@ -116,7 +116,9 @@ impl Geometry {
         {
             return bad("index overlaps header or heap");
         }
-        if self.heap_offset % 4096 != 0 || self.heap_offset + self.heap_size != self.region_len {
+        if !self.heap_offset.is_multiple_of(4096)
+            || self.heap_offset + self.heap_size != self.region_len
+        {
             return bad("heap does not end at the region end");
         }
         if self.chunk_size < 4096 || self.chunk_size > self.heap_size {
@@ -178,7 +180,10 @@ impl Geometry {
             return Err(LayoutError::BadMagic);
         }
         if w[1] != FORMAT_VERSION {
-            return Err(LayoutError::UnsupportedVersion { found: w[1], expected: FORMAT_VERSION });
+            return Err(LayoutError::UnsupportedVersion {
+                found: w[1],
+                expected: FORMAT_VERSION,
+            });
         }
         if words_checksum(&w[..HEADER_WORDS]) != w[HEADER_WORDS] {
             return Err(LayoutError::BadHeaderChecksum);
@@ -288,13 +293,20 @@ impl KeyHash {
         if bucket_b == bucket_a {
             bucket_b = bucket_a ^ 1;
         }
-        KeyHash { bucket_a, bucket_b, fingerprint: (h >> 56) as u8 }
+        KeyHash {
+            bucket_a,
+            bucket_b,
+            fingerprint: (h >> 56) as u8,
+        }
     }
 
     /// The two buckets in ascending order, so slot positions compare the
     /// same way for every client.
     pub fn buckets(&self) -> [u64; 2] {
-        [self.bucket_a.min(self.bucket_b), self.bucket_a.max(self.bucket_b)]
+        [
+            self.bucket_a.min(self.bucket_b),
+            self.bucket_a.max(self.bucket_b),
+        ]
     }
 }
 
@@ -349,7 +361,10 @@ pub fn decode_block(bytes: &[u8]) -> Result<BlockView<'_>, BlockError> {
     if xxh3_64(&bytes[8..used]) != word(0) {
         return Err(BlockError::BadChecksum);
     }
-    Ok(BlockView { key: &bytes[16..16 + key_len], value: &bytes[16 + key_len..used] })
+    Ok(BlockView {
+        key: &bytes[16..16 + key_len],
+        value: &bytes[16 + key_len..used],
+    })
 }
 
 #[cfg(test)]
@@ -364,14 +379,23 @@ mod tests {
 
         let mut bad = w;
         bad[4] ^= 1;
-        assert_eq!(Geometry::decode_header(&bad), Err(LayoutError::BadHeaderChecksum));
+        assert_eq!(
+            Geometry::decode_header(&bad),
+            Err(LayoutError::BadHeaderChecksum)
+        );
         let mut other = w;
         other[1] = 7;
         assert_eq!(
             Geometry::decode_header(&other),
-            Err(LayoutError::UnsupportedVersion { found: 7, expected: FORMAT_VERSION })
+            Err(LayoutError::UnsupportedVersion {
+                found: 7,
+                expected: FORMAT_VERSION
+            })
         );
-        assert_eq!(Geometry::decode_header(&[0; 10]), Err(LayoutError::BadMagic));
+        assert_eq!(
+            Geometry::decode_header(&[0; 10]),
+            Err(LayoutError::BadMagic)
+        );
     }
 
     #[test]
@@ -384,13 +408,19 @@ mod tests {
         assert!(Geometry::for_memory(1000, None).is_err());
         assert!(Geometry::for_memory(1 << 20, Some(3)).is_err());
         assert!(Geometry::for_memory(1 << 20, Some(1 << 20)).is_err());
-        assert_eq!(Geometry::for_memory(1 << 30, None).unwrap().max_value(), MAX_VALUE);
+        assert_eq!(
+            Geometry::for_memory(1 << 30, None).unwrap().max_value(),
+            MAX_VALUE
+        );
     }
 
     #[test]
     fn slot_fields_round_trip() {
-        let s = Slot::new(0xab, 17, 0x1234_5678_9a);
-        assert_eq!((s.fingerprint(), s.class(), s.offset()), (0xab, 17, 0x1234_5678_9a));
+        let s = Slot::new(0xab, 17, 0x0012_3456_789a);
+        assert_eq!(
+            (s.fingerprint(), s.class(), s.offset()),
+            (0xab, 17, 0x0012_3456_789a)
+        );
         assert!(!s.is_empty() && !s.is_frozen());
         assert!(Slot(s.0 | 1 << 47).is_frozen());
         assert_eq!(Slot(s.0 | 1 << 47).offset(), s.offset());
@@ -401,9 +431,15 @@ mod tests {
         for len in 1..200_000u64 {
             let c = class_for(len).unwrap();
             let size = class_size(c);
-            assert!(size >= len && size % BLOCK_ALIGN == 0);
-            assert!(c == 0 || class_size(c - 1) < len, "class {c} not smallest for {len}");
-            assert!(len <= 64 || size * 4 <= len * 5 + 64, "waste too high at {len}");
+            assert!(size >= len && size.is_multiple_of(BLOCK_ALIGN));
+            assert!(
+                c == 0 || class_size(c - 1) < len,
+                "class {c} not smallest for {len}"
+            );
+            assert!(
+                len <= 64 || size * 4 <= len * 5 + 64,
+                "waste too high at {len}"
+            );
         }
         assert!(class_size(MAX_CLASS) >= 1 << 36);
     }
@@ -429,7 +465,10 @@ mod tests {
             for bit in [0x01u8, 0x80] {
                 let mut damaged = buf.clone();
                 damaged[i] ^= bit;
-                assert!(decode_block(&damaged).is_err(), "flip at byte {i} not caught");
+                assert!(
+                    decode_block(&damaged).is_err(),
+                    "flip at byte {i} not caught"
+                );
             }
         }
         // An all-zero (never written) block never validates.

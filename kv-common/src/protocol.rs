@@ -22,12 +22,19 @@ pub struct Extent {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Request {
     /// Must be the first message. `secret` is checked when the server has one.
-    Connect { protocol_version: u32, secret: Vec<u8> },
+    Connect {
+        protocol_version: u32,
+        secret: Vec<u8>,
+    },
     /// Lease heap space of at least `min_len` bytes (at most a chunk).
-    Lease { min_len: u64 },
+    Lease {
+        min_len: u64,
+    },
     /// Give back unused or freed heap space (at disconnect, or when a client
     /// holds more free space than it needs).
-    GiveBack { extents: Vec<Extent> },
+    GiveBack {
+        extents: Vec<Extent>,
+    },
     Stats,
     Disconnect,
 }
@@ -124,16 +131,27 @@ mod tests {
     #[test]
     fn messages_round_trip() {
         let reqs = [
-            Request::Connect { protocol_version: PROTOCOL_VERSION, secret: b"s3".to_vec() },
+            Request::Connect {
+                protocol_version: PROTOCOL_VERSION,
+                secret: b"s3".to_vec(),
+            },
             Request::Lease { min_len: 4096 },
-            Request::GiveBack { extents: vec![Extent { offset: 8192, len: 64 }] },
+            Request::GiveBack {
+                extents: vec![Extent {
+                    offset: 8192,
+                    len: 64,
+                }],
+            },
             Request::Stats,
             Request::Disconnect,
         ];
         for r in reqs {
             assert_eq!(decode::<Request>(&encode(&r).unwrap()).unwrap(), r);
         }
-        let resp = Response::Error { kind: ErrorKind::BadSecret, message: "no".into() };
+        let resp = Response::Error {
+            kind: ErrorKind::BadSecret,
+            message: "no".into(),
+        };
         assert_eq!(decode::<Response>(&encode(&resp).unwrap()).unwrap(), resp);
     }
 
@@ -147,12 +165,17 @@ mod tests {
             let len = (seed % 40) as usize;
             let bytes: Vec<u8> = (0..len)
                 .map(|_| {
-                    seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    seed = seed
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
                     (seed >> 33) as u8
                 })
                 .collect();
             let _ = decode::<Request>(&bytes);
         }
-        assert!(matches!(decode::<Request>(&vec![0; MAX_MESSAGE + 1]), Err(CodecError::TooLarge(_))));
+        assert!(matches!(
+            decode::<Request>(&vec![0; MAX_MESSAGE + 1]),
+            Err(CodecError::TooLarge(_))
+        ));
     }
 }

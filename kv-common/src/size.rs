@@ -3,9 +3,7 @@
 /// Parses a byte count with an optional binary suffix (K/KiB, M/MiB, G/GiB, T/TiB).
 pub fn parse_size(text: &str) -> Result<u64, String> {
     let t = text.trim();
-    let split = t
-        .find(|c: char| !c.is_ascii_digit())
-        .unwrap_or(t.len());
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (digits, suffix) = t.split_at(split);
     let number: u64 = digits
         .parse()
@@ -16,7 +14,11 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
         "m" | "mb" | "mib" => 20,
         "g" | "gb" | "gib" => 30,
         "t" | "tb" | "tib" => 40,
-        other => return Err(format!("unknown size suffix '{other}' in '{text}' (use KiB, MiB, GiB)")),
+        other => {
+            return Err(format!(
+                "unknown size suffix '{other}' in '{text}' (use KiB, MiB, GiB)"
+            ))
+        }
     };
     number
         .checked_mul(1u64 << shift)

@@ -64,7 +64,10 @@ impl Shared {
 }
 
 fn error(kind: ErrorKind, message: impl Into<String>) -> Response {
-    Response::Error { kind, message: message.into() }
+    Response::Error {
+        kind,
+        message: message.into(),
+    }
 }
 
 /// Compares secrets in time independent of where they differ.
@@ -121,10 +124,17 @@ fn send(peer: &mut dyn ControlPeer, reply: &Response) -> Result<(), TransportErr
 fn handle(shared: &Shared, client: &mut Option<u64>, request: Request) -> (Response, bool) {
     let c = &shared.counters;
     match (request, *client) {
-        (Request::Connect { protocol_version, secret }, None) => {
+        (
+            Request::Connect {
+                protocol_version,
+                secret,
+            },
+            None,
+        ) => {
             if protocol_version != PROTOCOL_VERSION {
                 c.rejected.fetch_add(1, Relaxed);
-                let m = format!("client speaks protocol {protocol_version}, server {PROTOCOL_VERSION}");
+                let m =
+                    format!("client speaks protocol {protocol_version}, server {PROTOCOL_VERSION}");
                 return (error(ErrorKind::VersionMismatch, m), true);
             }
             if let Some(expected) = &shared.secret {
@@ -158,10 +168,17 @@ fn handle(shared: &Shared, client: &mut Option<u64>, request: Request) -> (Respo
         (Request::Lease { min_len }, Some(id)) => {
             c.leases.fetch_add(1, Relaxed);
             if min_len == 0 || min_len > shared.geometry.chunk_size {
-                let m = format!("lease of {min_len} bytes; chunks are {}", shared.geometry.chunk_size);
+                let m = format!(
+                    "lease of {min_len} bytes; chunks are {}",
+                    shared.geometry.chunk_size
+                );
                 return (error(ErrorKind::Malformed, m), false);
             }
-            let leased = shared.pool.lock().map(|mut p| p.lease(min_len)).unwrap_or(None);
+            let leased = shared
+                .pool
+                .lock()
+                .map(|mut p| p.lease(min_len))
+                .unwrap_or(None);
             match leased {
                 Some(extent) => {
                     tracing::trace!(client = id, ?extent, "leased");
@@ -198,7 +215,10 @@ fn handle(shared: &Shared, client: &mut Option<u64>, request: Request) -> (Respo
 
 /// CPU time this thread has used, in microseconds.
 pub fn thread_cpu_us() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     // SAFETY: clock_gettime writes into the timespec we own.
     let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
     if rc != 0 {

@@ -33,12 +33,18 @@ impl HeapPool {
         let mut cursor = start;
         for e in live {
             if e.offset > cursor {
-                pool.insert_free(Extent { offset: cursor, len: e.offset - cursor });
+                pool.insert_free(Extent {
+                    offset: cursor,
+                    len: e.offset - cursor,
+                });
             }
             cursor = cursor.max(e.offset + e.len);
         }
         if cursor < end {
-            pool.insert_free(Extent { offset: cursor, len: end - cursor });
+            pool.insert_free(Extent {
+                offset: cursor,
+                len: end - cursor,
+            });
         }
         pool
     }
@@ -66,12 +72,15 @@ impl HeapPool {
     /// whole, before any is taken.
     pub fn give_back(&mut self, extents: &[Extent]) -> Result<(), String> {
         for e in extents {
-            let end = e.offset.checked_add(e.len).unwrap_or(u64::MAX);
+            let end = e.offset.saturating_add(e.len);
             if e.len == 0 || e.offset < self.start || end > self.end {
                 return Err(format!("extent {}+{} is outside the heap", e.offset, e.len));
             }
             if e.offset % 8 != 0 || e.len % 8 != 0 {
-                return Err(format!("extent {}+{} is not 8-byte aligned", e.offset, e.len));
+                return Err(format!(
+                    "extent {}+{} is not 8-byte aligned",
+                    e.offset, e.len
+                ));
             }
             if self.overlaps_free(e) {
                 return Err(format!("extent {}+{} is already free", e.offset, e.len));
@@ -146,8 +155,17 @@ mod tests {
 
     #[test]
     fn reopened_pool_skips_live_blocks() {
-        let p = HeapPool::new(0, 1000, 100, Duration::ZERO, vec![ext(100, 50), ext(500, 100)]);
-        assert_eq!(p.free.iter().map(|(&o, &l)| (o, l)).collect::<Vec<_>>(), vec![(0, 100), (150, 350), (600, 400)]);
+        let p = HeapPool::new(
+            0,
+            1000,
+            100,
+            Duration::ZERO,
+            vec![ext(100, 50), ext(500, 100)],
+        );
+        assert_eq!(
+            p.free.iter().map(|(&o, &l)| (o, l)).collect::<Vec<_>>(),
+            vec![(0, 100), (150, 350), (600, 400)]
+        );
     }
 
     #[test]
@@ -156,10 +174,15 @@ mod tests {
         let a = p.lease(16).unwrap();
         let b = p.lease(16).unwrap();
         assert_eq!(p.lease(16), None);
-        p.give_back(&[ext(a.offset, 512), ext(a.offset + 512, 512), b]).unwrap();
+        p.give_back(&[ext(a.offset, 512), ext(a.offset + 512, 512), b])
+            .unwrap();
         assert_eq!(p.lease(16), None, "space reused before its grace period");
         std::thread::sleep(Duration::from_millis(40));
-        assert_eq!(p.lease(2048), Some(ext(0, 2048)), "adjacent extents did not merge");
+        assert_eq!(
+            p.lease(2048),
+            Some(ext(0, 2048)),
+            "adjacent extents did not merge"
+        );
     }
 
     #[test]

@@ -95,7 +95,11 @@ impl Server {
         let listener = Arc::new(ShmListener::bind(&path)?);
         let opened = region::open_or_create(&path, &wanted)?;
         let geometry = opened.geometry;
-        let live = if opened.created { Vec::new() } else { region::live_blocks(&opened.region, &geometry)? };
+        let live = if opened.created {
+            Vec::new()
+        } else {
+            region::live_blocks(&opened.region, &geometry)?
+        };
         let live_count = live.len();
         let pool = heap::HeapPool::new(
             geometry.heap_offset,
@@ -122,7 +126,11 @@ impl Server {
         );
         let shared = Arc::new(Shared {
             geometry,
-            remote: RemoteRegion { base: 0, len: geometry.region_len, rkey },
+            remote: RemoteRegion {
+                base: 0,
+                len: geometry.region_len,
+                rkey,
+            },
             region: opened.region,
             secret: config.secret.clone(),
             op_deadline: config.op_deadline,
@@ -139,7 +147,13 @@ impl Server {
                 .spawn(move || accept_loop(shared, listener))
                 .map_err(|e| ServerError::Config(format!("cannot start threads: {e}")))?
         };
-        Ok(Server { shared, listener, address: config.address, accept: Some(accept), created: opened.created })
+        Ok(Server {
+            shared,
+            listener,
+            address: config.address,
+            accept: Some(accept),
+            created: opened.created,
+        })
     }
 
     pub fn address(&self) -> &Address {

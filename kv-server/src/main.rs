@@ -84,11 +84,8 @@ fn run(args: Args) -> Result<(), String> {
         0 => Duration::MAX,
         s => Duration::from_secs(s),
     };
-    loop {
-        match stop_rx.recv_timeout(interval) {
-            Err(mpsc::RecvTimeoutError::Timeout) => tracing::info!(stats = ?server.stats(), "stats"),
-            _ => break,
-        }
+    while let Err(mpsc::RecvTimeoutError::Timeout) = stop_rx.recv_timeout(interval) {
+        tracing::info!(stats = ?server.stats(), "stats");
     }
     tracing::info!("shutting down");
     let stats = server.shutdown();

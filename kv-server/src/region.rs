@@ -4,7 +4,9 @@
 
 use std::path::Path;
 
-use kv_common::layout::{Geometry, KeyHash, Slot, BUCKET_BYTES, HEADER_RKEY_OFFSET, SLOTS_PER_BUCKET};
+use kv_common::layout::{
+    Geometry, KeyHash, Slot, BUCKET_BYTES, HEADER_RKEY_OFFSET, SLOTS_PER_BUCKET,
+};
 use kv_common::protocol::Extent;
 use kv_common::transport::shm::SharedRegion;
 use kv_common::transport::TransportError;
@@ -20,32 +22,56 @@ pub struct OpenedRegion {
 /// Opens the region at `path`, or creates it with `geometry` when there is
 /// no file (or an empty one).
 pub fn open_or_create(path: &Path, geometry: &Geometry) -> Result<OpenedRegion, ServerError> {
-    let io = |e: std::io::Error| ServerError::Region { path: path.to_path_buf(), reason: e.to_string() };
-    let exists = std::fs::metadata(path).map(|m| m.len() > 0).unwrap_or(false);
+    let io = |e: std::io::Error| ServerError::Region {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    };
+    let exists = std::fs::metadata(path)
+        .map(|m| m.len() > 0)
+        .unwrap_or(false);
     if !exists {
         let _ = std::fs::remove_file(path);
         let region = SharedRegion::create(path, geometry.region_len).map_err(io)?;
         for (i, w) in geometry.encode_header().iter().enumerate() {
-            region.store(i as u64 * 8, *w).map_err(|e| transport(path, e))?;
+            region
+                .store(i as u64 * 8, *w)
+                .map_err(|e| transport(path, e))?;
         }
-        return Ok(OpenedRegion { region, geometry: *geometry, created: true });
+        return Ok(OpenedRegion {
+            region,
+            geometry: *geometry,
+            created: true,
+        });
     }
     let region = SharedRegion::open(path).map_err(io)?;
     let mut words = [0u64; 10];
     region.read(0, &mut words).map_err(|e| transport(path, e))?;
-    let found = Geometry::decode_header(&words)
-        .map_err(|e| ServerError::Region { path: path.to_path_buf(), reason: format!("{e}; refusing to use it (move it away or pick another path)") })?;
+    let found = Geometry::decode_header(&words).map_err(|e| ServerError::Region {
+        path: path.to_path_buf(),
+        reason: format!("{e}; refusing to use it (move it away or pick another path)"),
+    })?;
     if found.region_len != region.len() {
         return Err(ServerError::Region {
             path: path.to_path_buf(),
-            reason: format!("header says {} bytes, file has {}", found.region_len, region.len()),
+            reason: format!(
+                "header says {} bytes, file has {}",
+                found.region_len,
+                region.len()
+            ),
         });
     }
-    Ok(OpenedRegion { region, geometry: found, created: false })
+    Ok(OpenedRegion {
+        region,
+        geometry: found,
+        created: false,
+    })
 }
 
 fn transport(path: &Path, e: TransportError) -> ServerError {
-    ServerError::Region { path: path.to_path_buf(), reason: e.to_string() }
+    ServerError::Region {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    }
 }
 
 /// Publishes a new access key; verbs carrying any older key now fail.
@@ -92,7 +118,11 @@ pub fn live_blocks(region: &SharedRegion, g: &Geometry) -> Result<Vec<Extent>, T
         if offset >= g.heap_offset && offset.checked_add(len).is_some_and(|e| e <= heap_end) {
             live.push(Extent { offset, len });
         } else {
-            tracing::warn!(bucket, slot = format!("{:#x}", slot.0), "slot points outside the heap; ignored");
+            tracing::warn!(
+                bucket,
+                slot = format!("{:#x}", slot.0),
+                "slot points outside the heap; ignored"
+            );
         }
     })?;
     Ok(live)
@@ -100,7 +130,11 @@ pub fn live_blocks(region: &SharedRegion, g: &Geometry) -> Result<Vec<Extent>, T
 
 /// How many index slots hold a block of `key` (an inspection for operators
 /// and tests: after concurrent inserts of one key it must be exactly one).
-pub fn slots_holding(region: &SharedRegion, g: &Geometry, key: &[u8]) -> Result<usize, TransportError> {
+pub fn slots_holding(
+    region: &SharedRegion,
+    g: &Geometry,
+    key: &[u8],
+) -> Result<usize, TransportError> {
     let h = KeyHash::new(key, g.bucket_count);
     let mut count = 0;
     for b in h.buckets() {

@@ -28,11 +28,17 @@ impl TestServer {
     pub fn start(tune: impl FnOnce(&mut ServerConfig)) -> TestServer {
         let dir = region_dir();
         let path = dir.path().join("region");
-        let mut config = ServerConfig::new(Address::Shm { region: path.clone() });
+        let mut config = ServerConfig::new(Address::Shm {
+            region: path.clone(),
+        });
         config.memory = 16 << 20;
         tune(&mut config);
         let server = Server::start(config).expect("server starts");
-        TestServer { server, address: format!("shm://{}", path.display()), dir }
+        TestServer {
+            server,
+            address: format!("shm://{}", path.display()),
+            dir,
+        }
     }
 
     pub fn region_path(&self) -> PathBuf {
@@ -50,7 +56,10 @@ pub fn aggressive_reuse(config: &mut ServerConfig) {
 pub fn workspace_bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("test executable path");
     // target/<profile>/deps/<test> → target/<profile>/<name>
-    let dir = exe.parent().and_then(Path::parent).expect("target directory");
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target directory");
     let bin = dir.join(name);
     assert!(
         bin.exists(),

@@ -19,18 +19,30 @@ fn control_socket(srv: &TestServer) -> UnixStream {
 
 fn call(s: &mut UnixStream, r: &Request) -> Option<Response> {
     write_frame(s, &protocol::encode(r).unwrap()).ok()?;
-    read_frame(s).ok().flatten().map(|b| protocol::decode(&b).unwrap())
+    read_frame(s)
+        .ok()
+        .flatten()
+        .map(|b| protocol::decode(&b).unwrap())
 }
 
 #[test]
 fn wrong_or_missing_secret_is_refused() {
     let srv = TestServer::start(|c| c.secret = Some(b"open sesame".to_vec()));
     let with = |s: Option<&[u8]>| {
-        Client::connect_with(&srv.address, ClientOptions { secret: s.map(<[u8]>::to_vec), ..Default::default() })
+        Client::connect_with(
+            &srv.address,
+            ClientOptions {
+                secret: s.map(<[u8]>::to_vec),
+                ..Default::default()
+            },
+        )
     };
     assert!(matches!(with(None), Err(Error::Refused(_))));
     assert!(matches!(with(Some(b"open sesamE")), Err(Error::Refused(_))));
-    assert!(matches!(with(Some(b"open sesame!")), Err(Error::Refused(_))));
+    assert!(matches!(
+        with(Some(b"open sesame!")),
+        Err(Error::Refused(_))
+    ));
     let mut kv = with(Some(b"open sesame")).unwrap();
     kv.put(b"a", b"b").unwrap();
     assert_eq!(srv.server.stats().rejected_connects, 3);
@@ -50,10 +62,22 @@ fn garbage_on_the_control_socket_does_not_hurt_the_server() {
     let mut s = control_socket(&srv);
     write_frame(&mut s, &[0xff, 0x13, 0x37]).unwrap();
     let r: Response = protocol::decode(&read_frame(&mut s).unwrap().unwrap()).unwrap();
-    assert!(matches!(r, Response::Error { kind: ErrorKind::Malformed, .. }));
+    assert!(matches!(
+        r,
+        Response::Error {
+            kind: ErrorKind::Malformed,
+            ..
+        }
+    ));
     // Requests before Connect are refused.
     let r = call(&mut s, &Request::Lease { min_len: 64 });
-    assert!(matches!(r, Some(Response::Error { kind: ErrorKind::NotConnected, .. })));
+    assert!(matches!(
+        r,
+        Some(Response::Error {
+            kind: ErrorKind::NotConnected,
+            ..
+        })
+    ));
     // A truncated frame, then the peer vanishes.
     let mut s = control_socket(&srv);
     s.write_all(&100u32.to_le_bytes()).unwrap();
@@ -61,23 +85,72 @@ fn garbage_on_the_control_socket_does_not_hurt_the_server() {
     drop(s);
     // Wrong protocol version.
     let mut s = control_socket(&srv);
-    let r = call(&mut s, &Request::Connect { protocol_version: PROTOCOL_VERSION + 1, secret: vec![] });
-    assert!(matches!(r, Some(Response::Error { kind: ErrorKind::VersionMismatch, .. })));
+    let r = call(
+        &mut s,
+        &Request::Connect {
+            protocol_version: PROTOCOL_VERSION + 1,
+            secret: vec![],
+        },
+    );
+    assert!(matches!(
+        r,
+        Some(Response::Error {
+            kind: ErrorKind::VersionMismatch,
+            ..
+        })
+    ));
 
     // Bogus leases and give-backs from a connected client.
     let mut s = control_socket(&srv);
     assert!(matches!(
-        call(&mut s, &Request::Connect { protocol_version: PROTOCOL_VERSION, secret: vec![] }),
+        call(
+            &mut s,
+            &Request::Connect {
+                protocol_version: PROTOCOL_VERSION,
+                secret: vec![]
+            }
+        ),
         Some(Response::Connected(_))
     ));
-    for bad in [Request::Lease { min_len: 0 }, Request::Lease { min_len: u64::MAX }] {
-        assert!(matches!(call(&mut s, &bad), Some(Response::Error { kind: ErrorKind::Malformed, .. })));
+    for bad in [
+        Request::Lease { min_len: 0 },
+        Request::Lease { min_len: u64::MAX },
+    ] {
+        assert!(matches!(
+            call(&mut s, &bad),
+            Some(Response::Error {
+                kind: ErrorKind::Malformed,
+                ..
+            })
+        ));
     }
-    let outside = Request::GiveBack { extents: vec![Extent { offset: 0, len: 4096 }] };
-    assert!(matches!(call(&mut s, &outside), Some(Response::Error { kind: ErrorKind::BadExtent, .. })));
+    let outside = Request::GiveBack {
+        extents: vec![Extent {
+            offset: 0,
+            len: 4096,
+        }],
+    };
+    assert!(matches!(
+        call(&mut s, &outside),
+        Some(Response::Error {
+            kind: ErrorKind::BadExtent,
+            ..
+        })
+    ));
     let g = srv.server.geometry();
-    let free = Request::GiveBack { extents: vec![Extent { offset: g.heap_offset, len: 64 }] };
-    assert!(matches!(call(&mut s, &free), Some(Response::Error { kind: ErrorKind::BadExtent, .. })));
+    let free = Request::GiveBack {
+        extents: vec![Extent {
+            offset: g.heap_offset,
+            len: 64,
+        }],
+    };
+    assert!(matches!(
+        call(&mut s, &free),
+        Some(Response::Error {
+            kind: ErrorKind::BadExtent,
+            ..
+        })
+    ));
 
     // The server still serves real clients, and counted the garbage.
     let mut kv = Client::connect(&srv.address).unwrap();
@@ -110,7 +183,12 @@ fn oversized_keys_and_values_are_typed_errors_with_the_limit() {
 fn region_files_of_another_version_or_kind_are_refused_untouched() {
     let dir = onekv_tests::region_dir();
     let start = |name: &str| {
-        let config = ServerConfig { memory: 4 << 20, ..ServerConfig::new(Address::Shm { region: dir.path().join(name) }) };
+        let config = ServerConfig {
+            memory: 4 << 20,
+            ..ServerConfig::new(Address::Shm {
+                region: dir.path().join(name),
+            })
+        };
         Server::start(config)
     };
 
@@ -125,7 +203,11 @@ fn region_files_of_another_version_or_kind_are_refused_untouched() {
         Err(e) => panic!("wrong error: {e}"),
         Ok(_) => panic!("a version-99 region was accepted"),
     }
-    assert_eq!(std::fs::read(dir.path().join("future")).unwrap(), bytes, "file was modified");
+    assert_eq!(
+        std::fs::read(dir.path().join("future")).unwrap(),
+        bytes,
+        "file was modified"
+    );
 
     let junk = b"these are somebody's important notes".repeat(200);
     std::fs::write(dir.path().join("notes"), &junk).unwrap();
@@ -133,13 +215,19 @@ fn region_files_of_another_version_or_kind_are_refused_untouched() {
         Err(e) => assert!(e.to_string().contains("not a onekv region"), "{e}"),
         Ok(_) => panic!("a non-region file was accepted"),
     }
-    assert_eq!(std::fs::read(dir.path().join("notes")).unwrap(), junk, "file was modified");
+    assert_eq!(
+        std::fs::read(dir.path().join("notes")).unwrap(),
+        junk,
+        "file was modified"
+    );
 }
 
 #[test]
 fn a_second_server_on_the_same_region_is_refused() {
     let srv = TestServer::start(|_| {});
-    let config = ServerConfig::new(Address::Shm { region: srv.region_path() });
+    let config = ServerConfig::new(Address::Shm {
+        region: srv.region_path(),
+    });
     assert!(Server::start(config).is_err());
     let mut kv = Client::connect(&srv.address).unwrap();
     kv.put(b"first", b"server").unwrap();

@@ -64,7 +64,9 @@ fn concurrent_inserts_of_one_key_leave_exactly_one_slot() {
                             .and_then(parse_tagged)
                             .is_some_and(|(k, w, _)| k == key && w.starts_with('c'));
                         if slots != 1 || !agreed || !valid {
-                            eprintln!("{key}: {slots} slots, reads agree: {agreed}, valid: {valid}");
+                            eprintln!(
+                                "{key}: {slots} slots, reads agree: {agreed}, valid: {valid}"
+                            );
                             std::process::abort();
                         }
                         seen.clear();
@@ -75,6 +77,11 @@ fn concurrent_inserts_of_one_key_leave_exactly_one_slot() {
     });
     // Deleted keys are gone from the index entirely.
     for old in 0..ROUNDS - 1 {
-        assert_eq!(srv.server.slots_holding(format!("fresh-{old}").as_bytes()).unwrap(), 0);
+        assert_eq!(
+            srv.server
+                .slots_holding(format!("fresh-{old}").as_bytes())
+                .unwrap(),
+            0
+        );
     }
 }

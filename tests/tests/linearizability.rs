@@ -66,7 +66,12 @@ fn histories_are_linearizable_under_aggressive_reuse() {
                             4..=6 => {
                                 let pad = [0, 100, 700, 2000][(rng >> 16) as usize % 4];
                                 let seq = (round * OPS_PER_ROUND + i) as u64;
-                                RegisterOp::Write(Some(tagged_value(&name, &format!("t{t}"), seq, pad)))
+                                RegisterOp::Write(Some(tagged_value(
+                                    &name,
+                                    &format!("t{t}"),
+                                    seq,
+                                    pad,
+                                )))
                             }
                             _ => RegisterOp::Write(None),
                         };
@@ -103,7 +108,13 @@ fn histories_are_linearizable_under_aggressive_reuse() {
                     while done.load(Ordering::SeqCst) < THREADS * (round + 1) {
                         let churn = format!("churn-{t}-{}", n % 4);
                         let pad = [0, 100, 700, 2000][n % 4];
-                        or_abort(kv.put(churn.as_bytes(), &tagged_value(&churn, "churn", n as u64, pad)), "put");
+                        or_abort(
+                            kv.put(
+                                churn.as_bytes(),
+                                &tagged_value(&churn, "churn", n as u64, pad),
+                            ),
+                            "put",
+                        );
                         n += 1;
                     }
                     barrier.wait();
@@ -116,7 +127,9 @@ fn histories_are_linearizable_under_aggressive_reuse() {
                             log.push(Event::Invoke(k, THREADS, RegisterOp::Read));
                             log.push(Event::Return(k, THREADS, RegisterRet::ReadOk(v)));
                         }
-                        log.lock().unwrap().push(Event::Invoke(usize::MAX, 0, RegisterOp::Read));
+                        log.lock()
+                            .unwrap()
+                            .push(Event::Invoke(usize::MAX, 0, RegisterOp::Read));
                     }
                 }
             });
@@ -130,8 +143,8 @@ fn histories_are_linearizable_under_aggressive_reuse() {
         if round.is_empty() {
             continue;
         }
-        for k in 0..KEYS {
-            let mut tester = LinearizabilityTester::new(Register(state[k].clone()));
+        for (k, start) in state.iter_mut().enumerate() {
+            let mut tester = LinearizabilityTester::new(Register(start.clone()));
             let mut final_read = None;
             for e in round {
                 match e {
@@ -153,19 +166,23 @@ fn histories_are_linearizable_under_aggressive_reuse() {
                 let shown: Vec<String> = round
                     .iter()
                     .filter_map(|e| match e {
-                        Event::Invoke(kk, t, op) if *kk == k => Some(format!("t{t} invoke {}", show_op(op))),
-                        Event::Return(kk, t, ret) if *kk == k => Some(format!("t{t} return {}", show_ret(ret))),
+                        Event::Invoke(kk, t, op) if *kk == k => {
+                            Some(format!("t{t} invoke {}", show_op(op)))
+                        }
+                        Event::Return(kk, t, ret) if *kk == k => {
+                            Some(format!("t{t} return {}", show_ret(ret)))
+                        }
                         _ => None,
                     })
                     .collect();
                 panic!(
                     "round {rounds_checked}, key {}: history is not linearizable; start {:?}\n{}",
                     key(k),
-                    state[k].as_deref().map(short),
+                    start.as_deref().map(short),
                     shown.join("\n")
                 );
             }
-            state[k] = final_read.expect("round ends with a read");
+            *start = final_read.expect("round ends with a read");
         }
         rounds_checked += 1;
     }

@@ -10,14 +10,17 @@ fn steady_loop_sends_no_control_messages_beyond_leases() {
     let srv = TestServer::start(|_| {});
     let mut kv = Client::connect(&srv.address).unwrap();
     for i in 0..200 {
-        kv.put(format!("warm-{i}").as_bytes(), &[7u8; 1024]).unwrap();
+        kv.put(format!("warm-{i}").as_bytes(), &[7u8; 1024])
+            .unwrap();
     }
     let before = srv.server.stats();
     let mut value = Vec::new();
     for i in 0..20_000u32 {
         let key = format!("warm-{}", i % 200);
         match i % 4 {
-            0 => kv.put(key.as_bytes(), &i.to_le_bytes().repeat(256)).unwrap(),
+            0 => kv
+                .put(key.as_bytes(), &i.to_le_bytes().repeat(256))
+                .unwrap(),
             3 if i % 40 == 3 => {
                 kv.delete(key.as_bytes()).unwrap();
             }
@@ -30,8 +33,14 @@ fn steady_loop_sends_no_control_messages_beyond_leases() {
     let messages = after.messages() - before.messages();
     let leases = after.leases - before.leases;
     let heap = leases + after.give_backs - before.give_backs;
-    assert_eq!(messages, heap, "control messages other than heap leases: {before:?} → {after:?}");
-    assert!(leases < 20, "{leases} leases for a bounded working set: space is not being reused");
+    assert_eq!(
+        messages, heap,
+        "control messages other than heap leases: {before:?} → {after:?}"
+    );
+    assert!(
+        leases < 20,
+        "{leases} leases for a bounded working set: space is not being reused"
+    );
 }
 
 #[test]
@@ -43,7 +52,11 @@ fn operations_take_the_promised_round_trips() {
 
     let at = rt(&kv);
     kv.put(b"k", &[1u8; 1024]).unwrap();
-    assert_eq!(rt(&kv) - at, 3, "insert: write+buckets, CAS, duplicate check");
+    assert_eq!(
+        rt(&kv) - at,
+        3,
+        "insert: write+buckets, CAS, duplicate check"
+    );
 
     let at = rt(&kv);
     kv.put(b"k", &[2u8; 1024]).unwrap();
@@ -59,5 +72,8 @@ fn operations_take_the_promised_round_trips() {
 
     let at = rt(&kv);
     assert_eq!(kv.get(b"k").unwrap(), None);
-    assert!(rt(&kv) - at <= 2, "missing key: buckets (and a fingerprint false positive at most)");
+    assert!(
+        rt(&kv) - at <= 2,
+        "missing key: buckets (and a fingerprint false positive at most)"
+    );
 }

@@ -32,7 +32,10 @@ fn start_daemon(region: &Path, extra: &[&str]) -> Daemon {
     let socket = Address::shm_socket(region);
     let deadline = Instant::now() + Duration::from_secs(30);
     while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-        assert!(Instant::now() < deadline, "kv-server did not start listening");
+        assert!(
+            Instant::now() < deadline,
+            "kv-server did not start listening"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
     Daemon(Some(child))
@@ -64,7 +67,9 @@ fn daemon_and_cli() {
     let region = dir.path().join("cli");
     let daemon = start_daemon(&region, &[]);
 
-    assert!(kv(&region, &["put", "greeting", "hello world"]).status.success());
+    assert!(kv(&region, &["put", "greeting", "hello world"])
+        .status
+        .success());
     let got = kv(&region, &["get", "greeting"]);
     assert!(got.status.success());
     assert_eq!(stdout(&got), "hello world");
@@ -79,11 +84,19 @@ fn daemon_and_cli() {
 
     let stats = kv(&region, &["stats"]);
     assert!(stats.status.success());
-    assert!(stdout(&stats).contains("live_slots 1"), "{}", stdout(&stats));
+    assert!(
+        stdout(&stats).contains("live_slots 1"),
+        "{}",
+        stdout(&stats)
+    );
 
     // SIGTERM: clean shutdown, socket removed, region kept.
     let out = terminate(daemon);
-    assert!(out.status.success(), "kv-server exited with {:?}", out.status);
+    assert!(
+        out.status.success(),
+        "kv-server exited with {:?}",
+        out.status
+    );
     assert!(String::from_utf8_lossy(&out.stderr).contains("stopped"));
     assert!(!Address::shm_socket(&region).exists());
     let down = kv(&region, &["get", "greeting"]);
@@ -106,12 +119,20 @@ fn secret_file_is_enforced() {
     assert_eq!(refused.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&refused.stderr).contains("refused"));
     let ok = Command::new(workspace_bin("kv"))
-        .args(["--server", &format!("shm://{}", region.display()), "--secret-file"])
+        .args([
+            "--server",
+            &format!("shm://{}", region.display()),
+            "--secret-file",
+        ])
         .arg(&secret)
         .args(["put", "a", "b"])
         .output()
         .unwrap();
-    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
 }
 
 #[test]
@@ -142,5 +163,9 @@ fn many_client_processes_share_one_server() {
     }
     // Every worker process disconnected cleanly: only this one is left.
     let last = kv(&region, &["stats"]);
-    assert!(stdout(&last).contains("clients_connected 1"), "{}", stdout(&last));
+    assert!(
+        stdout(&last).contains("clients_connected 1"),
+        "{}",
+        stdout(&last)
+    );
 }

@@ -12,14 +12,17 @@ fn data_survives_restart_and_clients_reconnect() {
     let address = format!("shm://{}", path.display());
     let config = ServerConfig {
         memory: 16 << 20,
-        ..ServerConfig::new(Address::Shm { region: path.clone() })
+        ..ServerConfig::new(Address::Shm {
+            region: path.clone(),
+        })
     };
 
     let server = Server::start(config.clone()).unwrap();
     assert!(server.created());
     let mut kv = Client::connect(&address).unwrap();
     for i in 0..500 {
-        kv.put(format!("k{i}").as_bytes(), format!("v{i}").as_bytes()).unwrap();
+        kv.put(format!("k{i}").as_bytes(), format!("v{i}").as_bytes())
+            .unwrap();
     }
     kv.delete(b"k7").unwrap();
     drop(server);
@@ -42,6 +45,9 @@ fn data_survives_restart_and_clients_reconnect() {
         other.put(format!("n{i}").as_bytes(), &[b'x'; 300]).unwrap();
     }
     for i in 0..500 {
-        assert_eq!(kv.get(format!("k{i}").as_bytes()).unwrap().is_some(), i != 7);
+        assert_eq!(
+            kv.get(format!("k{i}").as_bytes()).unwrap().is_some(),
+            i != 7
+        );
     }
 }

@@ -52,5 +52,8 @@ fn mixed_sizes_and_deletes_do_not_strand_space() {
     // only live blocks (at most 16 KiB each) are not free.
     let stats = srv.server.stats();
     assert!(stats.live_slots > 0);
-    assert!(stats.heap_free >= stats.heap_size - stats.live_slots * 16 * 1024, "{stats:?}");
+    assert!(
+        stats.heap_free >= stats.heap_size - stats.live_slots * 16 * 1024,
+        "{stats:?}"
+    );
 }

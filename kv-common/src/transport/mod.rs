@@ -24,10 +24,23 @@ pub struct RemoteRegion {
 /// offset inside the connection's local buffer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verb {
-    Read { remote: u64, local: usize, len: usize },
-    Write { remote: u64, local: usize, len: usize },
+    Read {
+        remote: u64,
+        local: usize,
+        len: usize,
+    },
+    Write {
+        remote: u64,
+        local: usize,
+        len: usize,
+    },
     /// Compare-and-swap an 8-byte aligned word; the old value lands at `local`.
-    Cas { remote: u64, local: usize, expect: u64, swap: u64 },
+    Cas {
+        remote: u64,
+        local: usize,
+        expect: u64,
+        swap: u64,
+    },
     /// Fetch-and-add on an 8-byte aligned word; the old value lands at `local`.
     FetchAdd { remote: u64, local: usize, add: u64 },
 }
@@ -68,7 +81,10 @@ impl VerbStats {
 #[derive(Debug, thiserror::Error)]
 pub enum TransportError {
     #[error("cannot reach server at {address}: {source}")]
-    Unreachable { address: String, source: std::io::Error },
+    Unreachable {
+        address: String,
+        source: std::io::Error,
+    },
     #[error("control channel closed: {0}")]
     Disconnected(String),
     /// What a NIC reports as a remote access error: bad rkey or out of range.
@@ -133,7 +149,9 @@ pub(crate) fn frame_call<S: std::io::Read + std::io::Write>(
     write_frame(stream, &bytes)?;
     match read_frame(stream)? {
         Some(reply) => Ok(crate::protocol::decode(&reply)?),
-        None => Err(TransportError::Disconnected("server closed the connection".into())),
+        None => Err(TransportError::Disconnected(
+            "server closed the connection".into(),
+        )),
     }
 }
 

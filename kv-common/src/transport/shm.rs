@@ -37,7 +37,11 @@ impl SharedRegion {
     /// Creates a new zero-filled region file of `len` bytes; fails if the
     /// file exists, so an existing region is never overwritten.
     pub fn create(path: &Path, len: u64) -> std::io::Result<Self> {
-        let file = OpenOptions::new().read(true).write(true).create_new(true).open(path)?;
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(path)?;
         file.set_len(len)?;
         Self::map(file, path)
     }
@@ -56,7 +60,10 @@ impl SharedRegion {
             ));
         }
         let map = MmapRaw::map_raw(&file)?;
-        Ok(SharedRegion { map, path: path.to_path_buf() })
+        Ok(SharedRegion {
+            map,
+            path: path.to_path_buf(),
+        })
     }
 
     pub fn path(&self) -> &Path {
@@ -75,24 +82,30 @@ impl SharedRegion {
         // SAFETY: the mapping is page-aligned, lives as long as self, and is
         // only ever accessed atomically, by this and every other process.
         unsafe {
-            std::slice::from_raw_parts(self.map.as_mut_ptr() as *const AtomicU64, self.map.len() / 8)
+            std::slice::from_raw_parts(
+                self.map.as_mut_ptr() as *const AtomicU64,
+                self.map.len() / 8,
+            )
         }
     }
 
     /// The words covering `[offset, offset + len)`, or why that range is not
     /// accessible (the checks a NIC does against a memory region).
     pub fn span(&self, offset: u64, len: usize) -> Result<&[AtomicU64], TransportError> {
-        if offset % 8 != 0 || len % 8 != 0 {
+        if !offset.is_multiple_of(8) || !len.is_multiple_of(8) {
             return Err(TransportError::RemoteAccess(format!(
                 "offset {offset} length {len}: shm verbs need 8-byte alignment"
             )));
         }
-        let end = offset.checked_add(len as u64).filter(|&e| e <= self.len()).ok_or_else(|| {
-            TransportError::RemoteAccess(format!(
-                "range {offset}+{len} outside the {}-byte region",
-                self.len()
-            ))
-        })?;
+        let end = offset
+            .checked_add(len as u64)
+            .filter(|&e| e <= self.len())
+            .ok_or_else(|| {
+                TransportError::RemoteAccess(format!(
+                    "range {offset}+{len} outside the {}-byte region",
+                    self.len()
+                ))
+            })?;
         Ok(&self.words()[(offset / 8) as usize..(end / 8) as usize])
     }
 
@@ -126,9 +139,11 @@ impl SharedRegion {
     /// Returns the old value; the swap happened iff it equals `expect`.
     pub fn cas(&self, offset: u64, expect: u64, swap: u64) -> Result<u64, TransportError> {
         let w = &self.span(offset, 8)?[0];
-        Ok(match w.compare_exchange(expect, swap, Ordering::SeqCst, Ordering::SeqCst) {
-            Ok(old) | Err(old) => old,
-        })
+        Ok(
+            match w.compare_exchange(expect, swap, Ordering::SeqCst, Ordering::SeqCst) {
+                Ok(old) | Err(old) => old,
+            },
+        )
     }
 
     pub fn fetch_add(&self, offset: u64, add: u64) -> Result<u64, TransportError> {
@@ -153,10 +168,15 @@ pub struct ShmConnection {
 impl ShmConnection {
     pub fn connect(region_path: &Path) -> Result<Self, TransportError> {
         let socket = Address::shm_socket(region_path);
-        let stream = UnixStream::connect(&socket).map_err(|source| TransportError::Unreachable {
-            address: format!("shm://{} (socket {})", region_path.display(), socket.display()),
-            source,
-        })?;
+        let stream =
+            UnixStream::connect(&socket).map_err(|source| TransportError::Unreachable {
+                address: format!(
+                    "shm://{} (socket {})",
+                    region_path.display(),
+                    socket.display()
+                ),
+                source,
+            })?;
         Ok(ShmConnection {
             stream,
             region_path: region_path.to_path_buf(),
@@ -168,7 +188,10 @@ impl ShmConnection {
 
     fn local_words(&mut self, at: usize, len: usize) -> Result<&mut [u64], TransportError> {
         let local_len = self.local.len() * 8;
-        if at % 8 != 0 || len % 8 != 0 || at.checked_add(len).is_none_or(|e| e > local_len) {
+        if !at.is_multiple_of(8)
+            || !len.is_multiple_of(8)
+            || at.checked_add(len).is_none_or(|e| e > local_len)
+        {
             return Err(TransportError::LocalAccess(format!(
                 "local range {at}+{len} outside the {local_len}-byte buffer or unaligned"
             )));
@@ -199,7 +222,9 @@ impl Connection for ShmConnection {
 
     fn local(&self) -> &[u8] {
         // SAFETY: any u64 slice is a valid, aligned u8 slice of 8× the length.
-        unsafe { std::slice::from_raw_parts(self.local.as_ptr() as *const u8, self.local.len() * 8) }
+        unsafe {
+            std::slice::from_raw_parts(self.local.as_ptr() as *const u8, self.local.len() * 8)
+        }
     }
 
     fn local_mut(&mut self) -> &mut [u8] {
@@ -262,7 +287,12 @@ impl ShmConnection {
                     region.write(remote, self.local_words(local, len)?)?;
                     self.stats.bytes_written += len as u64;
                 }
-                Verb::Cas { remote, local, expect, swap } => {
+                Verb::Cas {
+                    remote,
+                    local,
+                    expect,
+                    swap,
+                } => {
                     let dst = self.local_words(local, 8)?;
                     let old = region.cas(remote, expect, swap)?;
                     dst[0] = old;
@@ -391,6 +421,9 @@ mod tests {
                 });
             }
         });
-        assert_eq!(SharedRegion::open(&path).unwrap().load(4096).unwrap(), 40_000);
+        assert_eq!(
+            SharedRegion::open(&path).unwrap().load(4096).unwrap(),
+            40_000
+        );
     }
 }

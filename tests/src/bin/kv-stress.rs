@@ -46,10 +46,16 @@ fn run(address: &str, name: &str, ops: u64, peers: Vec<&str>) -> Result<(), Stri
                 last.insert(own, seq);
             }
             2 => {
-                if kv.get_into(own.as_bytes(), &mut buf).map_err(|e| e.to_string())? {
+                if kv
+                    .get_into(own.as_bytes(), &mut buf)
+                    .map_err(|e| e.to_string())?
+                {
                     let (key, writer, got) = parse_tagged(&buf).ok_or("torn value")?;
                     if key != own || writer != name || Some(&got) != last.get(&own) {
-                        return Err(format!("{own}: read {key}/{writer}/{got}, wrote {:?}", last.get(&own)));
+                        return Err(format!(
+                            "{own}: read {key}/{writer}/{got}, wrote {:?}",
+                            last.get(&own)
+                        ));
                     }
                 } else if last.contains_key(&own) {
                     return Err(format!("{own}: written but not found"));
@@ -58,7 +64,10 @@ fn run(address: &str, name: &str, ops: u64, peers: Vec<&str>) -> Result<(), Stri
             _ => {
                 let peer = peers[(rng >> 20) as usize % peers.len()];
                 let key = format!("{peer}-{}", (rng >> 32) % 16);
-                if kv.get_into(key.as_bytes(), &mut buf).map_err(|e| e.to_string())? {
+                if kv
+                    .get_into(key.as_bytes(), &mut buf)
+                    .map_err(|e| e.to_string())?
+                {
                     let (k, writer, _) = parse_tagged(&buf).ok_or("torn value")?;
                     if k != key || writer != peer {
                         return Err(format!("{key}: read a value of {k} by {writer}"));
@@ -68,6 +77,9 @@ fn run(address: &str, name: &str, ops: u64, peers: Vec<&str>) -> Result<(), Stri
         }
     }
     let s = kv.verb_stats();
-    println!("{name}: {ops} ops, {} round trips, {} cas failures", s.round_trips, s.cas_failures);
+    println!(
+        "{name}: {ops} ops, {} round trips, {} cas failures",
+        s.round_trips, s.cas_failures
+    );
     kv.close().map_err(|e| e.to_string())
 }

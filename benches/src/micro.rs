@@ -1,0 +1,269 @@
+//! Fixed-size GET and PUT loops, with the raw verbs they are built of as
+//! the baseline: one 1-KiB READ and one CAS per round trip.
+
+use std::sync::Barrier;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use hdrhistogram::Histogram;
+use kv_client::Client;
+use kv_common::protocol::{Request, Response, PROTOCOL_VERSION};
+use kv_common::transport::{self, Verb, VerbStats};
+use kv_common::Address;
+
+use crate::target::Target;
+
+#[derive(Args)]
+pub struct MicroArgs {
+    /// Server address; by default an embedded server on a temporary shm region.
+    #[arg(long)]
+    server: Option<String>,
+    /// Distinct keys (loaded before the timed loops).
+    #[arg(long, default_value_t = 100_000)]
+    keys: u64,
+    /// Key length in bytes (keys are zero-padded numbers).
+    #[arg(long, default_value_t = 8)]
+    key_size: usize,
+    /// Value length in bytes.
+    #[arg(long, default_value_t = 1024)]
+    value_size: usize,
+    /// Seconds each loop runs.
+    #[arg(long, default_value_t = 2.0)]
+    seconds: f64,
+    /// Thread counts to run each loop with.
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    threads: Vec<usize>,
+    /// Size of the embedded server's region.
+    #[arg(long, default_value = "1GiB", value_parser = kv_common::size::parse_size)]
+    memory: u64,
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Op {
+    Get,
+    Put,
+    RawRead,
+    RawCas,
+}
+
+impl Op {
+    fn name(self) -> &'static str {
+        match self {
+            Op::Get => "GET",
+            Op::Put => "PUT",
+            Op::RawRead => "READ 1 KiB (raw verb)",
+            Op::RawCas => "CAS (raw verb)",
+        }
+    }
+}
+
+struct LoopResult {
+    ops: u64,
+    elapsed: Duration,
+    latency: Histogram<u64>,
+    verbs: VerbStats,
+}
+
+/// Nanosecond latencies from 1 ns to a minute, 3 significant digits.
+fn new_histogram() -> Result<Histogram<u64>, String> {
+    Histogram::new_with_bounds(1, 60_000_000_000, 3).map_err(|e| e.to_string())
+}
+
+fn key(i: u64, size: usize) -> Vec<u8> {
+    format!("{i:0size$}").into_bytes()
+}
+
+pub fn run(args: MicroArgs) -> Result<(), String> {
+    if args.key_size == 0 || args.keys == 0 || args.threads.is_empty() {
+        return Err("--keys, --key-size and --threads must be positive".into());
+    }
+    let target = Target::open(args.server.as_deref(), args.memory)?;
+    let mut loader = Client::connect(&target.address).map_err(|e| e.to_string())?;
+    let value = vec![0xabu8; args.value_size];
+    for i in 0..args.keys {
+        loader
+            .put(&key(i, args.key_size), &value)
+            .map_err(|e| e.to_string())?;
+    }
+    println!(
+        "onekv micro-benchmark: {} keys of {} B, values of {} B, {} s per loop, server {}",
+        args.keys, args.key_size, args.value_size, args.seconds, target.address
+    );
+    println!(
+        "{:<22} {:>7} {:>11} {:>8} {:>8} {:>9} {:>8} {:>10} {:>10}",
+        "operation",
+        "threads",
+        "ops/s",
+        "p50 us",
+        "p99 us",
+        "p999 us",
+        "rt/op",
+        "read B/op",
+        "write B/op"
+    );
+    let server_before = target.server.as_ref().map(|s| s.stats());
+    let mut baseline_p50 = [0u64; 2];
+    for &threads in &args.threads {
+        for op in [Op::RawRead, Op::RawCas, Op::Get, Op::Put] {
+            let r = run_loop(&target.address, op, threads, &args)?;
+            let p50 = r.latency.value_at_quantile(0.5);
+            match op {
+                Op::RawRead => baseline_p50[0] = p50,
+                Op::RawCas => baseline_p50[1] = p50,
+                _ => {}
+            }
+            let per = |v: u64| v as f64 / r.ops.max(1) as f64;
+            let ratio = match op {
+                Op::Get | Op::Put if baseline_p50[0] > 0 => {
+                    format!(
+                        "  p50 = {:.1}x raw READ",
+                        p50 as f64 / baseline_p50[0] as f64
+                    )
+                }
+                _ => String::new(),
+            };
+            println!(
+                "{:<22} {:>7} {:>11.0} {:>8.2} {:>8.2} {:>9.2} {:>8.2} {:>10.0} {:>10.0}{ratio}",
+                op.name(),
+                threads,
+                r.ops as f64 / r.elapsed.as_secs_f64(),
+                p50 as f64 / 1000.0,
+                r.latency.value_at_quantile(0.99) as f64 / 1000.0,
+                r.latency.value_at_quantile(0.999) as f64 / 1000.0,
+                per(r.verbs.round_trips),
+                per(r.verbs.bytes_read),
+                per(r.verbs.bytes_written),
+            );
+        }
+    }
+    if let (Some(before), Some(server)) = (server_before, &target.server) {
+        let after = server.stats();
+        println!(
+            "server during the loops: {} control messages ({} heap leases), {} us of CPU",
+            after.messages() - before.messages(),
+            after.leases - before.leases,
+            after.server_cpu_us - before.server_cpu_us
+        );
+    }
+    Ok(())
+}
+
+fn run_loop(address: &str, op: Op, threads: usize, args: &MicroArgs) -> Result<LoopResult, String> {
+    let barrier = Barrier::new(threads);
+    let results: Vec<Result<LoopResult, String>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                let barrier = &barrier;
+                s.spawn(move || worker(address, op, t, barrier, args))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err("worker panicked".into())))
+            .collect()
+    });
+    let mut total = LoopResult {
+        ops: 0,
+        elapsed: Duration::ZERO,
+        latency: new_histogram()?,
+        verbs: VerbStats::default(),
+    };
+    for r in results {
+        let r = r?;
+        total.ops += r.ops;
+        total.elapsed = total.elapsed.max(r.elapsed);
+        total.latency.add(&r.latency).map_err(|e| e.to_string())?;
+        total.verbs.add(&r.verbs);
+    }
+    Ok(total)
+}
+
+fn worker(
+    address: &str,
+    op: Op,
+    t: usize,
+    barrier: &Barrier,
+    args: &MicroArgs,
+) -> Result<LoopResult, String> {
+    let mut latency = new_histogram()?;
+    let duration = Duration::from_secs_f64(args.seconds);
+    let mut rng = 0x9e37_79b9_7f4a_7c15u64 ^ (t as u64 + 1).wrapping_mul(0x2545_f491_4f6c_dd1d);
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let mut ops = 0u64;
+    let (elapsed, verbs) = match op {
+        Op::Get | Op::Put => {
+            let mut kv = Client::connect(address).map_err(|e| e.to_string())?;
+            let value = vec![t as u8; args.value_size];
+            let mut out = Vec::with_capacity(args.value_size);
+            let before = kv.verb_stats();
+            barrier.wait();
+            let start = Instant::now();
+            while start.elapsed() < duration {
+                let k = key(next() % args.keys, args.key_size);
+                let t0 = Instant::now();
+                if op == Op::Get {
+                    kv.get_into(&k, &mut out).map_err(|e| e.to_string())?;
+                } else {
+                    kv.put(&k, &value).map_err(|e| e.to_string())?;
+                }
+                latency.saturating_record(t0.elapsed().as_nanos() as u64);
+                ops += 1;
+            }
+            (start.elapsed(), kv.verb_stats().since(&before))
+        }
+        Op::RawRead | Op::RawCas => {
+            let mut conn =
+                transport::connect(&Address::parse(address)?).map_err(|e| e.to_string())?;
+            let info = match conn.call(&Request::Connect {
+                protocol_version: PROTOCOL_VERSION,
+                secret: vec![],
+            }) {
+                Ok(Response::Connected(info)) => info,
+                other => return Err(format!("connect for raw verbs: {other:?}")),
+            };
+            conn.attach(&info.region, 4096).map_err(|e| e.to_string())?;
+            let g = info.geometry;
+            // A word of the heap no client uses: the tail of the last chunk.
+            let scratch = g.heap_offset + g.heap_size - 8 * (t as u64 + 1);
+            let before = *conn.stats();
+            barrier.wait();
+            let start = Instant::now();
+            while start.elapsed() < duration {
+                let verb = if op == Op::RawRead {
+                    let bucket = next() % g.bucket_count;
+                    // 16 buckets = 1 KiB, like a 1 KiB value.
+                    let first = bucket.min(g.bucket_count - 16);
+                    Verb::Read {
+                        remote: g.bucket_offset(first),
+                        local: 0,
+                        len: 1024,
+                    }
+                } else {
+                    Verb::Cas {
+                        remote: scratch,
+                        local: 2048,
+                        expect: 0,
+                        swap: 0,
+                    }
+                };
+                let t0 = Instant::now();
+                conn.post(&[verb]).map_err(|e| e.to_string())?;
+                latency.saturating_record(t0.elapsed().as_nanos() as u64);
+                ops += 1;
+            }
+            let _ = conn.call(&Request::Disconnect);
+            (start.elapsed(), conn.stats().since(&before))
+        }
+    };
+    Ok(LoopResult {
+        ops,
+        elapsed,
+        latency,
+        verbs,
+    })
+}
