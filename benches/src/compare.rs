@@ -1,0 +1,159 @@
+//! `kv-bench compare`: one generated workload against several stores.
+
+use clap::Args;
+
+use crate::driver::{run_phase, OpKind, Phase, PhaseResult, RunOptions};
+use crate::report;
+use crate::store::{Lmdb, Onekv, Redis, StoreFactory};
+use crate::target::Target;
+use crate::ycsb::{memory_for, WorkloadArgs};
+
+#[derive(Args)]
+pub struct CompareArgs {
+    #[command(flatten)]
+    workload: WorkloadArgs,
+    /// Stores to run, in order: onekv, redis, lmdb.
+    #[arg(long, value_delimiter = ',', default_value = "onekv,redis,lmdb")]
+    targets: Vec<String>,
+    /// Redis to use; by default a redis-server started here on loopback
+    /// (skipped, with a message, when none is installed).
+    #[arg(long)]
+    redis_url: Option<String>,
+    /// Redis writes sent per pipeline (1: no pipelining, as a plain client).
+    #[arg(long, default_value_t = 1)]
+    redis_pipeline: usize,
+}
+
+struct Row {
+    name: String,
+    load: PhaseResult,
+    run: PhaseResult,
+}
+
+pub fn run(args: CompareArgs) -> Result<(), String> {
+    let w = args.workload.workload()?;
+    println!(
+        "compare {}: {} records of {}x{} B, {} operations, {} threads, seed {}",
+        args.workload.workload_name(),
+        w.recordcount,
+        w.fieldcount,
+        w.fieldlength,
+        w.operationcount,
+        w.threadcount,
+        args.workload.seed
+    );
+    let options = RunOptions::for_terminal(args.workload.seed);
+    let mut rows = Vec::new();
+    for name in &args.targets {
+        // Each target gets a fresh, empty store.
+        let mut onekv_target = None;
+        let factory: Box<dyn StoreFactory> = match name.as_str() {
+            "onekv" => {
+                let t = Target::open(
+                    args.workload.server.as_deref(),
+                    args.workload.memory.unwrap_or_else(|| memory_for(&w)),
+                )?;
+                let f = Onekv {
+                    address: t.address.clone(),
+                    secret: args.workload.secret()?,
+                };
+                onekv_target = Some(t);
+                Box::new(f)
+            }
+            "redis" => match Redis::start(args.redis_url.as_deref()) {
+                Ok(mut r) => {
+                    r.pipeline = args.redis_pipeline;
+                    Box::new(r)
+                }
+                Err(e) => {
+                    println!("skipping redis: {e}");
+                    continue;
+                }
+            },
+            "lmdb" => match Lmdb::open((memory_for(&w) * 2).next_multiple_of(1 << 20) as usize) {
+                Ok(l) => Box::new(l),
+                Err(e) => {
+                    println!("skipping lmdb: {e}");
+                    continue;
+                }
+            },
+            other => return Err(format!("unknown target '{other}' (use onekv, redis, lmdb)")),
+        };
+        eprintln!("{name}: load phase");
+        let load = run_phase(&*factory, &w, Phase::Load, &options)?;
+        eprintln!("{name}: run phase");
+        let run = run_phase(&*factory, &w, Phase::Run, &options)?;
+        for r in [&load, &run] {
+            if let Some(e) = &r.first_error {
+                println!("{name}: errors during {:?}: first: {e}", r.phase);
+            }
+        }
+        drop(onekv_target);
+        rows.push(Row {
+            name: name.clone(),
+            load,
+            run,
+        });
+    }
+    print_table(&rows);
+    if let Some(path) = &args.workload.json {
+        let phases: Vec<_> = rows
+            .iter()
+            .flat_map(|r| {
+                [
+                    report::phase_json(&r.name, &r.load),
+                    report::phase_json(&r.name, &r.run),
+                ]
+            })
+            .collect();
+        report::write_json(
+            path,
+            &serde_json::json!({ "workload": args.workload.workload_name(), "phases": phases }),
+        )?;
+    }
+    Ok(())
+}
+
+fn print_table(rows: &[Row]) {
+    let kinds: Vec<OpKind> = {
+        let mut k: Vec<OpKind> = rows
+            .iter()
+            .flat_map(|r| r.run.ops.keys().copied())
+            .collect();
+        k.sort();
+        k.dedup();
+        k
+    };
+    let base = rows
+        .iter()
+        .find(|r| r.name == "onekv")
+        .map(|r| r.run.throughput());
+    let mut header = format!("{:<7} {:>12} {:>9}", "target", "run ops/s", "vs onekv");
+    for k in &kinds {
+        header += &format!(" {:>24}", format!("{} p50/p99 us", k.ycsb_name()));
+    }
+    header += &format!(" {:>12} {:>13}", "load ops/s", "server CPU ms");
+    println!("{header}");
+    for r in rows {
+        let ratio = base.map_or("-".to_string(), |b| {
+            format!("{:.2}x", r.run.throughput() / b)
+        });
+        let mut line = format!("{:<7} {:>12.0} {:>9}", r.name, r.run.throughput(), ratio);
+        for k in &kinds {
+            let cell = r.run.ops.get(k).map_or("-".to_string(), |s| {
+                format!(
+                    "{:.1} / {:.1}",
+                    s.latency.value_at_quantile(0.5) as f64 / 1000.0,
+                    s.latency.value_at_quantile(0.99) as f64 / 1000.0
+                )
+            });
+            line += &format!(" {cell:>24}");
+        }
+        let cpu = r
+            .run
+            .server_cpu_us
+            .map_or("-".to_string(), |c| format!("{:.1}", c as f64 / 1000.0));
+        line += &format!(" {:>12.0} {:>13}", r.load.throughput(), cpu);
+        println!("{line}");
+    }
+}

@@ -1,0 +1,438 @@
+//! Runs a workload's load or run phase on a store with N threads: picks
+//! operations and keys with YCSB's generators, throttles to a target rate,
+//! stops at maxexecutiontime, and measures every operation.
+
+use std::collections::BTreeMap;
+use std::io::IsTerminal;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use hdrhistogram::Histogram;
+use kv_common::transport::VerbStats;
+
+use crate::generator::{key_name, Rng};
+use crate::store::{Store, StoreFactory};
+use crate::workload::{build_record, replace_field, Workload};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum OpKind {
+    Read,
+    Update,
+    Insert,
+    ReadModifyWrite,
+}
+
+impl OpKind {
+    pub fn ycsb_name(self) -> &'static str {
+        match self {
+            OpKind::Read => "READ",
+            OpKind::Update => "UPDATE",
+            OpKind::Insert => "INSERT",
+            OpKind::ReadModifyWrite => "READ-MODIFY-WRITE",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Phase {
+    Load,
+    Run,
+}
+
+/// Measurements of one kind of operation.
+pub struct OpStats {
+    /// Latency in nanoseconds.
+    pub latency: Histogram<u64>,
+    pub ok: u64,
+    pub not_found: u64,
+    pub errors: u64,
+    pub verbs: VerbStats,
+}
+
+impl OpStats {
+    fn new() -> OpStats {
+        OpStats {
+            latency: Histogram::new_with_bounds(1, 600_000_000_000, 3)
+                .expect("valid histogram bounds"),
+            ok: 0,
+            not_found: 0,
+            errors: 0,
+            verbs: VerbStats::default(),
+        }
+    }
+
+    pub fn operations(&self) -> u64 {
+        self.ok + self.not_found + self.errors
+    }
+
+    fn merge(&mut self, other: &OpStats) {
+        let _ = self.latency.add(&other.latency);
+        self.ok += other.ok;
+        self.not_found += other.not_found;
+        self.errors += other.errors;
+        self.verbs.add(&other.verbs);
+    }
+}
+
+pub struct PhaseResult {
+    pub phase: Phase,
+    pub runtime: Duration,
+    pub ops: BTreeMap<OpKind, OpStats>,
+    pub server_cpu_us: Option<u64>,
+    pub first_error: Option<String>,
+}
+
+impl PhaseResult {
+    pub fn operations(&self) -> u64 {
+        self.ops.values().map(OpStats::operations).sum()
+    }
+
+    pub fn throughput(&self) -> f64 {
+        self.operations() as f64 / self.runtime.as_secs_f64().max(1e-9)
+    }
+}
+
+/// State the worker threads share.
+struct Shared {
+    /// Next key number to insert.
+    next_insert: AtomicU64,
+    /// Highest key number whose insert has completed (YCSB's acknowledged
+    /// counter, approximated by a maximum): reads never pick a key above it.
+    acked: AtomicU64,
+    done: AtomicU64,
+    stop: AtomicBool,
+}
+
+pub struct RunOptions {
+    pub seed: u64,
+    /// Draw a progress bar (true) or print status lines every 10 s.
+    pub progress_bar: bool,
+    pub quiet: bool,
+}
+
+impl RunOptions {
+    pub fn for_terminal(seed: u64) -> RunOptions {
+        RunOptions {
+            seed,
+            progress_bar: std::io::stdout().is_terminal(),
+            quiet: false,
+        }
+    }
+}
+
+pub fn run_phase(
+    store: &dyn StoreFactory,
+    w: &Workload,
+    phase: Phase,
+    options: &RunOptions,
+) -> Result<PhaseResult, String> {
+    let total = match phase {
+        Phase::Load => w.insertcount,
+        Phase::Run => w.operationcount,
+    };
+    let loaded_end = w.insertstart + w.insertcount;
+    let shared = Shared {
+        next_insert: AtomicU64::new(if phase == Phase::Load {
+            w.insertstart
+        } else {
+            loaded_end
+        }),
+        acked: AtomicU64::new(loaded_end.saturating_sub(1)),
+        done: AtomicU64::new(0),
+        stop: AtomicBool::new(false),
+    };
+    let threads = w.threadcount;
+    let cpu_before = store.server_cpu_us();
+    let start = Instant::now();
+    let results: Vec<Result<Worker, String>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                let shared = &shared;
+                let share = total / threads as u64 + u64::from((t as u64) < total % threads as u64);
+                s.spawn(move || {
+                    let mut handle = store.open()?;
+                    let mut worker = Worker::new(w, t, options.seed);
+                    worker.run(&mut *handle, w, phase, share, shared, threads);
+                    Ok(worker)
+                })
+            })
+            .collect();
+        report_progress(&shared, total, start, w, phase, options);
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err("worker panicked".into())))
+            .collect()
+    });
+    let mut runtime = Duration::ZERO;
+    let mut ops: BTreeMap<OpKind, OpStats> = BTreeMap::new();
+    let mut first_error = None;
+    for r in results {
+        let worker = r?;
+        runtime = runtime.max(worker.finished.saturating_duration_since(start));
+        for (kind, stats) in &worker.ops {
+            ops.entry(*kind).or_insert_with(OpStats::new).merge(stats);
+        }
+        first_error = first_error.or(worker.first_error);
+    }
+    let server_cpu_us = match (cpu_before, store.server_cpu_us()) {
+        (Some(a), Some(b)) => Some(b.saturating_sub(a)),
+        _ => None,
+    };
+    Ok(PhaseResult {
+        phase,
+        runtime,
+        ops,
+        server_cpu_us,
+        first_error,
+    })
+}
+
+/// Shows progress until the workers are done; ends the run at maxexecutiontime.
+fn report_progress(
+    shared: &Shared,
+    total: u64,
+    start: Instant,
+    w: &Workload,
+    phase: Phase,
+    o: &RunOptions,
+) {
+    let bar = (o.progress_bar && !o.quiet).then(|| {
+        let bar = indicatif::ProgressBar::new(total);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{prefix} [{elapsed_precise}] {wide_bar} {pos}/{len} ops, {per_sec}, eta {eta}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        bar.set_prefix(if phase == Phase::Load { "load" } else { "run" });
+        bar
+    });
+    let mut last_status = (Instant::now(), 0u64);
+    loop {
+        let done = shared.done.load(Ordering::Relaxed);
+        if done >= total || shared.stop.load(Ordering::Relaxed) {
+            break;
+        }
+        if w.maxexecutiontime.is_some_and(|m| start.elapsed() >= m) {
+            shared.stop.store(true, Ordering::Relaxed);
+            break;
+        }
+        if let Some(bar) = &bar {
+            bar.set_position(done);
+        } else if !o.quiet && last_status.0.elapsed() >= Duration::from_secs(10) {
+            let rate = (done - last_status.1) as f64 / last_status.0.elapsed().as_secs_f64();
+            eprintln!(
+                "{} sec: {done} operations; {rate:.1} current ops/sec",
+                start.elapsed().as_secs()
+            );
+            last_status = (Instant::now(), done);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    if let Some(bar) = bar {
+        bar.set_position(shared.done.load(Ordering::Relaxed));
+        bar.finish();
+    }
+}
+
+/// One thread's generators and measurements.
+struct Worker {
+    rng: Rng,
+    chooser: crate::generator::KeyChooser,
+    lengths: crate::workload::FieldLengths,
+    ops: BTreeMap<OpKind, OpStats>,
+    first_error: Option<String>,
+    record: Vec<u8>,
+    read_buf: Vec<u8>,
+    finished: Instant,
+}
+
+impl Worker {
+    fn new(w: &Workload, thread: usize, seed: u64) -> Worker {
+        Worker {
+            rng: Rng::new(
+                seed.wrapping_mul(0x100_0000_01b3)
+                    .wrapping_add(thread as u64),
+            ),
+            chooser: w.key_chooser(),
+            lengths: w.field_lengths(),
+            ops: BTreeMap::new(),
+            first_error: None,
+            record: Vec::new(),
+            read_buf: Vec::new(),
+            finished: Instant::now(),
+        }
+    }
+
+    fn run(
+        &mut self,
+        store: &mut dyn Store,
+        w: &Workload,
+        phase: Phase,
+        share: u64,
+        shared: &Shared,
+        threads: usize,
+    ) {
+        let per_thread_rate = w.target.map(|t| t / threads as f64);
+        let start = Instant::now();
+        for i in 0..share {
+            if shared.stop.load(Ordering::Relaxed) {
+                break;
+            }
+            if let Some(rate) = per_thread_rate {
+                let due = start + Duration::from_secs_f64(i as f64 / rate);
+                let now = Instant::now();
+                if due > now {
+                    std::thread::sleep(due - now);
+                }
+            }
+            let kind = match phase {
+                Phase::Load => OpKind::Insert,
+                Phase::Run => self.choose_op(w),
+            };
+            self.one(store, w, kind, shared);
+            shared.done.fetch_add(1, Ordering::Relaxed);
+        }
+        self.finished = Instant::now();
+    }
+
+    fn choose_op(&mut self, w: &Workload) -> OpKind {
+        let mut u = self.rng.next_f64();
+        for (p, kind) in [
+            (w.readproportion, OpKind::Read),
+            (w.updateproportion, OpKind::Update),
+            (w.insertproportion, OpKind::Insert),
+            (w.readmodifywriteproportion, OpKind::ReadModifyWrite),
+        ] {
+            if u < p {
+                return kind;
+            }
+            u -= p;
+        }
+        OpKind::Read
+    }
+
+    /// A key number that has been inserted (YCSB's nextKeynum).
+    fn existing_key(&mut self, shared: &Shared) -> u64 {
+        let acked = shared.acked.load(Ordering::Relaxed);
+        loop {
+            let k = self.chooser.next(acked, &mut self.rng);
+            if k <= acked {
+                return k;
+            }
+        }
+    }
+
+    fn one(&mut self, store: &mut dyn Store, w: &Workload, kind: OpKind, shared: &Shared) {
+        let verbs_before = store.verb_stats();
+        let keynum = match kind {
+            OpKind::Insert => shared.next_insert.fetch_add(1, Ordering::Relaxed),
+            _ => self.existing_key(shared),
+        };
+        let key = key_name(keynum, w.ordered_inserts);
+        // Records are generated before the clock starts, as YCSB does.
+        let whole_write = kind == OpKind::Insert || (kind != OpKind::Read && w.writeallfields);
+        if whole_write {
+            build_record(
+                w.fieldcount,
+                &mut self.lengths,
+                &mut self.rng,
+                &mut self.record,
+            );
+        }
+        let field = self.rng.below(w.fieldcount) as usize;
+        let started = Instant::now();
+        let result = match kind {
+            OpKind::Insert => store.write(key.as_bytes(), &self.record).map(|()| true),
+            // A record is one block, fetched whole by one READ, so
+            // readallfields=false reads the same bytes.
+            OpKind::Read => store.read(key.as_bytes(), &mut self.read_buf),
+            OpKind::Update | OpKind::ReadModifyWrite => {
+                if whole_write && kind == OpKind::Update {
+                    store.write(key.as_bytes(), &self.record).map(|()| true)
+                } else {
+                    self.read_then_write(store, key.as_bytes(), field, whole_write)
+                }
+            }
+        };
+        let elapsed = started.elapsed();
+        let stats = self.ops.entry(kind).or_insert_with(OpStats::new);
+        stats.latency.saturating_record(elapsed.as_nanos() as u64);
+        match result {
+            Ok(true) => stats.ok += 1,
+            Ok(false) => stats.not_found += 1,
+            Err(e) => {
+                stats.errors += 1;
+                self.first_error.get_or_insert(e);
+            }
+        }
+        if let (Some(before), Some(after)) = (verbs_before, store.verb_stats()) {
+            stats.verbs.add(&after.since(&before));
+        }
+        if kind == OpKind::Insert {
+            shared.acked.fetch_max(keynum, Ordering::Relaxed);
+        }
+    }
+
+    /// Read the record, then write it back with one field (or, with
+    /// writeallfields, every field) new.
+    fn read_then_write(
+        &mut self,
+        store: &mut dyn Store,
+        key: &[u8],
+        field: usize,
+        whole: bool,
+    ) -> Result<bool, String> {
+        if !store.read(key, &mut self.read_buf)? {
+            return Ok(false);
+        }
+        if !whole {
+            let mut updated = Vec::with_capacity(self.read_buf.len());
+            if replace_field(
+                &self.read_buf,
+                field,
+                &mut self.lengths,
+                &mut self.rng,
+                &mut updated,
+            )
+            .is_none()
+            {
+                return Err(format!(
+                    "{}: value is not a record",
+                    String::from_utf8_lossy(key)
+                ));
+            }
+            self.record = updated;
+        }
+        store.write(key, &self.record).map(|()| true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::properties::Properties;
+
+    #[test]
+    fn operation_mix_follows_the_proportions() {
+        let props = Properties::parse(
+            "recordcount=10\nreadproportion=0.5\nupdateproportion=0.3\ninsertproportion=0.1\nreadmodifywriteproportion=0.1\n",
+        );
+        let (w, _) = Workload::from_properties(&props).unwrap();
+        let mut worker = Worker::new(&w, 0, 42);
+        let mut counts: BTreeMap<OpKind, u32> = BTreeMap::new();
+        let n = 200_000;
+        for _ in 0..n {
+            *counts.entry(worker.choose_op(&w)).or_default() += 1;
+        }
+        for (kind, want) in [
+            (OpKind::Read, 0.5),
+            (OpKind::Update, 0.3),
+            (OpKind::Insert, 0.1),
+            (OpKind::ReadModifyWrite, 0.1),
+        ] {
+            let got = counts[&kind] as f64 / n as f64;
+            assert!((got - want).abs() < 0.01, "{kind:?}: {got}");
+        }
+    }
+}

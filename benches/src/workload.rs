@@ -1,0 +1,433 @@
+//! A YCSB core workload: its properties, validated, and the records it
+//! reads and writes (fieldcount fields of fieldlength bytes, stored as one
+//! value: each field a 4-byte length and its bytes).
+
+use std::time::Duration;
+
+use crate::generator::{Hotspot, KeyChooser, Rng, ScrambledZipfian, Zipfian, ZIPFIAN_CONSTANT};
+use crate::properties::Properties;
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Distribution {
+    Uniform,
+    Zipfian,
+    Latest,
+    Hotspot,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum FieldLength {
+    Constant,
+    Uniform,
+    Zipfian,
+}
+
+#[derive(Debug, Clone)]
+pub struct Workload {
+    pub recordcount: u64,
+    pub operationcount: u64,
+    pub fieldcount: u64,
+    pub fieldlength: u64,
+    pub fieldlengthdistribution: FieldLength,
+    pub readproportion: f64,
+    pub updateproportion: f64,
+    pub insertproportion: f64,
+    pub readmodifywriteproportion: f64,
+    pub requestdistribution: Distribution,
+    pub zipfianconstant: f64,
+    pub hotspotdatafraction: f64,
+    pub hotspotopnfraction: f64,
+    pub ordered_inserts: bool,
+    pub insertstart: u64,
+    pub insertcount: u64,
+    pub writeallfields: bool,
+    pub maxexecutiontime: Option<Duration>,
+    pub threadcount: usize,
+    /// Target operations per second over all threads (None: as fast as possible).
+    pub target: Option<f64>,
+}
+
+/// Keys this driver reads; anything else in a workload file is reported.
+const KNOWN: &[&str] = &[
+    "recordcount",
+    "operationcount",
+    "fieldcount",
+    "fieldlength",
+    "fieldlengthdistribution",
+    "readproportion",
+    "updateproportion",
+    "insertproportion",
+    "readmodifywriteproportion",
+    "scanproportion",
+    "requestdistribution",
+    "zipfianconstant",
+    "hotspotdatafraction",
+    "hotspotopnfraction",
+    "insertorder",
+    "insertstart",
+    "insertcount",
+    "readallfields",
+    "writeallfields",
+    "maxexecutiontime",
+    "threadcount",
+    "target",
+    // Names the Java workload class; this driver is that workload.
+    "workload",
+];
+
+struct Reader<'a>(&'a Properties);
+
+impl Reader<'_> {
+    fn count(&self, key: &str, default: u64) -> Result<u64, String> {
+        match self.0.get(key) {
+            None => Ok(default),
+            Some(v) => v
+                .parse::<u64>()
+                .map_err(|_| format!("{key}: '{v}' is not a non-negative whole number")),
+        }
+    }
+
+    fn fraction(&self, key: &str, default: f64) -> Result<f64, String> {
+        let v = match self.0.get(key) {
+            None => return Ok(default),
+            Some(v) => v,
+        };
+        let f: f64 = v
+            .parse()
+            .map_err(|_| format!("{key}: '{v}' is not a number"))?;
+        if !(0.0..=1.0).contains(&f) {
+            return Err(format!("{key}: {f} is outside 0..1"));
+        }
+        Ok(f)
+    }
+
+    fn flag(&self, key: &str, default: bool) -> Result<bool, String> {
+        match self.0.get(key) {
+            None => Ok(default),
+            Some(v) => v
+                .parse()
+                .map_err(|_| format!("{key}: '{v}' is not true or false")),
+        }
+    }
+}
+
+impl Workload {
+    /// Builds the workload; the second value lists warnings (unknown keys).
+    pub fn from_properties(p: &Properties) -> Result<(Workload, Vec<String>), String> {
+        let r = Reader(p);
+        let warnings = p
+            .keys()
+            .filter(|k| !KNOWN.contains(k))
+            .map(|k| format!("ignoring unknown workload property '{k}'"))
+            .collect();
+        let scan = r.fraction("scanproportion", 0.0)?;
+        if scan > 0.0 {
+            return Err(format!(
+                "scanproportion: {scan} > 0, but onekv's index is a hash table and cannot serve \
+                 range scans (YCSB workload E); set scanproportion=0"
+            ));
+        }
+        let recordcount = r.count("recordcount", 0)?;
+        let insertstart = r.count("insertstart", 0)?;
+        let insertcount = match p.get("insertcount") {
+            None => recordcount.checked_sub(insertstart).ok_or_else(|| {
+                format!("insertstart: {insertstart} is beyond recordcount {recordcount}")
+            })?,
+            Some(_) => r.count("insertcount", 0)?,
+        };
+        // A record is one block, fetched whole by one READ, so reading one
+        // field costs the same as reading all: the flag is only validated.
+        r.flag("readallfields", true)?;
+        let w = Workload {
+            recordcount,
+            operationcount: r.count("operationcount", 0)?,
+            fieldcount: r.count("fieldcount", 10)?,
+            fieldlength: r.count("fieldlength", 100)?,
+            fieldlengthdistribution: match p.get("fieldlengthdistribution").unwrap_or("constant") {
+                "constant" => FieldLength::Constant,
+                "uniform" => FieldLength::Uniform,
+                "zipfian" => FieldLength::Zipfian,
+                other => {
+                    return Err(format!(
+                        "fieldlengthdistribution: '{other}' is not constant, uniform or zipfian"
+                    ))
+                }
+            },
+            readproportion: r.fraction("readproportion", 0.95)?,
+            updateproportion: r.fraction("updateproportion", 0.05)?,
+            insertproportion: r.fraction("insertproportion", 0.0)?,
+            readmodifywriteproportion: r.fraction("readmodifywriteproportion", 0.0)?,
+            requestdistribution: match p.get("requestdistribution").unwrap_or("uniform") {
+                "uniform" => Distribution::Uniform,
+                "zipfian" => Distribution::Zipfian,
+                "latest" => Distribution::Latest,
+                "hotspot" => Distribution::Hotspot,
+                other => {
+                    return Err(format!(
+                        "requestdistribution: '{other}' is not uniform, zipfian, latest or hotspot"
+                    ))
+                }
+            },
+            zipfianconstant: match p.get("zipfianconstant") {
+                None => ZIPFIAN_CONSTANT,
+                Some(v) => {
+                    let t: f64 = v
+                        .parse()
+                        .map_err(|_| format!("zipfianconstant: '{v}' is not a number"))?;
+                    if !(t > 0.0 && t < 1.0) {
+                        return Err(format!(
+                            "zipfianconstant: {t} must be between 0 and 1 (exclusive)"
+                        ));
+                    }
+                    t
+                }
+            },
+            hotspotdatafraction: r.fraction("hotspotdatafraction", 0.2)?,
+            hotspotopnfraction: r.fraction("hotspotopnfraction", 0.8)?,
+            ordered_inserts: match p.get("insertorder").unwrap_or("hashed") {
+                "hashed" => false,
+                "ordered" => true,
+                other => return Err(format!("insertorder: '{other}' is not hashed or ordered")),
+            },
+            insertstart,
+            insertcount,
+            writeallfields: r.flag("writeallfields", false)?,
+            maxexecutiontime: match r.count("maxexecutiontime", 0)? {
+                0 => None,
+                s => Some(Duration::from_secs(s)),
+            },
+            threadcount: r.count("threadcount", 1)? as usize,
+            target: match p.get("target") {
+                None => None,
+                Some(v) => {
+                    let t: f64 = v
+                        .parse()
+                        .map_err(|_| format!("target: '{v}' is not a number"))?;
+                    if t < 0.0 || !t.is_finite() {
+                        return Err(format!("target: {t} must be zero or positive"));
+                    }
+                    (t > 0.0).then_some(t)
+                }
+            },
+        };
+        let sum = w.readproportion
+            + w.updateproportion
+            + w.insertproportion
+            + w.readmodifywriteproportion
+            + scan;
+        if (sum - 1.0).abs() > 1e-6 {
+            return Err(format!(
+                "readproportion + updateproportion + insertproportion + readmodifywriteproportion + \
+                 scanproportion = {sum}, must be 1"
+            ));
+        }
+        if w.fieldcount == 0 {
+            return Err("fieldcount: must be at least 1".into());
+        }
+        if w.fieldlength == 0 {
+            return Err("fieldlength: must be at least 1".into());
+        }
+        if w.threadcount == 0 {
+            return Err("threadcount: must be at least 1".into());
+        }
+        if w.operationcount > 0
+            && w.insertcount == 0
+            && w.readproportion + w.updateproportion + w.readmodifywriteproportion > 0.0
+        {
+            return Err(
+                "recordcount: must be at least 1 for a workload that reads or updates".into(),
+            );
+        }
+        Ok((w, warnings))
+    }
+
+    /// The run phase's key chooser (YCSB's CoreWorkload.init).
+    pub fn key_chooser(&self) -> KeyChooser {
+        let lower = self.insertstart;
+        let upper = self.insertstart + self.insertcount.max(1) - 1;
+        match self.requestdistribution {
+            Distribution::Uniform => KeyChooser::Uniform { lower, upper },
+            Distribution::Zipfian => {
+                let expected_new =
+                    (self.operationcount as f64 * self.insertproportion * 2.0) as u64;
+                KeyChooser::Zipfian(ScrambledZipfian::new(
+                    lower,
+                    self.insertstart + self.insertcount + expected_new,
+                    self.zipfianconstant,
+                ))
+            }
+            Distribution::Latest => {
+                let last = (self.insertstart + self.insertcount).max(2);
+                KeyChooser::Latest(Zipfian::new(0, last - 1, self.zipfianconstant))
+            }
+            Distribution::Hotspot => KeyChooser::Hotspot(Hotspot::new(
+                lower,
+                upper,
+                self.hotspotdatafraction,
+                self.hotspotopnfraction,
+            )),
+        }
+    }
+
+    pub fn field_lengths(&self) -> FieldLengths {
+        FieldLengths {
+            kind: self.fieldlengthdistribution,
+            max: self.fieldlength,
+            zipf: Zipfian::new(1, self.fieldlength, ZIPFIAN_CONSTANT),
+        }
+    }
+}
+
+/// Draws field lengths as YCSB does.
+#[derive(Clone)]
+pub struct FieldLengths {
+    kind: FieldLength,
+    max: u64,
+    zipf: Zipfian,
+}
+
+impl FieldLengths {
+    pub fn next(&mut self, rng: &mut Rng) -> usize {
+        (match self.kind {
+            FieldLength::Constant => self.max,
+            FieldLength::Uniform => 1 + rng.below(self.max),
+            FieldLength::Zipfian => self.zipf.next(rng),
+        }) as usize
+    }
+}
+
+/// Appends one field of `len` pseudo-random printable bytes.
+fn push_field(out: &mut Vec<u8>, len: usize, rng: &mut Rng) {
+    out.extend_from_slice(&(len as u32).to_le_bytes());
+    let mut left = len;
+    while left > 0 {
+        let word = rng.next_u64().to_le_bytes();
+        for &b in word.iter().take(left) {
+            out.push(b' ' + b % 95);
+        }
+        left = left.saturating_sub(8);
+    }
+}
+
+/// A whole record of `fields` fields.
+pub fn build_record(fields: u64, lengths: &mut FieldLengths, rng: &mut Rng, out: &mut Vec<u8>) {
+    out.clear();
+    for _ in 0..fields {
+        let len = lengths.next(rng);
+        push_field(out, len, rng);
+    }
+}
+
+/// The byte ranges of a record's fields, or None if it is not a record.
+pub fn field_ranges(record: &[u8]) -> Option<Vec<std::ops::Range<usize>>> {
+    let mut ranges = Vec::new();
+    let mut at = 0;
+    while at < record.len() {
+        let len = u32::from_le_bytes(record.get(at..at + 4)?.try_into().ok()?) as usize;
+        let end = (at + 4).checked_add(len)?;
+        if end > record.len() {
+            return None;
+        }
+        ranges.push(at + 4..end);
+        at = end;
+    }
+    Some(ranges)
+}
+
+/// Replaces field `field` of `record` with fresh bytes (YCSB's update of one
+/// field, applied to the value read).
+pub fn replace_field(
+    record: &[u8],
+    field: usize,
+    lengths: &mut FieldLengths,
+    rng: &mut Rng,
+    out: &mut Vec<u8>,
+) -> Option<()> {
+    let ranges = field_ranges(record)?;
+    out.clear();
+    for (i, r) in ranges.iter().enumerate() {
+        if i == field {
+            let len = lengths.next(rng);
+            push_field(out, len, rng);
+        } else {
+            out.extend_from_slice(&record[r.start - 4..r.end]);
+        }
+    }
+    Some(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn workload(text: &str) -> Result<Workload, String> {
+        Workload::from_properties(&Properties::parse(text)).map(|(w, _)| w)
+    }
+
+    #[test]
+    fn defaults_and_overrides() {
+        let w = workload("recordcount=10\noperationcount=5\n").unwrap();
+        assert_eq!((w.fieldcount, w.fieldlength, w.threadcount), (10, 100, 1));
+        assert_eq!(w.requestdistribution, Distribution::Uniform);
+        assert!(!w.writeallfields && !w.ordered_inserts);
+        assert_eq!(w.insertcount, 10);
+        let (_, warnings) = Workload::from_properties(&Properties::parse(
+            "recordcount=1\nmongodb.url=x\nworkload=y\n",
+        ))
+        .unwrap();
+        assert_eq!(
+            warnings,
+            vec!["ignoring unknown workload property 'mongodb.url'".to_string()]
+        );
+    }
+
+    #[test]
+    fn impossible_values_name_their_key() {
+        let cases = [
+            ("recordcount=-5", "recordcount"),
+            (
+                "recordcount=10\nreadproportion=0.5\nupdateproportion=0.1",
+                "must be 1",
+            ),
+            ("recordcount=10\nreadproportion=1.5", "readproportion"),
+            (
+                "recordcount=10\nrequestdistribution=pareto",
+                "requestdistribution",
+            ),
+            (
+                "recordcount=10\nreadproportion=0.05\nupdateproportion=0\nscanproportion=0.95",
+                "range scans",
+            ),
+            ("recordcount=10\nzipfianconstant=1.2", "zipfianconstant"),
+            ("recordcount=10\nthreadcount=0", "threadcount"),
+            ("recordcount=10\nfieldcount=0", "fieldcount"),
+            ("recordcount=10\ntarget=-3", "target"),
+            ("recordcount=10\ninsertstart=20", "insertstart"),
+            ("recordcount=10\nreadallfields=maybe", "readallfields"),
+        ];
+        for (text, needle) in cases {
+            let err = workload(text).expect_err(text);
+            assert!(err.contains(needle), "{text}: {err}");
+        }
+    }
+
+    #[test]
+    fn records_have_the_configured_shape_and_updates_touch_one_field() {
+        let w = workload("recordcount=1\nfieldcount=4\nfieldlength=50\n").unwrap();
+        let mut lengths = w.field_lengths();
+        let mut rng = Rng::new(1);
+        let mut rec = Vec::new();
+        build_record(w.fieldcount, &mut lengths, &mut rng, &mut rec);
+        let ranges = field_ranges(&rec).unwrap();
+        assert_eq!(ranges.len(), 4);
+        assert!(ranges.iter().all(|r| r.len() == 50));
+        let mut updated = Vec::new();
+        replace_field(&rec, 2, &mut lengths, &mut rng, &mut updated).unwrap();
+        let new_ranges = field_ranges(&updated).unwrap();
+        for i in 0..4 {
+            let same = rec[ranges[i].clone()] == updated[new_ranges[i].clone()];
+            assert_eq!(same, i != 2, "field {i}");
+        }
+        assert!(field_ranges(&[1, 0, 0, 0]).is_none());
+    }
+}

@@ -1,0 +1,126 @@
+//! `kv-bench load|run`: a YCSB workload against onekv.
+
+use std::path::PathBuf;
+
+use clap::Args;
+
+use crate::driver::{run_phase, Phase, RunOptions};
+use crate::properties::Properties;
+use crate::report;
+use crate::store::Onekv;
+use crate::target::Target;
+use crate::workload::Workload;
+
+#[derive(Args, Clone)]
+pub struct WorkloadArgs {
+    /// YCSB workload file, e.g. benches/workloads/workloada.
+    #[arg(long, short = 'P', value_name = "FILE")]
+    pub workload: PathBuf,
+    /// Set a workload property, overriding the file (repeatable):
+    /// -p recordcount=100000 -p requestdistribution=uniform
+    #[arg(short = 'p', value_name = "KEY=VALUE")]
+    pub property: Vec<String>,
+    /// Worker threads (the same as -p threadcount=N).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Seed of every generator: one seed, one sequence of keys, values and operations.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Also write the results as JSON to this file.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    /// onekv server address; by default an embedded server on a temporary
+    /// shm region, sized for the workload.
+    #[arg(long)]
+    pub server: Option<String>,
+    /// File holding the server's shared secret.
+    #[arg(long)]
+    pub secret_file: Option<PathBuf>,
+    /// Region size of the embedded server (default: from the workload).
+    #[arg(long, value_parser = kv_common::size::parse_size)]
+    pub memory: Option<u64>,
+}
+
+impl WorkloadArgs {
+    /// The workload file with -p and --threads applied, validated; warnings
+    /// (unknown properties) are printed.
+    pub fn workload(&self) -> Result<Workload, String> {
+        let mut props = Properties::load(&self.workload)?;
+        for p in &self.property {
+            props.set_override(p)?;
+        }
+        if let Some(t) = self.threads {
+            props.set_override(&format!("threadcount={t}"))?;
+        }
+        let (w, warnings) = Workload::from_properties(&props)?;
+        for warning in warnings {
+            eprintln!("kv-bench: warning: {warning}");
+        }
+        Ok(w)
+    }
+
+    pub fn secret(&self) -> Result<Option<Vec<u8>>, String> {
+        let Some(path) = &self.secret_file else {
+            return Ok(None);
+        };
+        let mut s =
+            std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        while s.last().is_some_and(|b| *b == b'\n' || *b == b'\r') {
+            s.pop();
+        }
+        Ok(Some(s))
+    }
+
+    pub fn workload_name(&self) -> String {
+        self.workload
+            .file_name()
+            .map_or_else(|| "workload".into(), |n| n.to_string_lossy().into_owned())
+    }
+}
+
+/// Bytes a workload's data needs, with room for blocks waiting out their
+/// grace period and for the index.
+pub fn memory_for(w: &Workload) -> u64 {
+    let records = w.insertcount + (w.operationcount as f64 * w.insertproportion) as u64;
+    let record = w.fieldcount * (w.fieldlength + 4) + 64 + 64;
+    (records * record * 3).max(64 << 20) + (64 << 20)
+}
+
+pub fn run(args: WorkloadArgs, load: bool, run: bool) -> Result<(), String> {
+    let w = args.workload()?;
+    let target = Target::open(
+        args.server.as_deref(),
+        args.memory.unwrap_or_else(|| memory_for(&w)),
+    )?;
+    let store = Onekv {
+        address: target.address.clone(),
+        secret: args.secret()?,
+    };
+    println!(
+        "onekv {} on {}: {} records, {} operations, {} threads, seed {}",
+        args.workload_name(),
+        target.address,
+        w.recordcount,
+        w.operationcount,
+        w.threadcount,
+        args.seed
+    );
+    let options = RunOptions::for_terminal(args.seed);
+    let mut phases = Vec::new();
+    let mut out = std::io::stdout().lock();
+    for (wanted, phase) in [(load, Phase::Load), (run, Phase::Run)] {
+        if !wanted {
+            continue;
+        }
+        let result = run_phase(&store, &w, phase, &options)?;
+        report::print_ycsb(&mut out, &result).map_err(|e| e.to_string())?;
+        phases.push(report::phase_json("onekv", &result));
+    }
+    if let Some(path) = &args.json {
+        report::write_json(
+            path,
+            &serde_json::json!({ "workload": args.workload_name(), "phases": phases }),
+        )?;
+    }
+    Ok(())
+}

@@ -1,0 +1,185 @@
+//! kv-bench end to end: YCSB workloads over an embedded shm server.
+
+use std::process::Command;
+
+fn bench(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_kv-bench"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args(args)
+        .output()
+        .expect("run kv-bench")
+}
+
+/// Every value of a `[SECTION], name, value` line, in order (load, then run).
+fn fields(stdout: &str, section: &str, name: &str) -> Vec<f64> {
+    stdout
+        .lines()
+        .filter_map(|l| {
+            let mut parts = l.split(", ");
+            (parts.next() == Some(section) && parts.next() == Some(name))
+                .then(|| parts.next().and_then(|v| v.parse().ok()))
+                .flatten()
+        })
+        .collect()
+}
+
+fn field(stdout: &str, section: &str, name: &str) -> Option<f64> {
+    fields(stdout, section, name).first().copied()
+}
+
+#[test]
+fn runs_workload_a_and_reports_in_ycsb_format() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("a.json");
+    let out = bench(&[
+        "run",
+        "--workload",
+        "workloads/workloada",
+        "-p",
+        "recordcount=300",
+        "-p",
+        "operationcount=2000",
+        "--threads",
+        "2",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(field(&stdout, "[INSERT]", "Operations"), Some(300.0));
+    let reads = field(&stdout, "[READ]", "Operations").unwrap();
+    let updates = field(&stdout, "[UPDATE]", "Operations").unwrap();
+    assert_eq!(reads + updates, 2000.0);
+    assert!((reads - 1000.0).abs() < 150.0, "read share off: {reads}");
+    assert_eq!(field(&stdout, "[READ]", "Return=OK"), Some(reads));
+    assert_eq!(field(&stdout, "[READ]", "RoundTripsPerOp"), Some(2.0));
+    assert!(field(&stdout, "[OVERALL]", "Throughput(ops/sec)").unwrap() > 0.0);
+    assert!(field(&stdout, "[OVERALL]", "ServerCpuTime(ms)").is_some());
+
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(
+        report["phases"][1]["operations"]["READ"]["operations"].as_f64(),
+        Some(reads)
+    );
+}
+
+#[test]
+fn workload_d_reads_only_inserted_keys() {
+    let out = bench(&[
+        "--workload",
+        "workloads/workloadd",
+        "-p",
+        "operationcount=3000",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    let inserts = fields(&stdout, "[INSERT]", "Operations");
+    assert_eq!(inserts[0], 1000.0, "load phase");
+    assert!(inserts[1] > 50.0, "run-phase inserts: {inserts:?}");
+    assert_eq!(
+        field(&stdout, "[READ]", "Return=NOT_FOUND"),
+        None,
+        "{stdout}"
+    );
+}
+
+#[test]
+fn workload_f_and_target_throttling() {
+    let out = bench(&[
+        "run",
+        "--workload",
+        "workloads/workloadf",
+        "-p",
+        "operationcount=300",
+        "-p",
+        "target=1000",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    assert!(field(&stdout, "[READ-MODIFY-WRITE]", "Operations").unwrap() > 0.0);
+    // 300 operations at 1000/s cannot finish in under ~0.3 s.
+    let runtimes: Vec<f64> = stdout
+        .lines()
+        .filter(|l| l.starts_with("[OVERALL], RunTime(ms)"))
+        .filter_map(|l| l.rsplit(", ").next()?.parse().ok())
+        .collect();
+    assert!(runtimes[1] >= 290.0, "run phase took {} ms", runtimes[1]);
+}
+
+#[test]
+fn scans_and_bad_values_are_refused_with_the_key_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = dir.path().join("workloade");
+    std::fs::write(&e, "recordcount=10\nreadproportion=0\nupdateproportion=0\nscanproportion=0.95\ninsertproportion=0.05\n").unwrap();
+    let out = bench(&["run", "--workload", e.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("range scans"));
+
+    let out = bench(&[
+        "run",
+        "--workload",
+        "workloads/workloada",
+        "-p",
+        "operationcount=-1",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("operationcount"));
+
+    let out = bench(&[
+        "run",
+        "--workload",
+        "workloads/workloada",
+        "-p",
+        "recordcount=20",
+        "-p",
+        "operationcount=20",
+        "-p",
+        "hbase.table=t",
+    ]);
+    assert!(out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("unknown workload property 'hbase.table'")
+    );
+}
+
+#[test]
+fn compare_runs_the_same_workload_on_each_available_target() {
+    let out = bench(&[
+        "compare",
+        "--workload",
+        "workloads/workloadb",
+        "-p",
+        "recordcount=500",
+        "-p",
+        "operationcount=2000",
+        "--targets",
+        "onekv,lmdb,redis",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let table: Vec<&str> = stdout
+        .lines()
+        .skip_while(|l| !l.starts_with("target"))
+        .collect();
+    assert!(
+        table
+            .iter()
+            .any(|l| l.starts_with("onekv") && l.contains("1.00x")),
+        "{stdout}"
+    );
+    assert!(table.iter().any(|l| l.starts_with("lmdb")), "{stdout}");
+    // Redis is either measured or skipped with a reason, never a failure.
+    assert!(
+        stdout.contains("skipping redis") || table.iter().any(|l| l.starts_with("redis")),
+        "{stdout}"
+    );
+}
