@@ -60,15 +60,10 @@ impl WorkloadArgs {
     }
 
     pub fn secret(&self) -> Result<Option<Vec<u8>>, String> {
-        let Some(path) = &self.secret_file else {
-            return Ok(None);
-        };
-        let mut s =
-            std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-        while s.last().is_some_and(|b| *b == b'\n' || *b == b'\r') {
-            s.pop();
-        }
-        Ok(Some(s))
+        self.secret_file
+            .as_deref()
+            .map(kv_common::secret::read_secret_file)
+            .transpose()
     }
 
     pub fn workload_name(&self) -> String {

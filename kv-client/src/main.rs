@@ -48,12 +48,7 @@ fn main() -> ExitCode {
 fn run(args: Args) -> Result<ExitCode, String> {
     let mut options = ClientOptions::default();
     if let Some(path) = &args.secret_file {
-        let mut secret = std::fs::read(path)
-            .map_err(|e| format!("cannot read secret file {}: {e}", path.display()))?;
-        while secret.last().is_some_and(|b| *b == b'\n' || *b == b'\r') {
-            secret.pop();
-        }
-        options.secret = Some(secret);
+        options.secret = Some(kv_common::secret::read_secret_file(path)?);
     }
     let mut kv = Client::connect_with(&args.server, options).map_err(|e| e.to_string())?;
     let code = match args.command {

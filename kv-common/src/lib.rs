@@ -5,6 +5,7 @@
 pub mod address;
 pub mod layout;
 pub mod protocol;
+pub mod secret;
 pub mod size;
 pub mod transport;
 

@@ -75,6 +75,8 @@ pub struct ServerStats {
     pub heap_free: u64,
     pub bucket_count: u64,
     pub live_slots: u64,
+    /// CPU time the control plane spent serving clients (stats requests,
+    /// which scan the index, excluded).
     pub server_cpu_us: u64,
 }
 

@@ -96,16 +96,24 @@ pub fn serve(shared: Arc<Shared>, mut peer: Box<dyn ControlPeer>) {
         if shared.stopping.load(Relaxed) {
             break;
         }
-        let (reply, close) = match protocol::decode::<Request>(&bytes) {
-            Ok(request) => handle(&shared, &mut client, request),
+        let (reply, close, observing) = match protocol::decode::<Request>(&bytes) {
+            Ok(request) => {
+                let observing = request == Request::Stats;
+                let (reply, close) = handle(&shared, &mut client, request);
+                (reply, close, observing)
+            }
             Err(e) => {
                 c.malformed.fetch_add(1, Relaxed);
-                (error(ErrorKind::Malformed, e.to_string()), false)
+                (error(ErrorKind::Malformed, e.to_string()), false, false)
             }
         };
         let sent = send(&mut *peer, &reply);
         let now = thread_cpu_us();
-        c.cpu_us.fetch_add(now.saturating_sub(cpu_mark), Relaxed);
+        // Stats requests scan the index; counting them would make every
+        // measurement of the server's CPU time perturb itself.
+        if !observing {
+            c.cpu_us.fetch_add(now.saturating_sub(cpu_mark), Relaxed);
+        }
         cpu_mark = now;
         if close || sent.is_err() {
             break;

@@ -62,15 +62,7 @@ fn run(args: Args) -> Result<(), String> {
     config.buckets = args.buckets;
     config.op_deadline = Duration::from_millis(args.op_deadline_ms);
     if let Some(path) = &args.secret_file {
-        let mut secret = std::fs::read(path)
-            .map_err(|e| format!("cannot read secret file {}: {e}", path.display()))?;
-        while secret.last().is_some_and(|b| *b == b'\n' || *b == b'\r') {
-            secret.pop();
-        }
-        if secret.is_empty() {
-            return Err(format!("secret file {} is empty", path.display()));
-        }
-        config.secret = Some(secret);
+        config.secret = Some(kv_common::secret::read_secret_file(path)?);
     }
 
     let (stop_tx, stop_rx) = mpsc::channel();
