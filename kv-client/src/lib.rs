@@ -242,8 +242,9 @@ impl Client {
             local: BLOCK_AT,
             len: used.div_ceil(8) as usize * 8,
         };
-        let result = self.publish(key, &kh, new, write);
-        if result.is_err() {
+        let mut published = false;
+        let result = self.publish(key, &kh, new, write, &mut published);
+        if result.is_err() && !published {
             // Never published: nobody can be reading it.
             self.alloc.release(offset, class);
         }
@@ -251,8 +252,16 @@ impl Client {
     }
 
     /// Writes the block (with the first bucket read) and CASes it into the
-    /// key's slot, or an empty one.
-    fn publish(&mut self, key: &[u8], kh: &KeyHash, new: Slot, write: Verb) -> Result<()> {
+    /// key's slot, or an empty one. `published` is set once the CAS landed:
+    /// from then on the block belongs to the index, whatever fails later.
+    fn publish(
+        &mut self,
+        key: &[u8],
+        kh: &KeyHash,
+        new: Slot,
+        write: Verb,
+        published: &mut bool,
+    ) -> Result<()> {
         let mut pending_write = Some(write);
         for _ in 0..self.options.max_attempts {
             let started = Instant::now();
@@ -271,6 +280,7 @@ impl Client {
                     continue;
                 }
                 if self.cas(pos, old, new)? {
+                    *published = true;
                     self.alloc.release(old.offset(), old.class());
                     // Copies above ours belong to inserts still in flight,
                     // which remove them themselves; trying here only helps.
@@ -285,6 +295,7 @@ impl Client {
                 .ok_or(Error::IndexFull)?;
             let pos = slot_pos(kh, empty);
             if self.cas(pos, Slot::EMPTY, new)? {
+                *published = true;
                 return self.resolve_insert(key, kh, pos, new);
             }
         }

@@ -30,7 +30,7 @@ pub struct Counters {
 
 pub struct Shared {
     pub geometry: Geometry,
-    pub region: SharedRegion,
+    pub region: Arc<SharedRegion>,
     pub remote: RemoteRegion,
     pub secret: Option<Vec<u8>>,
     pub op_deadline: Duration,

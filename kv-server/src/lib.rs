@@ -13,8 +13,7 @@ use std::time::Duration;
 
 use kv_common::layout::Geometry;
 use kv_common::protocol::ServerStats;
-use kv_common::transport::shm::ShmListener;
-use kv_common::transport::{RemoteRegion, TransportError};
+use kv_common::transport::{self, ControlListener, TransportError};
 use kv_common::Address;
 
 mod control;
@@ -43,6 +42,9 @@ pub struct ServerConfig {
     pub buckets: Option<u64>,
     /// When set, clients must present it to connect.
     pub secret: Option<Vec<u8>>,
+    /// File backing the region of an rdma server (a shm address names its
+    /// own); by default /dev/shm/onekv-rdma-PORT.
+    pub region_file: Option<PathBuf>,
     /// Longest a client's one-sided operation may take before it retries;
     /// freed space is reused only after four of these.
     pub op_deadline: Duration,
@@ -55,6 +57,7 @@ impl ServerConfig {
             memory: 1 << 30,
             buckets: None,
             secret: None,
+            region_file: None,
             op_deadline: Duration::from_millis(50),
         }
     }
@@ -68,7 +71,7 @@ impl ServerConfig {
 /// A running server. Dropping it shuts it down.
 pub struct Server {
     shared: Arc<Shared>,
-    listener: Arc<ShmListener>,
+    listener: Arc<dyn ControlListener>,
     address: Address,
     accept: Option<JoinHandle<()>>,
     created: bool,
@@ -76,23 +79,13 @@ pub struct Server {
 
 impl Server {
     pub fn start(config: ServerConfig) -> Result<Server, ServerError> {
-        let path = match &config.address {
-            Address::Shm { region } => region.clone(),
-            Address::Rdma { .. } => {
-                return Err(ServerError::Config(format!(
-                    "{}: this build has no rdma backend (build with --features rdma)",
-                    config.address
-                )))
-            }
-        };
+        let path = region_path(&config)?;
         if config.op_deadline.is_zero() {
             return Err(ServerError::Config("op deadline must be positive".into()));
         }
         let wanted = Geometry::for_memory(config.memory, config.buckets)
             .map_err(|e| ServerError::Config(e.to_string()))?;
-        // Bind first: a second server on the same region must fail before it
-        // re-registers (and so cuts off) the first one's clients.
-        let listener = Arc::new(ShmListener::bind(&path)?);
+        let mut listener = transport::bind(&config.address)?;
         let opened = region::open_or_create(&path, &wanted)?;
         let geometry = opened.geometry;
         let live = if opened.created {
@@ -108,7 +101,9 @@ impl Server {
             config.grace(),
             live,
         );
-        let rkey = region::register(&opened.region)?;
+        let region = Arc::new(opened.region);
+        let remote = listener.register(region.clone())?;
+        let listener: Arc<dyn ControlListener> = Arc::from(listener);
         if !opened.created {
             // Clients of a previous server may have a verb in flight into
             // space that is free again now; let them fail on the new key first.
@@ -126,12 +121,8 @@ impl Server {
         );
         let shared = Arc::new(Shared {
             geometry,
-            remote: RemoteRegion {
-                base: 0,
-                len: geometry.region_len,
-                rkey,
-            },
-            region: opened.region,
+            remote,
+            region,
             secret: config.secret.clone(),
             op_deadline: config.op_deadline,
             pool: Mutex::new(pool),
@@ -190,9 +181,7 @@ impl Server {
             self.shared.stopping.store(true, Ordering::SeqCst);
             self.listener.wake();
             let _ = accept.join();
-            if let Err(e) = region::deregister(&self.shared.region) {
-                tracing::warn!("deregistering the region: {e}");
-            }
+            self.listener.deregister();
             if let Err(e) = self.shared.region.flush() {
                 tracing::warn!("flushing the region: {e}");
             }
@@ -206,7 +195,19 @@ impl Drop for Server {
     }
 }
 
-fn accept_loop(shared: Arc<Shared>, listener: Arc<ShmListener>) {
+/// The file that holds the region: named by a shm address, or given for
+/// an rdma one (`region_file`), or a default in /dev/shm.
+fn region_path(config: &ServerConfig) -> Result<PathBuf, ServerError> {
+    match (&config.address, &config.region_file) {
+        (_, Some(path)) => Ok(path.clone()),
+        (Address::Shm { region }, None) => Ok(region.clone()),
+        (Address::Rdma { port, .. }, None) => {
+            Ok(PathBuf::from(format!("/dev/shm/onekv-rdma-{port}")))
+        }
+    }
+}
+
+fn accept_loop(shared: Arc<Shared>, listener: Arc<dyn ControlListener>) {
     loop {
         let peer = listener.accept();
         if shared.stopping.load(Ordering::SeqCst) {
@@ -217,7 +218,7 @@ fn accept_loop(shared: Arc<Shared>, listener: Arc<ShmListener>) {
                 let shared = shared.clone();
                 let spawned = std::thread::Builder::new()
                     .name("kv-control".into())
-                    .spawn(move || control::serve(shared, Box::new(peer)));
+                    .spawn(move || control::serve(shared, peer));
                 if let Err(e) = spawned {
                     tracing::error!("cannot start a control thread: {e}");
                 }

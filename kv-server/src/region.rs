@@ -1,12 +1,10 @@
 //! The server's side of the region: create it, or reopen and validate an
-//! existing one (never overwriting a file it does not understand), register
-//! it with a fresh access key, and scan the index for live blocks.
+//! existing one (never overwriting a file it does not understand), and scan
+//! the index for live blocks.
 
 use std::path::Path;
 
-use kv_common::layout::{
-    Geometry, KeyHash, Slot, BUCKET_BYTES, HEADER_RKEY_OFFSET, SLOTS_PER_BUCKET,
-};
+use kv_common::layout::{Geometry, KeyHash, Slot, BUCKET_BYTES, SLOTS_PER_BUCKET};
 use kv_common::protocol::Extent;
 use kv_common::transport::shm::SharedRegion;
 use kv_common::transport::TransportError;
@@ -72,22 +70,6 @@ fn transport(path: &Path, e: TransportError) -> ServerError {
         path: path.to_path_buf(),
         reason: e.to_string(),
     }
-}
-
-/// Publishes a new access key; verbs carrying any older key now fail.
-pub fn register(region: &SharedRegion) -> Result<u32, TransportError> {
-    let rkey = loop {
-        let k: u32 = rand::random();
-        if k != 0 && k as u64 != region.load(HEADER_RKEY_OFFSET)? {
-            break k;
-        }
-    };
-    region.store(HEADER_RKEY_OFFSET, rkey as u64)?;
-    Ok(rkey)
-}
-
-pub fn deregister(region: &SharedRegion) -> Result<(), TransportError> {
-    region.store(HEADER_RKEY_OFFSET, 0)
 }
 
 /// Calls `f` for every occupied slot of the index (server-side reads only).

@@ -123,6 +123,34 @@ pub trait ControlPeer: Send {
     fn send(&mut self, bytes: &[u8]) -> Result<(), TransportError>;
 }
 
+/// The server's side of a backend: it registers the region and accepts
+/// clients' control channels.
+pub trait ControlListener: Send + Sync {
+    /// Registers the region for one-sided access and says how clients name
+    /// it. Every registration has a new access key.
+    fn register(
+        &mut self,
+        region: std::sync::Arc<shm::SharedRegion>,
+    ) -> Result<RemoteRegion, TransportError>;
+    /// Revokes the registration: verbs with its key fail from now on.
+    fn deregister(&self);
+    fn accept(&self) -> Result<Box<dyn ControlPeer>, TransportError>;
+    /// Unblocks a thread waiting in `accept` (used at shutdown).
+    fn wake(&self);
+}
+
+/// Starts listening at `address`. This comes before the region is opened,
+/// so that a second server on the same address fails before it can
+/// re-register (and so cut off) the first one's clients.
+pub fn bind(address: &Address) -> Result<Box<dyn ControlListener>, TransportError> {
+    match address {
+        Address::Shm { region } => Ok(Box::new(shm::ShmListener::bind(region)?)),
+        Address::Rdma { .. } => Err(TransportError::Unsupported(format!(
+            "{address}: this build has no rdma backend (build with --features rdma)"
+        ))),
+    }
+}
+
 /// Opens a control channel to the server at `address`.
 pub fn connect(address: &Address) -> Result<Box<dyn Connection>, TransportError> {
     match address {

@@ -12,12 +12,13 @@ use std::fs::{File, OpenOptions};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{fence, AtomicU64, Ordering};
+use std::sync::Arc;
 
 use memmap2::MmapRaw;
 
 use super::{
-    frame_call, read_frame, write_frame, Connection, ControlPeer, RemoteRegion, TransportError,
-    Verb, VerbStats,
+    frame_call, read_frame, write_frame, Connection, ControlListener, ControlPeer, RemoteRegion,
+    TransportError, Verb, VerbStats,
 };
 use crate::layout::HEADER_RKEY_OFFSET;
 use crate::protocol::{Request, Response};
@@ -314,10 +315,12 @@ impl ShmConnection {
     }
 }
 
-/// The server's control socket.
+/// The server's control socket, and the registration of its region: the
+/// access key lives in the region header, where clients' verbs check it.
 pub struct ShmListener {
     listener: UnixListener,
     socket: PathBuf,
+    region: Option<Arc<SharedRegion>>,
 }
 
 impl ShmListener {
@@ -335,16 +338,58 @@ impl ShmListener {
             std::fs::remove_file(&socket)?;
         }
         let listener = UnixListener::bind(&socket)?;
-        Ok(ShmListener { listener, socket })
+        Ok(ShmListener {
+            listener,
+            socket,
+            region: None,
+        })
+    }
+}
+
+/// A fresh nonzero access key, different from `old`.
+fn new_rkey(old: u64) -> u32 {
+    let mut seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+        ^ (std::process::id() as u64) << 32;
+    loop {
+        // SplitMix64 step: enough to make keys of successive servers differ.
+        seed = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = seed;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        let k = (z ^ (z >> 31)) as u32;
+        if k != 0 && k as u64 != old {
+            return k;
+        }
+    }
+}
+
+impl ControlListener for ShmListener {
+    fn register(&mut self, region: Arc<SharedRegion>) -> Result<RemoteRegion, TransportError> {
+        let rkey = new_rkey(region.load(HEADER_RKEY_OFFSET)?);
+        region.store(HEADER_RKEY_OFFSET, rkey as u64)?;
+        let remote = RemoteRegion {
+            base: 0,
+            len: region.len(),
+            rkey,
+        };
+        self.region = Some(region);
+        Ok(remote)
     }
 
-    pub fn accept(&self) -> Result<ShmPeer, TransportError> {
+    fn deregister(&self) {
+        if let Some(region) = &self.region {
+            let _ = region.store(HEADER_RKEY_OFFSET, 0);
+        }
+    }
+
+    fn accept(&self) -> Result<Box<dyn ControlPeer>, TransportError> {
         let (stream, _) = self.listener.accept()?;
-        Ok(ShmPeer { stream })
+        Ok(Box::new(ShmPeer { stream }))
     }
 
-    /// Unblocks a thread waiting in `accept` (used at shutdown).
-    pub fn wake(&self) {
+    fn wake(&self) {
         let _ = UnixStream::connect(&self.socket);
     }
 }
