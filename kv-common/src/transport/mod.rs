@@ -8,6 +8,8 @@ use serde::{Deserialize, Serialize};
 use crate::protocol::{CodecError, Request, Response};
 use crate::Address;
 
+#[cfg(feature = "rdma")]
+pub mod rdma;
 pub mod shm;
 
 /// A region registered by the server, as a client names it.
@@ -66,6 +68,28 @@ impl VerbStats {
             atomics: self.atomics - earlier.atomics,
             cas_failures: self.cas_failures - earlier.cas_failures,
         }
+    }
+
+    /// Counts one completed batch (one round trip); CAS results are read
+    /// back from the local buffer to count failures.
+    pub fn record_batch(&mut self, verbs: &[Verb], local: &[u8]) {
+        for v in verbs {
+            match *v {
+                Verb::Read { len, .. } => self.bytes_read += len as u64,
+                Verb::Write { len, .. } => self.bytes_written += len as u64,
+                Verb::Cas {
+                    local: at, expect, ..
+                } => {
+                    self.atomics += 1;
+                    if read_u64(local, at) != expect {
+                        self.cas_failures += 1;
+                    }
+                }
+                Verb::FetchAdd { .. } => self.atomics += 1,
+            }
+        }
+        self.verbs += verbs.len() as u64;
+        self.round_trips += 1;
     }
 
     pub fn add(&mut self, other: &VerbStats) {
@@ -145,9 +169,10 @@ pub trait ControlListener: Send + Sync {
 pub fn bind(address: &Address) -> Result<Box<dyn ControlListener>, TransportError> {
     match address {
         Address::Shm { region } => Ok(Box::new(shm::ShmListener::bind(region)?)),
-        Address::Rdma { .. } => Err(TransportError::Unsupported(format!(
-            "{address}: this build has no rdma backend (build with --features rdma)"
-        ))),
+        #[cfg(feature = "rdma")]
+        Address::Rdma { host, port } => Ok(Box::new(rdma::RdmaListener::bind(host, *port)?)),
+        #[cfg(not(feature = "rdma"))]
+        Address::Rdma { .. } => Err(no_rdma(address)),
     }
 }
 
@@ -155,10 +180,18 @@ pub fn bind(address: &Address) -> Result<Box<dyn ControlListener>, TransportErro
 pub fn connect(address: &Address) -> Result<Box<dyn Connection>, TransportError> {
     match address {
         Address::Shm { region } => Ok(Box::new(shm::ShmConnection::connect(region)?)),
-        Address::Rdma { .. } => Err(TransportError::Unsupported(format!(
-            "{address}: this build has no rdma backend (build with --features rdma)"
-        ))),
+        #[cfg(feature = "rdma")]
+        Address::Rdma { host, port } => Ok(Box::new(rdma::RdmaConnection::connect(host, *port)?)),
+        #[cfg(not(feature = "rdma"))]
+        Address::Rdma { .. } => Err(no_rdma(address)),
     }
+}
+
+#[cfg(not(feature = "rdma"))]
+fn no_rdma(address: &Address) -> TransportError {
+    TransportError::Unsupported(format!(
+        "{address}: this build has no rdma backend (build with --features rdma)"
+    ))
 }
 
 /// Reads a little-endian u64 out of a local buffer.

@@ -75,6 +75,11 @@ impl SharedRegion {
         self.map.len() as u64
     }
 
+    /// Start of the mapping, for registering it with an RDMA device.
+    pub fn as_mut_ptr(&self) -> *mut u8 {
+        self.map.as_mut_ptr()
+    }
+
     pub fn is_empty(&self) -> bool {
         self.map.len() == 0
     }
@@ -281,12 +286,10 @@ impl ShmConnection {
         for verb in verbs {
             match *verb {
                 Verb::Read { remote, local, len } => {
-                    region.read(remote, self.local_words(local, len)?)?;
-                    self.stats.bytes_read += len as u64;
+                    region.read(remote, self.local_words(local, len)?)?
                 }
                 Verb::Write { remote, local, len } => {
-                    region.write(remote, self.local_words(local, len)?)?;
-                    self.stats.bytes_written += len as u64;
+                    region.write(remote, self.local_words(local, len)?)?
                 }
                 Verb::Cas {
                     remote,
@@ -295,22 +298,17 @@ impl ShmConnection {
                     swap,
                 } => {
                     let dst = self.local_words(local, 8)?;
-                    let old = region.cas(remote, expect, swap)?;
-                    dst[0] = old;
-                    self.stats.atomics += 1;
-                    if old != expect {
-                        self.stats.cas_failures += 1;
-                    }
+                    dst[0] = region.cas(remote, expect, swap)?;
                 }
                 Verb::FetchAdd { remote, local, add } => {
                     let dst = self.local_words(local, 8)?;
                     dst[0] = region.fetch_add(remote, add)?;
-                    self.stats.atomics += 1;
                 }
             }
         }
-        self.stats.verbs += verbs.len() as u64;
-        self.stats.round_trips += 1;
+        let mut stats = self.stats;
+        stats.record_batch(verbs, self.local());
+        self.stats = stats;
         Ok(())
     }
 }

@@ -1,0 +1,438 @@
+//! The rdma backend: RC queue pairs over libibverbs. Queue-pair numbers,
+//! PSNs and GIDs are exchanged over a short TCP handshake; after it, control
+//! messages are Send/Recv on the queue pair and data is one-sided READ,
+//! WRITE, CAS and FETCH-AND-ADD on the server's registered region.
+//!
+//! The TCP socket stays open for the connection's life: the server watches
+//! it to learn that a client has gone (an RC queue pair only notices a dead
+//! peer when it next sends).
+//!
+//! Device and GID come from `ONEKV_RDMA_DEVICE` (default: the first device)
+//! and `ONEKV_RDMA_GID_INDEX` (default 1, the IPv4-mapped RoCEv2 GID on
+//! RoCE; use 0 on InfiniBand).
+
+mod verbs;
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::AsRawFd;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use verbs::{Completion, Cq, Device, Endpoint, Mr, Op, Pd, Qp, SendWr, LOCAL_ONLY, REMOTE_ALL};
+
+use super::{
+    read_frame, write_frame, Connection, ControlListener, ControlPeer, RemoteRegion,
+    TransportError, Verb, VerbStats,
+};
+use crate::protocol::{self, Request, Response, MAX_MESSAGE};
+use crate::transport::shm::SharedRegion;
+
+/// Receive buffers posted per connection, each MAX_MESSAGE long.
+const RECV_SLOTS: usize = 4;
+/// Work requests one batch may hold.
+const MAX_BATCH: usize = 64;
+const SEND_WR_ID: u64 = u64::MAX;
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+const REPLY_TIMEOUT: Duration = Duration::from_secs(30);
+
+fn open_device() -> Result<Arc<Device>, TransportError> {
+    let name = std::env::var("ONEKV_RDMA_DEVICE").ok();
+    let gid_index = match std::env::var("ONEKV_RDMA_GID_INDEX") {
+        Ok(v) => v.parse().map_err(|_| {
+            TransportError::Unsupported(format!("ONEKV_RDMA_GID_INDEX={v} is not a number"))
+        })?,
+        Err(_) => 1,
+    };
+    Device::open(name.as_deref(), gid_index).map_err(TransportError::Io)
+}
+
+fn completion_error(c: &Completion) -> TransportError {
+    let text = c.status_text();
+    if c.is_remote_access_error() {
+        TransportError::RemoteAccess(format!(
+            "{text} (bad rkey or range: the server re-registered its region)"
+        ))
+    } else if c.is_rnr() {
+        TransportError::Disconnected(format!("{text}: the peer posted no receive"))
+    } else if c.is_retry_exceeded() {
+        TransportError::Disconnected(format!("{text}: the peer is unreachable"))
+    } else if c.is_flushed() {
+        TransportError::Disconnected(format!("{text}: the queue pair is in error"))
+    } else {
+        TransportError::Io(std::io::Error::other(format!("work completion: {text}")))
+    }
+}
+
+/// The resources of one end of a connection: a queue pair with its
+/// completion queues and the registered control buffers.
+struct Channel {
+    qp: Qp,
+    ctrl_send: Mr,
+    ctrl_recv: Mr,
+    tcp: TcpStream,
+    /// Set once a completion failed: the queue pair is in error state and
+    /// is not reused (the client reconnects).
+    broken: Option<String>,
+}
+
+impl Channel {
+    fn new(pd: &Arc<Pd>, tcp: TcpStream, wait_events: bool) -> Result<Channel, TransportError> {
+        let device = &pd.device;
+        let send_cq = Cq::new(device, MAX_BATCH as i32 * 2, false)?;
+        let recv_cq = Cq::new(device, RECV_SLOTS as i32 * 2, wait_events)?;
+        let qp = Qp::new(pd, send_cq, recv_cq, MAX_BATCH as u32, RECV_SLOTS as u32)?;
+        let ctrl_send = Mr::alloc(pd, MAX_MESSAGE, LOCAL_ONLY)?;
+        let ctrl_recv = Mr::alloc(pd, MAX_MESSAGE * RECV_SLOTS, LOCAL_ONLY)?;
+        // Receives go up before our endpoint is sent, so the peer can never
+        // Send into an empty receive queue.
+        for slot in 0..RECV_SLOTS {
+            qp.post_recv(slot as u64, &ctrl_recv, slot * MAX_MESSAGE, MAX_MESSAGE)?;
+        }
+        Ok(Channel {
+            qp,
+            ctrl_send,
+            ctrl_recv,
+            tcp,
+            broken: None,
+        })
+    }
+
+    fn exchange(&mut self, we_go_first: bool) -> Result<(), TransportError> {
+        let mine = protocol::encode(&self.qp.endpoint())?;
+        let theirs = if we_go_first {
+            write_frame(&mut self.tcp, &mine)?;
+            read_frame(&mut self.tcp)?
+        } else {
+            let theirs = read_frame(&mut self.tcp)?;
+            write_frame(&mut self.tcp, &mine)?;
+            theirs
+        };
+        let theirs = theirs
+            .ok_or_else(|| TransportError::Disconnected("peer left during the handshake".into()))?;
+        let remote: Endpoint = protocol::decode(&theirs)?;
+        self.qp.connect(&remote)?;
+        Ok(())
+    }
+
+    fn check(&self) -> Result<(), TransportError> {
+        match &self.broken {
+            Some(why) => Err(TransportError::Disconnected(why.clone())),
+            None => Ok(()),
+        }
+    }
+
+    fn fail<T>(&mut self, e: TransportError) -> Result<T, TransportError> {
+        if matches!(
+            e,
+            TransportError::Disconnected(_)
+                | TransportError::RemoteAccess(_)
+                | TransportError::Io(_)
+        ) {
+            self.broken = Some(e.to_string());
+        }
+        Err(e)
+    }
+
+    /// Posts work requests and busy-waits for all their completions.
+    fn run(&mut self, wrs: &[SendWr]) -> Result<(), TransportError> {
+        self.check()?;
+        if let Err(e) = self.qp.post_send(wrs) {
+            return self.fail(TransportError::Io(e));
+        }
+        let mut done = Vec::with_capacity(wrs.len());
+        let deadline = Instant::now() + REPLY_TIMEOUT;
+        while done.len() < wrs.len() {
+            let missing = wrs.len() - done.len();
+            if self.qp.send_cq.poll(&mut done, missing)? == 0 && Instant::now() > deadline {
+                return self.fail(TransportError::Disconnected(
+                    "no completion from the device".into(),
+                ));
+            }
+        }
+        if let Some(bad) = done.iter().find(|c| !c.ok()) {
+            let e = completion_error(bad);
+            return self.fail(e);
+        }
+        Ok(())
+    }
+
+    fn send(&mut self, bytes: &[u8]) -> Result<(), TransportError> {
+        if bytes.len() > MAX_MESSAGE {
+            return Err(protocol::CodecError::TooLarge(bytes.len()).into());
+        }
+        self.ctrl_send.bytes_mut()[..bytes.len()].copy_from_slice(bytes);
+        let wr = SendWr {
+            wr_id: SEND_WR_ID,
+            op: Op::Send,
+            local_addr: self.ctrl_send.addr(),
+            len: bytes.len() as u32,
+            lkey: self.ctrl_send.lkey(),
+        };
+        self.run(&[wr])
+    }
+
+    /// Takes one received message, if there is one, and reposts its buffer.
+    fn take_received(&mut self) -> Result<Option<Vec<u8>>, TransportError> {
+        let mut got = Vec::new();
+        if self.qp.recv_cq.poll(&mut got, 1)? == 0 {
+            return Ok(None);
+        }
+        let c = got[0];
+        if !c.ok() {
+            let e = completion_error(&c);
+            return self.fail(e);
+        }
+        let slot = c.wr_id as usize;
+        let at = slot * MAX_MESSAGE;
+        let bytes = self.ctrl_recv.bytes()[at..at + c.byte_len as usize].to_vec();
+        self.qp
+            .post_recv(c.wr_id, &self.ctrl_recv, at, MAX_MESSAGE)?;
+        Ok(Some(bytes))
+    }
+}
+
+/// A client's connection to an rdma server.
+pub struct RdmaConnection {
+    pd: Arc<Pd>,
+    channel: Channel,
+    local: Option<Mr>,
+    remote: Option<RemoteRegion>,
+    stats: VerbStats,
+}
+
+impl RdmaConnection {
+    pub fn connect(host: &str, port: u16) -> Result<RdmaConnection, TransportError> {
+        let address = format!("rdma://{host}:{port}");
+        let unreachable = |source| TransportError::Unreachable {
+            address: address.clone(),
+            source,
+        };
+        let addr = (host, port)
+            .to_socket_addrs()
+            .map_err(unreachable)?
+            .next()
+            .ok_or_else(|| unreachable(std::io::Error::other("no address")))?;
+        let tcp = TcpStream::connect_timeout(&addr, HANDSHAKE_TIMEOUT).map_err(unreachable)?;
+        tcp.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
+        let device = open_device()?;
+        let pd = Pd::new(device)?;
+        let mut channel = Channel::new(&pd, tcp, false)?;
+        channel.exchange(true)?;
+        channel.tcp.set_read_timeout(None)?;
+        Ok(RdmaConnection {
+            pd,
+            channel,
+            local: None,
+            remote: None,
+            stats: VerbStats::default(),
+        })
+    }
+
+    fn wrs(&self, verbs: &[Verb]) -> Result<Vec<SendWr>, TransportError> {
+        let (local, remote) = match (&self.local, &self.remote) {
+            (Some(l), Some(r)) => (l, r),
+            _ => return Err(TransportError::NotAttached),
+        };
+        if verbs.len() > MAX_BATCH {
+            return Err(TransportError::LocalAccess(format!(
+                "batch of {} verbs exceeds {MAX_BATCH}",
+                verbs.len()
+            )));
+        }
+        let mut wrs = Vec::with_capacity(verbs.len());
+        for (i, v) in verbs.iter().enumerate() {
+            let (off, loc, len) = match *v {
+                Verb::Read { remote, local, len } | Verb::Write { remote, local, len } => {
+                    (remote, local, len)
+                }
+                Verb::Cas { remote, local, .. } | Verb::FetchAdd { remote, local, .. } => {
+                    (remote, local, 8)
+                }
+            };
+            if off.checked_add(len as u64).is_none_or(|e| e > remote.len) {
+                return Err(TransportError::RemoteAccess(format!(
+                    "range {off}+{len} outside the registered {} bytes",
+                    remote.len
+                )));
+            }
+            if loc.checked_add(len).is_none_or(|e| e > local.len()) {
+                return Err(TransportError::LocalAccess(format!(
+                    "local range {loc}+{len} outside the buffer"
+                )));
+            }
+            let remote_addr = remote.base + off;
+            let rkey = remote.rkey;
+            let op = match *v {
+                Verb::Read { .. } => Op::Read { remote_addr, rkey },
+                Verb::Write { .. } => Op::Write { remote_addr, rkey },
+                Verb::Cas { expect, swap, .. } => Op::Cas {
+                    remote_addr,
+                    rkey,
+                    expect,
+                    swap,
+                },
+                Verb::FetchAdd { add, .. } => Op::FetchAdd {
+                    remote_addr,
+                    rkey,
+                    add,
+                },
+            };
+            wrs.push(SendWr {
+                wr_id: i as u64,
+                op,
+                local_addr: local.addr() + loc as u64,
+                len: len as u32,
+                lkey: local.lkey(),
+            });
+        }
+        Ok(wrs)
+    }
+}
+
+impl Connection for RdmaConnection {
+    fn call(&mut self, request: &Request) -> Result<Response, TransportError> {
+        let bytes = protocol::encode(request)?;
+        self.channel.send(&bytes)?;
+        let deadline = Instant::now() + REPLY_TIMEOUT;
+        loop {
+            if let Some(reply) = self.channel.take_received()? {
+                return Ok(protocol::decode(&reply)?);
+            }
+            if Instant::now() > deadline {
+                return self.channel.fail(TransportError::Disconnected(
+                    "no reply from the server".into(),
+                ));
+            }
+            std::thread::yield_now();
+        }
+    }
+
+    fn attach(&mut self, region: &RemoteRegion, local_len: usize) -> Result<(), TransportError> {
+        self.local = Some(Mr::alloc(&self.pd, local_len, LOCAL_ONLY)?);
+        self.remote = Some(*region);
+        Ok(())
+    }
+
+    fn local(&self) -> &[u8] {
+        self.local.as_ref().map_or(&[], Mr::bytes)
+    }
+
+    fn local_mut(&mut self) -> &mut [u8] {
+        match &mut self.local {
+            Some(mr) => mr.bytes_mut(),
+            None => &mut [],
+        }
+    }
+
+    fn post(&mut self, verbs: &[Verb]) -> Result<(), TransportError> {
+        let wrs = self.wrs(verbs)?;
+        self.channel.run(&wrs)?;
+        let local = self.local.as_ref().map_or(&[][..], Mr::bytes);
+        self.stats.record_batch(verbs, local);
+        Ok(())
+    }
+
+    fn stats(&self) -> &VerbStats {
+        &self.stats
+    }
+}
+
+/// The server's listener: a TCP socket for handshakes, and the device on
+/// which the region is registered.
+pub struct RdmaListener {
+    tcp: TcpListener,
+    pd: Arc<Pd>,
+    mr: Mutex<Option<Mr>>,
+}
+
+impl RdmaListener {
+    pub fn bind(host: &str, port: u16) -> Result<RdmaListener, TransportError> {
+        let tcp = TcpListener::bind((host, port))?;
+        let device = open_device()?;
+        if device.atomic_cap == 0 {
+            return Err(TransportError::Unsupported(format!(
+                "RDMA device {} does not support atomics; onekv needs CAS",
+                device.name
+            )));
+        }
+        let pd = Pd::new(device)?;
+        Ok(RdmaListener {
+            tcp,
+            pd,
+            mr: Mutex::new(None),
+        })
+    }
+}
+
+impl ControlListener for RdmaListener {
+    fn register(&mut self, region: Arc<SharedRegion>) -> Result<RemoteRegion, TransportError> {
+        let mr = Mr::region(&self.pd, region, REMOTE_ALL)?;
+        let remote = RemoteRegion {
+            base: mr.addr(),
+            len: mr.len() as u64,
+            rkey: mr.rkey(),
+        };
+        if let Ok(mut slot) = self.mr.lock() {
+            *slot = Some(mr);
+        }
+        Ok(remote)
+    }
+
+    fn deregister(&self) {
+        if let Ok(mut slot) = self.mr.lock() {
+            slot.take();
+        }
+    }
+
+    fn accept(&self) -> Result<Box<dyn ControlPeer>, TransportError> {
+        let (tcp, _) = self.tcp.accept()?;
+        tcp.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
+        let mut channel = Channel::new(&self.pd, tcp, true)?;
+        channel.exchange(false)?;
+        channel.tcp.set_read_timeout(None)?;
+        Ok(Box::new(RdmaPeer { channel }))
+    }
+
+    fn wake(&self) {
+        if let Ok(addr) = self.tcp.local_addr() {
+            let _ = TcpStream::connect_timeout(&addr, Duration::from_secs(1));
+        }
+    }
+}
+
+pub struct RdmaPeer {
+    channel: Channel,
+}
+
+impl ControlPeer for RdmaPeer {
+    fn recv(&mut self) -> Result<Option<Vec<u8>>, TransportError> {
+        loop {
+            match self.channel.take_received() {
+                Ok(Some(bytes)) => return Ok(Some(bytes)),
+                Ok(None) => {}
+                Err(_) => return Ok(None),
+            }
+            let fd = self.channel.tcp.as_raw_fd();
+            if !self.channel.qp.recv_cq.wait_event_or(fd)? {
+                // The handshake socket became readable: the client closed
+                // it (or died). Nothing else is ever sent on it.
+                let mut probe = [0u8; 1];
+                match self.channel.tcp.read(&mut probe) {
+                    Ok(0) | Err(_) => return Ok(None),
+                    Ok(_) => return Ok(None),
+                }
+            }
+        }
+    }
+
+    fn send(&mut self, bytes: &[u8]) -> Result<(), TransportError> {
+        self.channel.send(bytes)
+    }
+}
+
+impl Drop for RdmaConnection {
+    fn drop(&mut self) {
+        let _ = self.channel.tcp.flush();
+    }
+}

@@ -1,0 +1,670 @@
+//! A small safe layer over libibverbs (through rdma-sys): device, protection
+//! domain, memory regions, completion queues and RC queue pairs. This is the
+//! only `unsafe` code of the rdma backend; every pointer it holds is owned by
+//! one of these types and released in its Drop, after what depends on it.
+
+use std::ffi::CStr;
+use std::io;
+use std::os::fd::RawFd;
+use std::sync::Arc;
+
+use rdma_sys::*;
+use serde::{Deserialize, Serialize};
+
+use crate::transport::shm::SharedRegion;
+
+fn os_error(what: &str) -> io::Error {
+    let e = io::Error::last_os_error();
+    io::Error::new(e.kind(), format!("{what}: {e}"))
+}
+
+/// An opened RDMA device, its port 1, and the GID this endpoint uses.
+pub struct Device {
+    ctx: *mut ibv_context,
+    pub name: String,
+    pub port: u8,
+    pub gid_index: u8,
+    pub gid: [u8; 16],
+    pub lid: u16,
+    pub mtu: ibv_mtu::Type,
+    /// Outstanding RDMA READs/atomics per QP the device allows.
+    pub max_rd_atomic: u8,
+    pub atomic_cap: ibv_atomic_cap::Type,
+}
+
+// SAFETY: ibv_context is thread-safe per libibverbs; we only read our fields.
+unsafe impl Send for Device {}
+unsafe impl Sync for Device {}
+
+impl Device {
+    /// Opens the device named `name` (or the first one) and reads GID
+    /// `gid_index` of port 1. On RoCE, index 1 is usually the IPv4-mapped
+    /// RoCEv2 GID; index 0 is the link-local one.
+    pub fn open(name: Option<&str>, gid_index: u8) -> io::Result<Arc<Device>> {
+        let mut n = 0;
+        // SAFETY: the list is freed below; devices are used only before that.
+        let list = unsafe { ibv_get_device_list(&mut n) };
+        if list.is_null() || n <= 0 {
+            if !list.is_null() {
+                unsafe { ibv_free_device_list(list) };
+            }
+            return Err(io::Error::new(
+                io::ErrorKind::NotFound,
+                "no RDMA device found",
+            ));
+        }
+        let mut chosen = None;
+        for i in 0..n as usize {
+            // SAFETY: i < n entries of the list returned above.
+            let dev = unsafe { *list.add(i) };
+            let dev_name = unsafe { CStr::from_ptr(ibv_get_device_name(dev)) }
+                .to_string_lossy()
+                .into_owned();
+            if name.is_none_or(|want| want == dev_name) {
+                chosen = Some((dev, dev_name));
+                break;
+            }
+        }
+        let Some((dev, dev_name)) = chosen else {
+            unsafe { ibv_free_device_list(list) };
+            return Err(io::Error::new(
+                io::ErrorKind::NotFound,
+                format!("no RDMA device named {name:?}"),
+            ));
+        };
+        // SAFETY: dev comes from the live list; the context outlives it.
+        let ctx = unsafe { ibv_open_device(dev) };
+        unsafe { ibv_free_device_list(list) };
+        if ctx.is_null() {
+            return Err(os_error("ibv_open_device"));
+        }
+        let mut device = Device {
+            ctx,
+            name: dev_name,
+            port: 1,
+            gid_index,
+            gid: [0; 16],
+            lid: 0,
+            mtu: ibv_mtu::IBV_MTU_1024,
+            max_rd_atomic: 1,
+            atomic_cap: ibv_atomic_cap::IBV_ATOMIC_NONE,
+        };
+        // SAFETY: plain-old-data out-parameters, zero is a valid start.
+        let mut dattr: ibv_device_attr = unsafe { std::mem::zeroed() };
+        if unsafe { ibv_query_device(ctx, &mut dattr) } != 0 {
+            return Err(os_error("ibv_query_device"));
+        }
+        device.max_rd_atomic = dattr.max_qp_rd_atom.clamp(1, 16) as u8;
+        device.atomic_cap = dattr.atomic_cap;
+        let mut pattr: ibv_port_attr = unsafe { std::mem::zeroed() };
+        if unsafe { ___ibv_query_port(ctx, device.port, &mut pattr) } != 0 {
+            return Err(os_error("ibv_query_port"));
+        }
+        device.lid = pattr.lid;
+        device.mtu = pattr.active_mtu;
+        let mut gid: ibv_gid = unsafe { std::mem::zeroed() };
+        if unsafe { ibv_query_gid(ctx, device.port, gid_index as i32, &mut gid) } != 0 {
+            return Err(os_error(&format!("ibv_query_gid index {gid_index}")));
+        }
+        // SAFETY: both union views are 16 plain bytes.
+        device.gid = unsafe { gid.raw };
+        Ok(Arc::new(device))
+    }
+}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        // SAFETY: opened in `open`; everything using it holds an Arc to us.
+        unsafe { ibv_close_device(self.ctx) };
+    }
+}
+
+pub struct Pd {
+    pd: *mut ibv_pd,
+    pub device: Arc<Device>,
+}
+
+unsafe impl Send for Pd {}
+unsafe impl Sync for Pd {}
+
+impl Pd {
+    pub fn new(device: Arc<Device>) -> io::Result<Arc<Pd>> {
+        // SAFETY: the context is live while `device` is.
+        let pd = unsafe { ibv_alloc_pd(device.ctx) };
+        if pd.is_null() {
+            return Err(os_error("ibv_alloc_pd"));
+        }
+        Ok(Arc::new(Pd { pd, device }))
+    }
+}
+
+impl Drop for Pd {
+    fn drop(&mut self) {
+        unsafe { ibv_dealloc_pd(self.pd) };
+    }
+}
+
+enum Memory {
+    Owned(Vec<u64>),
+    /// Held so that the mapping outlives its registration.
+    Region(#[allow(dead_code)] Arc<SharedRegion>),
+}
+
+/// Registered memory: a buffer this process owns, or the server's region.
+pub struct Mr {
+    mr: *mut ibv_mr,
+    memory: Memory,
+    _pd: Arc<Pd>,
+}
+
+unsafe impl Send for Mr {}
+unsafe impl Sync for Mr {}
+
+pub const LOCAL_ONLY: u32 = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0;
+pub const REMOTE_ALL: u32 = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0
+    | ibv_access_flags::IBV_ACCESS_REMOTE_READ.0
+    | ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0
+    | ibv_access_flags::IBV_ACCESS_REMOTE_ATOMIC.0;
+
+impl Mr {
+    /// A zeroed, 8-byte aligned buffer of `len` bytes, registered.
+    pub fn alloc(pd: &Arc<Pd>, len: usize, access: u32) -> io::Result<Mr> {
+        let mut words = vec![0u64; len.div_ceil(8).max(1)];
+        let ptr = words.as_mut_ptr() as *mut std::ffi::c_void;
+        Self::register(pd, ptr, words.len() * 8, access, Memory::Owned(words))
+    }
+
+    /// Registers the server's region mapping.
+    pub fn region(pd: &Arc<Pd>, region: Arc<SharedRegion>, access: u32) -> io::Result<Mr> {
+        let (ptr, len) = (
+            region.as_mut_ptr() as *mut std::ffi::c_void,
+            region.len() as usize,
+        );
+        Self::register(pd, ptr, len, access, Memory::Region(region))
+    }
+
+    fn register(
+        pd: &Arc<Pd>,
+        ptr: *mut std::ffi::c_void,
+        len: usize,
+        access: u32,
+        memory: Memory,
+    ) -> io::Result<Mr> {
+        // SAFETY: ptr..ptr+len is owned by `memory`, which the Mr keeps.
+        let mr = unsafe { ibv_reg_mr(pd.pd, ptr, len, access as i32) };
+        if mr.is_null() {
+            return Err(os_error("ibv_reg_mr"));
+        }
+        Ok(Mr {
+            mr,
+            memory,
+            _pd: pd.clone(),
+        })
+    }
+
+    pub fn addr(&self) -> u64 {
+        unsafe { (*self.mr).addr as u64 }
+    }
+    pub fn len(&self) -> usize {
+        unsafe { (*self.mr).length }
+    }
+    pub fn lkey(&self) -> u32 {
+        unsafe { (*self.mr).lkey }
+    }
+    pub fn rkey(&self) -> u32 {
+        unsafe { (*self.mr).rkey }
+    }
+
+    /// The bytes of an owned buffer (empty for the region). Only read them
+    /// when no posted work request is writing into them.
+    pub fn bytes(&self) -> &[u8] {
+        match &self.memory {
+            // SAFETY: a u64 buffer viewed as bytes.
+            Memory::Owned(w) => unsafe {
+                std::slice::from_raw_parts(w.as_ptr() as *const u8, w.len() * 8)
+            },
+            Memory::Region(_) => &[],
+        }
+    }
+
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        match &mut self.memory {
+            // SAFETY: as above; every byte pattern is a valid u64.
+            Memory::Owned(w) => unsafe {
+                std::slice::from_raw_parts_mut(w.as_mut_ptr() as *mut u8, w.len() * 8)
+            },
+            Memory::Region(_) => &mut [],
+        }
+    }
+}
+
+impl Drop for Mr {
+    fn drop(&mut self) {
+        unsafe { ibv_dereg_mr(self.mr) };
+    }
+}
+
+/// A completion, as much of it as the transport needs.
+#[derive(Debug, Clone, Copy)]
+pub struct Completion {
+    pub wr_id: u64,
+    pub status: u32,
+    pub byte_len: u32,
+}
+
+impl Completion {
+    pub fn ok(&self) -> bool {
+        self.status == ibv_wc_status::IBV_WC_SUCCESS
+    }
+
+    pub fn status_text(&self) -> String {
+        // SAFETY: returns a static string for any status.
+        unsafe { CStr::from_ptr(ibv_wc_status_str(self.status)) }
+            .to_string_lossy()
+            .into_owned()
+    }
+
+    pub fn is_remote_access_error(&self) -> bool {
+        self.status == ibv_wc_status::IBV_WC_REM_ACCESS_ERR
+    }
+    pub fn is_rnr(&self) -> bool {
+        self.status == ibv_wc_status::IBV_WC_RNR_RETRY_EXC_ERR
+    }
+    pub fn is_retry_exceeded(&self) -> bool {
+        self.status == ibv_wc_status::IBV_WC_RETRY_EXC_ERR
+    }
+    pub fn is_flushed(&self) -> bool {
+        self.status == ibv_wc_status::IBV_WC_WR_FLUSH_ERR
+    }
+}
+
+pub struct Cq {
+    cq: *mut ibv_cq,
+    channel: *mut ibv_comp_channel,
+    _device: Arc<Device>,
+}
+
+unsafe impl Send for Cq {}
+unsafe impl Sync for Cq {}
+
+impl Cq {
+    /// A completion queue; with `events`, one that can be waited on.
+    pub fn new(device: &Arc<Device>, entries: i32, events: bool) -> io::Result<Arc<Cq>> {
+        let channel = if events {
+            let ch = unsafe { ibv_create_comp_channel(device.ctx) };
+            if ch.is_null() {
+                return Err(os_error("ibv_create_comp_channel"));
+            }
+            ch
+        } else {
+            std::ptr::null_mut()
+        };
+        let cq = unsafe { ibv_create_cq(device.ctx, entries, std::ptr::null_mut(), channel, 0) };
+        if cq.is_null() {
+            if !channel.is_null() {
+                unsafe { ibv_destroy_comp_channel(channel) };
+            }
+            return Err(os_error("ibv_create_cq"));
+        }
+        Ok(Arc::new(Cq {
+            cq,
+            channel,
+            _device: device.clone(),
+        }))
+    }
+
+    /// Takes up to `max` completions without waiting.
+    pub fn poll(&self, out: &mut Vec<Completion>, max: usize) -> io::Result<usize> {
+        // SAFETY: ibv_wc is plain data; poll fills at most `max` entries.
+        let mut wcs: Vec<ibv_wc> = (0..max).map(|_| unsafe { std::mem::zeroed() }).collect();
+        let n = unsafe { ibv_poll_cq(self.cq, max as i32, wcs.as_mut_ptr()) };
+        if n < 0 {
+            return Err(io::Error::other("ibv_poll_cq failed"));
+        }
+        out.extend(wcs[..n as usize].iter().map(|w| Completion {
+            wr_id: w.wr_id,
+            status: w.status,
+            byte_len: w.byte_len,
+        }));
+        Ok(n as usize)
+    }
+
+    /// Blocks until this queue has a completion event or `other` is
+    /// readable (or hung up). Returns true for a completion event.
+    pub fn wait_event_or(&self, other: RawFd) -> io::Result<bool> {
+        if self.channel.is_null() {
+            return Err(io::Error::other("completion queue has no event channel"));
+        }
+        // Arm first, then the caller polls again: an event that arrived
+        // between its last poll and the arming is not lost.
+        if unsafe { ibv_req_notify_cq(self.cq, 0) } != 0 {
+            return Err(os_error("ibv_req_notify_cq"));
+        }
+        let mut fds = [
+            libc::pollfd {
+                fd: unsafe { (*self.channel).fd },
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: other,
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        loop {
+            // SAFETY: two valid pollfd entries.
+            let rc = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+            if rc >= 0 {
+                break;
+            }
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
+        if fds[0].revents & libc::POLLIN != 0 {
+            let mut cq = std::ptr::null_mut();
+            let mut ctx = std::ptr::null_mut();
+            // SAFETY: the channel has an event ready; it names our cq.
+            if unsafe { ibv_get_cq_event(self.channel, &mut cq, &mut ctx) } == 0 {
+                unsafe { ibv_ack_cq_events(cq, 1) };
+            }
+            return Ok(true);
+        }
+        Ok(false)
+    }
+}
+
+impl Drop for Cq {
+    fn drop(&mut self) {
+        unsafe { ibv_destroy_cq(self.cq) };
+        if !self.channel.is_null() {
+            unsafe { ibv_destroy_comp_channel(self.channel) };
+        }
+    }
+}
+
+/// What the peer needs to connect its queue pair to ours.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub struct Endpoint {
+    pub qpn: u32,
+    pub psn: u32,
+    pub lid: u16,
+    pub gid: [u8; 16],
+}
+
+pub enum Op {
+    Read {
+        remote_addr: u64,
+        rkey: u32,
+    },
+    Write {
+        remote_addr: u64,
+        rkey: u32,
+    },
+    Cas {
+        remote_addr: u64,
+        rkey: u32,
+        expect: u64,
+        swap: u64,
+    },
+    FetchAdd {
+        remote_addr: u64,
+        rkey: u32,
+        add: u64,
+    },
+    Send,
+}
+
+/// One work request over one local scatter/gather element.
+pub struct SendWr {
+    pub wr_id: u64,
+    pub op: Op,
+    pub local_addr: u64,
+    pub len: u32,
+    pub lkey: u32,
+}
+
+/// A reliable-connected queue pair.
+pub struct Qp {
+    qp: *mut ibv_qp,
+    pd: Arc<Pd>,
+    pub send_cq: Arc<Cq>,
+    pub recv_cq: Arc<Cq>,
+    psn: u32,
+}
+
+unsafe impl Send for Qp {}
+unsafe impl Sync for Qp {}
+
+impl Qp {
+    pub fn new(
+        pd: &Arc<Pd>,
+        send_cq: Arc<Cq>,
+        recv_cq: Arc<Cq>,
+        max_send: u32,
+        max_recv: u32,
+    ) -> io::Result<Qp> {
+        // SAFETY: zeroed init attributes, then the fields RC needs.
+        let mut init: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+        init.send_cq = send_cq.cq;
+        init.recv_cq = recv_cq.cq;
+        init.cap.max_send_wr = max_send;
+        init.cap.max_recv_wr = max_recv;
+        init.cap.max_send_sge = 1;
+        init.cap.max_recv_sge = 1;
+        init.qp_type = ibv_qp_type::IBV_QPT_RC;
+        let qp = unsafe { ibv_create_qp(pd.pd, &mut init) };
+        if qp.is_null() {
+            return Err(os_error("ibv_create_qp"));
+        }
+        let psn = (std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(7, |d| d.subsec_nanos()))
+            & 0xff_ffff;
+        Ok(Qp {
+            qp,
+            pd: pd.clone(),
+            send_cq,
+            recv_cq,
+            psn,
+        })
+    }
+
+    pub fn endpoint(&self) -> Endpoint {
+        let d = &self.pd.device;
+        Endpoint {
+            qpn: unsafe { (*self.qp).qp_num },
+            psn: self.psn,
+            lid: d.lid,
+            gid: d.gid,
+        }
+    }
+
+    fn modify(&self, attr: &mut ibv_qp_attr, mask: ibv_qp_attr_mask, what: &str) -> io::Result<()> {
+        // SAFETY: attr is fully initialised for the fields `mask` names.
+        let rc = unsafe { ibv_modify_qp(self.qp, attr, mask.0 as i32) };
+        if rc != 0 {
+            let e = io::Error::from_raw_os_error(rc);
+            return Err(io::Error::new(
+                e.kind(),
+                format!("ibv_modify_qp to {what}: {e}"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Takes the queue pair through INIT, RTR and RTS towards `remote`.
+    pub fn connect(&self, remote: &Endpoint) -> io::Result<()> {
+        let d = &self.pd.device;
+        let zeroed = || -> ibv_qp_attr { unsafe { std::mem::zeroed() } };
+
+        let mut a = zeroed();
+        a.qp_state = ibv_qp_state::IBV_QPS_INIT;
+        a.pkey_index = 0;
+        a.port_num = d.port;
+        a.qp_access_flags = REMOTE_ALL;
+        self.modify(
+            &mut a,
+            ibv_qp_attr_mask::IBV_QP_STATE
+                | ibv_qp_attr_mask::IBV_QP_PKEY_INDEX
+                | ibv_qp_attr_mask::IBV_QP_PORT
+                | ibv_qp_attr_mask::IBV_QP_ACCESS_FLAGS,
+            "INIT",
+        )?;
+
+        let mut a = zeroed();
+        a.qp_state = ibv_qp_state::IBV_QPS_RTR;
+        a.path_mtu = d.mtu;
+        a.dest_qp_num = remote.qpn;
+        a.rq_psn = remote.psn;
+        a.max_dest_rd_atomic = d.max_rd_atomic;
+        // 12 = 0.64 ms: how long the peer waits before retrying a Send that
+        // found no receive posted (RNR NAK).
+        a.min_rnr_timer = 12;
+        a.ah_attr.is_global = 1;
+        a.ah_attr.dlid = remote.lid;
+        a.ah_attr.port_num = d.port;
+        a.ah_attr.grh.dgid = ibv_gid { raw: remote.gid };
+        a.ah_attr.grh.sgid_index = d.gid_index;
+        a.ah_attr.grh.hop_limit = 64;
+        self.modify(
+            &mut a,
+            ibv_qp_attr_mask::IBV_QP_STATE
+                | ibv_qp_attr_mask::IBV_QP_AV
+                | ibv_qp_attr_mask::IBV_QP_PATH_MTU
+                | ibv_qp_attr_mask::IBV_QP_DEST_QPN
+                | ibv_qp_attr_mask::IBV_QP_RQ_PSN
+                | ibv_qp_attr_mask::IBV_QP_MAX_DEST_RD_ATOMIC
+                | ibv_qp_attr_mask::IBV_QP_MIN_RNR_TIMER,
+            "RTR",
+        )?;
+
+        let mut a = zeroed();
+        a.qp_state = ibv_qp_state::IBV_QPS_RTS;
+        a.timeout = 14; // 4.096 us * 2^14 = 67 ms per transport retry
+        a.retry_cnt = 7;
+        // 7 = retry forever on RNR. Every control message has a receive
+        // posted before the peer can send it (strict request/reply), so an
+        // RNR can only be the short race of a receive being reposted; a dead
+        // peer is caught by the transport retry count above instead.
+        a.rnr_retry = 7;
+        a.sq_psn = self.psn;
+        a.max_rd_atomic = d.max_rd_atomic;
+        self.modify(
+            &mut a,
+            ibv_qp_attr_mask::IBV_QP_STATE
+                | ibv_qp_attr_mask::IBV_QP_TIMEOUT
+                | ibv_qp_attr_mask::IBV_QP_RETRY_CNT
+                | ibv_qp_attr_mask::IBV_QP_RNR_RETRY
+                | ibv_qp_attr_mask::IBV_QP_SQ_PSN
+                | ibv_qp_attr_mask::IBV_QP_MAX_QP_RD_ATOMIC,
+            "RTS",
+        )
+    }
+
+    /// Posts the work requests as one linked list: one doorbell. Every one
+    /// is signalled, so each produces a completion.
+    pub fn post_send(&self, wrs: &[SendWr]) -> io::Result<()> {
+        if wrs.is_empty() {
+            return Ok(());
+        }
+        let mut sges: Vec<ibv_sge> = wrs
+            .iter()
+            .map(|w| ibv_sge {
+                addr: w.local_addr,
+                length: w.len,
+                lkey: w.lkey,
+            })
+            .collect();
+        // SAFETY: zeroed work requests, then filled; sges and the list live
+        // until ibv_post_send returns (the device copies what it needs).
+        let mut list: Vec<ibv_send_wr> = (0..wrs.len())
+            .map(|_| unsafe { std::mem::zeroed() })
+            .collect();
+        for (i, w) in wrs.iter().enumerate() {
+            let wr = &mut list[i];
+            wr.wr_id = w.wr_id;
+            wr.sg_list = &mut sges[i];
+            wr.num_sge = 1;
+            wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+            match w.op {
+                Op::Read { remote_addr, rkey } => {
+                    wr.opcode = ibv_wr_opcode::IBV_WR_RDMA_READ;
+                    wr.wr.rdma = rdma_t { remote_addr, rkey };
+                }
+                Op::Write { remote_addr, rkey } => {
+                    wr.opcode = ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+                    wr.wr.rdma = rdma_t { remote_addr, rkey };
+                }
+                Op::Cas {
+                    remote_addr,
+                    rkey,
+                    expect,
+                    swap,
+                } => {
+                    wr.opcode = ibv_wr_opcode::IBV_WR_ATOMIC_CMP_AND_SWP;
+                    wr.wr.atomic = atomic_t {
+                        remote_addr,
+                        compare_add: expect,
+                        swap,
+                        rkey,
+                    };
+                }
+                Op::FetchAdd {
+                    remote_addr,
+                    rkey,
+                    add,
+                } => {
+                    wr.opcode = ibv_wr_opcode::IBV_WR_ATOMIC_FETCH_AND_ADD;
+                    wr.wr.atomic = atomic_t {
+                        remote_addr,
+                        compare_add: add,
+                        swap: 0,
+                        rkey,
+                    };
+                }
+                Op::Send => wr.opcode = ibv_wr_opcode::IBV_WR_SEND,
+            }
+        }
+        for i in 0..list.len() - 1 {
+            let next: *mut ibv_send_wr = &mut list[i + 1];
+            list[i].next = next;
+        }
+        let mut bad = std::ptr::null_mut();
+        let rc = unsafe { ibv_post_send(self.qp, list.as_mut_ptr(), &mut bad) };
+        if rc != 0 {
+            return Err(io::Error::from_raw_os_error(rc));
+        }
+        Ok(())
+    }
+
+    /// Posts one receive of `len` bytes at `offset` in `mr`.
+    pub fn post_recv(&self, wr_id: u64, mr: &Mr, offset: usize, len: usize) -> io::Result<()> {
+        let mut sge = ibv_sge {
+            addr: mr.addr() + offset as u64,
+            length: len as u32,
+            lkey: mr.lkey(),
+        };
+        let mut wr = ibv_recv_wr {
+            wr_id,
+            next: std::ptr::null_mut(),
+            sg_list: &mut sge,
+            num_sge: 1,
+        };
+        let mut bad = std::ptr::null_mut();
+        // SAFETY: the range lies in `mr`, which outlives the queue pair's use of it.
+        let rc = unsafe { ibv_post_recv(self.qp, &mut wr, &mut bad) };
+        if rc != 0 {
+            return Err(io::Error::from_raw_os_error(rc));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Qp {
+    fn drop(&mut self) {
+        unsafe { ibv_destroy_qp(self.qp) };
+    }
+}

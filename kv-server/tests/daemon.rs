@@ -1,0 +1,54 @@
+//! The kv-server binary's command line: help, and clear refusals.
+//! (Serving, signals and restarts are tested end to end in tests/processes.rs.)
+
+use std::process::Command;
+
+fn server(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_kv-server"))
+        .args(args)
+        .output()
+        .expect("run kv-server")
+}
+
+#[test]
+fn help_explains_the_options() {
+    let out = server(&["--help"]);
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    for option in [
+        "--listen",
+        "--memory",
+        "--secret-file",
+        "--op-deadline-ms",
+        "shm:///dev/shm/NAME",
+    ] {
+        assert!(text.contains(option), "--help does not mention {option}");
+    }
+}
+
+#[test]
+fn bad_arguments_are_refused_clearly() {
+    let out = server(&["--listen", "tcp://x:1"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a onekv address"));
+
+    let out = server(&["--listen", "shm:///dev/shm/never", "--memory", "12XB"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("size suffix"));
+
+    let dir = tempfile::tempdir().unwrap();
+    let region = format!("shm://{}", dir.path().join("r").display());
+    let missing = dir.path().join("no-such-secret");
+    let out = server(&[
+        "--listen",
+        &region,
+        "--secret-file",
+        missing.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read secret file"));
+
+    let out = server(&["--listen", &region, "--memory", "4KiB"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("too small"));
+}
