@@ -29,6 +29,10 @@ struct Args {
     /// the index takes about 1/16 of the memory.
     #[arg(long)]
     buckets: Option<u64>,
+    /// File backing the region of an rdma server (default
+    /// /dev/shm/onekv-rdma-PORT). A shm address names its own file.
+    #[arg(long)]
+    region_file: Option<PathBuf>,
     /// File whose contents clients must present to connect (trailing newline ignored).
     #[arg(long)]
     secret_file: Option<PathBuf>,
@@ -60,6 +64,7 @@ fn run(args: Args) -> Result<(), String> {
     let mut config = ServerConfig::new(args.listen);
     config.memory = args.memory;
     config.buckets = args.buckets;
+    config.region_file = args.region_file;
     config.op_deadline = Duration::from_millis(args.op_deadline_ms);
     if let Some(path) = &args.secret_file {
         config.secret = Some(kv_common::secret::read_secret_file(path)?);

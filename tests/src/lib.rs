@@ -24,19 +24,39 @@ pub struct TestServer {
     pub dir: tempfile::TempDir,
 }
 
+/// Set (to this host's RDMA-capable address) to run the tests that use
+/// [`TestServer`] over the rdma backend instead of shm; the Soft-RoCE VM
+/// harness does.
+pub fn rdma_host() -> Option<String> {
+    std::env::var("ONEKV_TEST_RDMA_HOST")
+        .ok()
+        .filter(|h| !h.is_empty())
+}
+
 impl TestServer {
     pub fn start(tune: impl FnOnce(&mut ServerConfig)) -> TestServer {
         let dir = region_dir();
         let path = dir.path().join("region");
-        let mut config = ServerConfig::new(Address::Shm {
-            region: path.clone(),
-        });
+        let address = match rdma_host() {
+            Some(host) => {
+                let port = std::net::TcpListener::bind((host.as_str(), 0))
+                    .and_then(|l| l.local_addr())
+                    .expect("a free port")
+                    .port();
+                Address::Rdma { host, port }
+            }
+            None => Address::Shm {
+                region: path.clone(),
+            },
+        };
+        let mut config = ServerConfig::new(address.clone());
+        config.region_file = Some(path);
         config.memory = 16 << 20;
         tune(&mut config);
         let server = Server::start(config).expect("server starts");
         TestServer {
             server,
-            address: format!("shm://{}", path.display()),
+            address: address.to_string(),
             dir,
         }
     }

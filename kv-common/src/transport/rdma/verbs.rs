@@ -463,13 +463,15 @@ impl Qp {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(7, |d| d.subsec_nanos()))
             & 0xff_ffff;
-        Ok(Qp {
+        let qp = Qp {
             qp,
             pd: pd.clone(),
             send_cq,
             recv_cq,
             psn,
-        })
+        };
+        qp.init()?;
+        Ok(qp)
     }
 
     pub fn endpoint(&self) -> Endpoint {
@@ -495,12 +497,12 @@ impl Qp {
         Ok(())
     }
 
-    /// Takes the queue pair through INIT, RTR and RTS towards `remote`.
-    pub fn connect(&self, remote: &Endpoint) -> io::Result<()> {
+    /// RESET → INIT: from here on receives may be posted (a queue pair in
+    /// RESET refuses them).
+    fn init(&self) -> io::Result<()> {
         let d = &self.pd.device;
-        let zeroed = || -> ibv_qp_attr { unsafe { std::mem::zeroed() } };
-
-        let mut a = zeroed();
+        // SAFETY: zeroed attributes, then the fields the mask names.
+        let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
         a.qp_state = ibv_qp_state::IBV_QPS_INIT;
         a.pkey_index = 0;
         a.port_num = d.port;
@@ -512,7 +514,13 @@ impl Qp {
                 | ibv_qp_attr_mask::IBV_QP_PORT
                 | ibv_qp_attr_mask::IBV_QP_ACCESS_FLAGS,
             "INIT",
-        )?;
+        )
+    }
+
+    /// INIT → RTR → RTS, connected to `remote`.
+    pub fn connect(&self, remote: &Endpoint) -> io::Result<()> {
+        let d = &self.pd.device;
+        let zeroed = || -> ibv_qp_attr { unsafe { std::mem::zeroed() } };
 
         let mut a = zeroed();
         a.qp_state = ibv_qp_state::IBV_QPS_RTR;

@@ -1,0 +1,207 @@
+#!/usr/bin/env bash
+# The Soft-RoCE suite. This machine's kernel has no RDMA, so the suite boots
+# a small VM (Debian's kernel, a busybox initramfs) in which rdma_rxe runs
+# on a virtio NIC, and there runs: perftest baselines (ib_read_lat,
+# ib_atomic_lat), the test suites that use TestServer over rdma, a kv-server
+# daemon with several client processes, and kv-bench micro over rdma.
+# Prints GET/PUT latency as ratios to ib_read_lat and round trips per op,
+# and ends with a line "N passed, N failed". Exits non-zero on any failure.
+#
+# usage: scripts/rxe-vm.sh            (RXE_WORK=dir to move its work files)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+WORK=${RXE_WORK:-$ROOT/target/rxe-vm}
+GUEST_IP=10.0.2.15
+TESTS=(linearizability concurrent_insert one_sided reuse)
+mkdir -p "$WORK"
+
+log() { echo "rxe-vm: $*" >&2; }
+
+# --- host packages -----------------------------------------------------------
+PKGS=(qemu-system-x86 busybox-static libibverbs-dev librdmacm-dev libclang-dev pkg-config
+      ibverbs-providers rdma-core perftest iproute2 python3)
+missing=()
+for p in "${PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+if ((${#missing[@]})); then
+  log "installing ${missing[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+# --- onekv built with the rdma backend -------------------------------------
+log "building with --features rdma"
+cargo build --release --features rdma -p kv-server -p kv-bench -p onekv-tests --bins
+test_bins=$(cargo test --release --features rdma -p onekv-tests --no-run --message-format=json 2>/dev/null |
+  python3 -c '
+import json, sys
+want = set(sys.argv[1:])
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in want:
+        print(m["target"]["name"], m["executable"])
+' "${TESTS[@]}")
+[ "$(echo "$test_bins" | grep -c .)" = "${#TESTS[@]}" ] || { log "test binaries not found: $test_bins"; exit 1; }
+
+# --- guest kernel: Debian's, unpacked, not installed ------------------------
+kpkg=$(apt-cache depends linux-image-amd64 | awk '/Depends: linux-image-[0-9]/{print $2; exit}')
+[ -n "$kpkg" ] || { apt-get update -qq; kpkg=$(apt-cache depends linux-image-amd64 | awk '/Depends: linux-image-[0-9]/{print $2; exit}'); }
+if [ ! -d "$WORK/kernel/lib/modules" ] || [ "$(cat "$WORK/kernel.pkg" 2>/dev/null)" != "$kpkg" ]; then
+  log "fetching kernel $kpkg"
+  rm -rf "$WORK/kernel" "$WORK"/*.deb
+  (cd "$WORK" && apt-get download "$kpkg" 2>/dev/null && dpkg -x ./*.deb kernel)
+  echo "$kpkg" > "$WORK/kernel.pkg"
+fi
+KVER=$(ls "$WORK/kernel/lib/modules")
+MODDIR=$WORK/kernel/lib/modules/$KVER
+[ -f "$MODDIR/modules.dep" ] || busybox depmod -b "$WORK/kernel" "$KVER"
+
+# --- initramfs ---------------------------------------------------------------
+R=$WORK/root
+rm -rf "$R"
+mkdir -p "$R"/{bin,sbin,etc,proc,sys,dev,tmp,tests,lib64,"lib/modules/$KVER"}
+cp /bin/busybox "$R/bin/busybox"
+
+# Kernel modules with their dependencies (without a crc32 module
+# `rdma link add` fails).
+mods=(virtio_pci virtio_net crc32_generic crc32-pclmul rdma_rxe ib_uverbs)
+cp "$MODDIR"/modules.{dep,alias,order,builtin} "$R/lib/modules/$KVER/" 2>/dev/null || true
+for m in "${mods[@]}"; do
+  line=$(grep -E "(^|/)${m}\.ko(\.[a-z]+)?:" "$MODDIR/modules.dep") || { log "module $m not found"; exit 1; }
+  for f in ${line/:/}; do
+    mkdir -p "$R/lib/modules/$KVER/$(dirname "$f")"
+    cp "$MODDIR/$f" "$R/lib/modules/$KVER/$f"
+  done
+done
+
+# A binary and the shared libraries ldd names, at the same paths.
+copy_with_libs() {
+  local src=$1 dst=$2
+  mkdir -p "$(dirname "$R$dst")"
+  cp "$src" "$R$dst"
+  ldd "$src" 2>/dev/null | grep -oE '/[^ ]+' | while read -r lib; do
+    [ -e "$R$lib" ] || { mkdir -p "$(dirname "$R$lib")"; cp -L "$lib" "$R$lib"; }
+  done
+}
+for b in rdma ib_read_lat ib_atomic_lat; do copy_with_libs "$(command -v $b)" "/bin/$b"; done
+# The rxe provider is dlopen'ed by libibverbs: ldd does not list it.
+prov=$(ls /usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav*.so | head -1)
+copy_with_libs "$prov" "$prov"
+mkdir -p "$R/etc/libibverbs.d"
+cp /etc/libibverbs.d/rxe.driver "$R/etc/libibverbs.d/"
+for b in kv-server kv-bench kv-stress; do copy_with_libs "$ROOT/target/release/$b" "/bin/$b"; done
+while read -r name exe; do copy_with_libs "$exe" "/tests/$name"; done <<< "$test_bins"
+
+cat > "$R/init" <<'INIT'
+#!/bin/busybox sh
+/bin/busybox --install -s /bin
+mount -t proc proc /proc
+if grep -q onekv.probe /proc/cmdline; then echo RXE-PROBE-OK; poweroff -f; fi
+mount -t sysfs sys /sys
+mount -t devtmpfs dev /dev
+mkdir -p /dev/shm && mount -t tmpfs tmpfs /dev/shm
+mount -t tmpfs tmpfs /tmp
+for m in virtio_pci virtio_net crc32_generic crc32-pclmul ib_uverbs rdma_rxe; do
+  modprobe "$m" || echo "modprobe $m failed"
+done
+ip link set lo up
+ip addr add GUEST_IP/24 dev eth0
+ip link set eth0 up
+rdma link add rxe0 type rxe netdev eth0 || echo "RXE-FAIL: rdma link add"
+# GID index 1 (the IPv4-mapped RoCEv2 GID) appears once the address is bound.
+i=0
+while [ $i -lt 100 ]; do
+  g=$(cat /sys/class/infiniband/rxe0/ports/1/gids/1 2>/dev/null || true)
+  case "$g" in ""|0000:0000:0000:0000:0000:0000:0000:0000) sleep 0.1; i=$((i+1));; *) break;; esac
+done
+echo "rxe0 gid[1] = $g"
+sh /guest.sh
+poweroff -f
+INIT
+sed -i "s/GUEST_IP/$GUEST_IP/" "$R/init"
+chmod +x "$R/init"
+
+cat > "$R/guest.sh" <<GUEST
+IP=$GUEST_IP
+GUEST
+cat >> "$R/guest.sh" <<'GUEST'
+pass=0; fail=0
+ok() { pass=$((pass+1)); echo "RXE-OK: $1"; }
+bad() { fail=$((fail+1)); echo "RXE-FAIL: $1"; }
+typical() { awk '$1 ~ /^[0-9]+$/ && NF >= 5 { print $5 }' "$1" | tail -1; }
+
+# perftest baselines, server and client in this same VM.
+for t in ib_read_lat ib_atomic_lat; do
+  $t -d rxe0 -x 1 -n 1000 > /tmp/$t.server 2>&1 &
+  sleep 1
+  if $t -d rxe0 -x 1 -n 1000 $IP > /tmp/$t.out 2>&1; then ok "$t"; else bad "$t"; cat /tmp/$t.out; fi
+  wait
+done
+read_us=$(typical /tmp/ib_read_lat.out); atomic_us=$(typical /tmp/ib_atomic_lat.out)
+echo "RXE-BASELINE: ib_read_lat typical ${read_us} us, ib_atomic_lat typical ${atomic_us} us"
+
+# The test suites, over rdma (each TestServer listens on this VM's address).
+for t in /tests/*; do
+  name=$(basename $t)
+  ONEKV_TEST_RDMA_HOST=$IP $t --test-threads=1 > /tmp/$name.log 2>&1
+  rc=$?
+  line=$(grep -E '^test result:' /tmp/$name.log | tail -1)
+  p=$(echo "$line" | sed -n 's/.* \([0-9][0-9]*\) passed.*/\1/p'); f=$(echo "$line" | sed -n 's/.* \([0-9][0-9]*\) failed.*/\1/p')
+  pass=$((pass+${p:-0})); fail=$((fail+${f:-0}))
+  if [ $rc -ne 0 ] || [ -z "$p" ]; then
+    [ -z "$p" ] && fail=$((fail+1))
+    echo "RXE-FAIL: suite $name (exit $rc)"; tail -40 /tmp/$name.log
+  else
+    echo "RXE-OK: suite $name: $line"
+  fi
+done
+
+# A daemon and several client processes.
+kv-server --listen rdma://$IP:7471 --memory 64MiB --stats-interval 0 > /tmp/server.log 2>&1 &
+server=$!
+sleep 2
+kv-stress rdma://$IP:7471 p0 3000 p0,p1,p2 > /tmp/p0.log 2>&1 & a=$!
+kv-stress rdma://$IP:7471 p1 3000 p0,p1,p2 > /tmp/p1.log 2>&1 & b=$!
+kv-stress rdma://$IP:7471 p2 3000 p0,p1,p2 > /tmp/p2.log 2>&1 & c=$!
+for pid in $a $b $c; do if wait $pid; then ok "client process $pid"; else bad "client process $pid"; fi; done
+cat /tmp/p0.log /tmp/p1.log /tmp/p2.log
+if kv-bench micro --server rdma://$IP:7471 --keys 5000 --seconds 2 --threads 1 > /tmp/micro.log 2>&1; then ok "kv-bench micro"; else bad "kv-bench micro"; fi
+cat /tmp/micro.log
+kill -TERM $server
+if wait $server; then ok "kv-server shutdown"; else bad "kv-server shutdown"; cat /tmp/server.log; fi
+
+get_us=$(awk '$1=="GET" {print $4; exit}' /tmp/micro.log)
+put_us=$(awk '$1=="PUT" {print $4; exit}' /tmp/micro.log)
+get_rt=$(awk '$1=="GET" {print $7; exit}' /tmp/micro.log)
+put_rt=$(awk '$1=="PUT" {print $7; exit}' /tmp/micro.log)
+if [ -n "$read_us" ] && [ -n "$get_us" ]; then
+  echo "RXE-RATIO: GET p50 ${get_us} us = $(awk "BEGIN{printf \"%.2f\", $get_us/$read_us}")x ib_read_lat (${get_rt} round trips); PUT p50 ${put_us} us = $(awk "BEGIN{printf \"%.2f\", $put_us/$read_us}")x ib_read_lat (${put_rt} round trips)"
+fi
+echo "RXE-SUMMARY: $pass passed, $fail failed"
+GUEST
+
+(cd "$R" && find . | busybox cpio -o -H newc 2>/dev/null) > "$WORK/initrd.cpio"
+log "initramfs $(du -h "$WORK/initrd.cpio" | cut -f1)"
+
+# --- boot --------------------------------------------------------------------
+boot() { # accel, extra kernel args, timeout
+  timeout "$3" qemu-system-x86_64 -machine q35 -accel "$1" -cpu max -smp 2 -m 2G -nographic -no-reboot \
+    -kernel "$WORK/kernel/boot/vmlinuz-$KVER" -initrd "$WORK/initrd.cpio" \
+    -append "console=ttyS0 panic=-1 quiet $2" \
+    -netdev hubport,id=n0,hubid=0 -device virtio-net-pci,netdev=n0 </dev/null || true
+}
+accel="tcg,thread=multi"
+# KVM is much faster where it works; on these machines it often cannot boot
+# a stock kernel, so probe briefly and fall back to TCG.
+if [ -w /dev/kvm ] && boot kvm onekv.probe 30 2>&1 | grep -q RXE-PROBE-OK; then accel=kvm; fi
+log "booting ($accel)"
+boot "$accel" "" 2400 2>&1 | tee "$WORK/console.log" | grep -E '^(RXE-|rxe0|test result|onekv micro|operation|READ|CAS|GET|PUT|p[0-9]:|server during)' || true
+
+summary=$(grep -a 'RXE-SUMMARY:' "$WORK/console.log" | tail -1 | sed 's/.*RXE-SUMMARY: //' | tr -d '\r')
+if [ -z "$summary" ]; then
+  echo "0 passed, 1 failed"
+  log "the VM did not report a result; console in $WORK/console.log"
+  exit 1
+fi
+echo "$summary"
+case "$summary" in *" 0 failed") exit 0;; *) exit 1;; esac
