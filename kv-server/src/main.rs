@@ -15,6 +15,9 @@ use kv_server::{Server, ServerConfig};
 /// The region outlives the process: restarting on the same address reopens
 /// it with its data. A file that is not a onekv region of this version is
 /// refused, never overwritten.
+///
+/// rdma: the device is ONEKV_RDMA_DEVICE (default: the first one) and the
+/// GID index ONEKV_RDMA_GID_INDEX (default 1, RoCEv2 over IPv4).
 #[derive(Parser)]
 #[command(version, about, long_about)]
 struct Args {
