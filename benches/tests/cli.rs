@@ -183,3 +183,27 @@ fn compare_runs_the_same_workload_on_each_available_target() {
         "{stdout}"
     );
 }
+
+#[test]
+fn maxexecutiontime_ends_the_run_phase() {
+    let started = std::time::Instant::now();
+    let out = bench(&[
+        "run",
+        "--workload",
+        "workloads/workloadc",
+        "-p",
+        "operationcount=100000000",
+        "-p",
+        "target=2000",
+        "-p",
+        "maxexecutiontime=1",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    let reads = field(&stdout, "[READ]", "Operations").unwrap();
+    assert!(
+        reads > 0.0 && reads < 10_000.0,
+        "{reads} reads in a 1 s run at 2000/s"
+    );
+    assert!(started.elapsed() < std::time::Duration::from_secs(60));
+}

@@ -33,30 +33,42 @@ pub fn rdma_host() -> Option<String> {
         .filter(|h| !h.is_empty())
 }
 
+/// Where a test server listens: the shm region itself, or (under the
+/// Soft-RoCE harness) a free port on the rdma host, with the region in
+/// `region`.
+pub fn test_address(region: &Path) -> Address {
+    match rdma_host() {
+        Some(host) => {
+            let port = std::net::TcpListener::bind((host.as_str(), 0))
+                .and_then(|l| l.local_addr())
+                .expect("a free port")
+                .port();
+            Address::Rdma { host, port }
+        }
+        None => Address::Shm {
+            region: region.to_path_buf(),
+        },
+    }
+}
+
+/// A 16 MiB server configuration on `region`, over [`test_address`].
+pub fn test_config(region: &Path) -> ServerConfig {
+    let mut config = ServerConfig::new(test_address(region));
+    config.region_file = Some(region.to_path_buf());
+    config.memory = 16 << 20;
+    config
+}
+
 impl TestServer {
     pub fn start(tune: impl FnOnce(&mut ServerConfig)) -> TestServer {
         let dir = region_dir();
-        let path = dir.path().join("region");
-        let address = match rdma_host() {
-            Some(host) => {
-                let port = std::net::TcpListener::bind((host.as_str(), 0))
-                    .and_then(|l| l.local_addr())
-                    .expect("a free port")
-                    .port();
-                Address::Rdma { host, port }
-            }
-            None => Address::Shm {
-                region: path.clone(),
-            },
-        };
-        let mut config = ServerConfig::new(address.clone());
-        config.region_file = Some(path);
-        config.memory = 16 << 20;
+        let mut config = test_config(&dir.path().join("region"));
         tune(&mut config);
+        let address = config.address.to_string();
         let server = Server::start(config).expect("server starts");
         TestServer {
             server,
-            address: address.to_string(),
+            address,
             dir,
         }
     }

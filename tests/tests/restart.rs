@@ -2,20 +2,16 @@
 //! data, hands out a new access key, and clients recover by reconnecting.
 
 use kv_client::Client;
-use kv_common::Address;
-use kv_server::{Server, ServerConfig};
+use kv_server::Server;
 
 #[test]
 fn data_survives_restart_and_clients_reconnect() {
     let dir = onekv_tests::region_dir();
     let path = dir.path().join("region");
-    let address = format!("shm://{}", path.display());
-    let config = ServerConfig {
-        memory: 16 << 20,
-        ..ServerConfig::new(Address::Shm {
-            region: path.clone(),
-        })
-    };
+    // Over rdma too: the restarted server registers the region anew, and
+    // the old client's queue pair fails and is replaced, not reused.
+    let config = onekv_tests::test_config(&path);
+    let address = config.address.to_string();
 
     let server = Server::start(config.clone()).unwrap();
     assert!(server.created());
@@ -27,7 +23,8 @@ fn data_survives_restart_and_clients_reconnect() {
     kv.delete(b"k7").unwrap();
     drop(server);
 
-    // While no server runs, verbs with the revoked key fail cleanly.
+    // While no server runs, verbs with the revoked key fail cleanly (and
+    // reconnecting finds nobody).
     assert!(kv.get(b"k1").is_err());
 
     let server = Server::start(config).unwrap();
