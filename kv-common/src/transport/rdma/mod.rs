@@ -13,7 +13,6 @@
 
 mod verbs;
 
-use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex};
@@ -415,24 +414,14 @@ impl ControlPeer for RdmaPeer {
             }
             let fd = self.channel.tcp.as_raw_fd();
             if !self.channel.qp.recv_cq.wait_event_or(fd)? {
-                // The handshake socket became readable: the client closed
-                // it (or died). Nothing else is ever sent on it.
-                let mut probe = [0u8; 1];
-                match self.channel.tcp.read(&mut probe) {
-                    Ok(0) | Err(_) => return Ok(None),
-                    Ok(_) => return Ok(None),
-                }
+                // The handshake socket became readable: nothing is ever sent
+                // on it after the handshake, so the client closed it or died.
+                return Ok(None);
             }
         }
     }
 
     fn send(&mut self, bytes: &[u8]) -> Result<(), TransportError> {
         self.channel.send(bytes)
-    }
-}
-
-impl Drop for RdmaConnection {
-    fn drop(&mut self) {
-        let _ = self.channel.tcp.flush();
     }
 }
