@@ -1,7 +1,8 @@
 //! The onekv client. It reaches the server's region with one-sided verbs
 //! only: a GET reads both candidate buckets in one batch and the matching
-//! block in a second; a PUT writes its block out of place in the same batch
-//! as the bucket reads and publishes it with a CAS on the slot.
+//! block in a second (one batch for both, for a key whose slot it has
+//! seen); a PUT writes its block out of place in the same batch as the
+//! bucket reads and publishes it with a CAS on the slot.
 //!
 //! ```no_run
 //! let mut kv = kv_client::Client::connect("shm:///dev/shm/onekv")?;
@@ -27,9 +28,11 @@ use kv_common::Address;
 
 mod alloc;
 mod error;
+mod slot_cache;
 
 use alloc::BlockAllocator;
 pub use error::Error;
+use slot_cache::SlotCache;
 
 pub type Result<T> = std::result::Result<T, Error>;
 
@@ -51,6 +54,9 @@ pub struct ClientOptions {
     /// client on a slow or preempted host would: one time in four this long,
     /// otherwise up to a quarter of it.
     pub pause_after_index_read: Option<Duration>,
+    /// Keys whose slot position is remembered, so that a GET of a key seen
+    /// before takes one round trip instead of two (0 turns it off).
+    pub slot_cache_entries: usize,
 }
 
 impl Default for ClientOptions {
@@ -59,6 +65,7 @@ impl Default for ClientOptions {
             secret: None,
             max_attempts: 10_000,
             pause_after_index_read: None,
+            slot_cache_entries: 65_536,
         }
     }
 }
@@ -75,6 +82,14 @@ pub struct Client {
     /// Verb counters of connections replaced after a server restart.
     retired_stats: VerbStats,
     jitter: u64,
+    cache: SlotCache,
+}
+
+/// A remembered slot of a key, and the READ of its block.
+struct Hint {
+    pos: SlotPos,
+    slot: Slot,
+    read: Verb,
 }
 
 /// Result of reading a key's candidate blocks.
@@ -94,6 +109,7 @@ impl Client {
     pub fn connect_with(address: &str, options: ClientOptions) -> Result<Client> {
         let address = Address::parse(address).map_err(Error::Unreachable)?;
         let (conn, info) = open(&address, &options)?;
+        let cache_entries = options.slot_cache_entries;
         let g = info.geometry;
         let max_value = g.max_value();
         let max_block = max_block(&g);
@@ -109,6 +125,7 @@ impl Client {
             alloc: BlockAllocator::new(deadline * 4),
             retired_stats: VerbStats::default(),
             jitter: 0x853c_49e6_748f_ea9b,
+            cache: SlotCache::new(cache_entries),
         })
     }
 
@@ -207,11 +224,15 @@ impl Client {
         self.conn = conn;
         self.info = info;
         self.alloc.reset();
+        self.cache.clear();
         Ok(())
     }
 
     fn get_once(&mut self, key: &[u8], out: &mut Vec<u8>) -> Result<bool> {
         let kh = KeyHash::new(key, self.info.geometry.bucket_count);
+        if self.get_cached(key, &kh, out)? {
+            return Ok(true);
+        }
         for _ in 0..self.options.max_attempts {
             let started = Instant::now();
             self.conn.post(&self.bucket_reads(&kh))?;
@@ -221,10 +242,99 @@ impl Client {
                 out.extend_from_slice(v);
             })?;
             if let Scan::Found(found) = scan {
+                match found.first() {
+                    Some(&(pos, slot)) => self.cache.remember(key, pos, slot),
+                    None => self.cache.forget(key),
+                }
                 return Ok(!found.is_empty());
             }
         }
         Err(Error::Contended(self.options.max_attempts))
+    }
+
+    /// A GET in one round trip for a key whose slot this client has seen:
+    /// one batch reads both buckets and, after them, the remembered block
+    /// (see [`Client::hinted_block`]); on a stale hint, false and a full GET.
+    fn get_cached(&mut self, key: &[u8], kh: &KeyHash, out: &mut Vec<u8>) -> Result<bool> {
+        let Some(hint) = self.usable_hint(key) else {
+            return Ok(false);
+        };
+        let started = Instant::now();
+        let [a, b] = self.bucket_reads(kh);
+        self.conn.post(&[a, b, hint.read])?;
+        let slots = self.bucket_slots();
+        match self.hinted_block(key, kh, &slots, &hint, started) {
+            Some(value) => {
+                out.clear();
+                out.extend_from_slice(value);
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    /// The remembered slot of `key` and the READ of its block, if the block
+    /// fits the heap and the local buffer.
+    fn usable_hint(&mut self, key: &[u8]) -> Option<Hint> {
+        let (pos, slot) = self.cache.get(key)?;
+        let g = self.info.geometry;
+        let len = slot.block_len() as usize;
+        let local = BLOCK_AT + self.max_block;
+        let fits = slot.offset() >= g.heap_offset
+            && slot.offset() + len as u64 <= g.heap_offset + g.heap_size
+            && local + len <= self.conn.local().len();
+        if !fits {
+            self.cache.forget(key);
+            return None;
+        }
+        let read = Verb::Read {
+            remote: slot.offset(),
+            local,
+            len,
+        };
+        Some(Hint { pos, slot, read })
+    }
+
+    /// After a batch that read both buckets and then the hinted block (the
+    /// READs of a batch execute in order, on an RC queue pair as on shm):
+    /// the key's value, if the slot still holds the remembered value, no
+    /// lower slot could hold the key, the block is the key's and it was all
+    /// read within the deadline -- exactly what reading the buckets and then
+    /// the block would have concluded. Otherwise the hint is dropped.
+    fn hinted_block(
+        &mut self,
+        key: &[u8],
+        kh: &KeyHash,
+        slots: &[Slot; SLOTS],
+        hint: &Hint,
+        started: Instant,
+    ) -> Option<&[u8]> {
+        let at = slot_index(kh, hint.pos);
+        let lower_candidate = slots[..at]
+            .iter()
+            .any(|s| !s.is_empty() && s.fingerprint() == kh.fingerprint);
+        let Verb::Read { local, len, .. } = hint.read else {
+            return None;
+        };
+        let in_time = started.elapsed() <= self.deadline;
+        let value = if in_time && slots[at] == hint.slot && !lower_candidate {
+            let block = &self.conn.local()[local..local + len];
+            decode_block(block).ok().filter(|v| v.key == key).map(|v| {
+                let start = local + (v.value.as_ptr() as usize - block.as_ptr() as usize);
+                start..start + v.value.len()
+            })
+        } else {
+            None
+        };
+        match value {
+            Some(range) => Some(&self.conn.local()[range]),
+            None => {
+                if in_time {
+                    self.cache.forget(key);
+                }
+                None
+            }
+        }
     }
 
     fn put_once(&mut self, key: &[u8], value: &[u8]) -> Result<()> {
@@ -263,17 +373,31 @@ impl Client {
         published: &mut bool,
     ) -> Result<()> {
         let mut pending_write = Some(write);
+        // With a hint, the first batch also reads the key's current block,
+        // so an update takes two round trips instead of three.
+        let mut hint = self.usable_hint(key);
         for _ in 0..self.options.max_attempts {
             let started = Instant::now();
-            let reads = self.bucket_reads(kh);
-            match pending_write.take() {
-                Some(w) => self.conn.post(&[w, reads[0], reads[1]])?,
-                None => self.conn.post(&reads)?,
-            }
+            let [a, b] = self.bucket_reads(kh);
+            let mut verbs = Vec::with_capacity(4);
+            verbs.extend(pending_write.take());
+            verbs.extend([a, b]);
+            verbs.extend(hint.as_ref().map(|h| h.read));
+            self.conn.post(&verbs)?;
             let slots = self.bucket_slots();
-            let found = match self.scan(key, kh, &slots, started, false, None, |_| {})? {
-                Scan::Retry => continue,
-                Scan::Found(found) => found,
+            let confirmed = match hint.take() {
+                Some(h) => self
+                    .hinted_block(key, kh, &slots, &h, started)
+                    .is_some()
+                    .then_some(h),
+                None => None,
+            };
+            let found = match confirmed {
+                Some(h) => vec![(h.pos, h.slot)],
+                None => match self.scan(key, kh, &slots, started, false, None, |_| {})? {
+                    Scan::Retry => continue,
+                    Scan::Found(found) => found,
+                },
             };
             if let Some(&(pos, old)) = found.first() {
                 if started.elapsed() > self.deadline {
@@ -281,6 +405,7 @@ impl Client {
                 }
                 if self.cas(pos, old, new)? {
                     *published = true;
+                    self.cache.remember(key, pos, new);
                     self.alloc.release(old.offset(), old.class());
                     // Copies above ours belong to inserts still in flight,
                     // which remove them themselves; trying here only helps.
@@ -296,6 +421,8 @@ impl Client {
             let pos = slot_pos(kh, empty);
             if self.cas(pos, Slot::EMPTY, new)? {
                 *published = true;
+                // A hint even if this copy is resolved away: GETs check it.
+                self.cache.remember(key, pos, new);
                 return self.resolve_insert(key, kh, pos, new);
             }
         }
@@ -339,6 +466,7 @@ impl Client {
 
     fn delete_once(&mut self, key: &[u8]) -> Result<bool> {
         let kh = KeyHash::new(key, self.info.geometry.bucket_count);
+        self.cache.forget(key);
         for _ in 0..self.options.max_attempts {
             let started = Instant::now();
             self.conn.post(&self.bucket_reads(&kh))?;

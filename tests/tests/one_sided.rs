@@ -60,11 +60,35 @@ fn operations_take_the_promised_round_trips() {
 
     let at = rt(&kv);
     kv.put(b"k", &[2u8; 1024]).unwrap();
-    assert_eq!(rt(&kv) - at, 3, "update: write+buckets, block, CAS");
+    assert_eq!(rt(&kv) - at, 2, "warm update: write+buckets+block, CAS");
 
     let at = rt(&kv);
     assert_eq!(kv.get(b"k").unwrap(), Some(vec![2u8; 1024]));
-    assert_eq!(rt(&kv) - at, 2, "get: buckets, block");
+    assert_eq!(rt(&kv) - at, 1, "warm get: buckets and block in one batch");
+
+    // A client that has not seen the key: buckets, then block; then warm.
+    let mut other = Client::connect(&srv.address).unwrap();
+    let at = rt(&other);
+    assert_eq!(other.get(b"k").unwrap(), Some(vec![2u8; 1024]));
+    assert_eq!(rt(&other) - at, 2, "cold get: buckets, block");
+    let at = rt(&other);
+    assert_eq!(other.get(b"k").unwrap(), Some(vec![2u8; 1024]));
+    assert_eq!(rt(&other) - at, 1, "warm get");
+
+    // Its hint goes stale when another client updates the key: the slot
+    // no longer matches, so it falls back to a full GET and sees the update.
+    kv.put(b"k", &[3u8; 1024]).unwrap();
+    let at = rt(&other);
+    other.put(b"cold", &[1u8; 64]).unwrap();
+    other.put(b"cold", &[2u8; 64]).unwrap();
+    assert_eq!(rt(&other) - at, 3 + 2, "insert, then warm update");
+    let at = rt(&other);
+    assert_eq!(other.get(b"k").unwrap(), Some(vec![3u8; 1024]));
+    assert_eq!(
+        rt(&other) - at,
+        3,
+        "stale hint: one batch, then buckets and block"
+    );
 
     let at = rt(&kv);
     assert!(kv.delete(b"k").unwrap());
