@@ -33,6 +33,10 @@ pub struct MicroArgs {
     /// Thread counts to run each loop with.
     #[arg(long, value_delimiter = ',', default_value = "1,2")]
     threads: Vec<usize>,
+    /// Keys each client remembers the slot of (0: every GET reads the
+    /// buckets first). Default: the client's, which depends on the transport.
+    #[arg(long)]
+    slot_cache_entries: Option<usize>,
     /// Size of the embedded server's region.
     #[arg(long, default_value = "1GiB", value_parser = kv_common::size::parse_size)]
     memory: u64,
@@ -197,7 +201,9 @@ fn worker(
     let mut ops = 0u64;
     let (elapsed, verbs) = match op {
         Op::Get | Op::Put => {
-            let mut kv = Client::connect(address).map_err(|e| e.to_string())?;
+            let mut options = kv_client::ClientOptions::default();
+            options.slot_cache_entries = args.slot_cache_entries;
+            let mut kv = Client::connect_with(address, options).map_err(|e| e.to_string())?;
             let value = vec![t as u8; args.value_size];
             let mut out = Vec::with_capacity(args.value_size);
             let before = kv.verb_stats();

@@ -47,7 +47,9 @@ fn histories_are_linearizable_under_aggressive_reuse() {
                 // One client reads slowly, at times for longer than the grace
                 // period: it holds old offsets while their blocks are freed
                 // and rewritten, and must notice it was too slow.
+                // Half the clients use slot hints (1-round-trip GETs), half not.
                 let options = ClientOptions {
+                    slot_cache_entries: Some(if t % 2 == 0 { 4096 } else { 0 }),
                     pause_after_index_read: (t == 1).then_some(Duration::from_millis(12)),
                     ..ClientOptions::default()
                 };

@@ -2,7 +2,7 @@
 //! server's control plane handles no message except heap leases, and each
 //! operation takes the round trips the design promises.
 
-use kv_client::Client;
+use kv_client::{Client, ClientOptions};
 use onekv_tests::TestServer;
 
 #[test]
@@ -43,10 +43,19 @@ fn steady_loop_sends_no_control_messages_beyond_leases() {
     );
 }
 
+/// Clients with slot hints on (the default over rdma, off over shm).
+fn hinted(address: &str) -> Client {
+    let options = ClientOptions {
+        slot_cache_entries: Some(1024),
+        ..ClientOptions::default()
+    };
+    Client::connect_with(address, options).unwrap()
+}
+
 #[test]
 fn operations_take_the_promised_round_trips() {
     let srv = TestServer::start(|_| {});
-    let mut kv = Client::connect(&srv.address).unwrap();
+    let mut kv = hinted(&srv.address);
     kv.put(b"warm", b"up").unwrap(); // takes the first lease
     let rt = |kv: &Client| kv.verb_stats().round_trips;
 
@@ -67,7 +76,7 @@ fn operations_take_the_promised_round_trips() {
     assert_eq!(rt(&kv) - at, 1, "warm get: buckets and block in one batch");
 
     // A client that has not seen the key: buckets, then block; then warm.
-    let mut other = Client::connect(&srv.address).unwrap();
+    let mut other = hinted(&srv.address);
     let at = rt(&other);
     assert_eq!(other.get(b"k").unwrap(), Some(vec![2u8; 1024]));
     assert_eq!(rt(&other) - at, 2, "cold get: buckets, block");
