@@ -201,8 +201,10 @@ fn worker(
     let mut ops = 0u64;
     let (elapsed, verbs) = match op {
         Op::Get | Op::Put => {
-            let mut options = kv_client::ClientOptions::default();
-            options.slot_cache_entries = args.slot_cache_entries;
+            let options = kv_client::ClientOptions {
+                slot_cache_entries: args.slot_cache_entries,
+                ..Default::default()
+            };
             let mut kv = Client::connect_with(address, options).map_err(|e| e.to_string())?;
             let value = vec![t as u8; args.value_size];
             let mut out = Vec::with_capacity(args.value_size);
