@@ -1,87 +1,48 @@
-//! The client's block allocator. Space comes from heap extents the server
-//! leases; blocks freed by this client (the one whose CAS unlinked them) are
-//! reused only after a grace period, so no reader that could still hold the
-//! old offset sees it rewritten. Ownership of a freed block passes to
-//! whoever unlinked it, whichever client first wrote it.
-
-use std::collections::{BTreeMap, VecDeque};
-use std::time::{Duration, Instant};
+//! The client's block allocator: it carves new blocks out of the heap
+//! extents the server leased to it, front to back, and never reuses a block.
+//! A block this client unlinks (by an update or a delete), wherever it
+//! lives, is simply forgotten: the server finds it unreferenced and reuses
+//! it after a grace period. So no client ever holds space another needs,
+//! and a client that dies holds nothing but its leases.
 
 use kv_common::layout::class_size;
 use kv_common::protocol::Extent;
 
+#[derive(Default)]
 pub struct BlockAllocator {
-    extents: Vec<Extent>,
-    freed: BTreeMap<u8, VecDeque<(u64, Instant)>>,
-    grace: Duration,
+    /// Each leased extent, and the offset in it that is carved next.
+    leases: Vec<(Extent, u64)>,
 }
 
 impl BlockAllocator {
-    pub fn new(grace: Duration) -> Self {
-        BlockAllocator {
-            extents: Vec::new(),
-            freed: BTreeMap::new(),
-            grace,
-        }
-    }
-
-    /// A block of `class`: a freed one past its grace period, or fresh space.
+    /// A block of `class` from leased space, if any extent has room.
     pub fn take(&mut self, class: u8) -> Option<u64> {
         let size = class_size(class);
-        if let Some(q) = self.freed.get_mut(&class) {
-            if let Some(&(offset, at)) = q.front() {
-                if at.elapsed() >= self.grace {
-                    q.pop_front();
-                    return Some(offset);
-                }
-            }
-        }
-        let i = self.extents.iter().position(|e| e.len >= size)?;
-        let e = &mut self.extents[i];
-        let offset = e.offset;
-        e.offset += size;
-        e.len -= size;
-        if e.len == 0 {
-            self.extents.swap_remove(i);
-        }
+        let (_, next) = self
+            .leases
+            .iter_mut()
+            .find(|(e, next)| e.offset + e.len - *next >= size)?;
+        let offset = *next;
+        *next += size;
         Some(offset)
     }
 
     pub fn add_extent(&mut self, e: Extent) {
-        self.extents.push(e);
+        self.leases.push((e, e.offset));
     }
 
-    /// Records a block this client unlinked (or never published).
-    pub fn release(&mut self, offset: u64, class: u8) {
-        self.freed
-            .entry(class)
-            .or_default()
-            .push_back((offset, Instant::now()));
+    /// Everything this client holds, whole leases, for giving back: when no
+    /// extent has room for the next block, or at disconnect. The server
+    /// keeps the blocks in them that the index references and reclaims the
+    /// rest.
+    pub fn drain(&mut self) -> Vec<Extent> {
+        self.leases.drain(..).map(|(e, _)| e).collect()
     }
 
-    /// Takes every freed block, for giving back to the server.
-    pub fn drain_freed(&mut self) -> Vec<Extent> {
-        let mut out = Vec::new();
-        for (class, q) in std::mem::take(&mut self.freed) {
-            out.extend(q.into_iter().map(|(offset, _)| Extent {
-                offset,
-                len: class_size(class),
-            }));
-        }
-        out
-    }
-
-    /// Takes everything (unused extents and freed blocks), at disconnect.
-    pub fn drain_all(&mut self) -> Vec<Extent> {
-        let mut out = self.drain_freed();
-        out.append(&mut self.extents);
-        out
-    }
-
-    /// Forgets all space: after a server restart it belongs to the new server.
+    /// Forgets all space: the connection that leased it is gone, and the
+    /// server reclaims it as a departed client's.
     pub fn reset(&mut self) {
-        self.extents.clear();
-        self.freed.clear();
+        self.leases.clear();
     }
 }
 
@@ -90,8 +51,8 @@ mod tests {
     use super::*;
 
     #[test]
-    fn carves_extents_and_reuses_only_after_grace() {
-        let mut a = BlockAllocator::new(Duration::from_millis(30));
+    fn carves_extents_front_to_back_and_never_reuses() {
+        let mut a = BlockAllocator::default();
         assert_eq!(a.take(0), None);
         a.add_extent(Extent {
             offset: 4096,
@@ -100,28 +61,13 @@ mod tests {
         assert_eq!(a.take(0), Some(4096));
         assert_eq!(a.take(0), Some(4096 + 64));
         assert_eq!(a.take(0), None);
-        a.release(4096, 0);
-        assert_eq!(
-            a.take(0),
-            None,
-            "freed block reused inside its grace period"
-        );
-        std::thread::sleep(Duration::from_millis(40));
-        assert_eq!(a.take(0), Some(4096));
-        assert_eq!(a.take(0), None);
-    }
-
-    #[test]
-    fn drains_everything_it_holds() {
-        let mut a = BlockAllocator::new(Duration::ZERO);
         a.add_extent(Extent {
-            offset: 0,
+            offset: 8192,
             len: 1000,
         });
-        let b = a.take(1).unwrap();
-        a.release(b, 1);
-        let all = a.drain_all();
-        assert_eq!(all.iter().map(|e| e.len).sum::<u64>(), 1000);
+        assert_eq!(a.take(1), Some(8192));
+        let all = a.drain();
+        assert_eq!(all.iter().map(|e| e.len).sum::<u64>(), 128 + 1000);
         assert_eq!(a.take(0), None);
     }
 }

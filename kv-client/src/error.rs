@@ -19,6 +19,16 @@ pub enum Error {
     RegionFull(u64),
     #[error("region full: both candidate buckets of this key are full (index resize is not available yet)")]
     IndexFull,
+    /// A slot of this key's buckets points at a block that fails validation
+    /// on every read while the slot does not change: the region is damaged
+    /// there (`kv-server check` reports it, `--repair` unlinks it).
+    #[error("corrupt data for key {key:?}: slot {slot} of bucket {bucket} points at an unreadable block at offset {offset}")]
+    Corrupt {
+        key: String,
+        bucket: u64,
+        slot: usize,
+        offset: u64,
+    },
     #[error("gave up after {0} attempts under contention")]
     Contended(u32),
     #[error("unexpected reply from server: {0}")]
@@ -30,9 +40,7 @@ pub enum Error {
 impl From<TransportError> for Error {
     fn from(e: TransportError) -> Self {
         match e {
-            TransportError::Unreachable { .. } | TransportError::Disconnected(_) => {
-                Error::Unreachable(e.to_string())
-            }
+            TransportError::Unreachable { .. } => Error::Unreachable(e.to_string()),
             TransportError::Codec(c) => Error::Protocol(c.to_string()),
             other => Error::Transport(other),
         }
@@ -42,16 +50,15 @@ impl From<TransportError> for Error {
 impl Error {
     pub(crate) fn from_server(kind: ErrorKind, message: String) -> Self {
         match kind {
-            ErrorKind::BadSecret => Error::Refused(message),
+            ErrorKind::BadSecret | ErrorKind::TooManyClients => Error::Refused(message),
             ErrorKind::VersionMismatch => Error::VersionMismatch(message),
             other => Error::Protocol(format!("{other:?}: {message}")),
         }
     }
 
-    /// True when the server's registration changed under us (restart): the
-    /// operation can be redone on a fresh connection.
-    pub(crate) fn is_stale_region(&self) -> bool {
-        matches!(self, Error::Transport(TransportError::RemoteAccess(m)) if m.contains("rkey"))
-            || matches!(self, Error::Unreachable(_))
+    /// True when this connection is gone but the server may be reachable
+    /// on a new one: the operation can be redone after reconnecting.
+    pub(crate) fn is_connection_lost(&self) -> bool {
+        matches!(self, Error::Transport(t) if t.is_connection_lost())
     }
 }

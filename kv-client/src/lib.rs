@@ -86,6 +86,7 @@ pub struct Client {
     retired_stats: VerbStats,
     jitter: u64,
     cache: SlotCache,
+    reconnects: u64,
 }
 
 /// A remembered slot of a key, and the READ of its block.
@@ -97,11 +98,52 @@ struct Hint {
 
 /// Result of reading a key's candidate blocks.
 enum Scan {
-    /// Saw something inconsistent (a block being rewritten, or too slow to
-    /// trust): start again from the buckets.
-    Retry,
+    /// Saw something inconsistent: start again from the buckets. Names the
+    /// slot whose block failed validation, if that was the reason (None: the
+    /// reads took too long to be trusted).
+    Retry(Option<(SlotPos, Slot)>),
     /// Slots holding the key, lowest position first.
     Found(Vec<(SlotPos, Slot)>),
+}
+
+/// Attempts in a row that must meet the same slot value with an invalid
+/// block before the key is reported corrupt.
+const CORRUPT_AFTER: u32 = 3;
+
+/// Tells damage from a race. A block that its slot references, read within
+/// the deadline, cannot be mid-rewrite (space is reused only a grace period
+/// after it was unreferenced), so the same slot value failing validation
+/// on fresh reads of the buckets, again and again, is damage: reported as
+/// [`Error::Corrupt`] after a few attempts instead of spinning until the
+/// attempt limit. A slot that changes in between resets the count.
+#[derive(Default)]
+struct CorruptSlot {
+    last: Option<(SlotPos, Slot)>,
+    times: u32,
+}
+
+impl CorruptSlot {
+    fn saw(&mut self, key: &[u8], suspect: Option<(SlotPos, Slot)>) -> Result<()> {
+        let Some(s) = suspect else {
+            return Ok(());
+        };
+        if self.last == Some(s) {
+            self.times += 1;
+        } else {
+            self.last = Some(s);
+            self.times = 1;
+        }
+        if self.times >= CORRUPT_AFTER {
+            return Err(Error::Corrupt {
+                key: String::from_utf8_lossy(key).into_owned(),
+                bucket: s.0.bucket,
+                slot: s.0.index,
+                offset: s.1.offset(),
+            });
+        }
+        std::thread::yield_now();
+        Ok(())
+    }
 }
 
 impl Client {
@@ -128,10 +170,11 @@ impl Client {
             deadline,
             max_block,
             max_value,
-            alloc: BlockAllocator::new(deadline * 4),
+            alloc: BlockAllocator::default(),
             retired_stats: VerbStats::default(),
             jitter: 0x853c_49e6_748f_ea9b,
             cache: SlotCache::new(cache_entries),
+            reconnects: 0,
         })
     }
 
@@ -155,6 +198,12 @@ impl Client {
         s
     }
 
+    /// How many times this client replaced a lost connection (a server
+    /// restart, a fence, a broken control channel) and redid an operation.
+    pub fn reconnects(&self) -> u64 {
+        self.reconnects
+    }
+
     /// The server's counters (a control message, not the data path).
     pub fn server_stats(&mut self) -> Result<ServerStats> {
         match self.conn.call(&Request::Stats)? {
@@ -173,7 +222,7 @@ impl Client {
     /// there is no such key.
     pub fn get_into(&mut self, key: &[u8], out: &mut Vec<u8>) -> Result<bool> {
         self.check_key(key)?;
-        self.redo_after_restart(|c| c.get_once(key, out))
+        self.redo_on_lost_connection(|c| c.get_once(key, out))
     }
 
     /// Stores `value` under `key`, replacing any earlier value.
@@ -185,13 +234,13 @@ impl Client {
                 max: self.max_value,
             });
         }
-        self.redo_after_restart(|c| c.put_once(key, value))
+        self.redo_on_lost_connection(|c| c.put_once(key, value))
     }
 
     /// Removes `key`; false if it was not there.
     pub fn delete(&mut self, key: &[u8]) -> Result<bool> {
         self.check_key(key)?;
-        self.redo_after_restart(|c| c.delete_once(key))
+        self.redo_on_lost_connection(|c| c.delete_once(key))
     }
 
     fn check_key(&self, key: &[u8]) -> Result<()> {
@@ -207,11 +256,17 @@ impl Client {
         Ok(())
     }
 
-    /// Runs an operation; if the server restarted under it (the access key
-    /// changed), reconnects once and runs it again from the start.
-    fn redo_after_restart<T>(&mut self, mut op: impl FnMut(&mut Self) -> Result<T>) -> Result<T> {
+    /// Runs an operation; if its connection is gone (the server restarted,
+    /// cut this client off, or the control channel broke), reconnects once
+    /// and runs it again from the start. Every step of an operation is safe
+    /// to redo: a block written but not published is garbage, and a PUT
+    /// published before the failure is found and updated (or deduplicated).
+    fn redo_on_lost_connection<T>(
+        &mut self,
+        mut op: impl FnMut(&mut Self) -> Result<T>,
+    ) -> Result<T> {
         match op(self) {
-            Err(e) if e.is_stale_region() => {
+            Err(e) if e.is_connection_lost() => {
                 self.reconnect()?;
                 op(self)
             }
@@ -219,6 +274,8 @@ impl Client {
         }
     }
 
+    /// Replaces the connection. The old one's leases are dropped: the
+    /// server reclaims them once it has fenced the old connection.
     fn reconnect(&mut self) -> Result<()> {
         let (conn, info) = open(&self.address, &self.options)?;
         if info.geometry != self.info.geometry {
@@ -227,6 +284,7 @@ impl Client {
             ));
         }
         self.retired_stats.add(self.conn.stats());
+        self.reconnects += 1;
         self.conn = conn;
         self.info = info;
         self.alloc.reset();
@@ -239,6 +297,7 @@ impl Client {
         if self.get_cached(key, &kh, out)? {
             return Ok(true);
         }
+        let mut corrupt = CorruptSlot::default();
         for _ in 0..self.options.max_attempts {
             let started = Instant::now();
             self.conn.post(&self.bucket_reads(&kh))?;
@@ -247,12 +306,15 @@ impl Client {
                 out.clear();
                 out.extend_from_slice(v);
             })?;
-            if let Scan::Found(found) = scan {
-                match found.first() {
-                    Some(&(pos, slot)) => self.cache.remember(key, pos, slot),
-                    None => self.cache.forget(key),
+            match scan {
+                Scan::Found(found) => {
+                    match found.first() {
+                        Some(&(pos, slot)) => self.cache.remember(key, pos, slot),
+                        None => self.cache.forget(key),
+                    }
+                    return Ok(!found.is_empty());
                 }
-                return Ok(!found.is_empty());
+                Scan::Retry(suspect) => corrupt.saw(key, suspect)?,
             }
         }
         Err(Error::Contended(self.options.max_attempts))
@@ -283,21 +345,14 @@ impl Client {
     /// fits the heap and the local buffer.
     fn usable_hint(&mut self, key: &[u8]) -> Option<Hint> {
         let (pos, slot) = self.cache.get(key)?;
-        let g = self.info.geometry;
-        let len = slot.block_len() as usize;
         let local = BLOCK_AT + self.max_block;
-        let fits = slot.offset() >= g.heap_offset
-            && slot.offset() + len as u64 <= g.heap_offset + g.heap_size
-            && local + len <= self.conn.local().len();
-        if !fits {
+        let span = self.info.geometry.block_span(slot);
+        let Some((remote, len)) = span.filter(|&(_, len)| local + len <= self.conn.local().len())
+        else {
             self.cache.forget(key);
             return None;
-        }
-        let read = Verb::Read {
-            remote: slot.offset(),
-            local,
-            len,
         };
+        let read = Verb::Read { remote, local, len };
         Some(Hint { pos, slot, read })
     }
 
@@ -358,30 +413,18 @@ impl Client {
             local: BLOCK_AT,
             len: used.div_ceil(8) as usize * 8,
         };
-        let mut published = false;
-        let result = self.publish(key, &kh, new, write, &mut published);
-        if result.is_err() && !published {
-            // Never published: nobody can be reading it.
-            self.alloc.release(offset, class);
-        }
-        result
+        // A block that is never published is garbage the server reclaims.
+        self.publish(key, &kh, new, write)
     }
 
     /// Writes the block (with the first bucket read) and CASes it into the
-    /// key's slot, or an empty one. `published` is set once the CAS landed:
-    /// from then on the block belongs to the index, whatever fails later.
-    fn publish(
-        &mut self,
-        key: &[u8],
-        kh: &KeyHash,
-        new: Slot,
-        write: Verb,
-        published: &mut bool,
-    ) -> Result<()> {
+    /// key's slot, or an empty one.
+    fn publish(&mut self, key: &[u8], kh: &KeyHash, new: Slot, write: Verb) -> Result<()> {
         let mut pending_write = Some(write);
         // With a hint, the first batch also reads the key's current block,
         // so an update takes two round trips instead of three.
         let mut hint = self.usable_hint(key);
+        let mut corrupt = CorruptSlot::default();
         for _ in 0..self.options.max_attempts {
             let started = Instant::now();
             let [a, b] = self.bucket_reads(kh);
@@ -401,7 +444,10 @@ impl Client {
             let found = match confirmed {
                 Some(h) => vec![(h.pos, h.slot)],
                 None => match self.scan(key, kh, &slots, started, false, None, |_| {})? {
-                    Scan::Retry => continue,
+                    Scan::Retry(suspect) => {
+                        corrupt.saw(key, suspect)?;
+                        continue;
+                    }
                     Scan::Found(found) => found,
                 },
             };
@@ -410,9 +456,7 @@ impl Client {
                     continue;
                 }
                 if self.cas(pos, old, new)? {
-                    *published = true;
                     self.cache.remember(key, pos, new);
-                    self.alloc.release(old.offset(), old.class());
                     // Copies above ours belong to inserts still in flight,
                     // which remove them themselves; trying here only helps.
                     self.remove_duplicates(&found[1..], started)?;
@@ -426,7 +470,6 @@ impl Client {
                 .ok_or(Error::IndexFull)?;
             let pos = slot_pos(kh, empty);
             if self.cas(pos, Slot::EMPTY, new)? {
-                *published = true;
                 // A hint even if this copy is resolved away: GETs check it.
                 self.cache.remember(key, pos, new);
                 return self.resolve_insert(key, kh, pos, new);
@@ -445,6 +488,7 @@ impl Client {
     /// so its operation is concurrent with that insert and ordered before it.)
     fn resolve_insert(&mut self, key: &[u8], kh: &KeyHash, mine: SlotPos, new: Slot) -> Result<()> {
         let inserted = Instant::now();
+        let mut corrupt = CorruptSlot::default();
         for _ in 0..self.options.max_attempts {
             let started = Instant::now();
             self.conn.post(&self.bucket_reads(kh))?;
@@ -453,14 +497,16 @@ impl Client {
             // key sooner than a grace period after we published it.
             let known = (inserted.elapsed() < self.deadline).then_some(new);
             let found = match self.scan(key, kh, &slots, started, false, known, |_| {})? {
-                Scan::Retry => continue,
+                Scan::Retry(suspect) => {
+                    corrupt.saw(key, suspect)?;
+                    continue;
+                }
                 Scan::Found(found) => found,
             };
             let ours_is_higher = slots[slot_index(kh, mine)] == new
                 && found.first().is_some_and(|&(lowest, _)| lowest != mine);
             if ours_is_higher {
                 if started.elapsed() <= self.deadline && self.cas(mine, new, Slot::EMPTY)? {
-                    self.alloc.release(new.offset(), new.class());
                     return Ok(());
                 }
             } else if self.remove_duplicates(found.get(1..).unwrap_or(&[]), started)? {
@@ -473,12 +519,16 @@ impl Client {
     fn delete_once(&mut self, key: &[u8]) -> Result<bool> {
         let kh = KeyHash::new(key, self.info.geometry.bucket_count);
         self.cache.forget(key);
+        let mut corrupt = CorruptSlot::default();
         for _ in 0..self.options.max_attempts {
             let started = Instant::now();
             self.conn.post(&self.bucket_reads(&kh))?;
             let slots = self.bucket_slots();
             let found = match self.scan(key, &kh, &slots, started, false, None, |_| {})? {
-                Scan::Retry => continue,
+                Scan::Retry(suspect) => {
+                    corrupt.saw(key, suspect)?;
+                    continue;
+                }
                 Scan::Found(found) => found,
             };
             let Some(&(pos, old)) = found.first() else {
@@ -488,7 +538,6 @@ impl Client {
                 continue;
             }
             if self.cas(pos, old, Slot::EMPTY)? {
-                self.alloc.release(old.offset(), old.class());
                 // A copy that survives this belongs to a PUT still in flight,
                 // which is then ordered after this delete.
                 self.remove_duplicates(&found[1..], started)?;
@@ -506,7 +555,6 @@ impl Client {
             if started.elapsed() > self.deadline || !self.cas(pos, slot, Slot::EMPTY)? {
                 return Ok(false);
             }
-            self.alloc.release(slot.offset(), slot.class());
         }
         Ok(true)
     }
@@ -549,6 +597,10 @@ impl Client {
     /// that pass the checksum and hold `key`. `on_value` sees the value of
     /// the lowest match; with `first_only` the scan stops there. A slot equal
     /// to `known` is taken to hold the key without reading its block.
+    ///
+    /// A slot that cannot point at a block, or whose block fails validation,
+    /// is skipped; if the key is not found elsewhere the scan asks for a
+    /// retry, naming that slot (see [`CorruptSlot`]).
     #[allow(clippy::too_many_arguments)]
     fn scan(
         &mut self,
@@ -561,39 +613,38 @@ impl Client {
         mut on_value: impl FnMut(&[u8]),
     ) -> Result<Scan> {
         let g = self.info.geometry;
+        let reads_at = BLOCK_AT + self.max_block;
+        let room = self.conn.local().len() - reads_at;
         let mut found = Vec::new();
-        let mut candidates: Vec<(usize, Slot)> = Vec::new();
+        let mut suspect: Option<(SlotPos, Slot)> = None;
+        let mut candidates: Vec<(usize, Slot, u64, usize)> = Vec::new();
         for (i, &s) in slots.iter().enumerate() {
             if s.is_empty() || s.fingerprint() != kh.fingerprint {
                 continue;
             }
             if Some(s) == known {
                 found.push((slot_pos(kh, i), s));
-            } else {
-                candidates.push((i, s));
+                continue;
+            }
+            // No client writes a block larger than `max_block` (< room).
+            match g.block_span(s).filter(|&(_, len)| len <= room) {
+                Some((offset, len)) => candidates.push((i, s, offset, len)),
+                None => {
+                    suspect.get_or_insert((slot_pos(kh, i), s));
+                }
             }
         }
         self.pause_if_slow();
-        let reads_at = BLOCK_AT + self.max_block;
-        let room = self.conn.local().len() - reads_at;
         let mut next = 0;
         while next < candidates.len() {
             let mut verbs = Vec::new();
             let mut at = reads_at;
-            while let Some(&(_, slot)) = candidates.get(next) {
-                let len = slot.block_len() as usize;
-                let inside = slot.offset() >= g.heap_offset
-                    && slot.offset() + len as u64 <= g.heap_offset + g.heap_size
-                    && len <= room;
-                if !inside {
-                    // Only a recycled or corrupt slot can look like this.
-                    return Ok(Scan::Retry);
-                }
+            while let Some(&(_, _, remote, len)) = candidates.get(next) {
                 if !verbs.is_empty() && at + len > reads_at + room {
                     break;
                 }
                 verbs.push(Verb::Read {
-                    remote: slot.offset(),
+                    remote,
                     local: at,
                     len,
                 });
@@ -605,18 +656,19 @@ impl Client {
                 // Too slow to trust anything read: a block may have been
                 // freed and rewritten (even for another key) since the slot
                 // was read, so not even "not found" can be concluded.
-                return Ok(Scan::Retry);
+                return Ok(Scan::Retry(None));
             }
             let local = self.conn.local();
             let mut at = reads_at;
-            for &(i, slot) in &candidates[next - verbs.len()..next] {
-                let len = slot.block_len() as usize;
+            for &(i, slot, _, len) in &candidates[next - verbs.len()..next] {
                 let block = &local[at..at + len];
                 at += len;
-                // A block that fails validation is being rewritten (recycled):
-                // never returned, the buckets are read again.
+                // Read within the deadline, a block its slot still referenced
+                // when the buckets were read cannot have been reused yet: a
+                // failure here is damage, or a race a retry resolves.
                 let Ok(view) = decode_block(block) else {
-                    return Ok(Scan::Retry);
+                    suspect.get_or_insert((slot_pos(kh, i), slot));
+                    continue;
                 };
                 if view.key != key {
                     continue;
@@ -629,6 +681,9 @@ impl Client {
                     return Ok(Scan::Found(found));
                 }
             }
+        }
+        if found.is_empty() && suspect.is_some() {
+            return Ok(Scan::Retry(suspect));
         }
         found.sort_by_key(|&(pos, _)| pos);
         Ok(Scan::Found(found))
@@ -647,34 +702,43 @@ impl Client {
         }
     }
 
-    /// A block of `class`, leasing heap space from the server when the
-    /// client has none. When the heap is full, it gives back the freed
-    /// blocks it holds (other sizes may merge into what it needs) and waits
-    /// for space still in its grace period rather than failing at once.
+    /// A block of `class`. When no leased extent has room, what this client
+    /// holds is given back (the server keeps the blocks in it that the index
+    /// references) and a new extent is leased. While the server is
+    /// reclaiming space it waits; it fails only when the heap is full.
     fn take_block(&mut self, class: u8) -> Result<u64> {
+        if let Some(offset) = self.alloc.take(class) {
+            return Ok(offset);
+        }
+        let spent = self.alloc.drain();
+        if !spent.is_empty() {
+            self.give_back(spent)?;
+        }
+        let size = class_size(class);
         let grace = self.deadline * 4;
-        let give_up = Instant::now() + grace * 4;
+        let give_up = Instant::now() + (grace * 20).max(Duration::from_secs(2));
         loop {
-            if let Some(offset) = self.alloc.take(class) {
-                return Ok(offset);
-            }
-            let size = class_size(class);
             match self.conn.call(&Request::Lease { min_len: size })? {
-                Response::Leased(e) => self.alloc.add_extent(e),
+                Response::Leased(e) => {
+                    self.alloc.add_extent(e);
+                    if let Some(offset) = self.alloc.take(class) {
+                        return Ok(offset);
+                    }
+                    return Err(Error::Protocol(format!(
+                        "leased {} bytes for a {size}-byte block",
+                        e.len
+                    )));
+                }
                 Response::Error {
-                    kind: ErrorKind::HeapFull,
+                    kind: ErrorKind::HeapBusy,
                     ..
-                } => {
-                    if Instant::now() >= give_up {
-                        return Err(Error::RegionFull(size));
-                    }
-                    // Freed blocks of other sizes may merge into what we need.
-                    let extents = self.alloc.drain_freed();
-                    if !extents.is_empty() {
-                        self.give_back(extents)?;
-                    }
+                } if Instant::now() < give_up => {
                     std::thread::sleep((grace / 8).max(Duration::from_millis(1)));
                 }
+                Response::Error {
+                    kind: ErrorKind::HeapFull | ErrorKind::HeapBusy,
+                    ..
+                } => return Err(Error::RegionFull(size)),
                 other => return Err(unexpected(other)),
             }
         }
@@ -687,23 +751,20 @@ impl Client {
                 extents: part.to_vec(),
             })? {
                 Response::GivenBack => {}
-                Response::Error { kind, message } => return Err(Error::from_server(kind, message)),
                 other => return Err(unexpected(other)),
             }
         }
         Ok(())
     }
 
-    /// Gives back held heap space and says goodbye (also done on drop).
+    /// Says goodbye: the server reclaims what this client held (also done
+    /// on drop).
     pub fn close(mut self) -> Result<()> {
         self.disconnect()
     }
 
     fn disconnect(&mut self) -> Result<()> {
-        let extents = self.alloc.drain_all();
-        if !extents.is_empty() {
-            self.give_back(extents)?;
-        }
+        self.alloc.reset();
         match self.conn.call(&Request::Disconnect)? {
             Response::Goodbye => Ok(()),
             other => Err(unexpected(other)),

@@ -3,23 +3,37 @@
 //! described here, so server and client agree on it byte for byte.
 //!
 //! ```text
-//! 0          4096                      heap_offset                 region_len
-//! | header   | index: buckets × 64 B   | heap: chunks of blocks ... |
+//! 0        4096                36864                   heap_offset            region_len
+//! | header | key table: 4096×8 | index: buckets × 64 B | heap: chunks of blocks |
 //! ```
+//!
+//! The key table holds one access key per connected client of the shm
+//! backend (a client's verbs check its own word, so one client can be cut
+//! off without touching the others, as a NIC does by moving its queue pair
+//! to the error state). The rdma backend does not use it.
+//!
+//! Every number here may come from an untrusted file or message: geometry
+//! arithmetic is checked, and a slot's size class is validated before it is
+//! turned into a length.
 
 use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 /// "ONEKVRG1" read as a little-endian word.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"ONEKVRG1");
-/// Bumped whenever the byte layout of the region changes.
-pub const FORMAT_VERSION: u64 = 1;
+/// Bumped whenever the byte layout of the region changes (2: key table).
+pub const FORMAT_VERSION: u64 = 2;
 pub const HEADER_SIZE: u64 = 4096;
 /// Words of the header covered by its checksum (the checksum is word 9).
 const HEADER_WORDS: usize = 9;
-/// Byte offset of the transport's registration key (the shm "rkey"). It is
-/// outside the header checksum because every registration changes it.
-pub const HEADER_RKEY_OFFSET: u64 = 128;
+/// The shm backend's per-client access keys, one word each, right after the
+/// header. Outside the header checksum: every connect and fence changes it.
+pub const KEY_TABLE_OFFSET: u64 = HEADER_SIZE;
+pub const KEY_TABLE_ENTRIES: u64 = 4096;
+/// Where the index of a region of this format starts.
+pub const INDEX_OFFSET: u64 = KEY_TABLE_OFFSET + KEY_TABLE_ENTRIES * 8;
+/// Largest bucket count a header may claim (2^40 buckets = 64 TiB of index).
+pub const MAX_BUCKETS: u64 = 1 << 40;
 
 pub const SLOTS_PER_BUCKET: usize = 8;
 /// One bucket is one 64-byte cache line: one READ fetches it.
@@ -72,11 +86,17 @@ impl Geometry {
                 "{memory} bytes is too small; a region needs at least 1 MiB"
             )));
         }
+        if region_len > Slot::OFFSET_MASK {
+            return Err(LayoutError::BadGeometry(format!(
+                "{memory} bytes is more than a slot can address ({} bytes)",
+                Slot::OFFSET_MASK
+            )));
+        }
         let bucket_count = match buckets {
-            Some(b) if b >= 2 && b.is_power_of_two() => b,
+            Some(b) if (2..=MAX_BUCKETS).contains(&b) && b.is_power_of_two() => b,
             Some(b) => {
                 return Err(LayoutError::BadGeometry(format!(
-                    "bucket count {b} must be a power of two, at least 2"
+                    "bucket count {b} must be a power of two from 2 to {MAX_BUCKETS}"
                 )))
             }
             None => {
@@ -85,8 +105,9 @@ impl Geometry {
                 1u64 << (63 - target.leading_zeros())
             }
         };
-        let heap_offset = round_up(HEADER_SIZE + bucket_count * BUCKET_BYTES, 4096);
-        if heap_offset + (256 << 10) > region_len {
+        // bucket_count ≤ 2^40, so neither product nor sum can overflow.
+        let heap_offset = round_up(INDEX_OFFSET + bucket_count * BUCKET_BYTES, 4096);
+        if heap_offset.saturating_add(256 << 10) > region_len {
             return Err(LayoutError::BadGeometry(format!(
                 "{bucket_count} buckets leave less than 256 KiB of heap in {region_len} bytes"
             )));
@@ -95,7 +116,7 @@ impl Geometry {
         let chunk_size = (heap_size / 16).clamp(64 << 10, 4 << 20) / 4096 * 4096;
         let g = Geometry {
             region_len,
-            index_offset: HEADER_SIZE,
+            index_offset: INDEX_OFFSET,
             bucket_count,
             heap_offset,
             heap_size,
@@ -106,28 +127,41 @@ impl Geometry {
         Ok(g)
     }
 
+    /// Checks a geometry that came from a file or a message; no arithmetic
+    /// on its numbers can overflow once this passed.
     pub fn validate(&self) -> Result<(), LayoutError> {
         let bad = |m: &str| Err(LayoutError::BadGeometry(m.to_string()));
-        if !self.bucket_count.is_power_of_two() || self.bucket_count < 2 {
-            return bad("bucket count is not a power of two");
+        if !self.bucket_count.is_power_of_two() || !(2..=MAX_BUCKETS).contains(&self.bucket_count) {
+            return bad("bucket count is not a power of two from 2 to 2^40");
         }
-        if self.index_offset < HEADER_SIZE
-            || self.index_offset + self.bucket_count * BUCKET_BYTES > self.heap_offset
-        {
-            return bad("index overlaps header or heap");
+        if self.region_len > Slot::OFFSET_MASK {
+            return bad("region larger than a slot can address");
+        }
+        let index_end = self
+            .index_offset
+            .checked_add(self.bucket_count * BUCKET_BYTES);
+        if self.index_offset != INDEX_OFFSET || index_end.is_none_or(|e| e > self.heap_offset) {
+            return bad("index overlaps the key table or the heap");
         }
         if !self.heap_offset.is_multiple_of(4096)
-            || self.heap_offset + self.heap_size != self.region_len
+            || self.heap_offset.checked_add(self.heap_size) != Some(self.region_len)
         {
             return bad("heap does not end at the region end");
         }
         if self.chunk_size < 4096 || self.chunk_size > self.heap_size {
             return bad("chunk size out of range");
         }
-        if self.heap_offset + self.heap_size > Slot::OFFSET_MASK {
-            return bad("region larger than a slot can address");
-        }
         Ok(())
+    }
+
+    /// Where the block a slot points at lies, if that is a whole block inside
+    /// the heap: a slot read from the region is untrusted (torn, recycled or
+    /// damaged), and its class and offset are checked before any use.
+    pub fn block_span(&self, slot: Slot) -> Option<(u64, usize)> {
+        let len = slot.block_len()?;
+        let end = slot.offset().checked_add(len)?;
+        (slot.offset() >= self.heap_offset && end <= self.region_len && slot.offset() % 8 == 0)
+            .then_some((slot.offset(), len as usize))
     }
 
     /// Largest block the allocator hands out: the biggest size class that
@@ -214,7 +248,12 @@ fn words_checksum(words: &[u64]) -> u64 {
 /// The class fits in a slot, so a reader fetches a whole block in one READ.
 pub const MAX_CLASS: u8 = 120;
 
+/// Bytes of a block of `class`; a class above MAX_CLASS (only a damaged slot
+/// has one) has no size: u64::MAX, which fits nowhere.
 pub fn class_size(class: u8) -> u64 {
+    if class > MAX_CLASS {
+        return u64::MAX;
+    }
     let group = (class >> 2) as u32;
     let step = (class & 3) as u64;
     (4 + step) << (group + 4)
@@ -246,7 +285,7 @@ pub struct Slot(pub u64);
 
 impl Slot {
     pub const EMPTY: Slot = Slot(0);
-    const OFFSET_MASK: u64 = (1 << 47) - 1;
+    pub const OFFSET_MASK: u64 = (1 << 47) - 1;
     const FROZEN: u64 = 1 << 47;
 
     pub fn new(fingerprint: u8, class: u8, offset: u64) -> Slot {
@@ -269,8 +308,9 @@ impl Slot {
     pub fn offset(self) -> u64 {
         self.0 & Self::OFFSET_MASK
     }
-    pub fn block_len(self) -> u64 {
-        class_size(self.class())
+    /// Bytes of the block, or None for a class no block has (a damaged slot).
+    pub fn block_len(self) -> Option<u64> {
+        (self.class() <= MAX_CLASS).then(|| class_size(self.class()))
     }
 }
 
@@ -408,10 +448,43 @@ mod tests {
         assert!(Geometry::for_memory(1000, None).is_err());
         assert!(Geometry::for_memory(1 << 20, Some(3)).is_err());
         assert!(Geometry::for_memory(1 << 20, Some(1 << 20)).is_err());
+        assert!(Geometry::for_memory(1 << 30, Some(1 << 63)).is_err());
+        assert!(Geometry::for_memory(u64::MAX, None).is_err());
         assert_eq!(
             Geometry::for_memory(1 << 30, None).unwrap().max_value(),
             MAX_VALUE
         );
+    }
+
+    #[test]
+    fn untrusted_geometry_and_slots_never_overflow() {
+        let g = Geometry::for_memory(16 << 20, None).unwrap();
+        // A header claiming 2^58 buckets (its index would wrap) is refused.
+        for buckets in [1u64 << 58, 1 << 41, 3, 0] {
+            let forged = Geometry {
+                bucket_count: buckets,
+                ..g
+            };
+            assert!(forged.validate().is_err(), "{buckets} buckets accepted");
+        }
+        let wrapping = Geometry {
+            heap_size: u64::MAX - g.heap_offset + 1,
+            ..g
+        };
+        assert!(wrapping.validate().is_err());
+        // Size classes a block never has: no shift overflow, no length.
+        for class in [MAX_CLASS + 1, 240, 255] {
+            assert_eq!(class_size(class), u64::MAX);
+            let slot = Slot(((class as u64) << 48) | g.heap_offset);
+            assert_eq!(slot.block_len(), None);
+            assert_eq!(g.block_span(slot), None);
+        }
+        let inside = Slot::new(1, 0, g.heap_offset);
+        assert_eq!(g.block_span(inside), Some((g.heap_offset, 64)));
+        let past_end = Slot::new(1, 0, g.region_len - 32);
+        assert_eq!(g.block_span(past_end), None);
+        let in_index = Slot::new(1, 0, g.index_offset);
+        assert_eq!(g.block_span(in_index), None);
     }
 
     #[test]

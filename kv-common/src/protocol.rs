@@ -8,7 +8,7 @@ use crate::layout::Geometry;
 use crate::transport::RemoteRegion;
 
 /// Bumped when a message changes shape.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 /// Largest encoded message either side accepts.
 pub const MAX_MESSAGE: usize = 64 * 1024;
 
@@ -30,8 +30,10 @@ pub enum Request {
     Lease {
         min_len: u64,
     },
-    /// Give back unused or freed heap space (at disconnect, or when a client
-    /// holds more free space than it needs).
+    /// Give back leased space this client will not write into again (an
+    /// extent it has filled, or all it holds at disconnect). It may hold live
+    /// blocks: the server frees only what the index does not reference. Only
+    /// space leased to this client is accepted, all of a message or none.
     GiveBack {
         extents: Vec<Extent>,
     },
@@ -56,27 +58,49 @@ pub enum ErrorKind {
     VersionMismatch,
     NotConnected,
     Malformed,
+    /// No free space, and none is being reclaimed.
     HeapFull,
+    /// No free space right now, but some is being reclaimed: retry shortly.
+    HeapBusy,
+    /// A give-back named space this client does not hold.
     BadExtent,
+    /// The server already serves as many clients as it is configured for.
+    TooManyClients,
 }
 
 /// Counters a server keeps about its control plane and heap.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ServerStats {
     pub clients_connected: u64,
+    /// Open control channels, connected or not yet.
+    pub connections: u64,
     pub connects: u64,
     pub rejected_connects: u64,
     pub leases: u64,
     pub give_backs: u64,
+    /// Give-backs refused because they named space the client does not hold.
+    pub refused_give_backs: u64,
     pub stats_requests: u64,
     pub disconnects: u64,
+    /// Clients that went away without saying goodbye (crashed, or cut off by
+    /// a timeout or for misbehaving); their space was reclaimed.
+    pub departures: u64,
     pub malformed: u64,
     pub heap_size: u64,
+    /// Free heap bytes, counting those still waiting out their grace period.
     pub heap_free: u64,
+    /// Bytes leased to connected clients (their unused space included).
+    pub heap_leased: u64,
     pub bucket_count: u64,
+    /// Occupied slots as of the last index scan (`index_scans` so far; the
+    /// server scans when it reclaims space, not on every stats request).
     pub live_slots: u64,
-    /// CPU time the control plane spent serving clients (stats requests,
-    /// which scan the index, excluded).
+    /// Bytes of the blocks those slots reference.
+    pub live_bytes: u64,
+    pub index_scans: u64,
+    /// Slots whose class or offset cannot be a block, found by the scans.
+    pub corrupt_slots: u64,
+    /// CPU time the control plane and the reclaimer spent.
     pub server_cpu_us: u64,
 }
 

@@ -1,69 +1,122 @@
-//! The control plane: one thread per client connection answering connect,
-//! lease, give-back, stats and disconnect. Nothing here touches a slot or a
-//! block; clients do that themselves with one-sided verbs.
+//! The control plane's answers: connect, lease, give-back, stats and
+//! disconnect, one flat match on (request, session). Nothing here touches a
+//! slot or a block; clients do that themselves with one-sided verbs.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use kv_common::layout::Geometry;
 use kv_common::protocol::{
-    self, ConnectInfo, ErrorKind, Request, Response, ServerStats, PROTOCOL_VERSION,
+    ConnectInfo, ErrorKind, Request, Response, ServerStats, PROTOCOL_VERSION,
 };
 use kv_common::transport::shm::SharedRegion;
-use kv_common::transport::{ControlPeer, RemoteRegion, TransportError};
+use kv_common::transport::ControlPeer;
 
-use crate::heap::HeapPool;
+use crate::heap::{ClientId, HeapPool, LeaseRefusal};
+
+/// Bad give-backs or malformed messages one client may send before it is
+/// disconnected.
+pub const MAX_OFFENCES: u32 = 3;
 
 #[derive(Default)]
 pub struct Counters {
     pub connected: AtomicU64,
+    pub connections: AtomicU64,
     pub connects: AtomicU64,
     pub rejected: AtomicU64,
     pub leases: AtomicU64,
     pub give_backs: AtomicU64,
+    pub refused_give_backs: AtomicU64,
     pub stats_requests: AtomicU64,
     pub disconnects: AtomicU64,
+    pub departures: AtomicU64,
     pub malformed: AtomicU64,
     pub cpu_us: AtomicU64,
+    pub index_scans: AtomicU64,
+    pub live_slots: AtomicU64,
+    pub live_bytes: AtomicU64,
+    pub corrupt_slots: AtomicU64,
 }
 
+/// What the control plane's threads share.
 pub struct Shared {
     pub geometry: Geometry,
-    pub region: Arc<SharedRegion>,
-    pub remote: RemoteRegion,
+    pub region: std::sync::Arc<SharedRegion>,
     pub secret: Option<Vec<u8>>,
     pub op_deadline: Duration,
+    pub max_clients: u64,
     pub pool: Mutex<HeapPool>,
     pub counters: Counters,
     pub next_client: AtomicU64,
     pub stopping: AtomicBool,
+    /// Wakes the reclaimer early (a lease went wanting, a client left).
+    pub reclaim: (Mutex<bool>, Condvar),
 }
 
 impl Shared {
+    pub fn grace(&self) -> Duration {
+        self.op_deadline * 4
+    }
+
+    pub fn wake_reclaimer(&self) {
+        let (flag, cv) = &self.reclaim;
+        if let Ok(mut f) = flag.lock() {
+            *f = true;
+            cv.notify_one();
+        }
+    }
+
+    /// The counters, the pool's totals and the last index scan's findings;
+    /// cheap enough to answer any number of stats requests.
     pub fn stats(&self) -> ServerStats {
         let c = &self.counters;
-        let mut live_slots = 0;
-        let _ = crate::region::for_each_slot(&self.region, &self.geometry, |_, _| live_slots += 1);
+        let (heap_free, heap_leased) = self
+            .pool
+            .lock()
+            .map(|p| (p.free_bytes(), p.leased_bytes()))
+            .unwrap_or_default();
         ServerStats {
             clients_connected: c.connected.load(Relaxed),
+            connections: c.connections.load(Relaxed),
             connects: c.connects.load(Relaxed),
             rejected_connects: c.rejected.load(Relaxed),
             leases: c.leases.load(Relaxed),
             give_backs: c.give_backs.load(Relaxed),
+            refused_give_backs: c.refused_give_backs.load(Relaxed),
             stats_requests: c.stats_requests.load(Relaxed),
             disconnects: c.disconnects.load(Relaxed),
+            departures: c.departures.load(Relaxed),
             malformed: c.malformed.load(Relaxed),
             heap_size: self.geometry.heap_size,
-            heap_free: self.pool.lock().map(|p| p.free_bytes()).unwrap_or(0),
+            heap_free,
+            heap_leased,
             bucket_count: self.geometry.bucket_count,
-            live_slots,
+            live_slots: c.live_slots.load(Relaxed),
+            live_bytes: c.live_bytes.load(Relaxed),
+            index_scans: c.index_scans.load(Relaxed),
+            corrupt_slots: c.corrupt_slots.load(Relaxed),
             server_cpu_us: c.cpu_us.load(Relaxed),
         }
     }
 }
 
-fn error(kind: ErrorKind, message: impl Into<String>) -> Response {
+/// One control channel's state.
+#[derive(Default)]
+pub struct Session {
+    /// Set once the client connected (and so was admitted to the data path).
+    pub client: Option<ClientId>,
+    pub offences: u32,
+}
+
+/// What to do with the channel after replying.
+#[derive(Debug, PartialEq, Eq)]
+pub enum After {
+    Stay,
+    Close,
+}
+
+pub fn error(kind: ErrorKind, message: impl Into<String>) -> Response {
     Response::Error {
         kind,
         message: message.into(),
@@ -75,63 +128,25 @@ fn same_secret(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// Serves one client until it disconnects, misbehaves, or the server stops.
-pub fn serve(shared: Arc<Shared>, mut peer: Box<dyn ControlPeer>) {
-    let c = &shared.counters;
-    let mut client: Option<u64> = None;
-    let mut cpu_mark = thread_cpu_us();
-    loop {
-        let bytes = match peer.recv() {
-            Ok(Some(b)) => b,
-            Ok(None) => break,
-            Err(TransportError::Codec(e)) => {
-                // The framing itself is broken: say why, then hang up.
-                c.malformed.fetch_add(1, Relaxed);
-                tracing::warn!(client, "closing control connection: {e}");
-                let _ = send(&mut *peer, &error(ErrorKind::Malformed, e.to_string()));
-                break;
-            }
-            Err(_) => break,
-        };
-        if shared.stopping.load(Relaxed) {
-            break;
-        }
-        let (reply, close, observing) = match protocol::decode::<Request>(&bytes) {
-            Ok(request) => {
-                let observing = request == Request::Stats;
-                let (reply, close) = handle(&shared, &mut client, request);
-                (reply, close, observing)
-            }
-            Err(e) => {
-                c.malformed.fetch_add(1, Relaxed);
-                (error(ErrorKind::Malformed, e.to_string()), false, false)
-            }
-        };
-        let sent = send(&mut *peer, &reply);
-        let now = thread_cpu_us();
-        // Stats requests scan the index; counting them would make every
-        // measurement of the server's CPU time perturb itself.
-        if !observing {
-            c.cpu_us.fetch_add(now.saturating_sub(cpu_mark), Relaxed);
-        }
-        cpu_mark = now;
-        if close || sent.is_err() {
-            break;
-        }
-    }
-    if client.is_some() {
-        c.connected.fetch_sub(1, Relaxed);
+/// Counts one offence; a client past the limit is disconnected.
+pub fn offence(session: &mut Session) -> After {
+    session.offences += 1;
+    if session.offences >= MAX_OFFENCES {
+        After::Close
+    } else {
+        After::Stay
     }
 }
 
-fn send(peer: &mut dyn ControlPeer, reply: &Response) -> Result<(), TransportError> {
-    peer.send(&protocol::encode(reply)?)
-}
-
-/// Answers one request; the flag says whether to close the connection.
-fn handle(shared: &Shared, client: &mut Option<u64>, request: Request) -> (Response, bool) {
+/// Answers one request.
+pub fn handle(
+    shared: &Shared,
+    session: &mut Session,
+    peer: &mut dyn ControlPeer,
+    request: Request,
+) -> (Response, After) {
     let c = &shared.counters;
-    match (request, *client) {
+    match (request, session.client) {
         (
             Request::Connect {
                 protocol_version,
@@ -143,35 +158,54 @@ fn handle(shared: &Shared, client: &mut Option<u64>, request: Request) -> (Respo
                 c.rejected.fetch_add(1, Relaxed);
                 let m =
                     format!("client speaks protocol {protocol_version}, server {PROTOCOL_VERSION}");
-                return (error(ErrorKind::VersionMismatch, m), true);
+                return (error(ErrorKind::VersionMismatch, m), After::Close);
             }
             if let Some(expected) = &shared.secret {
                 if !same_secret(expected, &secret) {
                     c.rejected.fetch_add(1, Relaxed);
                     tracing::warn!("refused a client with a wrong secret");
-                    return (error(ErrorKind::BadSecret, "wrong secret"), true);
+                    return (error(ErrorKind::BadSecret, "wrong secret"), After::Close);
                 }
             }
+            if c.connected.load(Relaxed) >= shared.max_clients {
+                c.rejected.fetch_add(1, Relaxed);
+                let m = format!("the server serves at most {} clients", shared.max_clients);
+                return (error(ErrorKind::TooManyClients, m), After::Close);
+            }
+            let region = match peer.admit() {
+                Ok(r) => r,
+                Err(e) => {
+                    c.rejected.fetch_add(1, Relaxed);
+                    return (
+                        error(ErrorKind::TooManyClients, e.to_string()),
+                        After::Close,
+                    );
+                }
+            };
             let id = shared.next_client.fetch_add(1, Relaxed);
-            *client = Some(id);
+            session.client = Some(id);
             c.connects.fetch_add(1, Relaxed);
             c.connected.fetch_add(1, Relaxed);
             tracing::debug!(client = id, "connected");
             let info = ConnectInfo {
                 client_id: id,
-                region: shared.remote,
+                region,
                 geometry: shared.geometry,
                 op_deadline_us: shared.op_deadline.as_micros() as u64,
             };
-            (Response::Connected(info), false)
+            (Response::Connected(info), After::Stay)
         }
         (Request::Connect { .. }, Some(_)) => {
             c.malformed.fetch_add(1, Relaxed);
-            (error(ErrorKind::Malformed, "already connected"), false)
+            let after = offence(session);
+            (error(ErrorKind::Malformed, "already connected"), after)
         }
         (_, None) => {
             c.malformed.fetch_add(1, Relaxed);
-            (error(ErrorKind::NotConnected, "send Connect first"), true)
+            (
+                error(ErrorKind::NotConnected, "send Connect first"),
+                After::Close,
+            )
         }
         (Request::Lease { min_len }, Some(id)) => {
             c.leases.fetch_add(1, Relaxed);
@@ -180,45 +214,96 @@ fn handle(shared: &Shared, client: &mut Option<u64>, request: Request) -> (Respo
                     "lease of {min_len} bytes; chunks are {}",
                     shared.geometry.chunk_size
                 );
-                return (error(ErrorKind::Malformed, m), false);
+                let after = offence(session);
+                return (error(ErrorKind::Malformed, m), after);
             }
-            let leased = shared
-                .pool
-                .lock()
-                .map(|mut p| p.lease(min_len))
-                .unwrap_or(None);
+            let leased = match shared.pool.lock() {
+                Ok(mut p) => p.lease(id, min_len),
+                Err(_) => Err(LeaseRefusal::Full),
+            };
             match leased {
-                Some(extent) => {
+                Ok(extent) => {
                     tracing::trace!(client = id, ?extent, "leased");
-                    (Response::Leased(extent), false)
+                    (Response::Leased(extent), After::Stay)
                 }
-                None => (error(ErrorKind::HeapFull, "no free heap space left"), false),
+                Err(LeaseRefusal::Busy) => {
+                    shared.wake_reclaimer();
+                    let m = "no free heap space right now; space is being reclaimed";
+                    (error(ErrorKind::HeapBusy, m), After::Stay)
+                }
+                Err(LeaseRefusal::Full) => {
+                    shared.wake_reclaimer();
+                    (
+                        error(ErrorKind::HeapFull, "no free heap space left"),
+                        After::Stay,
+                    )
+                }
+                Err(LeaseRefusal::TooManyExtents) => {
+                    let m = "this client holds too many extents; give some back first";
+                    (error(ErrorKind::BadExtent, m), After::Stay)
+                }
             }
         }
         (Request::GiveBack { extents }, Some(id)) => {
             c.give_backs.fetch_add(1, Relaxed);
             let result = match shared.pool.lock() {
-                Ok(mut p) => p.give_back(&extents),
+                Ok(mut p) => p.give_back(id, &extents),
                 Err(_) => Err("heap pool unavailable".into()),
             };
             match result {
-                Ok(()) => (Response::GivenBack, false),
+                Ok(()) => (Response::GivenBack, After::Stay),
                 Err(m) => {
+                    c.refused_give_backs.fetch_add(1, Relaxed);
                     tracing::warn!(client = id, "refused give-back: {m}");
-                    (error(ErrorKind::BadExtent, m), false)
+                    let after = offence(session);
+                    (error(ErrorKind::BadExtent, m), after)
                 }
             }
         }
         (Request::Stats, Some(_)) => {
             c.stats_requests.fetch_add(1, Relaxed);
-            (Response::Stats(shared.stats()), false)
+            (Response::Stats(shared.stats()), After::Stay)
         }
         (Request::Disconnect, Some(id)) => {
             c.disconnects.fetch_add(1, Relaxed);
             tracing::debug!(client = id, "disconnected");
-            (Response::Goodbye, true)
+            (Response::Goodbye, After::Close)
         }
     }
+}
+
+/// Ends a session: a connected client is cut off the data path, and what
+/// it still holds is retired (reclaimed once the fence has settled).
+pub fn end_session(
+    shared: &Shared,
+    session: &Session,
+    peer: &mut dyn ControlPeer,
+    said_goodbye: bool,
+) {
+    let Some(id) = session.client else {
+        return;
+    };
+    peer.fence();
+    // A client that said goodbye has no verb in flight; any other may have
+    // one, which lands within a grace period of the fence.
+    let eligible = if said_goodbye {
+        Instant::now()
+    } else {
+        Instant::now() + shared.grace()
+    };
+    if let Ok(mut p) = shared.pool.lock() {
+        p.depart(id, eligible);
+    }
+    let c = &shared.counters;
+    c.connected.fetch_sub(1, Relaxed);
+    if !said_goodbye {
+        c.departures.fetch_add(1, Relaxed);
+        tracing::info!(
+            client = id,
+            "client left without goodbye; its space will be reclaimed"
+        );
+    }
+    shared.wake_reclaimer();
 }
 
 /// CPU time this thread has used, in microseconds.
@@ -233,4 +318,13 @@ pub fn thread_cpu_us() -> u64 {
         return 0;
     }
     ts.tv_sec as u64 * 1_000_000 + ts.tv_nsec as u64 / 1_000
+}
+
+/// Adds the CPU time this thread used since `mark` to the shared counter.
+pub fn account_cpu(counters: &Counters, mark: &mut u64) {
+    let now = thread_cpu_us();
+    counters
+        .cpu_us
+        .fetch_add(now.saturating_sub(*mark), Relaxed);
+    *mark = now;
 }

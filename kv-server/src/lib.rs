@@ -5,23 +5,30 @@
 //! Embed it with [`Server::start`]; the `kv-server` binary is a thin daemon
 //! around the same call.
 
+use std::fs::File;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::mpsc::{self, Sender};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use kv_common::layout::Geometry;
+use kv_common::layout::{Geometry, KEY_TABLE_ENTRIES};
 use kv_common::protocol::ServerStats;
-use kv_common::transport::{self, ControlListener, TransportError};
+use kv_common::transport::{self, ControlListener, ControlPeer, TransportError};
 use kv_common::Address;
+use polling::Poller;
 
 mod control;
+mod event_loop;
 pub mod heap;
+mod reclaim;
 pub mod region;
+mod units;
 
 pub use control::thread_cpu_us;
 use control::{Counters, Shared};
+pub use event_loop::Timeouts;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -45,10 +52,22 @@ pub struct ServerConfig {
     /// File backing the region of an rdma server (a shm address names its
     /// own); by default /dev/shm/onekv-rdma-PORT.
     pub region_file: Option<PathBuf>,
+    /// A new region file is readable by its owner only, or by its group too.
+    pub group_access: bool,
     /// Longest a client's one-sided operation may take before it retries;
     /// freed space is reused only after four of these.
     pub op_deadline: Duration,
+    /// Most clients connected at once (each holds a key and leased space).
+    pub max_clients: u64,
+    /// How long a control connection may take to connect, and may stay
+    /// silent once connected. Open connections, connected or not, are capped
+    /// at twice `max_clients`.
+    pub timeouts: Timeouts,
 }
+
+/// Open control connections allowed per client slot: room for clients that
+/// are still connecting, without letting idle sockets pile up unbounded.
+const CONNECTIONS_PER_CLIENT: u64 = 2;
 
 impl ServerConfig {
     pub fn new(address: Address) -> Self {
@@ -58,7 +77,13 @@ impl ServerConfig {
             buckets: None,
             secret: None,
             region_file: None,
+            group_access: false,
             op_deadline: Duration::from_millis(50),
+            max_clients: 1024,
+            timeouts: Timeouts {
+                handshake: Duration::from_secs(10),
+                idle: None,
+            },
         }
     }
 
@@ -66,49 +91,77 @@ impl ServerConfig {
     pub fn grace(&self) -> Duration {
         self.op_deadline * 4
     }
+
+    fn check(&self) -> Result<(), ServerError> {
+        if self.op_deadline.is_zero() {
+            return Err(ServerError::Config("op deadline must be positive".into()));
+        }
+        if self.max_clients == 0 || self.max_clients > KEY_TABLE_ENTRIES {
+            return Err(ServerError::Config(format!(
+                "max clients must be from 1 to {KEY_TABLE_ENTRIES}"
+            )));
+        }
+        if self.timeouts.handshake.is_zero() || self.timeouts.idle.is_some_and(|d| d.is_zero()) {
+            return Err(ServerError::Config("timeouts must be positive".into()));
+        }
+        Ok(())
+    }
 }
 
 /// A running server. Dropping it shuts it down.
 pub struct Server {
     shared: Arc<Shared>,
     listener: Arc<dyn ControlListener>,
+    poller: Arc<Poller>,
     address: Address,
-    accept: Option<JoinHandle<()>>,
+    threads: Vec<JoinHandle<()>>,
     created: bool,
+    /// Holds the region file's lock for the server's life.
+    _lock: File,
 }
 
 impl Server {
+    /// Opens (or creates) the region and serves it. On a reopened region,
+    /// clients of the previous server are cut off first, and the heap's free
+    /// space is rebuilt from the index only once their verbs have landed:
+    /// a block they publish is never handed out again.
     pub fn start(config: ServerConfig) -> Result<Server, ServerError> {
+        config.check()?;
         let path = region_path(&config)?;
-        if config.op_deadline.is_zero() {
-            return Err(ServerError::Config("op deadline must be positive".into()));
-        }
         let wanted = Geometry::for_memory(config.memory, config.buckets)
             .map_err(|e| ServerError::Config(e.to_string()))?;
         let mut listener = transport::bind(&config.address)?;
-        let opened = region::open_or_create(&path, &wanted)?;
+        let opened =
+            region::open_or_create(&path, &wanted, region::file_mode(config.group_access))?;
         let geometry = opened.geometry;
-        let live = if opened.created {
-            Vec::new()
-        } else {
-            region::live_blocks(&opened.region, &geometry)?
-        };
-        let live_count = live.len();
-        let pool = heap::HeapPool::new(
-            geometry.heap_offset,
-            geometry.heap_offset + geometry.heap_size,
-            geometry.chunk_size,
-            config.grace(),
-            live,
-        );
         let region = Arc::new(opened.region);
-        let remote = listener.register(region.clone())?;
-        let listener: Arc<dyn ControlListener> = Arc::from(listener);
+        // Revokes every key of an earlier registration.
+        listener.register(region.clone())?;
         if !opened.created {
-            // Clients of a previous server may have a verb in flight into
-            // space that is free again now; let them fail on the new key first.
+            // Verbs of the previous server's clients that were under way
+            // when their keys were revoked land within a grace period.
             std::thread::sleep(config.grace());
         }
+        let scan_started = Instant::now();
+        let scan = region::scan_index(&region, &geometry)?;
+        let mut pool = heap::HeapPool::new(
+            geometry.heap_offset,
+            geometry.region_len,
+            geometry.chunk_size,
+        );
+        // Nobody can write now: what the index does not reference is free.
+        pool.collect(scan_started, scan.live, Instant::now());
+        let counters = Counters::default();
+        counters.index_scans.store(1, Ordering::Relaxed);
+        counters
+            .live_slots
+            .store(scan.live_slots, Ordering::Relaxed);
+        counters
+            .live_bytes
+            .store(scan.live_bytes, Ordering::Relaxed);
+        counters
+            .corrupt_slots
+            .store(scan.corrupt_slots, Ordering::Relaxed);
         tracing::info!(
             address = %config.address,
             created = opened.created,
@@ -116,34 +169,60 @@ impl Server {
             buckets = geometry.bucket_count,
             heap_bytes = geometry.heap_size,
             chunk_bytes = geometry.chunk_size,
-            live_blocks = live_count,
+            live_slots = scan.live_slots,
+            corrupt_slots = scan.corrupt_slots,
             "serving"
         );
+        let listener: Arc<dyn ControlListener> = Arc::from(listener);
         let shared = Arc::new(Shared {
             geometry,
-            remote,
             region,
             secret: config.secret.clone(),
             op_deadline: config.op_deadline,
+            max_clients: config.max_clients,
             pool: Mutex::new(pool),
-            counters: Counters::default(),
+            counters,
             next_client: AtomicU64::new(1),
             stopping: AtomicBool::new(false),
+            reclaim: (Mutex::new(false), Condvar::new()),
         });
-        let accept = {
-            let shared = shared.clone();
-            let listener = listener.clone();
+        let poller = Arc::new(Poller::new().map_err(TransportError::Io)?);
+        let (to_loop, incoming) = mpsc::channel();
+        let max_channels = (config.max_clients * CONNECTIONS_PER_CLIENT) as usize;
+        let event_loop = event_loop::EventLoop::new(
+            shared.clone(),
+            poller.clone(),
+            incoming,
+            max_channels,
+            config.timeouts,
+        );
+        let mut threads = Vec::new();
+        let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
             std::thread::Builder::new()
-                .name("kv-accept".into())
-                .spawn(move || accept_loop(shared, listener))
-                .map_err(|e| ServerError::Config(format!("cannot start threads: {e}")))?
+                .name(name.into())
+                .spawn(f)
+                .map_err(|e| ServerError::Config(format!("cannot start threads: {e}")))
         };
+        threads.push(spawn("kv-control", Box::new(move || event_loop.run()))?);
+        {
+            let shared = shared.clone();
+            threads.push(spawn("kv-reclaim", Box::new(move || reclaim::run(shared)))?);
+        }
+        {
+            let (shared, listener, poller) = (shared.clone(), listener.clone(), poller.clone());
+            threads.push(spawn(
+                "kv-accept",
+                Box::new(move || accept_loop(shared, listener, to_loop, poller)),
+            )?);
+        }
         Ok(Server {
             shared,
             listener,
+            poller,
             address: config.address,
-            accept: Some(accept),
+            threads,
             created: opened.created,
+            _lock: opened.lock,
         })
     }
 
@@ -164,12 +243,18 @@ impl Server {
         self.shared.stats()
     }
 
+    /// Scans the index and reclaims unreferenced space now (what the
+    /// reclaimer does when space runs short), so that `stats` is exact.
+    pub fn collect_now(&self) {
+        reclaim::collect(&self.shared, Instant::now());
+    }
+
     /// How many index slots hold `key` (see [`region::slots_holding`]).
     pub fn slots_holding(&self, key: &[u8]) -> Result<usize, TransportError> {
         region::slots_holding(&self.shared.region, &self.shared.geometry, key)
     }
 
-    /// Stops accepting clients, revokes the access key (so clients' verbs
+    /// Stops accepting clients, revokes the access keys (so clients' verbs
     /// fail cleanly) and writes the region back.
     pub fn shutdown(mut self) -> ServerStats {
         self.stop();
@@ -177,14 +262,19 @@ impl Server {
     }
 
     fn stop(&mut self) {
-        if let Some(accept) = self.accept.take() {
-            self.shared.stopping.store(true, Ordering::SeqCst);
-            self.listener.wake();
-            let _ = accept.join();
-            self.listener.deregister();
-            if let Err(e) = self.shared.region.flush() {
-                tracing::warn!("flushing the region: {e}");
-            }
+        if self.threads.is_empty() {
+            return;
+        }
+        self.shared.stopping.store(true, Ordering::SeqCst);
+        self.listener.wake();
+        let _ = self.poller.notify();
+        self.shared.wake_reclaimer();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+        self.listener.deregister();
+        if let Err(e) = self.shared.region.flush() {
+            tracing::warn!("flushing the region: {e}");
         }
     }
 }
@@ -207,7 +297,15 @@ fn region_path(config: &ServerConfig) -> Result<PathBuf, ServerError> {
     }
 }
 
-fn accept_loop(shared: Arc<Shared>, listener: Arc<dyn ControlListener>) {
+/// Accepts control channels and hands them to the event loop. (Accepting
+/// an rdma channel includes its handshake, which must not hold up the loop.)
+fn accept_loop(
+    shared: Arc<Shared>,
+    listener: Arc<dyn ControlListener>,
+    to_loop: Sender<Box<dyn ControlPeer>>,
+    poller: Arc<Poller>,
+) {
+    let mut last_warning: Option<Instant> = None;
     loop {
         let peer = listener.accept();
         if shared.stopping.load(Ordering::SeqCst) {
@@ -215,17 +313,19 @@ fn accept_loop(shared: Arc<Shared>, listener: Arc<dyn ControlListener>) {
         }
         match peer {
             Ok(peer) => {
-                let shared = shared.clone();
-                let spawned = std::thread::Builder::new()
-                    .name("kv-control".into())
-                    .spawn(move || control::serve(shared, peer));
-                if let Err(e) = spawned {
-                    tracing::error!("cannot start a control thread: {e}");
+                if to_loop.send(peer).is_err() {
+                    return;
                 }
+                let _ = poller.notify();
             }
             Err(e) => {
-                tracing::warn!("accept failed: {e}");
-                std::thread::sleep(Duration::from_millis(10));
+                // Out of descriptors, most likely: say so now and then, and
+                // let the event loop's timeouts free some.
+                if last_warning.is_none_or(|t| t.elapsed() > Duration::from_secs(5)) {
+                    tracing::warn!("accept failed: {e}");
+                    last_warning = Some(Instant::now());
+                }
+                std::thread::sleep(Duration::from_millis(20));
             }
         }
     }

@@ -1,31 +1,43 @@
-//! `kv-server`: the onekv daemon.
+//! `kv-server`: the onekv daemon, and an offline checker of region files.
 
 use std::path::PathBuf;
+use std::process::ExitCode;
 use std::sync::mpsc;
 use std::time::Duration;
 
-use clap::Parser;
+use clap::{Parser, Subcommand};
 use kv_common::size::parse_size;
 use kv_common::Address;
 use kv_server::{Server, ServerConfig};
 
 /// Serves a onekv region. Clients read and write it with one-sided verbs;
-/// this process only answers control messages (connect, heap leases, stats).
+/// this process only answers control messages (connect, heap leases, stats)
+/// and reclaims the space of overwritten values and departed clients.
 ///
 /// The region outlives the process: restarting on the same address reopens
 /// it with its data. A file that is not a onekv region of this version is
-/// refused, never overwritten.
+/// refused, never overwritten. The file is created readable by its owner
+/// only and locked while a server (or `check`) uses it.
 ///
 /// rdma: the device is ONEKV_RDMA_DEVICE (default: the first one) and the
 /// GID index ONEKV_RDMA_GID_INDEX (default 1, RoCEv2 over IPv4).
 #[derive(Parser)]
-#[command(version, about, long_about)]
+#[command(version, about, long_about, args_conflicts_with_subcommands = true)]
 struct Args {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    serve: ServeArgs,
+}
+
+#[derive(clap::Args)]
+struct ServeArgs {
     /// Where to serve: shm:///dev/shm/NAME (region file NAME, control socket
     /// NAME.sock), or rdma://HOST:PORT when built with the rdma feature.
     #[arg(long, value_parser = Address::parse)]
-    listen: Address,
-    /// Size of a new region (index + heap). An existing region keeps its size.
+    listen: Option<Address>,
+    /// Size of a new region (index + heap), allocated up front. An existing
+    /// region keeps its size.
     #[arg(long, default_value = "1GiB", value_parser = parse_size)]
     memory: u64,
     /// Index buckets (8 slots each, power of two) of a new region; by default
@@ -36,6 +48,10 @@ struct Args {
     /// /dev/shm/onekv-rdma-PORT). A shm address names its own file.
     #[arg(long)]
     region_file: Option<PathBuf>,
+    /// Create a new region file readable and writable by its group too (0660
+    /// instead of 0600), for clients running as other users of that group.
+    #[arg(long)]
+    group_access: bool,
     /// File whose contents clients must present to connect (trailing newline ignored).
     #[arg(long)]
     secret_file: Option<PathBuf>,
@@ -43,12 +59,40 @@ struct Args {
     /// milliseconds; freed space is reused after four times this.
     #[arg(long, default_value_t = 50)]
     op_deadline_ms: u64,
+    /// Most clients connected at once (at most 4096); more are refused with
+    /// a clear error. Open control connections are capped at twice this.
+    #[arg(long, default_value_t = 1024)]
+    max_clients: u64,
+    /// Seconds a new control connection may take to send its Connect.
+    #[arg(long, default_value_t = 10)]
+    handshake_timeout: u64,
+    /// Seconds a connected client may stay silent on its control channel
+    /// before it is cut off and its space reclaimed (it reconnects by itself
+    /// at its next operation). 0: never.
+    #[arg(long, default_value_t = 0)]
+    idle_timeout: u64,
     /// Log the server's statistics this often, in seconds (0: only at exit).
     #[arg(long, default_value_t = 60)]
     stats_interval: u64,
 }
 
-fn main() {
+#[derive(Subcommand)]
+enum Command {
+    /// Check a region file no server is using: every slot must point at a
+    /// block inside the heap that passes its checksum, holds a key that
+    /// belongs in that bucket, and overlaps no other block. Exits 0 when
+    /// clean, 1 when damage was found, 2 on errors.
+    Check {
+        /// The region file (e.g. /dev/shm/onekv).
+        region: PathBuf,
+        /// Empty the damaged slots (their keys read as absent afterwards),
+        /// naming each.
+        #[arg(long)]
+        repair: bool,
+    },
+}
+
+fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -57,21 +101,61 @@ fn main() {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    if let Err(e) = run(Args::parse()) {
+    let args = Args::parse();
+    // Serving fails with status 1; `check` keeps 1 for "damage found".
+    let (result, error_status) = match args.command {
+        Some(Command::Check { region, repair }) => (check(&region, repair), 2),
+        None => (serve(args.serve).map(|()| ExitCode::SUCCESS), 1),
+    };
+    result.unwrap_or_else(|e| {
         eprintln!("kv-server: {e}");
-        std::process::exit(1);
-    }
+        ExitCode::from(error_status)
+    })
 }
 
-fn run(args: Args) -> Result<(), String> {
-    let mut config = ServerConfig::new(args.listen);
+fn check(path: &std::path::Path, repair: bool) -> Result<ExitCode, String> {
+    let report = kv_server::region::check(path, repair).map_err(|e| e.to_string())?;
+    for d in &report.damaged {
+        let action = if repair { "emptied" } else { "damaged" };
+        println!(
+            "{action}: bucket {} slot {} (slot value {:#018x}, block at {}): {}",
+            d.pos.bucket,
+            d.pos.index,
+            d.slot.0,
+            d.slot.offset(),
+            d.what
+        );
+    }
+    println!(
+        "{} slots checked, {} damaged, {} repaired",
+        report.slots,
+        report.damaged.len(),
+        report.repaired
+    );
+    Ok(if report.damaged.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+fn serve(args: ServeArgs) -> Result<(), String> {
+    let listen = args
+        .listen
+        .ok_or("--listen is required to serve (see --help)")?;
+    let mut config = ServerConfig::new(listen);
     config.memory = args.memory;
     config.buckets = args.buckets;
     config.region_file = args.region_file;
+    config.group_access = args.group_access;
     config.op_deadline = Duration::from_millis(args.op_deadline_ms);
+    config.max_clients = args.max_clients;
+    config.timeouts.handshake = Duration::from_secs(args.handshake_timeout);
+    config.timeouts.idle = (args.idle_timeout > 0).then(|| Duration::from_secs(args.idle_timeout));
     if let Some(path) = &args.secret_file {
         config.secret = Some(kv_common::secret::read_secret_file(path)?);
     }
+    raise_descriptor_limit();
 
     let (stop_tx, stop_rx) = mpsc::channel();
     ctrlc::set_handler(move || {
@@ -91,4 +175,20 @@ fn run(args: Args) -> Result<(), String> {
     let stats = server.shutdown();
     tracing::info!(?stats, "stopped");
     Ok(())
+}
+
+/// Every client holds a control connection: allow as many descriptors as
+/// the hard limit does (the soft limit is often 1024).
+fn raise_descriptor_limit() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit on a struct we own.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
+            lim.rlim_cur = lim.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+        }
+    }
 }

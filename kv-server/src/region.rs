@@ -1,113 +1,198 @@
-//! The server's side of the region: create it, or reopen and validate an
-//! existing one (never overwriting a file it does not understand), and scan
-//! the index for live blocks.
+//! The server's side of the region file: create it (private, locked, its
+//! space allocated up front), or reopen and validate an existing one (never
+//! overwriting a file it does not understand), and scan the index.
 
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
-use kv_common::layout::{Geometry, KeyHash, Slot, BUCKET_BYTES, SLOTS_PER_BUCKET};
-use kv_common::protocol::Extent;
+use kv_common::layout::{
+    decode_block, Geometry, KeyHash, Slot, SlotPos, BUCKET_BYTES, SLOTS_PER_BUCKET,
+};
 use kv_common::transport::shm::SharedRegion;
 use kv_common::transport::TransportError;
 
+use crate::units::UnitMap;
 use crate::ServerError;
 
 pub struct OpenedRegion {
     pub region: SharedRegion,
     pub geometry: Geometry,
     pub created: bool,
+    /// The open file, holding an exclusive `flock` for as long as it lives:
+    /// a second server on the same file, through any path, is refused.
+    pub lock: File,
 }
 
-/// Opens the region at `path`, or creates it with `geometry` when there is
-/// no file (or an empty one).
-pub fn open_or_create(path: &Path, geometry: &Geometry) -> Result<OpenedRegion, ServerError> {
-    let io = |e: std::io::Error| ServerError::Region {
-        path: path.to_path_buf(),
-        reason: e.to_string(),
-    };
-    let exists = std::fs::metadata(path)
-        .map(|m| m.len() > 0)
-        .unwrap_or(false);
-    if !exists {
-        let _ = std::fs::remove_file(path);
-        let region = SharedRegion::create(path, geometry.region_len).map_err(io)?;
-        for (i, w) in geometry.encode_header().iter().enumerate() {
-            region
-                .store(i as u64 * 8, *w)
-                .map_err(|e| transport(path, e))?;
-        }
-        return Ok(OpenedRegion {
-            region,
-            geometry: *geometry,
-            created: true,
-        });
+/// Permission bits of a new region file: the owner only, or its group too.
+pub fn file_mode(group_access: bool) -> u32 {
+    if group_access {
+        0o660
+    } else {
+        0o600
     }
-    let region = SharedRegion::open(path).map_err(io)?;
-    let mut words = [0u64; 10];
-    region.read(0, &mut words).map_err(|e| transport(path, e))?;
-    let found = Geometry::decode_header(&words).map_err(|e| ServerError::Region {
+}
+
+fn region_error(path: &Path, reason: impl std::fmt::Display) -> ServerError {
+    ServerError::Region {
         path: path.to_path_buf(),
-        reason: format!("{e}; refusing to use it (move it away or pick another path)"),
+        reason: reason.to_string(),
+    }
+}
+
+/// Opens the region at `path`, or creates it with `geometry` (and `mode`)
+/// when there is no file or an empty one.
+pub fn open_or_create(
+    path: &Path,
+    geometry: &Geometry,
+    mode: u32,
+) -> Result<OpenedRegion, ServerError> {
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .mode(mode)
+        .open(path)
+        .map_err(|e| region_error(path, e))?;
+    lock_exclusive(&file, path)?;
+    let len = file.metadata().map_err(|e| region_error(path, e))?.len();
+    if len == 0 {
+        return create(file, path, geometry);
+    }
+    let region = SharedRegion::from_file(&file, path).map_err(|e| region_error(path, e))?;
+    let mut words = [0u64; 10];
+    region
+        .read(0, &mut words)
+        .map_err(|e| region_error(path, e))?;
+    let found = Geometry::decode_header(&words).map_err(|e| {
+        region_error(
+            path,
+            format!("{e}; refusing to use it (move it away or pick another path)"),
+        )
     })?;
     if found.region_len != region.len() {
-        return Err(ServerError::Region {
-            path: path.to_path_buf(),
-            reason: format!(
+        return Err(region_error(
+            path,
+            format!(
                 "header says {} bytes, file has {}",
                 found.region_len,
                 region.len()
             ),
-        });
+        ));
     }
     Ok(OpenedRegion {
         region,
         geometry: found,
         created: false,
+        lock: file,
     })
 }
 
-fn transport(path: &Path, e: TransportError) -> ServerError {
-    ServerError::Region {
-        path: path.to_path_buf(),
-        reason: e.to_string(),
+fn create(file: File, path: &Path, geometry: &Geometry) -> Result<OpenedRegion, ServerError> {
+    let len = geometry.region_len;
+    // Allocate every page now: a region larger than its file system fails
+    // here with a clear error, not later with SIGBUS in a client.
+    let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) };
+    if rc != 0 {
+        let _ = std::fs::remove_file(path);
+        let e = std::io::Error::from_raw_os_error(rc);
+        return Err(region_error(
+            path,
+            format!("cannot allocate {len} bytes for the region: {e}"),
+        ));
     }
+    let region = SharedRegion::from_file(&file, path).map_err(|e| region_error(path, e))?;
+    for (i, w) in geometry.encode_header().iter().enumerate() {
+        region
+            .store(i as u64 * 8, *w)
+            .map_err(|e| region_error(path, e))?;
+    }
+    Ok(OpenedRegion {
+        region,
+        geometry: *geometry,
+        created: true,
+        lock: file,
+    })
+}
+
+fn lock_exclusive(file: &File, path: &Path) -> Result<(), ServerError> {
+    // SAFETY: flock on a descriptor we own.
+    let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if rc != 0 {
+        let e = std::io::Error::last_os_error();
+        let reason = if e.kind() == std::io::ErrorKind::WouldBlock {
+            "another server (or `kv-server check`) has it open".to_string()
+        } else {
+            format!("cannot lock it: {e}")
+        };
+        return Err(region_error(path, reason));
+    }
+    Ok(())
 }
 
 /// Calls `f` for every occupied slot of the index (server-side reads only).
 pub fn for_each_slot(
     region: &SharedRegion,
     g: &Geometry,
-    mut f: impl FnMut(u64, Slot),
+    mut f: impl FnMut(SlotPos, Slot),
 ) -> Result<(), TransportError> {
     let mut bucket = [0u64; SLOTS_PER_BUCKET];
     for b in 0..g.bucket_count {
         region.read(g.bucket_offset(b), &mut bucket)?;
-        for &w in &bucket {
+        for (index, &w) in bucket.iter().enumerate() {
             if w != 0 {
-                f(b, Slot(w));
+                f(SlotPos { bucket: b, index }, Slot(w));
             }
         }
     }
     Ok(())
 }
 
-/// The heap extents that live slots point at; slots pointing outside the
-/// heap are reported and skipped.
-pub fn live_blocks(region: &SharedRegion, g: &Geometry) -> Result<Vec<Extent>, TransportError> {
-    let heap_end = g.heap_offset + g.heap_size;
-    let mut live = Vec::new();
-    for_each_slot(region, g, |bucket, slot| {
-        let (offset, len) = (slot.offset(), slot.block_len());
-        if offset >= g.heap_offset && offset.checked_add(len).is_some_and(|e| e <= heap_end) {
-            live.push(Extent { offset, len });
-        } else {
+/// What one scan of the index found.
+pub struct IndexScan {
+    /// The heap units that referenced blocks occupy.
+    pub live: UnitMap,
+    pub live_slots: u64,
+    pub live_bytes: u64,
+    /// Slots whose class or offset cannot be a block.
+    pub corrupt_slots: u64,
+}
+
+/// Marks the block of every occupied slot; slots that cannot point at a
+/// block are counted and skipped.
+pub fn scan_index(region: &SharedRegion, g: &Geometry) -> Result<IndexScan, TransportError> {
+    let mut scan = IndexScan {
+        live: UnitMap::new(g.heap_offset, g.region_len),
+        live_slots: 0,
+        live_bytes: 0,
+        corrupt_slots: 0,
+    };
+    for_each_slot(region, g, |pos, slot| match g.block_span(slot) {
+        Some((offset, len)) => {
+            scan.live.mark(offset, len as u64);
+            scan.live_slots += 1;
+            scan.live_bytes += len as u64;
+        }
+        None => {
+            scan.corrupt_slots += 1;
             tracing::warn!(
-                bucket,
+                bucket = pos.bucket,
+                index = pos.index,
                 slot = format!("{:#x}", slot.0),
-                "slot points outside the heap; ignored"
+                "slot cannot point at a block; its space is not protected"
             );
         }
     })?;
-    Ok(live)
+    Ok(scan)
+}
+
+/// Reads the block a slot points at, if the slot can point at one.
+fn read_block(region: &SharedRegion, g: &Geometry, slot: Slot) -> Option<Vec<u8>> {
+    let (offset, len) = g.block_span(slot)?;
+    let mut words = vec![0u64; len / 8];
+    region.read(offset, &mut words).ok()?;
+    Some(words.iter().flat_map(|w| w.to_le_bytes()).collect())
 }
 
 /// How many index slots hold a block of `key` (an inspection for operators
@@ -127,13 +212,106 @@ pub fn slots_holding(
             if slot.is_empty() || slot.fingerprint() != h.fingerprint {
                 continue;
             }
-            let mut block = vec![0u64; (slot.block_len() / 8) as usize];
-            region.read(slot.offset(), &mut block)?;
-            let bytes: Vec<u8> = block.iter().flat_map(|w| w.to_le_bytes()).collect();
-            if kv_common::layout::decode_block(&bytes).is_ok_and(|v| v.key == key) {
+            let block = read_block(region, g, slot);
+            if block.is_some_and(|b| decode_block(&b).is_ok_and(|v| v.key == key)) {
                 count += 1;
             }
         }
     }
     Ok(count)
+}
+
+/// One damaged slot `check` found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Damage {
+    pub pos: SlotPos,
+    pub slot: Slot,
+    pub what: String,
+}
+
+/// What an offline check of a region found.
+#[derive(Debug, Default)]
+pub struct CheckReport {
+    pub slots: u64,
+    pub damaged: Vec<Damage>,
+    /// Slots emptied by `--repair`.
+    pub repaired: u64,
+}
+
+/// Checks every occupied slot of a region no server is using: its block
+/// must lie in the heap, pass its checksum, hold a key that hashes to this
+/// bucket with this fingerprint, and not overlap another slot's block. With
+/// `repair`, damaged slots are emptied (the file is locked, so no client can
+/// be using it).
+pub fn check(path: &Path, repair: bool) -> Result<CheckReport, ServerError> {
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .map_err(|e| region_error(path, e))?;
+    lock_exclusive(&file, path)?;
+    let region = SharedRegion::from_file(&file, path).map_err(|e| region_error(path, e))?;
+    let mut words = [0u64; 10];
+    region
+        .read(0, &mut words)
+        .map_err(|e| region_error(path, e))?;
+    let g = Geometry::decode_header(&words).map_err(|e| region_error(path, e))?;
+    if g.region_len != region.len() {
+        return Err(region_error(path, "header and file size disagree"));
+    }
+    let mut report = CheckReport::default();
+    let mut spans: Vec<(u64, u64, SlotPos, Slot)> = Vec::new();
+    for_each_slot(&region, &g, |pos, slot| {
+        report.slots += 1;
+        let damage = |what: &str| Damage {
+            pos,
+            slot,
+            what: what.to_string(),
+        };
+        let Some((offset, len)) = g.block_span(slot) else {
+            report
+                .damaged
+                .push(damage("class or offset outside the heap"));
+            return;
+        };
+        let Some(bytes) = read_block(&region, &g, slot) else {
+            report.damaged.push(damage("unreadable"));
+            return;
+        };
+        match decode_block(&bytes) {
+            Err(e) => report.damaged.push(damage(&e.to_string())),
+            Ok(view) => {
+                let h = KeyHash::new(view.key, g.bucket_count);
+                if h.fingerprint != slot.fingerprint() || !h.buckets().contains(&pos.bucket) {
+                    report
+                        .damaged
+                        .push(damage("key does not belong in this bucket"));
+                } else {
+                    spans.push((offset, len as u64, pos, slot));
+                }
+            }
+        }
+    })
+    .map_err(|e| region_error(path, e))?;
+    spans.sort_by_key(|s| s.0);
+    for pair in spans.windows(2) {
+        let (a, b) = (pair[0], pair[1]);
+        if a.0 + a.1 > b.0 {
+            report.damaged.push(Damage {
+                pos: b.2,
+                slot: b.3,
+                what: format!("block overlaps the block of slot {:?}", a.2),
+            });
+        }
+    }
+    if repair {
+        for d in &report.damaged {
+            // Offline and locked: no client can CAS this slot meanwhile.
+            if region.store(g.slot_offset(d.pos), 0).is_ok() {
+                report.repaired += 1;
+            }
+        }
+        region.flush().map_err(|e| region_error(path, e))?;
+    }
+    Ok(report)
 }

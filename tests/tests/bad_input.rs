@@ -137,20 +137,8 @@ fn garbage_on_the_control_socket_does_not_hurt_the_server() {
             ..
         })
     ));
-    let g = srv.server.geometry();
-    let free = Request::GiveBack {
-        extents: vec![Extent {
-            offset: g.heap_offset,
-            len: 64,
-        }],
-    };
-    assert!(matches!(
-        call(&mut s, &free),
-        Some(Response::Error {
-            kind: ErrorKind::BadExtent,
-            ..
-        })
-    ));
+    // Three offences: the client is disconnected, not answered again.
+    assert!(call(&mut s, &Request::Stats).is_none());
 
     // The server still serves real clients, and counted the garbage.
     let mut kv = Client::connect(&srv.address).unwrap();

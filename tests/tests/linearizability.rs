@@ -189,10 +189,13 @@ fn histories_are_linearizable_under_aggressive_reuse() {
         rounds_checked += 1;
     }
     assert_eq!(rounds_checked, ROUNDS);
+    // Tens of MiB went through a 4 MiB heap: the server reclaimed
+    // overwritten blocks, and never counted space twice.
     let stats = srv.server.stats();
+    assert!(stats.index_scans > 1, "no space was reclaimed: {stats:?}");
     assert!(
-        stats.leases * srv.server.geometry().chunk_size < 8 << 20,
-        "more space leased than the region holds: {stats:?}"
+        stats.heap_free + stats.heap_leased <= stats.heap_size,
+        "space counted twice: {stats:?}"
     );
 }
 

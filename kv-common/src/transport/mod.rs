@@ -18,8 +18,12 @@ pub struct RemoteRegion {
     /// Address of byte 0 on the server (an RDMA virtual address; 0 on shm).
     pub base: u64,
     pub len: u64,
-    /// Access key handed out at connect; it changes at every registration.
+    /// Access key handed out at connect; it changes at every registration
+    /// (and on shm at every connect).
     pub rkey: u32,
+    /// shm only: the key-table entry that holds this connection's key, so
+    /// the server can cut off one client (rdma does that per queue pair).
+    pub key_slot: u32,
 }
 
 /// One work request. `remote` is an offset inside the region, `local` an
@@ -103,6 +107,7 @@ impl VerbStats {
 }
 
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum TransportError {
     #[error("cannot reach server at {address}: {source}")]
     Unreachable {
@@ -126,6 +131,18 @@ pub enum TransportError {
     Unsupported(String),
 }
 
+impl TransportError {
+    /// Whether this connection is gone for good (the peer closed it or
+    /// stopped answering, the server restarted or cut this client off) while
+    /// the server may still be reachable on a new one.
+    pub fn is_connection_lost(&self) -> bool {
+        matches!(
+            self,
+            TransportError::Disconnected(_) | TransportError::RemoteAccess(_)
+        )
+    }
+}
+
 /// A client's connection to one server: control channel plus data path.
 pub trait Connection: Send {
     /// Sends a control request and waits for its reply (two-sided).
@@ -140,24 +157,46 @@ pub trait Connection: Send {
     fn stats(&self) -> &VerbStats;
 }
 
-/// The server's end of one client's control channel.
+/// What a non-blocking receive found.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Received {
+    /// One whole request.
+    Message(Vec<u8>),
+    /// Nothing complete yet: wait until a file descriptor is readable.
+    Nothing,
+    /// The client has gone.
+    Closed,
+}
+
+/// The server's end of one client's control channel. It is driven by one
+/// event loop for all clients: it never blocks waiting for the client.
 pub trait ControlPeer: Send {
-    /// The next request's bytes, or None when the client has gone.
-    fn recv(&mut self) -> Result<Option<Vec<u8>>, TransportError>;
+    /// File descriptors whose readability means `try_recv` has work.
+    fn fds(&self) -> Vec<std::os::fd::RawFd>;
+    /// The next request, if one has arrived whole.
+    fn try_recv(&mut self) -> Result<Received, TransportError>;
+    /// Sends one reply; fails rather than wait long for a client that does
+    /// not read its replies.
     fn send(&mut self, bytes: &[u8]) -> Result<(), TransportError>;
+    /// Lets this client onto the data path: how it names the region, with
+    /// a key of its own where the backend has per-client keys.
+    fn admit(&mut self) -> Result<RemoteRegion, TransportError>;
+    /// Cuts this client off the data path: from now on its verbs fail. Done
+    /// before any space it held is reused.
+    fn fence(&mut self);
 }
 
 /// The server's side of a backend: it registers the region and accepts
 /// clients' control channels.
 pub trait ControlListener: Send + Sync {
-    /// Registers the region for one-sided access and says how clients name
-    /// it. Every registration has a new access key.
-    fn register(
-        &mut self,
-        region: std::sync::Arc<shm::SharedRegion>,
-    ) -> Result<RemoteRegion, TransportError>;
-    /// Revokes the registration: verbs with its key fail from now on.
+    /// Registers the region for one-sided access. Every registration has new
+    /// access keys: verbs of clients of an earlier registration (a server
+    /// that ran on this region before) fail from now on.
+    fn register(&mut self, region: std::sync::Arc<shm::SharedRegion>)
+        -> Result<(), TransportError>;
+    /// Revokes the registration: verbs with its keys fail from now on.
     fn deregister(&self);
+    /// Blocks for the next control channel (a connection not yet admitted).
     fn accept(&self) -> Result<Box<dyn ControlPeer>, TransportError>;
     /// Unblocks a thread waiting in `accept` (used at shutdown).
     fn wake(&self);
@@ -207,12 +246,78 @@ pub(crate) fn frame_call<S: std::io::Read + std::io::Write>(
     request: &Request,
 ) -> Result<Response, TransportError> {
     let bytes = crate::protocol::encode(request)?;
-    write_frame(stream, &bytes)?;
-    match read_frame(stream)? {
-        Some(reply) => Ok(crate::protocol::decode(&reply)?),
-        None => Err(TransportError::Disconnected(
+    let written = write_frame(stream, &bytes);
+    // A server that refuses a connection says why and hangs up, possibly
+    // before our request arrived: its reply is read even if the write failed.
+    match (read_frame(stream), written) {
+        (Ok(Some(reply)), _) => Ok(crate::protocol::decode(&reply)?),
+        (_, Err(e)) => Err(e),
+        (Err(e), Ok(())) => Err(e),
+        (Ok(None), Ok(())) => Err(TransportError::Disconnected(
             "server closed the connection".into(),
         )),
+    }
+}
+
+/// Reassembles length-prefixed frames from a non-blocking stream, however
+/// the bytes arrive: a frame sent a byte at a time costs the server nothing
+/// but this buffer, which never exceeds one maximal frame.
+#[derive(Default)]
+pub struct FrameReader {
+    buf: Vec<u8>,
+}
+
+impl FrameReader {
+    /// Reads what is available and returns one whole frame if there is one.
+    pub fn poll<R: std::io::Read>(&mut self, r: &mut R) -> Result<Received, TransportError> {
+        loop {
+            if let Some(frame) = self.take_frame()? {
+                return Ok(Received::Message(frame));
+            }
+            let have = self.buf.len();
+            let want = self.wanted();
+            self.buf.resize(want, 0);
+            match r.read(&mut self.buf[have..]) {
+                Ok(0) => {
+                    self.buf.truncate(have);
+                    return Ok(Received::Closed);
+                }
+                Ok(n) => self.buf.truncate(have + n),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    self.buf.truncate(have);
+                    return Ok(Received::Nothing);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {
+                    self.buf.truncate(have);
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// Bytes the buffer should hold to make progress: the length prefix,
+    /// then the whole frame.
+    fn wanted(&self) -> usize {
+        if self.buf.len() < 4 {
+            return 4;
+        }
+        4 + u32::from_le_bytes([self.buf[0], self.buf[1], self.buf[2], self.buf[3]]) as usize
+    }
+
+    fn take_frame(&mut self) -> Result<Option<Vec<u8>>, TransportError> {
+        if self.buf.len() < 4 {
+            return Ok(None);
+        }
+        let len = self.wanted() - 4;
+        if len > crate::protocol::MAX_MESSAGE {
+            return Err(CodecError::TooLarge(len).into());
+        }
+        if self.buf.len() < 4 + len {
+            return Ok(None);
+        }
+        let frame = self.buf[4..4 + len].to_vec();
+        self.buf.drain(..4 + len);
+        Ok(Some(frame))
     }
 }
 
@@ -243,4 +348,64 @@ pub fn read_frame<R: std::io::Read>(r: &mut R) -> Result<Option<Vec<u8>>, Transp
     let mut body = vec![0u8; len];
     r.read_exact(&mut body)?;
     Ok(Some(body))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stream that hands out its bytes a few at a time, then would block.
+    struct Trickle {
+        bytes: Vec<u8>,
+        at: usize,
+        step: usize,
+    }
+
+    impl std::io::Read for Trickle {
+        fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+            if self.at == self.bytes.len() {
+                return Err(std::io::ErrorKind::WouldBlock.into());
+            }
+            let n = self.step.min(out.len()).min(self.bytes.len() - self.at);
+            out[..n].copy_from_slice(&self.bytes[self.at..self.at + n]);
+            self.at += n;
+            Ok(n)
+        }
+    }
+
+    #[test]
+    fn frame_reader_reassembles_trickled_frames_and_refuses_huge_ones() {
+        let mut wire = Vec::new();
+        write_frame(&mut wire, b"hello").unwrap();
+        write_frame(&mut wire, b"").unwrap();
+        write_frame(&mut wire, &[7; 300]).unwrap();
+        for step in [1, 3, 1000] {
+            let mut s = Trickle {
+                bytes: wire.clone(),
+                at: 0,
+                step,
+            };
+            let mut r = FrameReader::default();
+            let mut got = Vec::new();
+            loop {
+                match r.poll(&mut s).unwrap() {
+                    Received::Message(m) => got.push(m),
+                    Received::Nothing => break,
+                    Received::Closed => unreachable!(),
+                }
+            }
+            assert_eq!(got, vec![b"hello".to_vec(), vec![], vec![7; 300]]);
+        }
+        let mut huge = Trickle {
+            bytes: u32::MAX.to_le_bytes().to_vec(),
+            at: 0,
+            step: 4,
+        };
+        assert!(FrameReader::default().poll(&mut huge).is_err());
+        let mut closed: &[u8] = b"\x05\x00";
+        assert_eq!(
+            FrameReader::default().poll(&mut closed).unwrap(),
+            Received::Closed
+        );
+    }
 }

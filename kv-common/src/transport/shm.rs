@@ -7,22 +7,34 @@
 //! relaxed stores, a READ relaxed loads followed by an Acquire fence, and
 //! CAS/FETCH-AND-ADD are SeqCst read-modify-writes. So a block written before
 //! the CAS that publishes its slot is visible to any reader that saw the slot.
+//!
+//! Access keys: each admitted client gets a word of the region's key table
+//! holding a key of its own, and every batch checks that word first (as a NIC
+//! checks the rkey and the queue pair's state). Fencing a client zeroes its
+//! word; registering the region zeroes them all, so clients of an earlier
+//! server are cut off before the new one looks at the index.
 
 use std::fs::{File, OpenOptions};
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{fence, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use memmap2::MmapRaw;
 
 use super::{
-    frame_call, read_frame, write_frame, Connection, ControlListener, ControlPeer, RemoteRegion,
-    TransportError, Verb, VerbStats,
+    frame_call, write_frame, Connection, ControlListener, ControlPeer, FrameReader, Received,
+    RemoteRegion, TransportError, Verb, VerbStats,
 };
-use crate::layout::HEADER_RKEY_OFFSET;
+use crate::layout::{KEY_TABLE_ENTRIES, KEY_TABLE_OFFSET};
 use crate::protocol::{Request, Response};
 use crate::Address;
+
+/// How long a client waits for a control reply before it gives the
+/// connection up (the server answers at once; silence means it is gone).
+pub const REPLY_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A mapped region file, accessed only through atomics.
 pub struct SharedRegion {
@@ -35,24 +47,17 @@ unsafe impl Send for SharedRegion {}
 unsafe impl Sync for SharedRegion {}
 
 impl SharedRegion {
-    /// Creates a new zero-filled region file of `len` bytes; fails if the
-    /// file exists, so an existing region is never overwritten.
-    pub fn create(path: &Path, len: u64) -> std::io::Result<Self> {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(path)?;
-        file.set_len(len)?;
+    /// Maps an open region file (the server creates, locks and sizes it).
+    pub fn from_file(file: &File, path: &Path) -> std::io::Result<Self> {
         Self::map(file, path)
     }
 
     pub fn open(path: &Path) -> std::io::Result<Self> {
         let file = OpenOptions::new().read(true).write(true).open(path)?;
-        Self::map(file, path)
+        Self::map(&file, path)
     }
 
-    fn map(file: File, path: &Path) -> std::io::Result<Self> {
+    fn map(file: &File, path: &Path) -> std::io::Result<Self> {
         let len = file.metadata()?.len();
         if len < 4096 || len % 8 != 0 {
             return Err(std::io::Error::new(
@@ -60,7 +65,7 @@ impl SharedRegion {
                 format!("{}: {len} bytes is not a region", path.display()),
             ));
         }
-        let map = MmapRaw::map_raw(&file)?;
+        let map = MmapRaw::map_raw(file)?;
         Ok(SharedRegion {
             map,
             path: path.to_path_buf(),
@@ -169,6 +174,9 @@ pub struct ShmConnection {
     region: Option<(SharedRegion, RemoteRegion)>,
     local: Vec<u64>,
     stats: VerbStats,
+    /// Set once the control stream failed: a reply may still be in flight,
+    /// so the stream is never used again (the client reconnects).
+    broken: Option<String>,
 }
 
 impl ShmConnection {
@@ -183,12 +191,15 @@ impl ShmConnection {
                 ),
                 source,
             })?;
+        stream.set_read_timeout(Some(REPLY_TIMEOUT))?;
+        stream.set_write_timeout(Some(REPLY_TIMEOUT))?;
         Ok(ShmConnection {
             stream,
             region_path: region_path.to_path_buf(),
             region: None,
             local: Vec::new(),
             stats: VerbStats::default(),
+            broken: None,
         })
     }
 
@@ -208,7 +219,30 @@ impl ShmConnection {
 
 impl Connection for ShmConnection {
     fn call(&mut self, request: &Request) -> Result<Response, TransportError> {
-        frame_call(&mut self.stream, request)
+        if let Some(why) = &self.broken {
+            return Err(TransportError::Disconnected(why.clone()));
+        }
+        match frame_call(&mut self.stream, request) {
+            Ok(reply) => Ok(reply),
+            Err(TransportError::Io(e)) => {
+                // A reset, a closed socket or a reply that never came: this
+                // stream is gone, whatever the server's state.
+                let why = match e.kind() {
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+                        format!("no reply within {} s", REPLY_TIMEOUT.as_secs())
+                    }
+                    _ => format!("control socket: {e}"),
+                };
+                self.broken = Some(why.clone());
+                Err(TransportError::Disconnected(why))
+            }
+            Err(e) => {
+                if matches!(e, TransportError::Disconnected(_)) {
+                    self.broken = Some(e.to_string());
+                }
+                Err(e)
+            }
+        }
     }
 
     fn attach(&mut self, remote: &RemoteRegion, local_len: usize) -> Result<(), TransportError> {
@@ -262,12 +296,12 @@ impl ShmConnection {
         remote: &RemoteRegion,
         verbs: &[Verb],
     ) -> Result<(), TransportError> {
-        // As a NIC checks the rkey against its table of registrations: a
-        // region the server re-registered (restart) has a new key.
-        let registered = region.load(HEADER_RKEY_OFFSET)?;
+        // As a NIC checks the rkey and the queue pair's state: a client the
+        // server cut off, or one of an earlier registration, is refused.
+        let registered = region.load(key_word(remote.key_slot)?)?;
         if registered != remote.rkey as u64 {
             return Err(TransportError::RemoteAccess(format!(
-                "rkey {:#x} is not registered (the server restarted or shut down)",
+                "rkey {:#x} is not registered (the server restarted, shut down or cut this client off)",
                 remote.rkey
             )));
         }
@@ -313,12 +347,89 @@ impl ShmConnection {
     }
 }
 
-/// The server's control socket, and the registration of its region: the
-/// access key lives in the region header, where clients' verbs check it.
+/// Byte offset of key-table entry `slot`.
+fn key_word(slot: u32) -> Result<u64, TransportError> {
+    if u64::from(slot) >= KEY_TABLE_ENTRIES {
+        return Err(TransportError::RemoteAccess(format!(
+            "key slot {slot} outside the key table"
+        )));
+    }
+    Ok(KEY_TABLE_OFFSET + u64::from(slot) * 8)
+}
+
+/// The region's key table as the server manages it: which entries are free,
+/// and the keys it hands out.
+struct KeyTable {
+    region: Arc<SharedRegion>,
+    free: Mutex<Vec<u32>>,
+    /// Keys are this counter's successive values, so no two admissions of one
+    /// registration share a key; it starts at a random value, so keys of
+    /// successive servers differ too.
+    next_key: AtomicU32,
+}
+
+impl KeyTable {
+    /// Takes over the region's table, revoking every key in it.
+    fn new(region: Arc<SharedRegion>) -> Result<KeyTable, TransportError> {
+        for slot in 0..KEY_TABLE_ENTRIES as u32 {
+            region.store(key_word(slot)?, 0)?;
+        }
+        Ok(KeyTable {
+            region,
+            free: Mutex::new((0..KEY_TABLE_ENTRIES as u32).rev().collect()),
+            next_key: AtomicU32::new(random_u32()),
+        })
+    }
+
+    fn admit(&self) -> Result<RemoteRegion, TransportError> {
+        let slot = self
+            .free
+            .lock()
+            .map_err(|_| TransportError::Unsupported("key table poisoned".into()))?
+            .pop()
+            .ok_or_else(|| {
+                TransportError::Unsupported(format!(
+                    "all {KEY_TABLE_ENTRIES} client keys are in use"
+                ))
+            })?;
+        let rkey = loop {
+            let k = self.next_key.fetch_add(1, Ordering::Relaxed);
+            if k != 0 {
+                break k;
+            }
+        };
+        self.region.store(key_word(slot)?, rkey as u64)?;
+        Ok(RemoteRegion {
+            base: 0,
+            len: self.region.len(),
+            rkey,
+            key_slot: slot,
+        })
+    }
+
+    fn fence(&self, slot: u32) {
+        if let Ok(word) = key_word(slot) {
+            let _ = self.region.store(word, 0);
+        }
+        if let Ok(mut free) = self.free.lock() {
+            free.push(slot);
+        }
+    }
+
+    fn revoke_all(&self) {
+        for slot in 0..KEY_TABLE_ENTRIES as u32 {
+            if let Ok(word) = key_word(slot) {
+                let _ = self.region.store(word, 0);
+            }
+        }
+    }
+}
+
+/// The server's control socket, and the registration of its region.
 pub struct ShmListener {
     listener: UnixListener,
     socket: PathBuf,
-    region: Option<Arc<SharedRegion>>,
+    keys: Option<Arc<KeyTable>>,
 }
 
 impl ShmListener {
@@ -339,52 +450,46 @@ impl ShmListener {
         Ok(ShmListener {
             listener,
             socket,
-            region: None,
+            keys: None,
         })
     }
 }
 
-/// A fresh nonzero access key, different from `old`.
-fn new_rkey(old: u64) -> u32 {
-    let mut seed = std::time::SystemTime::now()
+/// A random 32-bit value (clock and pid through SplitMix64): enough to make
+/// keys of successive servers differ.
+fn random_u32() -> u32 {
+    let seed = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64)
         ^ (std::process::id() as u64) << 32;
-    loop {
-        // SplitMix64 step: enough to make keys of successive servers differ.
-        seed = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = seed;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        let k = (z ^ (z >> 31)) as u32;
-        if k != 0 && k as u64 != old {
-            return k;
-        }
-    }
+    let mut z = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    (z ^ (z >> 31)) as u32
 }
 
 impl ControlListener for ShmListener {
-    fn register(&mut self, region: Arc<SharedRegion>) -> Result<RemoteRegion, TransportError> {
-        let rkey = new_rkey(region.load(HEADER_RKEY_OFFSET)?);
-        region.store(HEADER_RKEY_OFFSET, rkey as u64)?;
-        let remote = RemoteRegion {
-            base: 0,
-            len: region.len(),
-            rkey,
-        };
-        self.region = Some(region);
-        Ok(remote)
+    fn register(&mut self, region: Arc<SharedRegion>) -> Result<(), TransportError> {
+        self.keys = Some(Arc::new(KeyTable::new(region)?));
+        Ok(())
     }
 
     fn deregister(&self) {
-        if let Some(region) = &self.region {
-            let _ = region.store(HEADER_RKEY_OFFSET, 0);
+        if let Some(keys) = &self.keys {
+            keys.revoke_all();
         }
     }
 
     fn accept(&self) -> Result<Box<dyn ControlPeer>, TransportError> {
+        let keys = self.keys.clone().ok_or(TransportError::NotAttached)?;
         let (stream, _) = self.listener.accept()?;
-        Ok(Box::new(ShmPeer { stream }))
+        stream.set_nonblocking(true)?;
+        Ok(Box::new(ShmPeer {
+            stream,
+            reader: FrameReader::default(),
+            keys,
+            slot: None,
+        }))
     }
 
     fn wake(&self) {
@@ -400,15 +505,48 @@ impl Drop for ShmListener {
 
 pub struct ShmPeer {
     stream: UnixStream,
+    reader: FrameReader,
+    keys: Arc<KeyTable>,
+    /// The key-table entry of an admitted client.
+    slot: Option<u32>,
 }
 
 impl ControlPeer for ShmPeer {
-    fn recv(&mut self) -> Result<Option<Vec<u8>>, TransportError> {
-        read_frame(&mut self.stream)
+    fn fds(&self) -> Vec<RawFd> {
+        vec![self.stream.as_raw_fd()]
+    }
+
+    fn try_recv(&mut self) -> Result<Received, TransportError> {
+        self.reader.poll(&mut self.stream)
     }
 
     fn send(&mut self, bytes: &[u8]) -> Result<(), TransportError> {
+        // Non-blocking: a client that lets its replies pile up until the
+        // socket buffer is full gets disconnected, not waited for.
         write_frame(&mut self.stream, bytes)
+    }
+
+    fn admit(&mut self) -> Result<RemoteRegion, TransportError> {
+        if self.slot.is_some() {
+            return Err(TransportError::Unsupported(
+                "client already admitted".into(),
+            ));
+        }
+        let remote = self.keys.admit()?;
+        self.slot = Some(remote.key_slot);
+        Ok(remote)
+    }
+
+    fn fence(&mut self) {
+        if let Some(slot) = self.slot.take() {
+            self.keys.fence(slot);
+        }
+    }
+}
+
+impl Drop for ShmPeer {
+    fn drop(&mut self) {
+        self.fence();
     }
 }
 
@@ -417,16 +555,10 @@ mod tests {
     use super::*;
 
     fn region(dir: &tempfile::TempDir) -> SharedRegion {
-        let r = SharedRegion::create(&dir.path().join("r"), 1 << 16).unwrap();
-        r.store(HEADER_RKEY_OFFSET, 0x77).unwrap();
-        r
-    }
-
-    #[test]
-    fn create_refuses_to_overwrite() {
-        let dir = tempfile::tempdir().unwrap();
-        let _r = region(&dir);
-        assert!(SharedRegion::create(&dir.path().join("r"), 1 << 16).is_err());
+        let path = dir.path().join("r");
+        let file = File::create_new(&path).unwrap();
+        file.set_len(1 << 16).unwrap();
+        SharedRegion::from_file(&file, &path).unwrap()
     }
 
     #[test]

@@ -13,15 +13,16 @@
 
 mod verbs;
 
+use std::io::Read;
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use verbs::{Completion, Cq, Device, Endpoint, Mr, Op, Pd, Qp, SendWr, LOCAL_ONLY, REMOTE_ALL};
 
 use super::{
-    read_frame, write_frame, Connection, ControlListener, ControlPeer, RemoteRegion,
+    read_frame, write_frame, Connection, ControlListener, ControlPeer, Received, RemoteRegion,
     TransportError, Verb, VerbStats,
 };
 use crate::protocol::{self, Request, Response, MAX_MESSAGE};
@@ -342,7 +343,13 @@ impl Connection for RdmaConnection {
 pub struct RdmaListener {
     tcp: TcpListener,
     pd: Arc<Pd>,
-    mr: Mutex<Option<Mr>>,
+    mr: Arc<Mutex<Option<Registration>>>,
+}
+
+/// The registered region and how clients name it.
+struct Registration {
+    _mr: Mr,
+    remote: RemoteRegion,
 }
 
 impl RdmaListener {
@@ -359,23 +366,24 @@ impl RdmaListener {
         Ok(RdmaListener {
             tcp,
             pd,
-            mr: Mutex::new(None),
+            mr: Arc::new(Mutex::new(None)),
         })
     }
 }
 
 impl ControlListener for RdmaListener {
-    fn register(&mut self, region: Arc<SharedRegion>) -> Result<RemoteRegion, TransportError> {
+    fn register(&mut self, region: Arc<SharedRegion>) -> Result<(), TransportError> {
         let mr = Mr::region(&self.pd, region, REMOTE_ALL)?;
         let remote = RemoteRegion {
             base: mr.addr(),
             len: mr.len() as u64,
             rkey: mr.rkey(),
+            key_slot: 0,
         };
         if let Ok(mut slot) = self.mr.lock() {
-            *slot = Some(mr);
+            *slot = Some(Registration { _mr: mr, remote });
         }
-        Ok(remote)
+        Ok(())
     }
 
     fn deregister(&self) {
@@ -389,8 +397,12 @@ impl ControlListener for RdmaListener {
         tcp.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
         let mut channel = Channel::new(&self.pd, tcp, true)?;
         channel.exchange(false)?;
-        channel.tcp.set_read_timeout(None)?;
-        Ok(Box::new(RdmaPeer { channel }))
+        channel.tcp.set_nonblocking(true)?;
+        channel.qp.recv_cq.arm()?;
+        Ok(Box::new(RdmaPeer {
+            channel,
+            registration: self.mr.clone(),
+        }))
     }
 
     fn wake(&self) {
@@ -402,26 +414,61 @@ impl ControlListener for RdmaListener {
 
 pub struct RdmaPeer {
     channel: Channel,
+    registration: Arc<Mutex<Option<Registration>>>,
 }
 
 impl ControlPeer for RdmaPeer {
-    fn recv(&mut self) -> Result<Option<Vec<u8>>, TransportError> {
-        loop {
-            match self.channel.take_received() {
-                Ok(Some(bytes)) => return Ok(Some(bytes)),
-                Ok(None) => {}
-                Err(_) => return Ok(None),
-            }
-            let fd = self.channel.tcp.as_raw_fd();
-            if !self.channel.qp.recv_cq.wait_event_or(fd)? {
-                // The handshake socket became readable: nothing is ever sent
-                // on it after the handshake, so the client closed it or died.
-                return Ok(None);
-            }
+    fn fds(&self) -> Vec<RawFd> {
+        let mut fds = vec![self.channel.tcp.as_raw_fd()];
+        fds.extend(self.channel.qp.recv_cq.event_fd().ok());
+        fds
+    }
+
+    fn try_recv(&mut self) -> Result<Received, TransportError> {
+        // Nothing is ever sent on the handshake socket after the handshake:
+        // readable means the client closed it or died.
+        let mut probe = [0u8; 1];
+        match self.channel.tcp.read(&mut probe) {
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            _ => return Ok(Received::Closed),
+        }
+        self.channel.qp.recv_cq.take_event();
+        let received = match self.channel.take_received() {
+            Ok(Some(bytes)) => return Ok(Received::Message(bytes)),
+            Ok(None) => Received::Nothing,
+            Err(_) => return Ok(Received::Closed),
+        };
+        // Re-arm, then look once more: a receive that completed before the
+        // arming raises no event.
+        self.channel.qp.recv_cq.arm()?;
+        match self.channel.take_received() {
+            Ok(Some(bytes)) => Ok(Received::Message(bytes)),
+            Ok(None) => Ok(received),
+            Err(_) => Ok(Received::Closed),
         }
     }
 
     fn send(&mut self, bytes: &[u8]) -> Result<(), TransportError> {
         self.channel.send(bytes)
+    }
+
+    fn admit(&mut self) -> Result<RemoteRegion, TransportError> {
+        self.registration
+            .lock()
+            .ok()
+            .and_then(|r| r.as_ref().map(|r| r.remote))
+            .ok_or(TransportError::NotAttached)
+    }
+
+    fn fence(&mut self) {
+        if let Err(e) = self.channel.qp.set_error() {
+            self.channel.broken = Some(format!("fencing failed: {e}"));
+        }
+    }
+}
+
+impl Drop for RdmaPeer {
+    fn drop(&mut self) {
+        self.fence();
     }
 }

@@ -295,6 +295,13 @@ impl Cq {
             if ch.is_null() {
                 return Err(os_error("ibv_create_comp_channel"));
             }
+            // SAFETY: the channel's descriptor is valid while the channel is.
+            // Non-blocking: an event loop consumes events without waiting.
+            unsafe {
+                let fd = (*ch).fd;
+                let flags = libc::fcntl(fd, libc::F_GETFL);
+                libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK);
+            }
             ch
         } else {
             std::ptr::null_mut()
@@ -329,50 +336,39 @@ impl Cq {
         Ok(n as usize)
     }
 
-    /// Blocks until this queue has a completion event or `other` is
-    /// readable (or hung up). Returns true for a completion event.
-    pub fn wait_event_or(&self, other: RawFd) -> io::Result<bool> {
+    /// The file descriptor of this queue's event channel: readable once a
+    /// completion arrived after [`Cq::arm`]. The channel is non-blocking.
+    pub fn event_fd(&self) -> io::Result<RawFd> {
         if self.channel.is_null() {
             return Err(io::Error::other("completion queue has no event channel"));
         }
-        // Arm first, then the caller polls again: an event that arrived
-        // between its last poll and the arming is not lost.
+        // SAFETY: a live channel created by ibv_create_comp_channel.
+        Ok(unsafe { (*self.channel).fd })
+    }
+
+    /// Asks for an event at the next completion. The caller polls the queue
+    /// again after arming: a completion that arrived between its last poll
+    /// and the arming raises no event.
+    pub fn arm(&self) -> io::Result<()> {
+        // SAFETY: a live completion queue.
         if unsafe { ibv_req_notify_cq(self.cq, 0) } != 0 {
             return Err(os_error("ibv_req_notify_cq"));
         }
-        let mut fds = [
-            libc::pollfd {
-                fd: unsafe { (*self.channel).fd },
-                events: libc::POLLIN,
-                revents: 0,
-            },
-            libc::pollfd {
-                fd: other,
-                events: libc::POLLIN,
-                revents: 0,
-            },
-        ];
-        loop {
-            // SAFETY: two valid pollfd entries.
-            let rc = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
-            if rc >= 0 {
-                break;
-            }
-            let e = io::Error::last_os_error();
-            if e.kind() != io::ErrorKind::Interrupted {
-                return Err(e);
-            }
+        Ok(())
+    }
+
+    /// Consumes the pending event, if any (never blocks: the channel's
+    /// descriptor is non-blocking), so the descriptor stops being readable.
+    pub fn take_event(&self) {
+        if self.channel.is_null() {
+            return;
         }
-        if fds[0].revents & libc::POLLIN != 0 {
-            let mut cq = std::ptr::null_mut();
-            let mut ctx = std::ptr::null_mut();
-            // SAFETY: the channel has an event ready; it names our cq.
-            if unsafe { ibv_get_cq_event(self.channel, &mut cq, &mut ctx) } == 0 {
-                unsafe { ibv_ack_cq_events(cq, 1) };
-            }
-            return Ok(true);
+        let mut cq = std::ptr::null_mut();
+        let mut ctx = std::ptr::null_mut();
+        // SAFETY: a live, non-blocking channel; an event names our cq.
+        if unsafe { ibv_get_cq_event(self.channel, &mut cq, &mut ctx) } == 0 {
+            unsafe { ibv_ack_cq_events(cq, 1) };
         }
-        Ok(false)
     }
 }
 
@@ -570,6 +566,15 @@ impl Qp {
                 | ibv_qp_attr_mask::IBV_QP_MAX_QP_RD_ATOMIC,
             "RTS",
         )
+    }
+
+    /// Moves the queue pair to the error state: the peer's verbs on it fail
+    /// from now on (how a server cuts off a departed client).
+    pub fn set_error(&self) -> io::Result<()> {
+        // SAFETY: zeroed attributes, then the state the mask names.
+        let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
+        a.qp_state = ibv_qp_state::IBV_QPS_ERR;
+        self.modify(&mut a, ibv_qp_attr_mask::IBV_QP_STATE, "ERR")
     }
 
     /// Posts the work requests as one linked list: one doorbell. Every one

@@ -1,0 +1,260 @@
+//! One thread serves every control channel: it waits on all their file
+//! descriptors at once (epoll, through `polling`), so the server's thread
+//! count does not grow with its clients. Channels come from the accept
+//! thread over a queue; a channel that has not connected within the
+//! handshake timeout, or a connected one silent for the idle timeout (when
+//! set), is closed, and a connected client's space is then reclaimed.
+
+use std::collections::HashMap;
+use std::os::fd::{BorrowedFd, RawFd};
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::mpsc::Receiver;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kv_common::protocol::{self, ErrorKind, Request};
+use kv_common::transport::{ControlPeer, Received, TransportError};
+use polling::{Event, Events, PollMode, Poller};
+
+use crate::control::{self, After, Session, Shared};
+
+/// Requests taken from one channel before the others get a turn.
+const FAIRNESS: usize = 16;
+/// How often timeouts are checked when nothing else wakes the loop.
+const TICK: Duration = Duration::from_millis(200);
+
+/// How long a channel may stay in each state.
+#[derive(Debug, Clone, Copy)]
+pub struct Timeouts {
+    /// From accept to Connect.
+    pub handshake: Duration,
+    /// Between messages of a connected client; None: forever.
+    pub idle: Option<Duration>,
+}
+
+struct Channel {
+    peer: Box<dyn ControlPeer>,
+    fds: Vec<RawFd>,
+    session: Session,
+    opened: Instant,
+    last_seen: Instant,
+}
+
+pub struct EventLoop {
+    shared: Arc<Shared>,
+    poller: Arc<Poller>,
+    incoming: Receiver<Box<dyn ControlPeer>>,
+    channels: HashMap<usize, Channel>,
+    next_id: usize,
+    max_channels: usize,
+    timeouts: Timeouts,
+}
+
+impl EventLoop {
+    pub fn new(
+        shared: Arc<Shared>,
+        poller: Arc<Poller>,
+        incoming: Receiver<Box<dyn ControlPeer>>,
+        max_channels: usize,
+        timeouts: Timeouts,
+    ) -> EventLoop {
+        EventLoop {
+            shared,
+            poller,
+            incoming,
+            channels: HashMap::new(),
+            next_id: 0,
+            max_channels,
+            timeouts,
+        }
+    }
+
+    pub fn run(mut self) {
+        let mut events = Events::new();
+        let mut cpu_mark = control::thread_cpu_us();
+        let mut last_sweep = Instant::now();
+        loop {
+            events.clear();
+            if let Err(e) = self.poller.wait(&mut events, Some(TICK)) {
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    tracing::error!("control event loop: {e}");
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            }
+            if self.shared.stopping.load(Relaxed) {
+                break;
+            }
+            while let Ok(peer) = self.incoming.try_recv() {
+                self.add(peer);
+            }
+            let ready: Vec<usize> = events.iter().map(|e| e.key / 2).collect();
+            for id in ready {
+                self.service(id);
+            }
+            if last_sweep.elapsed() >= TICK {
+                self.sweep_timeouts();
+                last_sweep = Instant::now();
+            }
+            control::account_cpu(&self.shared.counters, &mut cpu_mark);
+        }
+        let ids: Vec<usize> = self.channels.keys().copied().collect();
+        for id in ids {
+            self.close(id, false);
+        }
+    }
+
+    fn add(&mut self, mut peer: Box<dyn ControlPeer>) {
+        if self.channels.len() >= self.max_channels {
+            // Say why before hanging up; the client reads it as the reply
+            // to its Connect.
+            self.shared.counters.rejected.fetch_add(1, Relaxed);
+            let m = format!(
+                "the server has {} control connections open, its limit",
+                self.max_channels
+            );
+            if let Ok(bytes) = protocol::encode(&control::error(ErrorKind::TooManyClients, m)) {
+                let _ = peer.send(&bytes);
+            }
+            return;
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        let fds = peer.fds();
+        for (i, &fd) in fds.iter().enumerate() {
+            // SAFETY: the descriptor belongs to `peer`, which stays alive
+            // (in `channels`) until `close` deletes it from the poller.
+            let added = unsafe {
+                self.poller
+                    .add_with_mode(fd, Event::readable(id * 2 + i), PollMode::Level)
+            };
+            if let Err(e) = added {
+                tracing::warn!("cannot watch a control connection: {e}");
+                for &done in &fds[..i] {
+                    self.forget_fd(done);
+                }
+                return;
+            }
+        }
+        let now = Instant::now();
+        self.channels.insert(
+            id,
+            Channel {
+                peer,
+                fds,
+                session: Session::default(),
+                opened: now,
+                last_seen: now,
+            },
+        );
+        self.shared.counters.connections.fetch_add(1, Relaxed);
+    }
+
+    /// Answers what a channel has sent, up to FAIRNESS requests.
+    fn service(&mut self, id: usize) {
+        let shared = self.shared.clone();
+        let c = &shared.counters;
+        let Some(ch) = self.channels.get_mut(&id) else {
+            return;
+        };
+        let mut close: Option<bool> = None;
+        for _ in 0..FAIRNESS {
+            let bytes = match ch.peer.try_recv() {
+                Ok(Received::Message(b)) => b,
+                Ok(Received::Nothing) => break,
+                Ok(Received::Closed) => {
+                    close = Some(false);
+                    break;
+                }
+                Err(TransportError::Codec(e)) => {
+                    // The framing itself is broken: say why, then hang up.
+                    c.malformed.fetch_add(1, Relaxed);
+                    tracing::warn!(
+                        client = ch.session.client,
+                        "closing control connection: {e}"
+                    );
+                    let reply = control::error(ErrorKind::Malformed, e.to_string());
+                    if let Ok(b) = protocol::encode(&reply) {
+                        let _ = ch.peer.send(&b);
+                    }
+                    close = Some(false);
+                    break;
+                }
+                Err(_) => {
+                    close = Some(false);
+                    break;
+                }
+            };
+            ch.last_seen = Instant::now();
+            let (reply, after) = match protocol::decode::<Request>(&bytes) {
+                Ok(request) => {
+                    let goodbye = request == Request::Disconnect;
+                    let (reply, after) =
+                        control::handle(&shared, &mut ch.session, &mut *ch.peer, request);
+                    if after == After::Close {
+                        close = Some(goodbye);
+                    }
+                    (reply, after)
+                }
+                Err(e) => {
+                    c.malformed.fetch_add(1, Relaxed);
+                    let after = control::offence(&mut ch.session);
+                    if after == After::Close {
+                        close = Some(false);
+                    }
+                    (control::error(ErrorKind::Malformed, e.to_string()), after)
+                }
+            };
+            let sent = protocol::encode(&reply)
+                .map_err(TransportError::from)
+                .and_then(|b| ch.peer.send(&b));
+            if let Err(e) = sent {
+                tracing::debug!(client = ch.session.client, "reply not delivered: {e}");
+                close.get_or_insert(false);
+            }
+            if after == After::Close || close.is_some() {
+                break;
+            }
+        }
+        if let Some(goodbye) = close {
+            self.close(id, goodbye);
+        }
+    }
+
+    fn sweep_timeouts(&mut self) {
+        let now = Instant::now();
+        let t = self.timeouts;
+        let expired: Vec<usize> = self
+            .channels
+            .iter()
+            .filter(|(_, ch)| match ch.session.client {
+                None => now.duration_since(ch.opened) > t.handshake,
+                Some(_) => t
+                    .idle
+                    .is_some_and(|idle| now.duration_since(ch.last_seen) > idle),
+            })
+            .map(|(&id, _)| id)
+            .collect();
+        for id in expired {
+            if let Some(ch) = self.channels.get(&id) {
+                tracing::debug!(client = ch.session.client, "control connection timed out");
+            }
+            self.close(id, false);
+        }
+    }
+
+    fn close(&mut self, id: usize, said_goodbye: bool) {
+        let Some(mut ch) = self.channels.remove(&id) else {
+            return;
+        };
+        for &fd in &ch.fds {
+            self.forget_fd(fd);
+        }
+        control::end_session(&self.shared, &ch.session, &mut *ch.peer, said_goodbye);
+        self.shared.counters.connections.fetch_sub(1, Relaxed);
+    }
+
+    fn forget_fd(&self, fd: RawFd) {
+        // SAFETY: the descriptor is still open: its peer has not been dropped.
+        let _ = self.poller.delete(unsafe { BorrowedFd::borrow_raw(fd) });
+    }
+}
