@@ -56,6 +56,14 @@ impl Error {
         }
     }
 
+    /// Whether the same call may succeed if simply tried again later: the
+    /// server was unreachable or the connection was lost (and reconnecting
+    /// failed too). Errors about the request itself, or a corrupt or full
+    /// region, are not.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, Error::Unreachable(_) | Error::Contended(_)) || self.is_connection_lost()
+    }
+
     /// True when this connection is gone but the server may be reachable
     /// on a new one: the operation can be redone after reconnecting.
     pub(crate) fn is_connection_lost(&self) -> bool {

@@ -2,7 +2,8 @@
 //! and the paths of the workspace's binaries.
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
 
 use kv_common::Address;
 use kv_server::{Server, ServerConfig};
@@ -131,4 +132,99 @@ pub fn or_abort<T, E: std::fmt::Display>(result: Result<T, E>, what: &str) -> T 
             std::process::abort();
         }
     }
+}
+
+/// A `kv-server` process, killed if a test ends without stopping it.
+pub struct Daemon {
+    pub child: Option<Child>,
+    pub address: Address,
+}
+
+impl Daemon {
+    /// Starts `kv-server` on `address` (the region in `region`) and waits
+    /// until it accepts control connections.
+    pub fn start(address: &Address, region: &Path, extra: &[&str]) -> Daemon {
+        let child = Command::new(workspace_bin("kv-server"))
+            .arg("--listen")
+            .arg(address.to_string())
+            .arg("--region-file")
+            .arg(region)
+            .args(extra)
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start kv-server");
+        let daemon = Daemon {
+            child: Some(child),
+            address: address.clone(),
+        };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !daemon.listening() {
+            assert!(
+                Instant::now() < deadline,
+                "kv-server did not start listening"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        daemon
+    }
+
+    fn listening(&self) -> bool {
+        match &self.address {
+            Address::Shm { region } => {
+                std::os::unix::net::UnixStream::connect(Address::shm_socket(region)).is_ok()
+            }
+            Address::Rdma { host, port } => {
+                std::net::TcpStream::connect((host.as_str(), *port)).is_ok()
+            }
+        }
+    }
+
+    /// `kill -9`: no clean-up of any kind.
+    pub fn kill_9(mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// SIGTERM, and the daemon's output once it has stopped.
+    pub fn terminate(mut self) -> std::process::Output {
+        let child = self.child.take().expect("running daemon");
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        child.wait_with_output().expect("daemon exits")
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Raises this process's descriptor limit to its hard limit (for tests
+/// that open thousands of connections); returns the new soft limit.
+pub fn raise_descriptor_limit() -> u64 {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit on a struct we own.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 {
+            return 1024;
+        }
+        lim.rlim_cur = lim.rlim_max;
+        libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim);
+    }
+    lim.rlim_cur
+}
+
+/// Threads of this process.
+pub fn thread_count() -> usize {
+    std::fs::read_dir("/proc/self/task").map_or(0, |d| d.count())
 }

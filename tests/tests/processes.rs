@@ -3,42 +3,17 @@
 
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
 
 use kv_common::Address;
-use onekv_tests::{region_dir, workspace_bin};
-
-/// A kv-server process, killed if a test ends without stopping it.
-struct Daemon(Option<Child>);
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        if let Some(mut child) = self.0.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
+use onekv_tests::{region_dir, workspace_bin, Daemon};
 
 fn start_daemon(region: &Path, extra: &[&str]) -> Daemon {
-    let child = Command::new(workspace_bin("kv-server"))
-        .arg("--listen")
-        .arg(format!("shm://{}", region.display()))
-        .args(["--memory", "32MiB"])
-        .args(extra)
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start kv-server");
-    let socket = Address::shm_socket(region);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-        assert!(
-            Instant::now() < deadline,
-            "kv-server did not start listening"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Daemon(Some(child))
+    let address = Address::Shm {
+        region: region.to_path_buf(),
+    };
+    let mut args = vec!["--memory", "32MiB"];
+    args.extend_from_slice(extra);
+    Daemon::start(&address, region, &args)
 }
 
 fn kv(region: &Path, args: &[&str]) -> Output {
@@ -52,13 +27,6 @@ fn kv(region: &Path, args: &[&str]) -> Output {
 
 fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).trim_end().to_string()
-}
-
-fn terminate(mut daemon: Daemon) -> Output {
-    let child = daemon.0.take().expect("running daemon");
-    // SAFETY: kill(2) on our own child's pid.
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-    child.wait_with_output().unwrap()
 }
 
 #[test]
@@ -91,7 +59,7 @@ fn daemon_and_cli() {
     );
 
     // SIGTERM: clean shutdown, socket removed, region kept.
-    let out = terminate(daemon);
+    let out = daemon.terminate();
     assert!(
         out.status.success(),
         "kv-server exited with {:?}",
