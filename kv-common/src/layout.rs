@@ -160,8 +160,10 @@ impl Geometry {
     pub fn block_span(&self, slot: Slot) -> Option<(u64, usize)> {
         let len = slot.block_len()?;
         let end = slot.offset().checked_add(len)?;
-        (slot.offset() >= self.heap_offset && end <= self.region_len && slot.offset() % 8 == 0)
-            .then_some((slot.offset(), len as usize))
+        (slot.offset() >= self.heap_offset
+            && end <= self.region_len
+            && slot.offset().is_multiple_of(8))
+        .then_some((slot.offset(), len as usize))
     }
 
     /// Largest block the allocator hands out: the biggest size class that

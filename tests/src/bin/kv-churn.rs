@@ -32,7 +32,7 @@ fn main() -> ExitCode {
         rng ^= rng >> 7;
         rng ^= rng << 17;
         let key = format!("{name}-{}", rng % keys.max(1));
-        let result = if rng % 5 == 0 {
+        let result = if rng.is_multiple_of(5) {
             kv.delete(key.as_bytes()).map(|_| ())
         } else {
             let value = tagged_value(&key, name, seq, (rng >> 16) as usize % 3000);
