@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 WORK=${RXE_WORK:-$ROOT/target/rxe-vm}
 GUEST_IP=10.0.2.15
-TESTS=(linearizability concurrent_insert one_sided reuse restart)
+TESTS=(linearizability concurrent_insert one_sided reuse restart crash_recovery fencing)
 mkdir -p "$WORK"
 
 log() { echo "rxe-vm: $*" >&2; }
@@ -89,7 +89,7 @@ prov=$(ls /usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav*.so | head -1)
 copy_with_libs "$prov" "$prov"
 mkdir -p "$R/etc/libibverbs.d"
 cp /etc/libibverbs.d/rxe.driver "$R/etc/libibverbs.d/"
-for b in kv-server kv-bench kv-stress; do copy_with_libs "$ROOT/target/release/$b" "/bin/$b"; done
+for b in kv-server kv-bench kv-stress kv-churn; do copy_with_libs "$ROOT/target/release/$b" "/bin/$b"; done
 while read -r name exe; do copy_with_libs "$exe" "/tests/$name"; done <<< "$test_bins"
 
 cat > "$R/init" <<'INIT'
@@ -143,7 +143,7 @@ echo "RXE-BASELINE: ib_read_lat typical ${read_us} us, ib_atomic_lat typical ${a
 # The test suites, over rdma (each TestServer listens on this VM's address).
 for t in /tests/*; do
   name=$(basename $t)
-  ONEKV_TEST_RDMA_HOST=$IP $t --test-threads=1 > /tmp/$name.log 2>&1
+  ONEKV_TEST_RDMA_HOST=$IP ONEKV_BIN_DIR=/bin $t --test-threads=1 > /tmp/$name.log 2>&1
   rc=$?
   line=$(grep -E '^test result:' /tmp/$name.log | tail -1)
   p=$(echo "$line" | sed -n 's/.* \([0-9][0-9]*\) passed.*/\1/p'); f=$(echo "$line" | sed -n 's/.* \([0-9][0-9]*\) failed.*/\1/p')

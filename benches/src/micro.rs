@@ -226,7 +226,8 @@ fn worker(
         }
         Op::RawRead | Op::RawCas => {
             let mut conn =
-                transport::connect(&Address::parse(address)?).map_err(|e| e.to_string())?;
+                transport::connect(&Address::parse(address)?, transport::DEFAULT_REPLY_TIMEOUT)
+                    .map_err(|e| e.to_string())?;
             let info = match conn.call(&Request::Connect {
                 protocol_version: PROTOCOL_VERSION,
                 secret: vec![],

@@ -60,6 +60,9 @@ pub struct ClientOptions {
     /// costs microseconds; off over shm, where it costs about what the
     /// lookup does (measured with `kv-bench micro --slot-cache-entries`).
     pub slot_cache_entries: Option<usize>,
+    /// How long to wait for the server's reply to a control message
+    /// (connect, lease, stats) before giving the connection up.
+    pub reply_timeout: Duration,
 }
 
 impl Default for ClientOptions {
@@ -69,6 +72,7 @@ impl Default for ClientOptions {
             max_attempts: 10_000,
             pause_after_index_read: None,
             slot_cache_entries: None,
+            reply_timeout: transport::DEFAULT_REPLY_TIMEOUT,
         }
     }
 }
@@ -780,7 +784,7 @@ impl Drop for Client {
 
 /// Connects, presents the secret, and attaches the region.
 fn open(address: &Address, options: &ClientOptions) -> Result<(Box<dyn Connection>, ConnectInfo)> {
-    let mut conn = transport::connect(address)?;
+    let mut conn = transport::connect(address, options.reply_timeout)?;
     let secret = options.secret.clone().unwrap_or_default();
     let info = match conn.call(&Request::Connect {
         protocol_version: PROTOCOL_VERSION,

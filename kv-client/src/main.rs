@@ -1,6 +1,6 @@
 //! `kv`: a command-line client for poking at a onekv server.
 
-use std::io::Write;
+use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -8,7 +8,8 @@ use clap::{Parser, Subcommand};
 use kv_client::{Client, ClientOptions};
 
 /// Reads and writes a onekv server with one-sided verbs, like any embedded
-/// client. Keys and values are taken as the bytes of the arguments.
+/// client. Keys and values are taken as the bytes of the arguments; a value
+/// too large for a command line comes from a file or standard input.
 #[derive(Parser)]
 #[command(version, about, long_about)]
 struct Args {
@@ -24,8 +25,15 @@ struct Args {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Store VALUE under KEY.
-    Put { key: String, value: String },
+    /// Store VALUE under KEY. Without VALUE, the value is read from
+    /// --value-file, or else from standard input (all of it, byte for byte).
+    Put {
+        key: String,
+        value: Option<String>,
+        /// Read the value from this file instead.
+        #[arg(long, conflicts_with = "value")]
+        value_file: Option<PathBuf>,
+    },
     /// Print the value of KEY; exits with status 1 if there is none.
     Get { key: String },
     /// Remove KEY; exits with status 1 if there was none.
@@ -52,9 +60,24 @@ fn run(args: Args) -> Result<ExitCode, String> {
     }
     let mut kv = Client::connect_with(&args.server, options).map_err(|e| e.to_string())?;
     let code = match args.command {
-        Command::Put { key, value } => {
-            kv.put(key.as_bytes(), value.as_bytes())
-                .map_err(|e| e.to_string())?;
+        Command::Put {
+            key,
+            value,
+            value_file,
+        } => {
+            let value = match (value, value_file) {
+                (Some(v), _) => v.into_bytes(),
+                (None, Some(path)) => std::fs::read(&path)
+                    .map_err(|e| format!("cannot read {}: {e}", path.display()))?,
+                (None, None) => {
+                    let mut v = Vec::new();
+                    std::io::stdin()
+                        .read_to_end(&mut v)
+                        .map_err(|e| format!("reading the value from standard input: {e}"))?;
+                    v
+                }
+            };
+            kv.put(key.as_bytes(), &value).map_err(|e| e.to_string())?;
             ExitCode::SUCCESS
         }
         Command::Get { key } => match kv.get(key.as_bytes()).map_err(|e| e.to_string())? {

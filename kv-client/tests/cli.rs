@@ -1,7 +1,9 @@
-//! The kv command line: help, and clear errors when there is no server.
-//! (Against a running server it is tested end to end in tests/processes.rs.)
+//! The kv command line: help, clear errors when there is no server, and
+//! values too large for a command line. (Against a running server it is
+//! tested end to end in tests/processes.rs.)
 
-use std::process::Command;
+use std::io::Write;
+use std::process::{Command, Stdio};
 
 fn kv(args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_kv"))
@@ -31,4 +33,48 @@ fn no_server_and_bad_address_exit_2_with_a_reason() {
     let out = kv(&["--server", "localhost:1234", "get", "k"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("not a onekv address"));
+}
+
+#[test]
+fn large_values_come_from_standard_input_or_a_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let region = dir.path().join("r");
+    let config = kv_server::ServerConfig {
+        memory: 16 << 20,
+        ..kv_server::ServerConfig::new(kv_common::Address::Shm {
+            region: region.clone(),
+        })
+    };
+    let _server = kv_server::Server::start(config).unwrap();
+    let address = format!("shm://{}", region.display());
+    // 300 KiB of binary bytes: far over what an argument list takes.
+    let value: Vec<u8> = (0..300 << 10).map(|i: u32| (i * 7 % 251) as u8).collect();
+    let mut put = Command::new(env!("CARGO_BIN_EXE_kv"))
+        .args(["--server", &address, "put", "big"])
+        .stdin(Stdio::piped())
+        .spawn()
+        .unwrap();
+    put.stdin.take().unwrap().write_all(&value).unwrap();
+    assert!(put.wait().unwrap().success());
+    let got = kv(&["--server", &address, "get", "big"]);
+    assert!(got.status.success());
+    assert_eq!(&got.stdout[..got.stdout.len() - 1], &value[..]);
+
+    let file = dir.path().join("value");
+    std::fs::write(&file, &value[..1000]).unwrap();
+    let out = kv(&[
+        "--server",
+        &address,
+        "put",
+        "small",
+        "--value-file",
+        file.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let got = kv(&["--server", &address, "get", "small"]);
+    assert_eq!(&got.stdout[..1000], &value[..1000]);
 }

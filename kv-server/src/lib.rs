@@ -249,9 +249,17 @@ impl Server {
         reclaim::collect(&self.shared, Instant::now());
     }
 
-    /// How many index slots hold `key` (see [`region::slots_holding`]).
+    /// How many index slots hold `key` (see [`region::slots_of`]).
     pub fn slots_holding(&self, key: &[u8]) -> Result<usize, TransportError> {
-        region::slots_holding(&self.shared.region, &self.shared.geometry, key)
+        Ok(self.slots_of(key)?.len())
+    }
+
+    /// The index slots that hold `key`, with their positions.
+    pub fn slots_of(
+        &self,
+        key: &[u8],
+    ) -> Result<Vec<(kv_common::layout::SlotPos, kv_common::layout::Slot)>, TransportError> {
+        region::slots_of(&self.shared.region, &self.shared.geometry, key)
     }
 
     /// Stops accepting clients, revokes the access keys (so clients' verbs

@@ -4,7 +4,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::Path;
 
 use kv_common::layout::{
@@ -58,7 +58,7 @@ pub fn open_or_create(
     lock_exclusive(&file, path)?;
     let len = file.metadata().map_err(|e| region_error(path, e))?.len();
     if len == 0 {
-        return create(file, path, geometry);
+        return create(file, path, geometry, mode);
     }
     let region = SharedRegion::from_file(&file, path).map_err(|e| region_error(path, e))?;
     let mut words = [0u64; 10];
@@ -89,7 +89,15 @@ pub fn open_or_create(
     })
 }
 
-fn create(file: File, path: &Path, geometry: &Geometry) -> Result<OpenedRegion, ServerError> {
+fn create(
+    file: File,
+    path: &Path,
+    geometry: &Geometry,
+    mode: u32,
+) -> Result<OpenedRegion, ServerError> {
+    // Exactly `mode`, whatever the umask took away at open.
+    file.set_permissions(std::fs::Permissions::from_mode(mode))
+        .map_err(|e| region_error(path, e))?;
     let len = geometry.region_len;
     // Allocate every page now: a region larger than its file system fails
     // here with a clear error, not later with SIGBUS in a client.
@@ -195,30 +203,31 @@ fn read_block(region: &SharedRegion, g: &Geometry, slot: Slot) -> Option<Vec<u8>
     Some(words.iter().flat_map(|w| w.to_le_bytes()).collect())
 }
 
-/// How many index slots hold a block of `key` (an inspection for operators
-/// and tests: after concurrent inserts of one key it must be exactly one).
-pub fn slots_holding(
+/// The index slots that hold a block of `key`, lowest position first (an
+/// inspection for operators and tests: after concurrent inserts of one key
+/// there must be exactly one).
+pub fn slots_of(
     region: &SharedRegion,
     g: &Geometry,
     key: &[u8],
-) -> Result<usize, TransportError> {
+) -> Result<Vec<(SlotPos, Slot)>, TransportError> {
     let h = KeyHash::new(key, g.bucket_count);
-    let mut count = 0;
-    for b in h.buckets() {
+    let mut found = Vec::new();
+    for bucket in h.buckets() {
         let mut words = [0u64; SLOTS_PER_BUCKET];
-        region.read(g.index_offset + b * BUCKET_BYTES, &mut words)?;
-        for w in words {
+        region.read(g.index_offset + bucket * BUCKET_BYTES, &mut words)?;
+        for (index, w) in words.into_iter().enumerate() {
             let slot = Slot(w);
             if slot.is_empty() || slot.fingerprint() != h.fingerprint {
                 continue;
             }
             let block = read_block(region, g, slot);
             if block.is_some_and(|b| decode_block(&b).is_ok_and(|v| v.key == key)) {
-                count += 1;
+                found.push((SlotPos { bucket, index }, slot));
             }
         }
     }
-    Ok(count)
+    Ok(found)
 }
 
 /// One damaged slot `check` found.

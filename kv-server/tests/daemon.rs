@@ -51,4 +51,43 @@ fn bad_arguments_are_refused_clearly() {
     let out = server(&["--listen", &region, "--memory", "4KiB"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("too small"));
+
+    // An index whose size would wrap around is refused, not served.
+    let out = server(&["--listen", &region, "--buckets", "9223372036854775808"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("power of two from 2"));
+
+    let out = server(&[]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--listen is required"));
+}
+
+#[test]
+fn check_reports_a_clean_region_and_refuses_other_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("r");
+    let config = kv_server::ServerConfig {
+        memory: 4 << 20,
+        ..kv_server::ServerConfig::new(kv_common::Address::Shm {
+            region: path.clone(),
+        })
+    };
+    drop(kv_server::Server::start(config).unwrap());
+    let out = server(&["check", path.to_str().unwrap()]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("0 damaged"));
+
+    std::fs::write(
+        dir.path().join("notes"),
+        b"not a region at all, just notes".repeat(300),
+    )
+    .unwrap();
+    let out = server(&["check", dir.path().join("notes").to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("onekv region"));
 }

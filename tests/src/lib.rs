@@ -85,8 +85,12 @@ pub fn aggressive_reuse(config: &mut ServerConfig) {
     config.op_deadline = Duration::from_millis(2);
 }
 
-/// A binary of this workspace (built by `cargo test --workspace`).
+/// A binary of this workspace (built by `cargo test --workspace`), or in
+/// `ONEKV_BIN_DIR` when set (the Soft-RoCE VM keeps them in /bin).
 pub fn workspace_bin(name: &str) -> PathBuf {
+    if let Some(dir) = std::env::var_os("ONEKV_BIN_DIR") {
+        return PathBuf::from(dir).join(name);
+    }
     let exe = std::env::current_exe().expect("test executable path");
     // target/<profile>/deps/<test> → target/<profile>/<name>
     let dir = exe

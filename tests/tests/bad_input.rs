@@ -220,3 +220,56 @@ fn a_second_server_on_the_same_region_is_refused() {
     let mut kv = Client::connect(&srv.address).unwrap();
     kv.put(b"first", b"server").unwrap();
 }
+
+#[test]
+fn the_region_file_is_private_locked_and_allocated_up_front() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let srv = TestServer::start(|_| {});
+    let meta = std::fs::metadata(srv.region_path()).unwrap();
+    assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+    // Every page allocated now, not at first touch.
+    assert!(
+        meta.blocks() * 512 >= meta.len(),
+        "{} of {} bytes allocated",
+        meta.blocks() * 512,
+        meta.len()
+    );
+
+    // A second server through another path to the same file is refused,
+    // and the first one's clients are unaffected.
+    let alias = srv.dir.path().join("alias");
+    std::os::unix::fs::symlink(srv.region_path(), &alias).unwrap();
+    match Server::start(ServerConfig::new(Address::Shm { region: alias })) {
+        Err(e) => assert!(e.to_string().contains("another server"), "{e}"),
+        Ok(_) => panic!("a second server opened a region in use"),
+    }
+    let mut kv = Client::connect(&srv.address).unwrap();
+    kv.put(b"first", b"server").unwrap();
+
+    let dir = onekv_tests::region_dir();
+    let shared = dir.path().join("group");
+    let config = ServerConfig {
+        group_access: true,
+        memory: 4 << 20,
+        ..ServerConfig::new(Address::Shm {
+            region: shared.clone(),
+        })
+    };
+    drop(Server::start(config).unwrap());
+    let mode = std::fs::metadata(&shared).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o660);
+
+    // More memory than the file system has: refused at start, no file left.
+    let huge = dir.path().join("huge");
+    let config = ServerConfig {
+        memory: 64 << 40,
+        ..ServerConfig::new(Address::Shm {
+            region: huge.clone(),
+        })
+    };
+    match Server::start(config) {
+        Err(e) => assert!(e.to_string().contains("cannot allocate"), "{e}"),
+        Ok(_) => panic!("a 64 TiB region was created"),
+    }
+    assert!(!huge.exists());
+}

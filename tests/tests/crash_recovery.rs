@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 
 use kv_client::Client;
 use kv_server::Server;
-use onekv_tests::{parse_tagged, region_dir, tagged_value, test_address, test_config, Daemon};
+use onekv_tests::{
+    parse_tagged, region_dir, tagged_value, test_address, test_config, workspace_bin, Daemon,
+};
 
 /// Filler keys the writer overwrites with large values: they make the heap
 /// fill and wrap around, so that space a restarted server wrongly thinks
@@ -141,7 +143,7 @@ fn acknowledged_writes_survive_kill_9_of_the_server_under_load() {
 }
 
 fn churn(address: &str, name: &str) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_kv-churn"))
+    Command::new(workspace_bin("kv-churn"))
         .args([address, name, "40"])
         .stdout(Stdio::null())
         .stderr(Stdio::piped())

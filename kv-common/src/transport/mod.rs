@@ -215,12 +215,27 @@ pub fn bind(address: &Address) -> Result<Box<dyn ControlListener>, TransportErro
     }
 }
 
-/// Opens a control channel to the server at `address`.
-pub fn connect(address: &Address) -> Result<Box<dyn Connection>, TransportError> {
+/// How long a client waits for a control reply by default: the server
+/// answers at once, so silence this long means it is gone.
+pub const DEFAULT_REPLY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Opens a control channel to the server at `address`; a call that gets no
+/// reply within `reply_timeout` fails, and the connection is then unusable.
+pub fn connect(
+    address: &Address,
+    reply_timeout: std::time::Duration,
+) -> Result<Box<dyn Connection>, TransportError> {
     match address {
-        Address::Shm { region } => Ok(Box::new(shm::ShmConnection::connect(region)?)),
+        Address::Shm { region } => Ok(Box::new(shm::ShmConnection::connect(
+            region,
+            reply_timeout,
+        )?)),
         #[cfg(feature = "rdma")]
-        Address::Rdma { host, port } => Ok(Box::new(rdma::RdmaConnection::connect(host, *port)?)),
+        Address::Rdma { host, port } => Ok(Box::new(rdma::RdmaConnection::connect(
+            host,
+            *port,
+            reply_timeout,
+        )?)),
         #[cfg(not(feature = "rdma"))]
         Address::Rdma { .. } => Err(no_rdma(address)),
     }

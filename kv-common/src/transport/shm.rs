@@ -32,10 +32,6 @@ use crate::layout::{KEY_TABLE_ENTRIES, KEY_TABLE_OFFSET};
 use crate::protocol::{Request, Response};
 use crate::Address;
 
-/// How long a client waits for a control reply before it gives the
-/// connection up (the server answers at once; silence means it is gone).
-pub const REPLY_TIMEOUT: Duration = Duration::from_secs(10);
-
 /// A mapped region file, accessed only through atomics.
 pub struct SharedRegion {
     map: MmapRaw,
@@ -62,7 +58,7 @@ impl SharedRegion {
         if len < 4096 || len % 8 != 0 {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::InvalidData,
-                format!("{}: {len} bytes is not a region", path.display()),
+                format!("{}: {len} bytes cannot be a onekv region", path.display()),
             ));
         }
         let map = MmapRaw::map_raw(file)?;
@@ -177,10 +173,11 @@ pub struct ShmConnection {
     /// Set once the control stream failed: a reply may still be in flight,
     /// so the stream is never used again (the client reconnects).
     broken: Option<String>,
+    reply_timeout: Duration,
 }
 
 impl ShmConnection {
-    pub fn connect(region_path: &Path) -> Result<Self, TransportError> {
+    pub fn connect(region_path: &Path, reply_timeout: Duration) -> Result<Self, TransportError> {
         let socket = Address::shm_socket(region_path);
         let stream =
             UnixStream::connect(&socket).map_err(|source| TransportError::Unreachable {
@@ -191,8 +188,8 @@ impl ShmConnection {
                 ),
                 source,
             })?;
-        stream.set_read_timeout(Some(REPLY_TIMEOUT))?;
-        stream.set_write_timeout(Some(REPLY_TIMEOUT))?;
+        stream.set_read_timeout(Some(reply_timeout))?;
+        stream.set_write_timeout(Some(reply_timeout))?;
         Ok(ShmConnection {
             stream,
             region_path: region_path.to_path_buf(),
@@ -200,6 +197,7 @@ impl ShmConnection {
             local: Vec::new(),
             stats: VerbStats::default(),
             broken: None,
+            reply_timeout,
         })
     }
 
@@ -229,7 +227,7 @@ impl Connection for ShmConnection {
                 // stream is gone, whatever the server's state.
                 let why = match e.kind() {
                     std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
-                        format!("no reply within {} s", REPLY_TIMEOUT.as_secs())
+                        format!("no reply within {:?}", self.reply_timeout)
                     }
                     _ => format!("control socket: {e}"),
                 };

@@ -34,7 +34,8 @@ const RECV_SLOTS: usize = 4;
 const MAX_BATCH: usize = 64;
 const SEND_WR_ID: u64 = u64::MAX;
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-const REPLY_TIMEOUT: Duration = Duration::from_secs(30);
+/// Longest wait for the device to complete a batch.
+const COMPLETION_TIMEOUT: Duration = Duration::from_secs(30);
 
 fn open_device() -> Result<Arc<Device>, TransportError> {
     let name = std::env::var("ONEKV_RDMA_DEVICE").ok();
@@ -141,7 +142,7 @@ impl Channel {
             return self.fail(TransportError::Io(e));
         }
         let mut done = Vec::with_capacity(wrs.len());
-        let deadline = Instant::now() + REPLY_TIMEOUT;
+        let deadline = Instant::now() + COMPLETION_TIMEOUT;
         while done.len() < wrs.len() {
             let missing = wrs.len() - done.len();
             if self.qp.send_cq.poll(&mut done, missing)? == 0 && Instant::now() > deadline {
@@ -199,10 +200,15 @@ pub struct RdmaConnection {
     local: Option<Mr>,
     remote: Option<RemoteRegion>,
     stats: VerbStats,
+    reply_timeout: Duration,
 }
 
 impl RdmaConnection {
-    pub fn connect(host: &str, port: u16) -> Result<RdmaConnection, TransportError> {
+    pub fn connect(
+        host: &str,
+        port: u16,
+        reply_timeout: Duration,
+    ) -> Result<RdmaConnection, TransportError> {
         let address = format!("rdma://{host}:{port}");
         let unreachable = |source| TransportError::Unreachable {
             address: address.clone(),
@@ -226,6 +232,7 @@ impl RdmaConnection {
             local: None,
             remote: None,
             stats: VerbStats::default(),
+            reply_timeout,
         })
     }
 
@@ -294,7 +301,7 @@ impl Connection for RdmaConnection {
     fn call(&mut self, request: &Request) -> Result<Response, TransportError> {
         let bytes = protocol::encode(request)?;
         self.channel.send(&bytes)?;
-        let deadline = Instant::now() + REPLY_TIMEOUT;
+        let deadline = Instant::now() + self.reply_timeout;
         loop {
             if let Some(reply) = self.channel.take_received()? {
                 return Ok(protocol::decode(&reply)?);

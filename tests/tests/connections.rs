@@ -1,0 +1,110 @@
+//! The control plane under many connections: one thread serves them all,
+//! limits refuse clearly, connections that never connect time out, and a
+//! client facing a silent server fails with a timeout instead of hanging.
+
+use std::io::Read;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::time::{Duration, Instant};
+
+use kv_client::{Client, ClientOptions, Error};
+use kv_common::Address;
+use onekv_tests::{raise_descriptor_limit, region_dir, thread_count, TestServer};
+
+#[test]
+fn thousands_of_idle_connections_neither_add_threads_nor_lock_clients_out() {
+    let limit = raise_descriptor_limit();
+    let srv = TestServer::start(|c| {
+        c.max_clients = 1024; // at most 2048 open control connections
+        c.timeouts.handshake = Duration::from_secs(1);
+    });
+    let socket = Address::shm_socket(&srv.region_path());
+    let threads_before = thread_count();
+    let wanted = (limit as usize).saturating_sub(256).min(3000);
+    let mut idle = Vec::new();
+    while idle.len() < wanted {
+        match UnixStream::connect(&socket) {
+            Ok(s) => idle.push(s),
+            Err(_) => break,
+        }
+    }
+    assert!(
+        idle.len() >= 900,
+        "only {} connections (fd limit {limit})",
+        idle.len()
+    );
+    // Let the accept thread hand them all to the event loop.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let open = idle.len().min(2048) as u64;
+    while srv.server.stats().connections < open {
+        assert!(Instant::now() < deadline, "{:?}", srv.server.stats());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(
+        thread_count() <= threads_before,
+        "{} idle connections made the server start threads ({threads_before} → {})",
+        idle.len(),
+        thread_count()
+    );
+    // A new client is served, or refused with a reason, at once.
+    let started = Instant::now();
+    match Client::connect(&srv.address) {
+        Ok(mut kv) => kv.put(b"k", b"v").unwrap(),
+        Err(Error::Refused(why)) => assert!(why.contains("limit"), "{why}"),
+        Err(e) => panic!("neither served nor clearly refused: {e}"),
+    }
+    assert!(started.elapsed() < Duration::from_secs(5));
+    // Connections that never sent Connect are closed after the handshake
+    // timeout; then a client gets in.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while srv.server.stats().connections > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "idle connections were never closed"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut closed = [0u8; 1];
+    assert_eq!(idle[0].read(&mut closed).unwrap_or(0), 0);
+    drop(idle);
+    let mut kv = Client::connect(&srv.address).unwrap();
+    kv.put(b"after", b"idle").unwrap();
+    assert_eq!(kv.get(b"after").unwrap().as_deref(), Some(&b"idle"[..]));
+}
+
+#[test]
+fn clients_beyond_max_clients_are_refused_with_the_limit() {
+    let srv = TestServer::start(|c| c.max_clients = 4);
+    let mut clients: Vec<Client> = (0..4)
+        .map(|_| Client::connect(&srv.address).unwrap())
+        .collect();
+    match Client::connect(&srv.address) {
+        Err(Error::Refused(why)) => assert!(why.contains("at most 4 clients"), "{why}"),
+        other => panic!("a fifth client was not refused: {:?}", other.map(|_| ())),
+    }
+    clients.pop().unwrap().close().unwrap();
+    let mut fifth = Client::connect(&srv.address).unwrap();
+    fifth.put(b"room", b"again").unwrap();
+    clients[0].put(b"first", b"still").unwrap();
+}
+
+#[test]
+fn a_silent_server_makes_connect_time_out_instead_of_hanging() {
+    let dir = region_dir();
+    let region = dir.path().join("silent");
+    // Something listens on the control socket but never answers.
+    let listener = UnixListener::bind(Address::shm_socket(&region)).unwrap();
+    let holder = std::thread::spawn(move || listener.accept().map(|(s, _)| s));
+    let options = ClientOptions {
+        reply_timeout: Duration::from_millis(300),
+        ..ClientOptions::default()
+    };
+    let started = Instant::now();
+    let result = Client::connect_with(&format!("shm://{}", region.display()), options);
+    let took = started.elapsed();
+    match result {
+        Err(e) => assert!(e.to_string().contains("no reply within"), "{e}"),
+        Ok(_) => panic!("connected to a server that never answered"),
+    }
+    assert!(took < Duration::from_secs(5), "took {took:?}");
+    drop(holder.join());
+}
