@@ -105,16 +105,25 @@ fn run(args: Args) -> Result<ExitCode, String> {
             let s = kv.server_stats().map_err(|e| e.to_string())?;
             let g = kv.geometry();
             println!("clients_connected {}", s.clients_connected);
+            println!("control_connections {}", s.connections);
             println!("connects {}", s.connects);
             println!("rejected_connects {}", s.rejected_connects);
+            println!("disconnects {}", s.disconnects);
+            println!("departures {}", s.departures);
             println!("leases {}", s.leases);
             println!("give_backs {}", s.give_backs);
-            println!("disconnects {}", s.disconnects);
+            println!("refused_give_backs {}", s.refused_give_backs);
             println!("malformed_messages {}", s.malformed);
             println!("buckets {} (slots {})", s.bucket_count, s.bucket_count * 8);
-            println!("live_slots {}", s.live_slots);
+            println!(
+                "live_slots {} (as of index scan {})",
+                s.live_slots, s.index_scans
+            );
+            println!("live_bytes {}", s.live_bytes);
+            println!("corrupt_slots {}", s.corrupt_slots);
             println!("heap_bytes {}", s.heap_size);
             println!("heap_free_bytes {}", s.heap_free);
+            println!("heap_leased_bytes {}", s.heap_leased);
             println!("chunk_bytes {}", g.chunk_size);
             println!("max_value_bytes {}", kv.max_value());
             println!("server_cpu_us {}", s.server_cpu_us);

@@ -50,13 +50,18 @@ fn daemon_and_cli() {
     assert!(kv(&region, &["del", "gone"]).status.success());
     assert_eq!(kv(&region, &["del", "gone"]).status.code(), Some(1));
 
-    let stats = kv(&region, &["stats"]);
-    assert!(stats.status.success());
-    assert!(
-        stdout(&stats).contains("live_slots 1"),
-        "{}",
-        stdout(&stats)
-    );
+    // live_slots is as of the server's last index scan, which follows each
+    // departing client shortly.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let stats = kv(&region, &["stats"]);
+        assert!(stats.status.success());
+        if stdout(&stats).contains("live_slots 1 ") {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{}", stdout(&stats));
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
 
     // SIGTERM: clean shutdown, socket removed, region kept.
     let out = daemon.terminate();
