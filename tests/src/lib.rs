@@ -228,6 +228,19 @@ pub fn raise_descriptor_limit() -> u64 {
     lim.rlim_cur
 }
 
+/// Sends one control request on a raw control stream and reads the reply;
+/// None once the server has closed the connection.
+pub fn control_call<S: std::io::Read + std::io::Write>(
+    stream: &mut S,
+    request: &kv_common::protocol::Request,
+) -> Option<kv_common::protocol::Response> {
+    use kv_common::protocol;
+    use kv_common::transport::{read_frame, write_frame};
+    write_frame(stream, &protocol::encode(request).ok()?).ok()?;
+    let reply = read_frame(stream).ok()??;
+    Some(protocol::decode(&reply).expect("the server's reply decodes"))
+}
+
 /// Threads of this process.
 pub fn thread_count() -> usize {
     std::fs::read_dir("/proc/self/task").map_or(0, |d| d.count())

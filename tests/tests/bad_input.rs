@@ -11,18 +11,10 @@ use kv_common::protocol::{self, ErrorKind, Extent, Request, Response, PROTOCOL_V
 use kv_common::transport::{read_frame, write_frame};
 use kv_common::Address;
 use kv_server::{Server, ServerConfig, ServerError};
-use onekv_tests::TestServer;
+use onekv_tests::{control_call as call, TestServer};
 
 fn control_socket(srv: &TestServer) -> UnixStream {
     UnixStream::connect(Address::shm_socket(&srv.region_path())).unwrap()
-}
-
-fn call(s: &mut UnixStream, r: &Request) -> Option<Response> {
-    write_frame(s, &protocol::encode(r).unwrap()).ok()?;
-    read_frame(s)
-        .ok()
-        .flatten()
-        .map(|b| protocol::decode(&b).unwrap())
 }
 
 #[test]

@@ -8,12 +8,9 @@ use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
 use kv_client::{Client, Error};
-use kv_common::protocol::{
-    self, ErrorKind, Extent, Request, Response, ServerStats, PROTOCOL_VERSION,
-};
-use kv_common::transport::{read_frame, write_frame};
+use kv_common::protocol::{ErrorKind, Extent, Request, Response, ServerStats, PROTOCOL_VERSION};
 use kv_common::Address;
-use onekv_tests::TestServer;
+use onekv_tests::{control_call as call, TestServer};
 
 /// A raw control connection that has sent Connect.
 fn liar(srv: &TestServer) -> UnixStream {
@@ -25,15 +22,6 @@ fn liar(srv: &TestServer) -> UnixStream {
     };
     assert!(matches!(call(&mut s, &hello), Some(Response::Connected(_))));
     s
-}
-
-/// Sends a request; None if the server has closed the connection.
-fn call(s: &mut UnixStream, r: &Request) -> Option<Response> {
-    write_frame(s, &protocol::encode(r).unwrap()).ok()?;
-    read_frame(s)
-        .ok()
-        .flatten()
-        .map(|b| protocol::decode(&b).unwrap())
 }
 
 fn lease(s: &mut UnixStream) -> Extent {
@@ -57,12 +45,27 @@ fn is_refused(r: &Option<Response>) -> bool {
     )
 }
 
+fn honest_value(i: usize) -> Vec<u8> {
+    format!("value {i} {}", "x".repeat(i)).into_bytes()
+}
+
+/// A well-behaved client that has stored 300 keys.
+fn honest_client(srv: &TestServer) -> Client {
+    let mut kv = Client::connect(&srv.address).unwrap();
+    for i in 0..300 {
+        kv.put(format!("honest-{i}").as_bytes(), &honest_value(i))
+            .unwrap();
+    }
+    kv
+}
+
+/// Every key of the honest client reads back as written.
 fn honest_data(kv: &mut Client) {
     for i in 0..300 {
         let key = format!("honest-{i}");
         assert_eq!(
             kv.get(key.as_bytes()).unwrap(),
-            Some(format!("value {i} {}", "x".repeat(i)).into_bytes()),
+            Some(honest_value(i)),
             "{key}"
         );
     }
@@ -79,13 +82,7 @@ fn consistent(s: &ServerStats) {
 fn give_backs_of_space_a_client_does_not_hold_are_refused_whole() {
     let srv = TestServer::start(|c| c.op_deadline = Duration::from_millis(5));
     let g = srv.server.geometry();
-    let mut honest = Client::connect(&srv.address).unwrap();
-    for i in 0..300 {
-        let value = format!("value {i} {}", "x".repeat(i));
-        honest
-            .put(format!("honest-{i}").as_bytes(), value.as_bytes())
-            .unwrap();
-    }
+    let mut honest = honest_client(&srv);
     // The honest client leased first: its blocks start at the heap.
     let theirs = Extent {
         offset: g.heap_offset,
@@ -158,13 +155,7 @@ fn rss_kib() -> u64 {
 fn a_flood_of_give_backs_is_cut_off_and_grows_nothing() {
     let srv = TestServer::start(|_| {});
     let g = srv.server.geometry();
-    let mut honest = Client::connect(&srv.address).unwrap();
-    for i in 0..300 {
-        let value = format!("value {i} {}", "x".repeat(i));
-        honest
-            .put(format!("honest-{i}").as_bytes(), value.as_bytes())
-            .unwrap();
-    }
+    let mut honest = honest_client(&srv);
     let before = srv.server.stats();
     let rss_before = rss_kib();
     // Each message as large as the protocol allows: ~3 600 extents.
