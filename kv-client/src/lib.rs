@@ -281,18 +281,22 @@ impl Client {
     /// Replaces the connection. The old one's leases are dropped: the
     /// server reclaims them once it has fenced the old connection.
     fn reconnect(&mut self) -> Result<()> {
+        // Close the old channel first: the server then frees its client slot
+        // (and its space) sooner, and the new connect is not refused for
+        // the old one still counting against the limit.
+        self.retired_stats.add(self.conn.stats());
+        self.conn = Box::new(transport::Closed);
+        self.alloc.reset();
+        self.cache.clear();
         let (conn, info) = open(&self.address, &self.options)?;
         if info.geometry != self.info.geometry {
             return Err(Error::Protocol(
                 "the region's geometry changed across a restart".into(),
             ));
         }
-        self.retired_stats.add(self.conn.stats());
         self.reconnects += 1;
         self.conn = conn;
         self.info = info;
-        self.alloc.reset();
-        self.cache.clear();
         Ok(())
     }
 
@@ -723,14 +727,13 @@ impl Client {
         let give_up = Instant::now() + (grace * 20).max(Duration::from_secs(2));
         loop {
             match self.conn.call(&Request::Lease { min_len: size })? {
-                Response::Leased(e) => {
-                    self.alloc.add_extent(e);
+                Response::Leased(extents) => {
+                    self.alloc.add_extents(&extents);
                     if let Some(offset) = self.alloc.take(class) {
                         return Ok(offset);
                     }
                     return Err(Error::Protocol(format!(
-                        "leased {} bytes for a {size}-byte block",
-                        e.len
+                        "leased {extents:?}, no room for a {size}-byte block"
                     )));
                 }
                 Response::Error {

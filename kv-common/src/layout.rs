@@ -148,8 +148,11 @@ impl Geometry {
         {
             return bad("heap does not end at the region end");
         }
-        if self.chunk_size < 4096 || self.chunk_size > self.heap_size {
-            return bad("chunk size out of range");
+        if self.chunk_size < 4096
+            || self.chunk_size > self.heap_size
+            || !self.chunk_size.is_multiple_of(4096)
+        {
+            return bad("chunk size out of range or not a multiple of 4096");
         }
         Ok(())
     }

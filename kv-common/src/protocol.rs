@@ -26,7 +26,8 @@ pub enum Request {
         protocol_version: u32,
         secret: Vec<u8>,
     },
-    /// Lease heap space of at least `min_len` bytes (at most a chunk).
+    /// Lease heap space: one or more extents, the first of at least
+    /// `min_len` bytes (at most a chunk).
     Lease {
         min_len: u64,
     },
@@ -120,7 +121,7 @@ impl ServerStats {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Response {
     Connected(ConnectInfo),
-    Leased(Extent),
+    Leased(Vec<Extent>),
     GivenBack,
     Stats(ServerStats),
     Goodbye,

@@ -11,7 +11,7 @@ use kv_common::protocol::{
     ConnectInfo, ErrorKind, Request, Response, ServerStats, PROTOCOL_VERSION,
 };
 use kv_common::transport::shm::SharedRegion;
-use kv_common::transport::ControlPeer;
+use kv_common::transport::{ControlPeer, Fenced};
 
 use crate::heap::{ClientId, HeapPool, LeaseRefusal};
 
@@ -52,6 +52,12 @@ pub struct Shared {
     pub stopping: AtomicBool,
     /// Wakes the reclaimer early (a lease went wanting, a client left).
     pub reclaim: (Mutex<bool>, Condvar),
+    /// Held from a collection's scan to its sweep: two collections whose
+    /// scans overlap could each free space the other's scan saw in use.
+    pub collecting: Mutex<()>,
+    /// Someone asked for stats: refresh the scan's figures (at most once a
+    /// second), so they do not go stale while nothing else scans.
+    pub stats_wanted: AtomicBool,
 }
 
 impl Shared {
@@ -222,9 +228,9 @@ pub fn handle(
                 Err(_) => Err(LeaseRefusal::Full),
             };
             match leased {
-                Ok(extent) => {
-                    tracing::trace!(client = id, ?extent, "leased");
-                    (Response::Leased(extent), After::Stay)
+                Ok(extents) => {
+                    tracing::trace!(client = id, extents = extents.len(), "leased");
+                    (Response::Leased(extents), After::Stay)
                 }
                 Err(LeaseRefusal::Busy) => {
                     shared.wake_reclaimer();
@@ -262,6 +268,8 @@ pub fn handle(
         }
         (Request::Stats, Some(_)) => {
             c.stats_requests.fetch_add(1, Relaxed);
+            shared.stats_wanted.store(true, Relaxed);
+            shared.wake_reclaimer();
             (Response::Stats(shared.stats()), After::Stay)
         }
         (Request::Disconnect, Some(id)) => {
@@ -283,10 +291,10 @@ pub fn end_session(
     let Some(id) = session.client else {
         return;
     };
-    peer.fence();
-    // A client that said goodbye has no verb in flight; any other may have
-    // one, which lands within a grace period of the fence.
-    let eligible = if said_goodbye {
+    let fenced = peer.fence();
+    // A client that said goodbye, or whose process has exited, has no verb
+    // in flight; any other may have one, which lands within a grace period.
+    let eligible = if said_goodbye || fenced == Fenced::Exited {
         Instant::now()
     } else {
         Instant::now() + shared.grace()

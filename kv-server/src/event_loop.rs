@@ -45,6 +45,10 @@ pub struct EventLoop {
     poller: Arc<Poller>,
     incoming: Receiver<Box<dyn ControlPeer>>,
     channels: HashMap<usize, Channel>,
+    /// Channels cut short by the fairness limit: served again next turn
+    /// whether or not their descriptors signal (an rdma channel is only
+    /// re-armed once it has been drained).
+    unfinished: Vec<usize>,
     next_id: usize,
     max_channels: usize,
     timeouts: Timeouts,
@@ -63,6 +67,7 @@ impl EventLoop {
             poller,
             incoming,
             channels: HashMap::new(),
+            unfinished: Vec::new(),
             next_id: 0,
             max_channels,
             timeouts,
@@ -75,7 +80,12 @@ impl EventLoop {
         let mut last_sweep = Instant::now();
         loop {
             events.clear();
-            if let Err(e) = self.poller.wait(&mut events, Some(TICK)) {
+            let wait = if self.unfinished.is_empty() {
+                TICK
+            } else {
+                Duration::ZERO
+            };
+            if let Err(e) = self.poller.wait(&mut events, Some(wait)) {
                 if e.kind() != std::io::ErrorKind::Interrupted {
                     tracing::error!("control event loop: {e}");
                     std::thread::sleep(Duration::from_millis(10));
@@ -87,7 +97,10 @@ impl EventLoop {
             while let Ok(peer) = self.incoming.try_recv() {
                 self.add(peer);
             }
-            let ready: Vec<usize> = events.iter().map(|e| e.key / 2).collect();
+            let mut ready: Vec<usize> = events.iter().map(|e| e.key / 2).collect();
+            ready.append(&mut self.unfinished);
+            ready.sort_unstable();
+            ready.dedup();
             for id in ready {
                 self.service(id);
             }
@@ -147,6 +160,10 @@ impl EventLoop {
             },
         );
         self.shared.counters.connections.fetch_add(1, Relaxed);
+        // A request may have arrived before its descriptor could signal it
+        // (over rdma, a receive that completed before the queue was armed
+        // raises no event): look once now.
+        self.service(id);
     }
 
     /// Answers what a channel has sent, up to FAIRNESS requests.
@@ -157,10 +174,14 @@ impl EventLoop {
             return;
         };
         let mut close: Option<bool> = None;
+        let mut drained = false;
         for _ in 0..FAIRNESS {
             let bytes = match ch.peer.try_recv() {
                 Ok(Received::Message(b)) => b,
-                Ok(Received::Nothing) => break,
+                Ok(Received::Nothing) => {
+                    drained = true;
+                    break;
+                }
                 Ok(Received::Closed) => {
                     close = Some(false);
                     break;
@@ -217,6 +238,8 @@ impl EventLoop {
         }
         if let Some(goodbye) = close {
             self.close(id, goodbye);
+        } else if !drained {
+            self.unfinished.push(id);
         }
     }
 

@@ -33,7 +33,7 @@
 //! only for space leased to that client, all of one message or none of it,
 //! and each client holds a bounded number of extents.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::time::Instant;
 
 use kv_common::protocol::Extent;
@@ -42,8 +42,13 @@ use crate::units::{UnitMap, UNIT};
 
 pub type ClientId = u64;
 
-/// Most extents one client may hold at once (an honest one holds one or two).
-pub const MAX_CLIENT_EXTENTS: usize = 256;
+/// Most extents one lease hands out: when free space is fragmented (a
+/// collection frees the holes between live blocks), a lease gathers up to a
+/// chunk's worth of holes in one reply instead of one hole per round trip.
+pub const MAX_LEASE_EXTENTS: usize = 1024;
+/// Most extents one client may hold at once (an honest one holds one lease's
+/// worth: it gives everything back before leasing again).
+pub const MAX_CLIENT_EXTENTS: usize = 4 * MAX_LEASE_EXTENTS;
 
 /// How much a collection is wanted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -75,6 +80,9 @@ struct Retired {
     extent: Extent,
     /// A collection that starts after this may reclaim it.
     eligible: Instant,
+    /// Left by a departed client (its space is worth a prompt collection),
+    /// rather than given back by a live one.
+    departed: bool,
 }
 
 pub struct HeapPool {
@@ -83,6 +91,8 @@ pub struct HeapPool {
     chunk: u64,
     /// offset → length, never overlapping or touching (touching ones merge).
     free: BTreeMap<u64, u64>,
+    /// The same extents as (length, offset), for best fit.
+    free_by_size: BTreeSet<(u64, u64)>,
     free_bytes: u64,
     /// (leasable from, extent), in the order they were found.
     aging: VecDeque<(Instant, Extent)>,
@@ -106,6 +116,7 @@ impl HeapPool {
             end,
             chunk,
             free: BTreeMap::new(),
+            free_by_size: BTreeSet::new(),
             free_bytes: 0,
             aging: VecDeque::new(),
             aging_bytes: 0,
@@ -117,24 +128,27 @@ impl HeapPool {
         }
     }
 
-    /// Leases space of at least `min_len` bytes to `client`: a whole chunk
-    /// while space is plentiful, less as it runs short (so that clients
-    /// share what is left instead of one holding it all).
-    pub fn lease(&mut self, client: ClientId, min_len: u64) -> Result<Extent, LeaseRefusal> {
+    /// Leases space to `client`: about a chunk while space is plentiful,
+    /// less as it runs short (so that clients share what is left instead of
+    /// one holding it all). The first extent holds at least `min_len`; when
+    /// no single extent holds the whole share, more are added (holes a
+    /// collection freed), lowest offsets first.
+    pub fn lease(&mut self, client: ClientId, min_len: u64) -> Result<Vec<Extent>, LeaseRefusal> {
         self.mature(Instant::now());
-        if self.extents_held.get(&client).copied().unwrap_or(0) >= MAX_CLIENT_EXTENTS {
+        let held = self.extents_held.get(&client).copied().unwrap_or(0);
+        if held >= MAX_CLIENT_EXTENTS {
             return Err(LeaseRefusal::TooManyExtents);
         }
         let min_len = min_len.next_multiple_of(UNIT);
         let share = (self.free_bytes / 4).next_multiple_of(4096);
         let want = self.chunk.min(share).max(min_len);
-        let found = self
-            .free
-            .iter()
-            .find(|(_, &len)| len >= want)
-            .or_else(|| self.free.iter().find(|(_, &len)| len >= min_len))
-            .map(|(&offset, &len)| (offset, len));
-        let Some((offset, len)) = found else {
+        // Best fit: the smallest extent that holds the whole share.
+        if let Some(&(_, offset)) = self.free_by_size.range((want, 0)..).next() {
+            let e = self.take_free(offset, want);
+            self.add_lease(e.offset, e.len, client);
+            return Ok(vec![e]);
+        }
+        let Some(&(len, offset)) = self.free_by_size.range((min_len, 0)..).next() else {
             self.wanted_since.get_or_insert(Instant::now());
             return Err(if self.aging.is_empty() && self.retired.is_empty() {
                 LeaseRefusal::Full
@@ -142,14 +156,33 @@ impl HeapPool {
                 LeaseRefusal::Busy
             });
         };
-        self.free.remove(&offset);
-        let take = len.min(want);
-        if take < len {
-            self.free.insert(offset + take, len - take);
+        let mut out = vec![self.take_free(offset, len)];
+        let mut total = len;
+        while total < want && out.len() < MAX_LEASE_EXTENTS.min(MAX_CLIENT_EXTENTS - held) {
+            let Some((&offset, &len)) = self.free.iter().next() else {
+                break;
+            };
+            out.push(self.take_free(offset, len));
+            total += len;
+        }
+        for e in &out {
+            self.add_lease(e.offset, e.len, client);
+        }
+        Ok(out)
+    }
+
+    /// Removes `[offset, offset + len)` from the front of the free extent
+    /// that starts at `offset`.
+    fn take_free(&mut self, offset: u64, len: u64) -> Extent {
+        let whole = self.free.remove(&offset).unwrap_or(0);
+        self.free_by_size.remove(&(whole, offset));
+        let take = len.min(whole);
+        if take < whole {
+            self.free.insert(offset + take, whole - take);
+            self.free_by_size.insert((whole - take, offset + take));
         }
         self.free_bytes -= take;
-        self.add_lease(offset, take, client);
-        Ok(Extent { offset, len: take })
+        Extent { offset, len: take }
     }
 
     /// Takes back space `client` will not write into again. Each extent must
@@ -198,6 +231,7 @@ impl HeapPool {
             self.retired.push(Retired {
                 extent: e,
                 eligible: now,
+                departed: false,
             });
         }
         Ok(())
@@ -218,6 +252,7 @@ impl HeapPool {
             self.retired.push(Retired {
                 extent: e,
                 eligible,
+                departed: true,
             });
         }
         self.extents_held.remove(&client);
@@ -256,12 +291,14 @@ impl HeapPool {
         freed
     }
 
-    /// Whether a collection would help: now, when a lease went wanting or
-    /// retired space is eligible; soon, when free space is merely low.
+    /// Whether a collection would help: now, when a lease went wanting or a
+    /// departed client's space has settled; soon, when free space runs low
+    /// (collecting before it runs out keeps writers from waiting).
     pub fn need(&self, now: Instant) -> Need {
-        if self.wanted_since.is_some() || self.retired.iter().any(|r| r.eligible <= now) {
+        let departed_settled = self.retired.iter().any(|r| r.departed && r.eligible <= now);
+        if self.wanted_since.is_some() || departed_settled {
             Need::Now
-        } else if self.free_bytes + self.aging_bytes < (self.end - self.start) / 8 {
+        } else if self.free_bytes + self.aging_bytes < (self.end - self.start) / 4 {
             Need::Soon
         } else {
             Need::No
@@ -327,14 +364,17 @@ impl HeapPool {
         if let Some((&o, &l)) = self.free.range(..offset).next_back() {
             if o + l == offset {
                 self.free.remove(&o);
+                self.free_by_size.remove(&(l, o));
                 offset = o;
             }
         }
         if let Some(&l) = self.free.get(&end) {
             self.free.remove(&end);
+            self.free_by_size.remove(&(l, end));
             end += l;
         }
         self.free.insert(offset, end - offset);
+        self.free_by_size.insert((end - offset, offset));
     }
 }
 
@@ -350,39 +390,67 @@ mod tests {
     /// A pool over [0, len) whose first collection found `live` in use.
     fn pool(len: u64, chunk: u64, live: &[Extent]) -> HeapPool {
         let mut p = HeapPool::new(0, len, chunk);
-        let mut map = UnitMap::new(0, len);
-        for e in live {
-            map.mark(e.offset, e.len);
-        }
         let now = Instant::now();
-        p.collect(now, map, now);
+        p.collect(now, map(len, live), now);
         p
     }
 
-    /// A collection whose freed space ages for `grace`.
-    fn collect(p: &mut HeapPool, grace: Duration, live: &[Extent]) -> u64 {
-        let mut map = UnitMap::new(p.start, p.end);
+    fn map(len: u64, live: &[Extent]) -> UnitMap {
+        let mut m = UnitMap::new(0, len);
         for e in live {
-            map.mark(e.offset, e.len);
+            m.mark(e.offset, e.len);
         }
-        let now = Instant::now();
-        p.collect(now, map, now + grace)
+        m
     }
+
+    /// A lease that must be granted as one extent.
+    fn lease1(p: &mut HeapPool, client: ClientId, min_len: u64) -> Extent {
+        let got = p.lease(client, min_len).unwrap();
+        assert_eq!(got.len(), 1, "{got:?}");
+        got[0]
+    }
+
+    /// A collection at `at` whose freed space is leasable at once.
+    fn collect_at(p: &mut HeapPool, at: Instant, live: &[Extent]) -> u64 {
+        p.collect(at, map(p.end, live), at)
+    }
+
+    const HOUR: Duration = Duration::from_secs(3600);
 
     #[test]
     fn leases_chunks_then_shares_what_is_left() {
         let mut p = pool(64 << 10, 4096, &[]);
-        assert_eq!(p.lease(1, 64), Ok(ext(0, 4096)));
+        assert_eq!(p.lease(1, 64), Ok(vec![ext(0, 4096)]));
         // Plenty left: whole chunks.
-        assert_eq!(p.lease(2, 64).unwrap().len, 4096);
+        assert_eq!(lease1(&mut p, 2, 64).len, 4096);
         let mut got = 8192;
-        while let Ok(e) = p.lease(3, 64) {
-            assert!(e.len <= 4096);
-            got += e.len;
+        while let Ok(es) = p.lease(3, 64) {
+            for e in es {
+                assert!(e.len <= 4096);
+                got += e.len;
+            }
         }
         assert_eq!(got, 64 << 10, "space left unleased");
         assert_eq!(p.lease(4, 64), Err(LeaseRefusal::Full));
         assert_eq!(p.free_bytes(), 0);
+    }
+
+    #[test]
+    fn fragmented_space_is_leased_as_many_holes_at_once() {
+        // Live 64-byte blocks every 256 bytes: free space is 192-byte holes.
+        let live: Vec<Extent> = (0..1024).map(|i| ext(i * 256, 64)).collect();
+        let mut p = pool(256 << 10, 64 << 10, &live);
+        let got = p.lease(1, 128).unwrap();
+        assert!(got.len() > 1 && got.len() <= MAX_LEASE_EXTENTS);
+        assert!(got[0].len >= 128);
+        let total: u64 = got.iter().map(|e| e.len).sum();
+        assert!(
+            total >= 16 << 10,
+            "only {total} bytes in {} holes",
+            got.len()
+        );
+        // A block bigger than every hole: no space, however much is free.
+        assert_eq!(p.lease(1, 256), Err(LeaseRefusal::Full));
     }
 
     #[test]
@@ -397,8 +465,8 @@ mod tests {
     #[test]
     fn refuses_give_backs_of_space_the_client_does_not_hold() {
         let mut p = pool(64 << 10, 4096, &[]);
-        let a = p.lease(1, 64).unwrap();
-        let b = p.lease(2, 64).unwrap();
+        let a = lease1(&mut p, 1, 64);
+        let b = lease1(&mut p, 2, 64);
         // Another client's lease, free space, outside the heap, the same
         // extent twice, overlapping extents, an empty one: all refused.
         assert!(p.give_back(1, &[b]).is_err());
@@ -421,86 +489,81 @@ mod tests {
 
     #[test]
     fn a_flood_of_splitting_give_backs_is_bounded() {
-        let mut p = pool(1 << 20, 1 << 20, &[]);
-        let a = p.lease(1, 64).unwrap();
+        let mut p = pool(4 << 20, 4 << 20, &[]);
+        let a = lease1(&mut p, 1, 64);
         // Every other unit: each splits the lease once more.
-        let mut refused = false;
-        for i in 0..2000u64 {
-            let e = ext(a.offset + 64 + i * 128, 64);
-            if p.give_back(1, &[e]).is_err() {
-                refused = true;
-                break;
-            }
-        }
+        let refused = (0..a.len / 128 - 1)
+            .map(|i| ext(a.offset + 64 + i * 128, 64))
+            .any(|e| p.give_back(1, &[e]).is_err());
         assert!(refused, "a client split its space without bound");
         assert!(p.leases.len() <= MAX_CLIENT_EXTENTS + 1);
     }
 
     #[test]
     fn collection_frees_unreferenced_retired_space_after_grace() {
-        let grace = Duration::from_millis(30);
         let mut p = pool(64 << 10, 4096, &[]);
-        let a = p.lease(1, 64).unwrap();
+        let a = lease1(&mut p, 1, 64);
         p.give_back(1, &[a]).unwrap();
         let before = p.free_bytes();
-        // One block of the extent is still referenced by the index.
-        let freed = collect(&mut p, grace, &[ext(a.offset + 128, 64)]);
+        // One block of the extent is still referenced by the index; what is
+        // freed ages for an hour (the grace period, here).
+        let now = Instant::now() + Duration::from_millis(1);
+        let freed = p.collect(now, map(64 << 10, &[ext(a.offset + 128, 64)]), now + HOUR);
         assert_eq!(freed, a.len - 64);
         assert_eq!(p.free_bytes(), before + a.len - 64);
-        // Aging: not leasable before the grace period has passed.
         let free_now = p.free_bytes;
-        std::thread::sleep(grace + Duration::from_millis(10));
-        p.mature(Instant::now());
+        p.mature(now + HOUR / 2);
+        assert_eq!(p.free_bytes, free_now, "leasable before its grace period");
+        p.mature(now + HOUR);
         assert_eq!(p.free_bytes, free_now + a.len - 64);
         // Once the block is unlinked, the next collection gets it too.
-        assert_eq!(collect(&mut p, grace, &[]), 64);
+        assert_eq!(collect_at(&mut p, now + HOUR, &[]), 64);
     }
 
     #[test]
-    fn a_departed_clients_space_waits_a_grace_period_then_comes_back() {
-        let grace = Duration::from_millis(40);
+    fn a_departed_clients_space_waits_until_its_fence_settled() {
         let mut p = pool(64 << 10, 4096, &[]);
         let total = p.free_bytes();
-        let a = p.lease(7, 64).unwrap();
-        p.depart(7, Instant::now() + grace);
+        let a = lease1(&mut p, 7, 64);
+        let fenced = Instant::now();
+        p.depart(7, fenced + HOUR);
         assert_eq!(p.leased_bytes(), 0);
+        assert_eq!(p.need(fenced), Need::No);
         assert_eq!(
-            collect(&mut p, grace, &[]),
+            collect_at(&mut p, fenced, &[]),
             0,
             "reclaimed before the fence settled"
         );
-        std::thread::sleep(grace + Duration::from_millis(10));
-        assert_eq!(p.need(Instant::now()), Need::Now);
-        assert_eq!(collect(&mut p, grace, &[ext(a.offset, 64)]), a.len - 64);
+        assert_eq!(p.need(fenced + HOUR), Need::Now);
+        let freed = collect_at(&mut p, fenced + HOUR, &[ext(a.offset, 64)]);
+        assert_eq!(freed, a.len - 64);
         assert_eq!(p.free_bytes(), total - 64);
     }
 
     #[test]
     fn space_retired_during_a_scan_is_left_for_the_next_collection() {
-        let grace = Duration::ZERO;
         let mut p = pool(64 << 10, 4096, &[]);
-        let a = p.lease(1, 64).unwrap();
+        let a = lease1(&mut p, 1, 64);
         let scan_started = Instant::now();
-        std::thread::sleep(Duration::from_millis(2));
-        // Given back while the scan ran: blocks published into it just
-        // before may have been missed by the scan.
+        // Given back while the scan ran (after it started): blocks
+        // published into it just before may have been missed by the scan.
         p.give_back(1, &[a]).unwrap();
-        let map = UnitMap::new(0, 64 << 10);
-        assert_eq!(p.collect(scan_started, map, Instant::now()), 0);
-        assert_eq!(collect(&mut p, grace, &[]), a.len);
+        let before = scan_started - Duration::from_millis(1);
+        assert_eq!(collect_at(&mut p, before, &[]), 0);
+        assert_eq!(collect_at(&mut p, Instant::now() + HOUR, &[]), a.len);
     }
 
     #[test]
     fn a_failed_lease_is_busy_while_space_is_being_reclaimed() {
-        let grace = Duration::from_secs(60);
         let mut p = pool(8192, 4096, &[]);
-        let a = p.lease(1, 4096).unwrap();
-        let _b = p.lease(1, 4096).unwrap();
+        let a = lease1(&mut p, 1, 4096);
+        let _b = lease1(&mut p, 1, 4096);
         p.give_back(1, &[a]).unwrap();
         assert_eq!(p.lease(2, 64), Err(LeaseRefusal::Busy));
         assert_eq!(p.need(Instant::now()), Need::Now);
-        collect(&mut p, grace, &[]);
-        // Aging for a minute: still busy, not full.
+        let now = Instant::now() + Duration::from_millis(1);
+        p.collect(now, map(8192, &[]), now + HOUR);
+        // Aging for an hour: still busy, not full.
         assert_eq!(p.lease(2, 64), Err(LeaseRefusal::Busy));
         let mut q = pool(4096, 4096, &[]);
         q.lease(1, 64).unwrap();

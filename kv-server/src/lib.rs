@@ -185,6 +185,8 @@ impl Server {
             next_client: AtomicU64::new(1),
             stopping: AtomicBool::new(false),
             reclaim: (Mutex::new(false), Condvar::new()),
+            collecting: Mutex::new(()),
+            stats_wanted: AtomicBool::new(false),
         });
         let poller = Arc::new(Poller::new().map_err(TransportError::Io)?);
         let (to_loop, incoming) = mpsc::channel();
@@ -246,7 +248,7 @@ impl Server {
     /// Scans the index and reclaims unreferenced space now (what the
     /// reclaimer does when space runs short), so that `stats` is exact.
     pub fn collect_now(&self) {
-        reclaim::collect(&self.shared, Instant::now());
+        reclaim::collect(&self.shared);
     }
 
     /// How many index slots hold `key` (see [`region::slots_of`]).

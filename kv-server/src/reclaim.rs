@@ -45,28 +45,39 @@ pub fn run(shared: Arc<Shared>) {
             }
             Err(_) => return,
         };
+        let took = last_scan.map_or(Duration::ZERO, |(_, took)| took);
+        let stats_due = shared.stats_wanted.swap(false, Relaxed);
         // Back-to-back scans would only burn CPU: leave a gap of a few
-        // scans' time, and a second when space is merely low.
+        // scans' time when space is wanted now, more when it merely runs
+        // low, and a second for fresh stats.
         let gap = match need {
-            Need::Now => last_scan.map_or(Duration::ZERO, |(_, took)| took * 4),
-            Need::Soon => Duration::from_secs(1),
+            Need::Now => took * 4,
+            Need::Soon => (took * 8).max(grace),
+            Need::No if stats_due => Duration::from_secs(1),
             Need::No => {
                 control::account_cpu(&shared.counters, &mut cpu_mark);
                 continue;
             }
         };
         if last_scan.is_some_and(|(at, _)| at.elapsed() < gap) {
+            if stats_due {
+                shared.stats_wanted.store(true, Relaxed);
+            }
             continue;
         }
         let started = Instant::now();
-        collect(&shared, started);
+        collect(&shared);
         last_scan = Some((started, started.elapsed()));
         control::account_cpu(&shared.counters, &mut cpu_mark);
     }
 }
 
 /// One collection: scan the index, then free what nothing holds.
-pub fn collect(shared: &Shared, started: Instant) {
+pub fn collect(shared: &Shared) {
+    let Ok(_one_at_a_time) = shared.collecting.lock() else {
+        return;
+    };
+    let started = Instant::now();
     let scan = match region::scan_index(&shared.region, &shared.geometry) {
         Ok(s) => s,
         Err(e) => {

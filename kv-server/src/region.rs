@@ -8,7 +8,8 @@ use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::Path;
 
 use kv_common::layout::{
-    decode_block, Geometry, KeyHash, Slot, SlotPos, BUCKET_BYTES, SLOTS_PER_BUCKET,
+    decode_block, Geometry, KeyHash, Slot, SlotPos, BUCKET_BYTES, HEADER_SIZE, KEY_TABLE_ENTRIES,
+    KEY_TABLE_OFFSET, SLOTS_PER_BUCKET,
 };
 use kv_common::transport::shm::SharedRegion;
 use kv_common::transport::TransportError;
@@ -24,6 +25,10 @@ pub struct OpenedRegion {
     /// a second server on the same file, through any path, is refused.
     pub lock: File,
 }
+
+/// How long `check --repair` waits after revoking every client key, for
+/// verbs under way to land (longer than any server's grace period).
+const REPAIR_SETTLE: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Permission bits of a new region file: the owner only, or its group too.
 pub fn file_mode(group_access: bool) -> u32 {
@@ -57,7 +62,7 @@ pub fn open_or_create(
         .map_err(|e| region_error(path, e))?;
     lock_exclusive(&file, path)?;
     let len = file.metadata().map_err(|e| region_error(path, e))?.len();
-    if len == 0 {
+    if len == 0 || unfinished_create(&file) {
         return create(file, path, geometry, mode);
     }
     let region = SharedRegion::from_file(&file, path).map_err(|e| region_error(path, e))?;
@@ -89,6 +94,14 @@ pub fn open_or_create(
     })
 }
 
+/// A file whose whole first page is zero: a create that died between
+/// sizing the file and writing the header (nothing else writes page 0).
+fn unfinished_create(file: &File) -> bool {
+    use std::os::unix::fs::FileExt;
+    let mut page = vec![0u8; HEADER_SIZE as usize];
+    file.read_exact_at(&mut page, 0).is_ok() && page.iter().all(|&b| b == 0)
+}
+
 fn create(
     file: File,
     path: &Path,
@@ -101,8 +114,10 @@ fn create(
     let len = geometry.region_len;
     // Allocate every page now: a region larger than its file system fails
     // here with a clear error, not later with SIGBUS in a client.
+    file.set_len(0).map_err(|e| region_error(path, e))?;
     let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) };
     if rc != 0 {
+        // Ours to remove: it was empty (or an unfinished create) and we hold its lock.
         let _ = std::fs::remove_file(path);
         let e = std::io::Error::from_raw_os_error(rc);
         return Err(region_error(
@@ -176,6 +191,7 @@ pub fn scan_index(region: &SharedRegion, g: &Geometry) -> Result<IndexScan, Tran
         live_bytes: 0,
         corrupt_slots: 0,
     };
+    let mut first_corrupt = None;
     for_each_slot(region, g, |pos, slot| match g.block_span(slot) {
         Some((offset, len)) => {
             scan.live.mark(offset, len as u64);
@@ -184,14 +200,19 @@ pub fn scan_index(region: &SharedRegion, g: &Geometry) -> Result<IndexScan, Tran
         }
         None => {
             scan.corrupt_slots += 1;
-            tracing::warn!(
-                bucket = pos.bucket,
-                index = pos.index,
-                slot = format!("{:#x}", slot.0),
-                "slot cannot point at a block; its space is not protected"
-            );
+            first_corrupt.get_or_insert((pos, slot));
         }
     })?;
+    if let Some((pos, slot)) = first_corrupt {
+        // One line per scan, however many: damage must not flood the log.
+        tracing::warn!(
+            corrupt_slots = scan.corrupt_slots,
+            first_bucket = pos.bucket,
+            first_index = pos.index,
+            first_slot = format!("{:#x}", slot.0),
+            "slots that cannot point at a block (`kv-server check --repair` unlinks them)"
+        );
+    }
     Ok(scan)
 }
 
@@ -302,18 +323,35 @@ pub fn check(path: &Path, repair: bool) -> Result<CheckReport, ServerError> {
         }
     })
     .map_err(|e| region_error(path, e))?;
+    // Sorted by offset, a block overlaps an earlier one iff it starts before
+    // the furthest end seen so far (not only the previous block's end).
     spans.sort_by_key(|s| s.0);
-    for pair in spans.windows(2) {
-        let (a, b) = (pair[0], pair[1]);
-        if a.0 + a.1 > b.0 {
-            report.damaged.push(Damage {
-                pos: b.2,
-                slot: b.3,
-                what: format!("block overlaps the block of slot {:?}", a.2),
-            });
+    let mut furthest: Option<(u64, SlotPos)> = None;
+    for &(offset, len, pos, slot) in &spans {
+        match furthest {
+            Some((end, owner)) if offset < end => report.damaged.push(Damage {
+                pos,
+                slot,
+                what: format!(
+                    "block overlaps the block of bucket {} slot {}",
+                    owner.bucket, owner.index
+                ),
+            }),
+            _ => {}
+        }
+        if furthest.is_none_or(|(end, _)| offset + len > end) {
+            furthest = Some((offset + len, pos));
         }
     }
     if repair {
+        // Clients of a server that died still hold valid keys: revoke them
+        // and let their verbs in flight land before touching any slot.
+        for i in 0..KEY_TABLE_ENTRIES {
+            region
+                .store(KEY_TABLE_OFFSET + i * 8, 0)
+                .map_err(|e| region_error(path, e))?;
+        }
+        std::thread::sleep(REPAIR_SETTLE);
         for d in &report.damaged {
             // Offline and locked: no client can CAS this slot meanwhile.
             if region.store(g.slot_offset(d.pos), 0).is_ok() {

@@ -241,7 +241,14 @@ pub fn control_call<S: std::io::Read + std::io::Write>(
     Some(protocol::decode(&reply).expect("the server's reply decodes"))
 }
 
-/// Threads of this process.
-pub fn thread_count() -> usize {
-    std::fs::read_dir("/proc/self/task").map_or(0, |d| d.count())
+/// Threads of this process whose name starts with `prefix` (the server's
+/// are all named `kv-…`), so that other tests' threads do not count.
+pub fn threads_named(prefix: &str) -> usize {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return 0;
+    };
+    tasks
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|name| name.starts_with(prefix))
+        .count()
 }

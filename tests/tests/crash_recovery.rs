@@ -223,7 +223,11 @@ fn clients_killed_mid_operation_lose_nothing_and_leak_nothing() {
     std::thread::sleep(config.grace() * 3);
     server.collect_now();
     let running = server.stats();
-    assert_eq!(running.departures, kills, "{running:?}");
+    // Every churn process that got connected before its kill departed (on
+    // a slow machine some are killed before they connect).
+    assert_eq!(running.clients_connected, 0, "{running:?}");
+    assert_eq!(running.departures + running.disconnects, running.connects);
+    assert!(running.departures > 0, "{kills} kills: {running:?}");
     assert_eq!(running.heap_leased, 0, "{running:?}");
     drop(server);
     let reopened = Server::start(config).unwrap();

@@ -157,6 +157,16 @@ pub trait Connection: Send {
     fn stats(&self) -> &VerbStats;
 }
 
+/// What cutting a client off established.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fenced {
+    /// The client's process has exited: nothing it started can still land.
+    Exited,
+    /// Its access is revoked; a verb it had already begun may still land,
+    /// within the grace period.
+    Revoked,
+}
+
 /// What a non-blocking receive found.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Received {
@@ -166,6 +176,39 @@ pub enum Received {
     Nothing,
     /// The client has gone.
     Closed,
+}
+
+/// A connection that has been closed: every call fails as disconnected (a
+/// client holds one between losing its connection and making a new one).
+pub struct Closed;
+
+impl Connection for Closed {
+    fn call(&mut self, _: &Request) -> Result<Response, TransportError> {
+        Err(TransportError::Disconnected("connection closed".into()))
+    }
+    fn attach(&mut self, _: &RemoteRegion, _: usize) -> Result<(), TransportError> {
+        Err(TransportError::Disconnected("connection closed".into()))
+    }
+    fn local(&self) -> &[u8] {
+        &[]
+    }
+    fn local_mut(&mut self) -> &mut [u8] {
+        &mut []
+    }
+    fn post(&mut self, _: &[Verb]) -> Result<(), TransportError> {
+        Err(TransportError::Disconnected("connection closed".into()))
+    }
+    fn stats(&self) -> &VerbStats {
+        const NONE: VerbStats = VerbStats {
+            round_trips: 0,
+            verbs: 0,
+            bytes_read: 0,
+            bytes_written: 0,
+            atomics: 0,
+            cas_failures: 0,
+        };
+        &NONE
+    }
 }
 
 /// The server's end of one client's control channel. It is driven by one
@@ -183,7 +226,7 @@ pub trait ControlPeer: Send {
     fn admit(&mut self) -> Result<RemoteRegion, TransportError>;
     /// Cuts this client off the data path: from now on its verbs fail. Done
     /// before any space it held is reused.
-    fn fence(&mut self);
+    fn fence(&mut self) -> Fenced;
 }
 
 /// The server's side of a backend: it registers the region and accepts

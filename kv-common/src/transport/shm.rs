@@ -15,7 +15,7 @@
 //! server are cut off before the new one looks at the index.
 
 use std::fs::{File, OpenOptions};
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
@@ -25,8 +25,8 @@ use std::time::Duration;
 use memmap2::MmapRaw;
 
 use super::{
-    frame_call, write_frame, Connection, ControlListener, ControlPeer, FrameReader, Received,
-    RemoteRegion, TransportError, Verb, VerbStats,
+    frame_call, write_frame, Connection, ControlListener, ControlPeer, Fenced, FrameReader,
+    Received, RemoteRegion, TransportError, Verb, VerbStats,
 };
 use crate::layout::{KEY_TABLE_ENTRIES, KEY_TABLE_OFFSET};
 use crate::protocol::{Request, Response};
@@ -482,11 +482,13 @@ impl ControlListener for ShmListener {
         let keys = self.keys.clone().ok_or(TransportError::NotAttached)?;
         let (stream, _) = self.listener.accept()?;
         stream.set_nonblocking(true)?;
+        let process = peer_process(&stream);
         Ok(Box::new(ShmPeer {
             stream,
             reader: FrameReader::default(),
             keys,
             slot: None,
+            process,
         }))
     }
 
@@ -507,6 +509,48 @@ pub struct ShmPeer {
     keys: Arc<KeyTable>,
     /// The key-table entry of an admitted client.
     slot: Option<u32>,
+    /// A pidfd of the client's process (it maps the region itself), which
+    /// becomes readable when that process has exited.
+    process: Option<OwnedFd>,
+}
+
+/// A pidfd for the process at the other end of `stream`, where the kernel
+/// can tell (SO_PEERCRED, pidfd_open: Linux 5.3 and later).
+fn peer_process(stream: &UnixStream) -> Option<OwnedFd> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `cred`, ours.
+    let rc = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 || cred.pid <= 0 {
+        return None;
+    }
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, cred.pid, 0) };
+    // SAFETY: a non-negative result is a descriptor that we now own.
+    (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+/// Whether the process behind a pidfd has exited.
+fn has_exited(pidfd: &OwnedFd) -> bool {
+    let mut p = libc::pollfd {
+        fd: pidfd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, no waiting.
+    unsafe { libc::poll(&mut p, 1, 0) == 1 && p.revents & libc::POLLIN != 0 }
 }
 
 impl ControlPeer for ShmPeer {
@@ -535,9 +579,15 @@ impl ControlPeer for ShmPeer {
         Ok(remote)
     }
 
-    fn fence(&mut self) {
+    fn fence(&mut self) -> Fenced {
         if let Some(slot) = self.slot.take() {
             self.keys.fence(slot);
+        }
+        // A live process may be between its key check and its stores (a
+        // check-then-act no key can close); a dead one stores nothing more.
+        match &self.process {
+            Some(p) if has_exited(p) => Fenced::Exited,
+            _ => Fenced::Revoked,
         }
     }
 }

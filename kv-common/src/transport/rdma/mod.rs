@@ -22,8 +22,8 @@ use std::time::{Duration, Instant};
 use verbs::{Completion, Cq, Device, Endpoint, Mr, Op, Pd, Qp, SendWr, LOCAL_ONLY, REMOTE_ALL};
 
 use super::{
-    read_frame, write_frame, Connection, ControlListener, ControlPeer, Received, RemoteRegion,
-    TransportError, Verb, VerbStats,
+    read_frame, write_frame, Connection, ControlListener, ControlPeer, Fenced, Received,
+    RemoteRegion, TransportError, Verb, VerbStats,
 };
 use crate::protocol::{self, Request, Response, MAX_MESSAGE};
 use crate::transport::shm::SharedRegion;
@@ -36,6 +36,8 @@ const SEND_WR_ID: u64 = u64::MAX;
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Longest wait for the device to complete a batch.
 const COMPLETION_TIMEOUT: Duration = Duration::from_secs(30);
+/// Longest the server waits for a client to take one reply.
+const PEER_SEND_TIMEOUT: Duration = Duration::from_secs(2);
 
 fn open_device() -> Result<Arc<Device>, TransportError> {
     let name = std::env::var("ONEKV_RDMA_DEVICE").ok();
@@ -135,14 +137,15 @@ impl Channel {
         Err(e)
     }
 
-    /// Posts work requests and busy-waits for all their completions.
-    fn run(&mut self, wrs: &[SendWr]) -> Result<(), TransportError> {
+    /// Posts work requests and busy-waits for all their completions, for at
+    /// most `limit`.
+    fn run(&mut self, wrs: &[SendWr], limit: Duration) -> Result<(), TransportError> {
         self.check()?;
         if let Err(e) = self.qp.post_send(wrs) {
             return self.fail(TransportError::Io(e));
         }
         let mut done = Vec::with_capacity(wrs.len());
-        let deadline = Instant::now() + COMPLETION_TIMEOUT;
+        let deadline = Instant::now() + limit;
         while done.len() < wrs.len() {
             let missing = wrs.len() - done.len();
             if self.qp.send_cq.poll(&mut done, missing)? == 0 && Instant::now() > deadline {
@@ -158,7 +161,9 @@ impl Channel {
         Ok(())
     }
 
-    fn send(&mut self, bytes: &[u8]) -> Result<(), TransportError> {
+    /// Sends one message; fails (and breaks the channel) if the peer has
+    /// not taken it within `limit`.
+    fn send(&mut self, bytes: &[u8], limit: Duration) -> Result<(), TransportError> {
         if bytes.len() > MAX_MESSAGE {
             return Err(protocol::CodecError::TooLarge(bytes.len()).into());
         }
@@ -170,7 +175,7 @@ impl Channel {
             len: bytes.len() as u32,
             lkey: self.ctrl_send.lkey(),
         };
-        self.run(&[wr])
+        self.run(&[wr], limit)
     }
 
     /// Takes one received message, if there is one, and reposts its buffer.
@@ -300,7 +305,7 @@ impl RdmaConnection {
 impl Connection for RdmaConnection {
     fn call(&mut self, request: &Request) -> Result<Response, TransportError> {
         let bytes = protocol::encode(request)?;
-        self.channel.send(&bytes)?;
+        self.channel.send(&bytes, COMPLETION_TIMEOUT)?;
         let deadline = Instant::now() + self.reply_timeout;
         loop {
             if let Some(reply) = self.channel.take_received()? {
@@ -334,7 +339,7 @@ impl Connection for RdmaConnection {
 
     fn post(&mut self, verbs: &[Verb]) -> Result<(), TransportError> {
         let wrs = self.wrs(verbs)?;
-        self.channel.run(&wrs)?;
+        self.channel.run(&wrs, COMPLETION_TIMEOUT)?;
         let local = self.local.as_ref().map_or(&[][..], Mr::bytes);
         self.stats.record_batch(verbs, local);
         Ok(())
@@ -456,7 +461,9 @@ impl ControlPeer for RdmaPeer {
     }
 
     fn send(&mut self, bytes: &[u8]) -> Result<(), TransportError> {
-        self.channel.send(bytes)
+        // One server thread serves every client: a client that does not
+        // take its reply (no receive posted) is dropped, not waited for.
+        self.channel.send(bytes, PEER_SEND_TIMEOUT)
     }
 
     fn admit(&mut self) -> Result<RemoteRegion, TransportError> {
@@ -467,10 +474,11 @@ impl ControlPeer for RdmaPeer {
             .ok_or(TransportError::NotAttached)
     }
 
-    fn fence(&mut self) {
+    fn fence(&mut self) -> Fenced {
         if let Err(e) = self.channel.qp.set_error() {
             self.channel.broken = Some(format!("fencing failed: {e}"));
         }
+        Fenced::Revoked
     }
 }
 
