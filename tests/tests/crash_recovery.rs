@@ -88,6 +88,10 @@ fn acknowledged_writes_survive_kill_9_of_the_server_under_load() {
         let deadline = Instant::now() + Duration::from_secs(120);
         while steps() < target {
             assert!(
+                !writer.is_finished(),
+                "the writer failed (see its panic above)"
+            );
+            assert!(
                 Instant::now() < deadline,
                 "the writer is stuck at step {}",
                 steps()
