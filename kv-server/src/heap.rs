@@ -105,6 +105,10 @@ pub struct HeapPool {
     /// When a lease last failed for want of space, if no collection began
     /// since.
     wanted_since: Option<Instant>,
+    /// Leases granted since the last collection. New garbage appears only
+    /// where new blocks are written, which takes leased space: with none
+    /// granted, another collection would find nothing new.
+    leases_since_collect: u64,
 }
 
 impl HeapPool {
@@ -125,6 +129,7 @@ impl HeapPool {
             extents_held: HashMap::new(),
             retired: Vec::new(),
             wanted_since: None,
+            leases_since_collect: 0,
         }
     }
 
@@ -144,6 +149,7 @@ impl HeapPool {
         let want = self.chunk.min(share).max(min_len);
         // Best fit: the smallest extent that holds the whole share.
         if let Some(&(_, offset)) = self.free_by_size.range((want, 0)..).next() {
+            self.leases_since_collect += 1;
             let e = self.take_free(offset, want);
             self.add_lease(e.offset, e.len, client);
             return Ok(vec![e]);
@@ -156,6 +162,7 @@ impl HeapPool {
                 LeaseRefusal::Busy
             });
         };
+        self.leases_since_collect += 1;
         let mut out = vec![self.take_free(offset, len)];
         let mut total = len;
         while total < want && out.len() < MAX_LEASE_EXTENTS.min(MAX_CLIENT_EXTENTS - held) {
@@ -287,6 +294,7 @@ impl HeapPool {
         if self.wanted_since.is_some_and(|t| t <= scan_started) {
             self.wanted_since = None;
         }
+        self.leases_since_collect = 0;
         self.mature(now);
         freed
     }
@@ -298,7 +306,9 @@ impl HeapPool {
         let departed_settled = self.retired.iter().any(|r| r.departed && r.eligible <= now);
         if self.wanted_since.is_some() || departed_settled {
             Need::Now
-        } else if self.free_bytes + self.aging_bytes < (self.end - self.start) / 4 {
+        } else if self.leases_since_collect > 0
+            && self.free_bytes + self.aging_bytes < (self.end - self.start) / 4
+        {
             Need::Soon
         } else {
             Need::No
@@ -451,6 +461,18 @@ mod tests {
         );
         // A block bigger than every hole: no space, however much is free.
         assert_eq!(p.lease(1, 256), Err(LeaseRefusal::Full));
+    }
+
+    #[test]
+    fn low_space_asks_for_a_collection_only_after_new_writes() {
+        // 80% live: free space is low, but nothing was written since the
+        // scan, so scanning again would find nothing new.
+        let mut p = pool(64 << 10, 4096, &[ext(0, 52 << 10)]);
+        assert_eq!(p.need(Instant::now()), Need::No);
+        p.lease(1, 64).unwrap();
+        assert_eq!(p.need(Instant::now()), Need::Soon);
+        collect_at(&mut p, Instant::now(), &[ext(0, 52 << 10)]);
+        assert_eq!(p.need(Instant::now()), Need::No);
     }
 
     #[test]

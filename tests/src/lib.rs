@@ -138,10 +138,12 @@ pub fn or_abort<T, E: std::fmt::Display>(result: Result<T, E>, what: &str) -> T 
     }
 }
 
-/// A `kv-server` process, killed if a test ends without stopping it.
+/// A `kv-server` process, killed if a test ends without stopping it. Its
+/// log (stderr) is drained as it comes, so a chatty daemon never blocks.
 pub struct Daemon {
     pub child: Option<Child>,
     pub address: Address,
+    log: Option<std::thread::JoinHandle<Vec<u8>>>,
 }
 
 impl Daemon {
@@ -157,9 +159,18 @@ impl Daemon {
             .stderr(Stdio::piped())
             .spawn()
             .expect("start kv-server");
+        let mut child = child;
+        let log = child.stderr.take().map(|mut stderr| {
+            std::thread::spawn(move || {
+                let mut log = Vec::new();
+                let _ = std::io::Read::read_to_end(&mut stderr, &mut log);
+                log
+            })
+        });
         let daemon = Daemon {
             child: Some(child),
             address: address.clone(),
+            log,
         };
         let deadline = Instant::now() + Duration::from_secs(30);
         while !daemon.listening() {
@@ -191,12 +202,18 @@ impl Daemon {
         }
     }
 
-    /// SIGTERM, and the daemon's output once it has stopped.
-    pub fn terminate(mut self) -> std::process::Output {
-        let child = self.child.take().expect("running daemon");
+    /// SIGTERM; its exit status and log once it has stopped.
+    pub fn terminate(mut self) -> (std::process::ExitStatus, String) {
+        let mut child = self.child.take().expect("running daemon");
         // SAFETY: kill(2) on our own child's pid.
         unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-        child.wait_with_output().expect("daemon exits")
+        let status = child.wait().expect("daemon exits");
+        let log = self
+            .log
+            .take()
+            .and_then(|t| t.join().ok())
+            .unwrap_or_default();
+        (status, String::from_utf8_lossy(&log).into_owned())
     }
 }
 

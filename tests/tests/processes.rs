@@ -64,13 +64,9 @@ fn daemon_and_cli() {
     }
 
     // SIGTERM: clean shutdown, socket removed, region kept.
-    let out = daemon.terminate();
-    assert!(
-        out.status.success(),
-        "kv-server exited with {:?}",
-        out.status
-    );
-    assert!(String::from_utf8_lossy(&out.stderr).contains("stopped"));
+    let (status, log) = daemon.terminate();
+    assert!(status.success(), "kv-server exited with {status:?}");
+    assert!(log.contains("stopped"), "{log}");
     assert!(!Address::shm_socket(&region).exists());
     let down = kv(&region, &["get", "greeting"]);
     assert_eq!(down.status.code(), Some(2));
