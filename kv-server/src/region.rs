@@ -160,14 +160,25 @@ pub fn for_each_slot(
     g: &Geometry,
     mut f: impl FnMut(SlotPos, Slot),
 ) -> Result<(), TransportError> {
-    let mut bucket = [0u64; SLOTS_PER_BUCKET];
-    for b in 0..g.bucket_count {
-        region.read(g.bucket_offset(b), &mut bucket)?;
-        for (index, &w) in bucket.iter().enumerate() {
+    // A thousand buckets per read: one bounds check and one fence per
+    // 64 KiB instead of per bucket.
+    const BATCH: u64 = 1024;
+    let mut words = vec![0u64; (BATCH as usize) * SLOTS_PER_BUCKET];
+    let mut first = 0;
+    while first < g.bucket_count {
+        let n = BATCH.min(g.bucket_count - first);
+        let batch = &mut words[..n as usize * SLOTS_PER_BUCKET];
+        region.read(g.bucket_offset(first), batch)?;
+        for (i, &w) in batch.iter().enumerate() {
             if w != 0 {
-                f(SlotPos { bucket: b, index }, Slot(w));
+                let pos = SlotPos {
+                    bucket: first + (i / SLOTS_PER_BUCKET) as u64,
+                    index: i % SLOTS_PER_BUCKET,
+                };
+                f(pos, Slot(w));
             }
         }
+        first += n;
     }
     Ok(())
 }
