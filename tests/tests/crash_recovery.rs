@@ -63,7 +63,8 @@ fn acknowledged_writes_survive_kill_9_of_the_server_under_load() {
     let dir = region_dir();
     let region = dir.path().join("region");
     let address = test_address(&region);
-    // 64 Ki slots: room for every key this test inserts. Chunks of ~2 MiB:
+    // 128 Ki slots: room for every key this test inserts, over 10 cycles
+    // too (the index takes ~30% before a bucket pair fills). Chunks of ~2 MiB:
     // after a kill the writer keeps writing into its lease for a while (on
     // shm its key stays valid until a new server revokes it), so a restart
     // that looked at the index before revoking would miss those blocks.
@@ -71,7 +72,7 @@ fn acknowledged_writes_survive_kill_9_of_the_server_under_load() {
         "--memory",
         "32MiB",
         "--buckets",
-        "8192",
+        "16384",
         "--op-deadline-ms",
         "20",
     ];
