@@ -27,10 +27,12 @@ use kv_common::transport::{self, read_u64, Connection, Verb, VerbStats};
 use kv_common::Address;
 
 mod alloc;
+mod corrupt;
 mod error;
 mod slot_cache;
 
 use alloc::BlockAllocator;
+use corrupt::CorruptSlot;
 pub use error::Error;
 use slot_cache::SlotCache;
 
@@ -108,46 +110,6 @@ enum Scan {
     Retry(Option<(SlotPos, Slot)>),
     /// Slots holding the key, lowest position first.
     Found(Vec<(SlotPos, Slot)>),
-}
-
-/// Attempts in a row that must meet the same slot value with an invalid
-/// block before the key is reported corrupt.
-const CORRUPT_AFTER: u32 = 3;
-
-/// Tells damage from a race. A block that its slot references, read within
-/// the deadline, cannot be mid-rewrite (space is reused only a grace period
-/// after it was unreferenced), so the same slot value failing validation
-/// on fresh reads of the buckets, again and again, is damage: reported as
-/// [`Error::Corrupt`] after a few attempts instead of spinning until the
-/// attempt limit. A slot that changes in between resets the count.
-#[derive(Default)]
-struct CorruptSlot {
-    last: Option<(SlotPos, Slot)>,
-    times: u32,
-}
-
-impl CorruptSlot {
-    fn saw(&mut self, key: &[u8], suspect: Option<(SlotPos, Slot)>) -> Result<()> {
-        let Some(s) = suspect else {
-            return Ok(());
-        };
-        if self.last == Some(s) {
-            self.times += 1;
-        } else {
-            self.last = Some(s);
-            self.times = 1;
-        }
-        if self.times >= CORRUPT_AFTER {
-            return Err(Error::Corrupt {
-                key: String::from_utf8_lossy(key).into_owned(),
-                bucket: s.0.bucket,
-                slot: s.0.index,
-                offset: s.1.offset(),
-            });
-        }
-        std::thread::yield_now();
-        Ok(())
-    }
 }
 
 impl Client {
