@@ -110,9 +110,11 @@ impl EventLoop {
             }
             control::account_cpu(&self.shared.counters, &mut cpu_mark);
         }
+        // Shutting down: the clients did not leave, the server did; nothing
+        // of theirs is a departure to count or log.
         let ids: Vec<usize> = self.channels.keys().copied().collect();
         for id in ids {
-            self.close(id, false);
+            self.close(id, true);
         }
     }
 
