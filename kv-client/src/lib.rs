@@ -206,7 +206,10 @@ impl Client {
     /// Removes `key`; false if it was not there.
     pub fn delete(&mut self, key: &[u8]) -> Result<bool> {
         self.check_key(key)?;
-        self.redo_on_lost_connection(|c| c.delete_once(key))
+        // Survives a redo: if the first attempt unlinked the key before its
+        // connection was lost, the redo finds nothing but the key was there.
+        let mut unlinked = false;
+        self.redo_on_lost_connection(|c| c.delete_once(key, &mut unlinked))
     }
 
     fn check_key(&self, key: &[u8]) -> Result<()> {
@@ -486,7 +489,7 @@ impl Client {
         Err(Error::Contended(self.options.max_attempts))
     }
 
-    fn delete_once(&mut self, key: &[u8]) -> Result<bool> {
+    fn delete_once(&mut self, key: &[u8], unlinked: &mut bool) -> Result<bool> {
         let kh = KeyHash::new(key, self.info.geometry.bucket_count);
         self.cache.forget(key);
         let mut corrupt = CorruptSlot::default();
@@ -502,12 +505,13 @@ impl Client {
                 Scan::Found(found) => found,
             };
             let Some(&(pos, old)) = found.first() else {
-                return Ok(false);
+                return Ok(*unlinked);
             };
             if started.elapsed() > self.deadline {
                 continue;
             }
             if self.cas(pos, old, Slot::EMPTY)? {
+                *unlinked = true;
                 // A copy that survives this belongs to a PUT still in flight,
                 // which is then ordered after this delete.
                 self.remove_duplicates(&found[1..], started)?;
