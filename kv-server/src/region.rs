@@ -8,7 +8,7 @@ use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::Path;
 
 use kv_common::layout::{
-    decode_block, Geometry, KeyHash, Slot, SlotPos, BUCKET_BYTES, HEADER_SIZE, KEY_TABLE_ENTRIES,
+    decode_block, Geometry, KeyHash, Slot, SlotPos, BUCKET_BYTES, KEY_TABLE_ENTRIES,
     KEY_TABLE_OFFSET, SLOTS_PER_BUCKET,
 };
 use kv_common::transport::shm::SharedRegion;
@@ -94,12 +94,24 @@ pub fn open_or_create(
     })
 }
 
-/// A file whose whole first page is zero: a create that died between
-/// sizing the file and writing the header (nothing else writes page 0).
+/// A file that holds nothing but zeros where a region keeps its header, key
+/// table and index (its first 64 MiB): a create that died between sizing
+/// the file and writing the header. A region whose header alone was damaged
+/// still has slots there, and is refused rather than recreated.
 fn unfinished_create(file: &File) -> bool {
     use std::os::unix::fs::FileExt;
-    let mut page = vec![0u8; HEADER_SIZE as usize];
-    file.read_exact_at(&mut page, 0).is_ok() && page.iter().all(|&b| b == 0)
+    const LOOK: u64 = 64 << 20;
+    let len = file.metadata().map_or(0, |m| m.len()).min(LOOK);
+    let mut buf = vec![0u8; 1 << 20];
+    let mut at = 0;
+    while at < len {
+        let n = (len - at).min(buf.len() as u64) as usize;
+        if file.read_exact_at(&mut buf[..n], at).is_err() || buf[..n].iter().any(|&b| b != 0) {
+            return false;
+        }
+        at += n as u64;
+    }
+    true
 }
 
 fn create(

@@ -265,3 +265,36 @@ fn the_region_file_is_private_locked_and_allocated_up_front() {
     }
     assert!(!huge.exists());
 }
+
+#[test]
+fn an_unfinished_create_is_redone_but_a_damaged_header_is_refused() {
+    let dir = onekv_tests::region_dir();
+    let config = |name: &str| ServerConfig {
+        memory: 4 << 20,
+        ..ServerConfig::new(Address::Shm {
+            region: dir.path().join(name),
+        })
+    };
+    // All zeros: a create that died before it wrote the header.
+    std::fs::write(dir.path().join("zeros"), vec![0u8; 4 << 20]).unwrap();
+    let srv = Server::start(config("zeros")).unwrap();
+    assert!(srv.created());
+    drop(srv);
+
+    // A region whose header alone was zeroed still has its slots: refused,
+    // and left as it was.
+    let srv = Server::start(config("damaged")).unwrap();
+    let mut kv = Client::connect(&srv.address().to_string()).unwrap();
+    kv.put(b"keep", b"me").unwrap();
+    kv.close().unwrap();
+    drop(srv);
+    let path = dir.path().join("damaged");
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[..4096].fill(0);
+    std::fs::write(&path, &bytes).unwrap();
+    match Server::start(config("damaged")) {
+        Err(e) => assert!(e.to_string().contains("not a onekv region"), "{e}"),
+        Ok(_) => panic!("a region with a damaged header was recreated"),
+    }
+    assert_eq!(std::fs::read(&path).unwrap(), bytes, "file was modified");
+}
