@@ -105,10 +105,12 @@ pub struct HeapPool {
     /// When a lease last failed for want of space, if no collection began
     /// since.
     wanted_since: Option<Instant>,
-    /// Leases granted since the last collection. New garbage appears only
-    /// where new blocks are written, which takes leased space: with none
-    /// granted, another collection would find nothing new.
-    leases_since_collect: u64,
+    /// When the last lease was granted, and when the last collection's scan
+    /// began. New garbage appears only where new blocks are written, which
+    /// takes leased space: with no lease since the last scan began, another
+    /// collection would find nothing new.
+    last_lease: Option<Instant>,
+    last_scan: Option<Instant>,
 }
 
 impl HeapPool {
@@ -129,7 +131,8 @@ impl HeapPool {
             extents_held: HashMap::new(),
             retired: Vec::new(),
             wanted_since: None,
-            leases_since_collect: 0,
+            last_lease: None,
+            last_scan: None,
         }
     }
 
@@ -149,7 +152,7 @@ impl HeapPool {
         let want = self.chunk.min(share).max(min_len);
         // Best fit: the smallest extent that holds the whole share.
         if let Some(&(_, offset)) = self.free_by_size.range((want, 0)..).next() {
-            self.leases_since_collect += 1;
+            self.last_lease = Some(Instant::now());
             let e = self.take_free(offset, want);
             self.add_lease(e.offset, e.len, client);
             return Ok(vec![e]);
@@ -162,7 +165,7 @@ impl HeapPool {
                 LeaseRefusal::Busy
             });
         };
-        self.leases_since_collect += 1;
+        self.last_lease = Some(Instant::now());
         let mut out = vec![self.take_free(offset, len)];
         let mut total = len;
         while total < want && out.len() < MAX_LEASE_EXTENTS.min(MAX_CLIENT_EXTENTS - held) {
@@ -294,7 +297,7 @@ impl HeapPool {
         if self.wanted_since.is_some_and(|t| t <= scan_started) {
             self.wanted_since = None;
         }
-        self.leases_since_collect = 0;
+        self.last_scan = Some(scan_started);
         self.mature(now);
         freed
     }
@@ -306,7 +309,7 @@ impl HeapPool {
         let departed_settled = self.retired.iter().any(|r| r.departed && r.eligible <= now);
         if self.wanted_since.is_some() || departed_settled {
             Need::Now
-        } else if self.leases_since_collect > 0
+        } else if self.last_lease > self.last_scan
             && self.free_bytes + self.aging_bytes < (self.end - self.start) / 4
         {
             Need::Soon

@@ -8,6 +8,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use kv_common::size::parse_size;
 use kv_common::Address;
+use kv_server::region::CheckMode;
 use kv_server::{Server, ServerConfig};
 
 /// Serves a onekv region. Clients read and write it with one-sided verbs;
@@ -86,9 +87,14 @@ enum Command {
         /// The region file (e.g. /dev/shm/onekv).
         region: PathBuf,
         /// Empty the damaged slots (their keys read as absent afterwards),
-        /// naming each.
+        /// naming each. First revokes every client key and waits for their
+        /// verbs under way to land.
         #[arg(long)]
         repair: bool,
+        /// The --op-deadline-ms of the server that last ran on the region:
+        /// --repair waits four times this (at least a second) after revoking.
+        #[arg(long, default_value_t = 50)]
+        op_deadline_ms: u64,
     },
 }
 
@@ -104,7 +110,21 @@ fn main() -> ExitCode {
     let args = Args::parse();
     // Serving fails with status 1; `check` keeps 1 for "damage found".
     let (result, error_status) = match args.command {
-        Some(Command::Check { region, repair }) => (check(&region, repair), 2),
+        Some(Command::Check {
+            region,
+            repair,
+            op_deadline_ms,
+        }) => {
+            let mode = if repair {
+                let grace = Duration::from_millis(op_deadline_ms.saturating_mul(4));
+                CheckMode::Repair {
+                    settle: grace.max(Duration::from_secs(1)),
+                }
+            } else {
+                CheckMode::Report
+            };
+            (check(&region, mode), 2)
+        }
         None => (serve(args.serve).map(|()| ExitCode::SUCCESS), 1),
     };
     result.unwrap_or_else(|e| {
@@ -113,8 +133,9 @@ fn main() -> ExitCode {
     })
 }
 
-fn check(path: &std::path::Path, repair: bool) -> Result<ExitCode, String> {
-    let report = kv_server::region::check(path, repair).map_err(|e| e.to_string())?;
+fn check(path: &std::path::Path, mode: CheckMode) -> Result<ExitCode, String> {
+    let repair = mode != CheckMode::Report;
+    let report = kv_server::region::check(path, mode).map_err(|e| e.to_string())?;
     for d in &report.damaged {
         let action = if repair { "emptied" } else { "damaged" };
         println!(

@@ -26,10 +26,6 @@ pub struct OpenedRegion {
     pub lock: File,
 }
 
-/// How long `check --repair` waits after revoking every client key, for
-/// verbs under way to land (longer than any server's grace period).
-const REPAIR_SETTLE: std::time::Duration = std::time::Duration::from_secs(1);
-
 /// Permission bits of a new region file: the owner only, or its group too.
 pub fn file_mode(group_access: bool) -> u32 {
     if group_access {
@@ -95,13 +91,15 @@ pub fn open_or_create(
 }
 
 /// A file that holds nothing but zeros where a region keeps its header, key
-/// table and index (its first 64 MiB): a create that died between sizing
-/// the file and writing the header. A region whose header alone was damaged
-/// still has slots there, and is refused rather than recreated.
+/// table and index (the index of a default geometry for its size, and at
+/// least 64 MiB): a create that died between sizing the file and writing the
+/// header. A region whose header alone was damaged still has slots there,
+/// and is refused rather than recreated. (Read only on this rare path.)
 fn unfinished_create(file: &File) -> bool {
     use std::os::unix::fs::FileExt;
-    const LOOK: u64 = 64 << 20;
-    let len = file.metadata().map_or(0, |m| m.len()).min(LOOK);
+    let size = file.metadata().map_or(0, |m| m.len());
+    let index_end = Geometry::for_memory(size, None).map_or(0, |g| g.heap_offset);
+    let len = size.min(index_end.max(64 << 20));
     let mut buf = vec![0u8; 1 << 20];
     let mut at = 0;
     while at < len {
@@ -296,7 +294,19 @@ pub struct CheckReport {
 /// bucket with this fingerprint, and not overlap another slot's block. With
 /// `repair`, damaged slots are emptied (the file is locked, so no client can
 /// be using it).
-pub fn check(path: &Path, repair: bool) -> Result<CheckReport, ServerError> {
+/// What `check` does besides reporting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CheckMode {
+    Report,
+    /// Revoke every client key, wait `settle` (at least the grace period of
+    /// the server that last ran, so that verbs of its clients land first),
+    /// then empty the damaged slots.
+    Repair {
+        settle: std::time::Duration,
+    },
+}
+
+pub fn check(path: &Path, mode: CheckMode) -> Result<CheckReport, ServerError> {
     let file = OpenOptions::new()
         .read(true)
         .write(true)
@@ -311,6 +321,16 @@ pub fn check(path: &Path, repair: bool) -> Result<CheckReport, ServerError> {
     let g = Geometry::decode_header(&words).map_err(|e| region_error(path, e))?;
     if g.region_len != region.len() {
         return Err(region_error(path, "header and file size disagree"));
+    }
+    if let CheckMode::Repair { settle } = mode {
+        // Clients of a server that died still hold valid keys: revoke them
+        // and let their verbs in flight land before looking at any slot.
+        for i in 0..KEY_TABLE_ENTRIES {
+            region
+                .store(KEY_TABLE_OFFSET + i * 8, 0)
+                .map_err(|e| region_error(path, e))?;
+        }
+        std::thread::sleep(settle);
     }
     let mut report = CheckReport::default();
     let mut spans: Vec<(u64, u64, SlotPos, Slot)> = Vec::new();
@@ -366,18 +386,10 @@ pub fn check(path: &Path, repair: bool) -> Result<CheckReport, ServerError> {
             furthest = Some((offset + len, pos));
         }
     }
-    if repair {
-        // Clients of a server that died still hold valid keys: revoke them
-        // and let their verbs in flight land before touching any slot.
-        for i in 0..KEY_TABLE_ENTRIES {
-            region
-                .store(KEY_TABLE_OFFSET + i * 8, 0)
-                .map_err(|e| region_error(path, e))?;
-        }
-        std::thread::sleep(REPAIR_SETTLE);
+    if let CheckMode::Repair { .. } = mode {
         for d in &report.damaged {
-            // Offline and locked: no client can CAS this slot meanwhile.
-            if region.store(g.slot_offset(d.pos), 0).is_ok() {
+            // Only the value that was found damaged is removed.
+            if matches!(region.cas(g.slot_offset(d.pos), d.slot.0, 0), Ok(old) if old == d.slot.0) {
                 report.repaired += 1;
             }
         }

@@ -150,7 +150,7 @@ fn acknowledged_writes_survive_kill_9_of_the_server_under_load() {
     // Offline, the region is consistent: no overlapping blocks, no key in
     // the wrong bucket, no unreadable block.
     daemon.terminate();
-    let report = kv_server::region::check(&region, false).unwrap();
+    let report = kv_server::region::check(&region, kv_server::region::CheckMode::Report).unwrap();
     assert!(report.damaged.is_empty(), "{:?}", report.damaged);
     assert!(report.slots >= last);
 }

@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 
 use kv_client::{Client, Error};
 use kv_common::layout::Slot;
-use kv_server::{region, Server};
+use kv_server::region::{self, CheckMode};
+use kv_server::Server;
 use onekv_tests::{region_dir, test_config};
 
 fn value(i: usize) -> Vec<u8> {
@@ -73,14 +74,27 @@ fn damaged_keys_fail_fast_others_work_and_check_repairs_them() {
     kv.close().unwrap();
     drop(server);
 
-    let report = region::check(&path, false).unwrap();
+    let report = region::check(&path, CheckMode::Report).unwrap();
     let mut found: Vec<Slot> = report.damaged.iter().map(|d| d.slot).collect();
     found.sort_by_key(|s| s.0);
     let mut expected = vec![block_hit, Slot(slot_hit.0 & !(0xff << 48) | 250 << 48)];
     expected.sort_by_key(|s| s.0);
     assert_eq!(found, expected, "{:?}", report.damaged);
-    assert_eq!(region::check(&path, true).unwrap().repaired, 2);
-    assert!(region::check(&path, false).unwrap().damaged.is_empty());
+    assert_eq!(
+        region::check(
+            &path,
+            CheckMode::Repair {
+                settle: Duration::ZERO
+            }
+        )
+        .unwrap()
+        .repaired,
+        2
+    );
+    assert!(region::check(&path, CheckMode::Report)
+        .unwrap()
+        .damaged
+        .is_empty());
 
     let _server = Server::start(config).unwrap();
     let mut kv = Client::connect(&address).unwrap();
