@@ -226,6 +226,18 @@ impl Drop for Daemon {
     }
 }
 
+/// Waits until `done` holds (calling it every 10 ms), for at most `limit`;
+/// panics naming `what` otherwise. For effects that follow asynchronously
+/// (a departed client's space is retired after its goodbye was sent, and
+/// collected by the reclaimer thread).
+pub fn eventually(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 /// Raises this process's descriptor limit to its hard limit (for tests
 /// that open thousands of connections); returns the new soft limit.
 pub fn raise_descriptor_limit() -> u64 {

@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 use kv_client::Client;
 use kv_server::Server;
 use onekv_tests::{
-    parse_tagged, region_dir, tagged_value, test_address, test_config, workspace_bin, Daemon,
+    eventually, parse_tagged, region_dir, tagged_value, test_address, test_config, workspace_bin,
+    Daemon,
 };
 
 /// Filler keys the writer overwrites with large values: they make the heap
@@ -225,7 +226,18 @@ fn clients_killed_mid_operation_lose_nothing_and_leak_nothing() {
     // Once their fences have settled (a grace period), the killed clients'
     // space comes back: free space is what a fresh server would compute
     // from the index alone.
-    std::thread::sleep(config.grace() * 3);
+    let settled = || {
+        server.collect_now();
+        let s = server.stats();
+        s.clients_connected == 0 && s.heap_leased == 0
+    };
+    eventually(
+        "the killed clients' space to settle",
+        Duration::from_secs(10),
+        settled,
+    );
+    // One more collection: everything retired is now eligible.
+    std::thread::sleep(config.grace());
     server.collect_now();
     let running = server.stats();
     // Every churn process that got connected before its kill departed (on

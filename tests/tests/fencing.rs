@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use kv_client::Client;
 use kv_server::Server;
-use onekv_tests::{region_dir, test_config};
+use onekv_tests::{eventually, region_dir, test_config};
 
 #[test]
 fn a_client_cut_off_by_the_idle_timeout_is_fenced_reconnects_and_leaks_nothing() {
@@ -42,7 +42,17 @@ fn a_client_cut_off_by_the_idle_timeout_is_fenced_reconnects_and_leaks_nothing()
     }
     kv.close().unwrap();
     // Cut off while alive, its space waited a grace period from the fence.
-    std::thread::sleep(config.grace() * 3);
+    let settled = || {
+        server.collect_now();
+        let s = server.stats();
+        s.clients_connected == 0 && s.heap_leased == 0
+    };
+    eventually(
+        "the client's space to settle",
+        Duration::from_secs(10),
+        settled,
+    );
+    std::thread::sleep(config.grace());
     server.collect_now();
     let running = server.stats();
     assert_eq!(running.heap_leased, 0, "{running:?}");
