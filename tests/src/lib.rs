@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use kv_common::protocol::ServerStats;
 use kv_common::Address;
 use kv_server::{Server, ServerConfig};
 
@@ -236,6 +237,35 @@ pub fn eventually(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
         assert!(Instant::now() < deadline, "timed out waiting for {what}");
         std::thread::sleep(Duration::from_millis(10));
     }
+}
+
+/// Once every client has left and its space has settled (a grace period
+/// after its fence), the running server's free space must be exactly what a
+/// fresh server computes from the index alone: nothing leaked. Consumes the
+/// server (it is stopped and the region reopened); returns the running
+/// server's final stats for further checks.
+pub fn assert_no_space_lost(server: Server, config: ServerConfig, what: &str) -> ServerStats {
+    let settled = || {
+        server.collect_now();
+        let s = server.stats();
+        s.clients_connected == 0 && s.heap_leased == 0
+    };
+    eventually(
+        &format!("{what}: space to settle"),
+        Duration::from_secs(10),
+        settled,
+    );
+    // Everything retired is eligible a grace period after its fence.
+    std::thread::sleep(config.grace());
+    server.collect_now();
+    let running = server.stats();
+    drop(server);
+    let fresh = Server::start(config).expect("server reopens").stats();
+    assert_eq!(
+        running.heap_free, fresh.heap_free,
+        "{what}: space lost: running {running:?}, reopened {fresh:?}"
+    );
+    running
 }
 
 /// Raises this process's descriptor limit to its hard limit (for tests

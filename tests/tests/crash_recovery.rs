@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 use kv_client::Client;
 use kv_server::Server;
 use onekv_tests::{
-    eventually, parse_tagged, region_dir, tagged_value, test_address, test_config, workspace_bin,
-    Daemon,
+    assert_no_space_lost, parse_tagged, region_dir, tagged_value, test_address, test_config,
+    workspace_bin, Daemon,
 };
 
 /// Filler keys the writer overwrites with large values: they make the heap
@@ -226,31 +226,9 @@ fn clients_killed_mid_operation_lose_nothing_and_leak_nothing() {
     // Once their fences have settled (a grace period), the killed clients'
     // space comes back: free space is what a fresh server would compute
     // from the index alone.
-    let settled = || {
-        server.collect_now();
-        let s = server.stats();
-        s.clients_connected == 0 && s.heap_leased == 0
-    };
-    eventually(
-        "the killed clients' space to settle",
-        Duration::from_secs(10),
-        settled,
-    );
-    // One more collection: everything retired is now eligible.
-    std::thread::sleep(config.grace());
-    server.collect_now();
-    let running = server.stats();
+    let running = assert_no_space_lost(server, config, &format!("{kills} client kills"));
     // Every churn process that got connected before its kill departed (on
     // a slow machine some are killed before they connect).
-    assert_eq!(running.clients_connected, 0, "{running:?}");
     assert_eq!(running.departures + running.disconnects, running.connects);
     assert!(running.departures > 0, "{kills} kills: {running:?}");
-    assert_eq!(running.heap_leased, 0, "{running:?}");
-    drop(server);
-    let reopened = Server::start(config).unwrap();
-    let fresh = reopened.stats();
-    assert_eq!(
-        running.heap_free, fresh.heap_free,
-        "space lost after {kills} client kills: running {running:?}, reopened {fresh:?}"
-    );
 }

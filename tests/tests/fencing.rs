@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use kv_client::Client;
 use kv_server::Server;
-use onekv_tests::{eventually, region_dir, test_config};
+use onekv_tests::{assert_no_space_lost, region_dir, test_config};
 
 #[test]
 fn a_client_cut_off_by_the_idle_timeout_is_fenced_reconnects_and_leaks_nothing() {
@@ -41,25 +41,6 @@ fn a_client_cut_off_by_the_idle_timeout_is_fenced_reconnects_and_leaks_nothing()
         );
     }
     kv.close().unwrap();
-    // Cut off while alive, its space waited a grace period from the fence.
-    let settled = || {
-        server.collect_now();
-        let s = server.stats();
-        s.clients_connected == 0 && s.heap_leased == 0
-    };
-    eventually(
-        "the client's space to settle",
-        Duration::from_secs(10),
-        settled,
-    );
-    std::thread::sleep(config.grace());
-    server.collect_now();
-    let running = server.stats();
-    assert_eq!(running.heap_leased, 0, "{running:?}");
-    drop(server);
-    let fresh = Server::start(config).unwrap().stats();
-    assert_eq!(
-        running.heap_free, fresh.heap_free,
-        "reconnecting leaked space: running {running:?}, reopened {fresh:?}"
-    );
+    // Cut off while alive, its space waits a grace period from the fence.
+    assert_no_space_lost(server, config, "reconnecting after fences");
 }
