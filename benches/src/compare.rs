@@ -49,10 +49,7 @@ pub fn run(args: CompareArgs) -> Result<(), String> {
         let mut onekv_target = None;
         let factory: Box<dyn StoreFactory> = match name.as_str() {
             "onekv" => {
-                let t = Target::open(
-                    args.workload.server.as_deref(),
-                    args.workload.memory.unwrap_or_else(|| memory_for(&w)),
-                )?;
+                let t = Target::open(args.workload.server.as_deref(), args.workload.memory)?;
                 let f = Onekv {
                     address: t.address.clone(),
                     secret: args.workload.secret()?,

@@ -37,9 +37,10 @@ pub struct MicroArgs {
     /// buckets first). Default: the client's, which depends on the transport.
     #[arg(long)]
     slot_cache_entries: Option<usize>,
-    /// Size of the embedded server's region.
-    #[arg(long, default_value = "1GiB", value_parser = kv_common::size::parse_size)]
-    memory: u64,
+    /// Initial size of the embedded server's region (default: the server's;
+    /// it grows as the keys are loaded).
+    #[arg(long, value_parser = kv_common::size::parse_size)]
+    memory: Option<u64>,
 }
 
 #[derive(Clone, Copy, PartialEq)]

@@ -1,5 +1,7 @@
 //! What a benchmark runs against: a server given by address, or an embedded
-//! one on a temporary shm region that lives as long as the benchmark.
+//! one on a temporary shm region that lives as long as the benchmark. The
+//! embedded one starts at the server's default size (or `memory`) and grows
+//! with the data, as a real deployment does.
 
 use kv_common::Address;
 use kv_server::{Server, ServerConfig};
@@ -12,7 +14,7 @@ pub struct Target {
 }
 
 impl Target {
-    pub fn open(address: Option<&str>, memory: u64) -> Result<Target, String> {
+    pub fn open(address: Option<&str>, memory: Option<u64>) -> Result<Target, String> {
         if let Some(a) = address {
             return Ok(Target {
                 address: a.to_string(),
@@ -31,12 +33,28 @@ impl Target {
         let mut config = ServerConfig::new(Address::Shm {
             region: region.clone(),
         });
-        config.memory = memory;
+        if let Some(m) = memory {
+            config.memory = m;
+        }
         let server = Server::start(config).map_err(|e| e.to_string())?;
         Ok(Target {
             address: format!("shm://{}", region.display()),
             server: Some(server),
             _dir: Some(dir),
         })
+    }
+
+    /// YCSB-style lines about the embedded server's growth, if there is one.
+    pub fn growth_report(&self) -> Option<String> {
+        let s = self.server.as_ref()?.stats();
+        Some(format!(
+            "[SERVER], Resizes, {}\n[SERVER], Buckets, {}\n[SERVER], Occupancy, {:.3}\n\
+             [SERVER], Growths, {}\n[SERVER], RegionBytes, {}",
+            s.resizes,
+            s.bucket_count,
+            s.occupancy(),
+            s.growths,
+            s.region_bytes
+        ))
     }
 }

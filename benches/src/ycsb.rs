@@ -30,13 +30,14 @@ pub struct WorkloadArgs {
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
     /// onekv server address; by default an embedded server on a temporary
-    /// shm region, sized for the workload.
+    /// shm region, which starts at the server's default size and grows.
     #[arg(long)]
     pub server: Option<String>,
     /// File holding the server's shared secret.
     #[arg(long)]
     pub secret_file: Option<PathBuf>,
-    /// Region size of the embedded server (default: from the workload).
+    /// Initial region size of the embedded server (default: the server's
+    /// default; it grows as the data does).
     #[arg(long, value_parser = kv_common::size::parse_size)]
     pub memory: Option<u64>,
 }
@@ -74,7 +75,8 @@ impl WorkloadArgs {
 }
 
 /// Bytes a workload's data needs, with room for blocks waiting out their
-/// grace period and for the index.
+/// grace period and for the index (for stores that cannot grow, like LMDB's
+/// map).
 pub fn memory_for(w: &Workload) -> u64 {
     let records = w.insertcount + (w.operationcount as f64 * w.insertproportion) as u64;
     let record = w.fieldcount * (w.fieldlength + 4) + 64 + 64;
@@ -83,10 +85,7 @@ pub fn memory_for(w: &Workload) -> u64 {
 
 pub fn run(args: WorkloadArgs, load: bool, run: bool) -> Result<(), String> {
     let w = args.workload()?;
-    let target = Target::open(
-        args.server.as_deref(),
-        args.memory.unwrap_or_else(|| memory_for(&w)),
-    )?;
+    let target = Target::open(args.server.as_deref(), args.memory)?;
     let store = Onekv {
         address: target.address.clone(),
         secret: args.secret()?,
@@ -110,6 +109,9 @@ pub fn run(args: WorkloadArgs, load: bool, run: bool) -> Result<(), String> {
         let result = run_phase(&store, &w, phase, &options)?;
         report::print_ycsb(&mut out, &result).map_err(|e| e.to_string())?;
         phases.push(report::phase_json("onekv", &result));
+    }
+    if let Some(lines) = target.growth_report() {
+        std::io::Write::write_all(&mut out, format!("{lines}\n").as_bytes()).map_err(|e| e.to_string())?;
     }
     if let Some(path) = &args.json {
         report::write_json(

@@ -15,10 +15,13 @@ pub enum Error {
     Refused(String),
     #[error("protocol or version mismatch: {0}")]
     VersionMismatch(String),
-    #[error("region full: no free heap space for a {0}-byte block")]
-    RegionFull(u64),
-    #[error("region full: both candidate buckets of this key are full (index resize is not available yet)")]
-    IndexFull,
+    /// The heap has no room and the region cannot grow (the server's
+    /// message names its cap).
+    #[error("region full: no free heap space for a {size}-byte block: {reason}")]
+    RegionFull { size: u64, reason: String },
+    /// A key's buckets are full and the index cannot grow.
+    #[error("index full: no room for this key, and the index cannot grow: {0}")]
+    IndexFull(String),
     /// A slot of this key's buckets points at a block that fails validation
     /// on every read while the slot does not change: the region is damaged
     /// there (`kv-server check` reports it, `--repair` unlinks it).
@@ -52,6 +55,7 @@ impl Error {
         match kind {
             ErrorKind::BadSecret | ErrorKind::TooManyClients => Error::Refused(message),
             ErrorKind::VersionMismatch => Error::VersionMismatch(message),
+            ErrorKind::IndexFull => Error::IndexFull(message),
             other => Error::Protocol(format!("{other:?}: {message}")),
         }
     }

@@ -18,10 +18,10 @@ use std::time::{Duration, Instant};
 
 use kv_common::layout::{
     block_len, class_for, class_size, decode_block, encode_block, Geometry, KeyHash, Slot, SlotPos,
-    BUCKET_BYTES, MAX_KEY, SLOTS_PER_BUCKET,
+    BUCKET_BYTES, CANDIDATE_SLOTS, EPOCH_OFFSET, MAX_KEY, WINDOW_BUCKETS,
 };
 use kv_common::protocol::{
-    ConnectInfo, ErrorKind, Extent, Request, Response, ServerStats, PROTOCOL_VERSION,
+    ConnectInfo, ErrorKind, Extent, GeometryInfo, Request, Response, ServerStats, PROTOCOL_VERSION,
 };
 use kv_common::transport::{self, read_u64, Connection, Verb, VerbStats};
 use kv_common::Address;
@@ -38,12 +38,18 @@ use slot_cache::SlotCache;
 
 pub type Result<T> = std::result::Result<T, Error>;
 
-/// Local buffer layout: both buckets, a CAS result, the block being written,
-/// then room for candidate blocks.
+/// Local buffer layout: both windows of buckets, the region's epoch word, a
+/// CAS result, the block being written, then room for candidate blocks.
 const BUCKETS_AT: usize = 0;
-const CAS_AT: usize = 2 * BUCKET_BYTES as usize;
-const BLOCK_AT: usize = 256;
-const SLOTS: usize = 2 * SLOTS_PER_BUCKET;
+const WINDOW_BYTES: usize = WINDOW_BUCKETS * BUCKET_BYTES as usize;
+const EPOCH_AT: usize = 2 * WINDOW_BYTES;
+const CAS_AT: usize = EPOCH_AT + 8;
+const BLOCK_AT: usize = 512;
+const SLOTS: usize = CANDIDATE_SLOTS;
+/// How long a writer waits for a resize to publish the new index.
+const RESIZE_WAIT: Duration = Duration::from_secs(120);
+/// How long a PUT waits for heap space while the server reclaims or grows.
+const SPACE_WAIT: Duration = Duration::from_secs(30);
 
 #[derive(Debug, Clone)]
 pub struct ClientOptions {
@@ -110,6 +116,23 @@ enum Scan {
     Retry(Option<(SlotPos, Slot)>),
     /// Slots holding the key, lowest position first.
     Found(Vec<(SlotPos, Slot)>),
+    /// The geometry changed since the buckets were read: they may be stale.
+    Moved,
+}
+
+/// How one attempt at an operation ended.
+enum Step<T> {
+    Done(T),
+    /// The index is being resized or was replaced (a frozen slot, a newer
+    /// epoch): learn the new geometry, then redo the operation.
+    Moved,
+    /// No room for the key: ask for a resize, then redo it.
+    Full,
+}
+
+/// What the index read of an operation shows about the geometry.
+fn meets_resize(slots: &[Slot; SLOTS]) -> bool {
+    slots.iter().any(|s| s.is_frozen())
 }
 
 impl Client {
@@ -188,7 +211,7 @@ impl Client {
     /// there is no such key.
     pub fn get_into(&mut self, key: &[u8], out: &mut Vec<u8>) -> Result<bool> {
         self.check_key(key)?;
-        self.redo_on_lost_connection(|c| c.get_once(key, out))
+        self.run(|c| c.get_once(key, out))
     }
 
     /// Stores `value` under `key`, replacing any earlier value.
@@ -200,7 +223,7 @@ impl Client {
                 max: self.max_value,
             });
         }
-        self.redo_on_lost_connection(|c| c.put_once(key, value))
+        self.run(|c| c.put_once(key, value))
     }
 
     /// Removes `key`; false if it was not there.
@@ -209,7 +232,18 @@ impl Client {
         // Survives a redo: if the first attempt unlinked the key before its
         // connection was lost, the redo finds nothing but the key was there.
         let mut unlinked = false;
-        self.redo_on_lost_connection(|c| c.delete_once(key, &mut unlinked))
+        self.run(|c| c.delete_once(key, &mut unlinked))
+    }
+
+    /// Asks the server to double the index now (it also does so by itself
+    /// when the index fills) and waits until the new one is in force.
+    pub fn resize(&mut self) -> Result<Geometry> {
+        let before = self.info.geometry.bucket_count;
+        // The heap growing meanwhile is a newer epoch too: ask again.
+        while self.info.geometry.bucket_count == before {
+            self.follow_geometry(true)?;
+        }
+        Ok(self.info.geometry)
     }
 
     fn check_key(&self, key: &[u8]) -> Result<()> {
@@ -225,22 +259,103 @@ impl Client {
         Ok(())
     }
 
-    /// Runs an operation; if its connection is gone (the server restarted,
-    /// cut this client off, or the control channel broke), reconnects once
-    /// and runs it again from the start. Every step of an operation is safe
-    /// to redo: a block written but not published is garbage, and a PUT
-    /// published before the failure is found and updated (or deduplicated).
-    fn redo_on_lost_connection<T>(
-        &mut self,
-        mut op: impl FnMut(&mut Self) -> Result<T>,
-    ) -> Result<T> {
-        match op(self) {
-            Err(e) if e.is_connection_lost() => {
-                self.reconnect()?;
-                op(self)
+    /// Runs an operation until it is done. After a resize or growth it
+    /// learns the new geometry and runs it again; if its connection is gone
+    /// (the server restarted, cut this client off, or the control channel
+    /// broke), it reconnects once and runs it again from the start. Every
+    /// step of an operation is safe to redo: a block written but not
+    /// published is garbage, and a PUT published before the failure is found
+    /// and updated (or deduplicated).
+    fn run<T>(&mut self, mut op: impl FnMut(&mut Self) -> Result<Step<T>>) -> Result<T> {
+        let mut reconnected = false;
+        let mut stalled: Option<Instant> = None;
+        loop {
+            match op(self) {
+                Ok(Step::Done(v)) => return Ok(v),
+                Ok(Step::Moved) => {
+                    if self.follow_geometry(false)? {
+                        stalled = None;
+                        continue;
+                    }
+                    // Frozen slots but no resize under way: the server is
+                    // undoing a failed one. Wait for it, not forever.
+                    let since = *stalled.get_or_insert_with(Instant::now);
+                    if since.elapsed() > RESIZE_WAIT {
+                        return Err(Error::Protocol(
+                            "index slots stay frozen with no resize under way".into(),
+                        ));
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Ok(Step::Full) => {
+                    self.follow_geometry(true)?;
+                }
+                Err(e) if e.is_connection_lost() && !reconnected => {
+                    reconnected = true;
+                    self.reconnect()?;
+                }
+                Err(e) => return Err(e),
             }
-            other => other,
         }
+    }
+
+    /// Learns the server's current geometry; with `resize`, first asks for a
+    /// resize of the index this client knows. Waits while a resize is under
+    /// way for it to publish the new index. Returns once the geometry is newer
+    /// than the one this client had (true), or (without `resize`) nothing
+    /// newer is coming (false).
+    fn follow_geometry(&mut self, resize: bool) -> Result<bool> {
+        let epoch = self.info.geometry.epoch;
+        let give_up = Instant::now() + RESIZE_WAIT;
+        let backoff = crossbeam::utils::Backoff::new();
+        loop {
+            let request = if resize {
+                Request::Resize { epoch }
+            } else {
+                Request::Geometry
+            };
+            let info = match self.conn.call(&request)? {
+                Response::Geometry(info) => info,
+                other => return Err(unexpected(other)),
+            };
+            if info.geometry.epoch != epoch {
+                self.adopt(info)?;
+                return Ok(true);
+            }
+            if !info.resizing && !resize {
+                return Ok(false);
+            }
+            if Instant::now() > give_up {
+                return Err(Error::Protocol(format!(
+                    "the server's index resize did not finish within {RESIZE_WAIT:?}"
+                )));
+            }
+            // Spin briefly, then sleep: a resize takes milliseconds to seconds.
+            if backoff.is_completed() {
+                std::thread::sleep(Duration::from_millis(2));
+            } else {
+                backoff.snooze();
+            }
+        }
+    }
+
+    /// Switches to a new geometry: what was remembered about slots is
+    /// dropped, and a grown region is mapped (or its new key taken).
+    fn adopt(&mut self, info: GeometryInfo) -> Result<()> {
+        info.geometry
+            .validate()
+            .map_err(|e| Error::Protocol(e.to_string()))?;
+        if info.geometry.chunk_size != self.info.geometry.chunk_size {
+            return Err(Error::Protocol("the region's chunk size changed".into()));
+        }
+        if info.region != self.info.region {
+            let local_len = self.conn.local().len();
+            self.conn.attach(&info.region, local_len)?;
+            self.info.region = info.region;
+        }
+        self.info.geometry = info.geometry;
+        self.cache.clear();
+        Ok(())
     }
 
     /// Replaces the connection. The old one's leases are dropped: the
@@ -254,9 +369,9 @@ impl Client {
         self.alloc.reset();
         self.cache.clear();
         let (conn, info) = open(&self.address, &self.options)?;
-        if info.geometry != self.info.geometry {
+        if info.geometry.chunk_size != self.info.geometry.chunk_size {
             return Err(Error::Protocol(
-                "the region's geometry changed across a restart".into(),
+                "the region's chunk size changed across a restart".into(),
             ));
         }
         self.reconnects += 1;
@@ -265,10 +380,10 @@ impl Client {
         Ok(())
     }
 
-    fn get_once(&mut self, key: &[u8], out: &mut Vec<u8>) -> Result<bool> {
+    fn get_once(&mut self, key: &[u8], out: &mut Vec<u8>) -> Result<Step<bool>> {
         let kh = KeyHash::new(key, self.info.geometry.bucket_count);
         if self.get_cached(key, &kh, out)? {
-            return Ok(true);
+            return Ok(Step::Done(true));
         }
         let mut corrupt = CorruptSlot::default();
         for _ in 0..self.options.max_attempts {
@@ -282,12 +397,15 @@ impl Client {
             match scan {
                 Scan::Found(found) => {
                     match found.first() {
-                        Some(&(pos, slot)) => self.cache.remember(key, pos, slot),
-                        None => self.cache.forget(key),
+                        Some(&(pos, slot)) if !slot.is_frozen() => {
+                            self.cache.remember(key, pos, slot)
+                        }
+                        _ => self.cache.forget(key),
                     }
-                    return Ok(!found.is_empty());
+                    return Ok(Step::Done(!found.is_empty()));
                 }
                 Scan::Retry(suspect) => corrupt.saw(key, suspect)?,
+                Scan::Moved => return Ok(Step::Moved),
             }
         }
         Err(Error::Contended(self.options.max_attempts))
@@ -343,7 +461,10 @@ impl Client {
         hint: &Hint,
         started: Instant,
     ) -> Option<&[u8]> {
-        let at = slot_index(kh, hint.pos);
+        let Some(at) = kh.slot_index(hint.pos) else {
+            self.cache.forget(key);
+            return None;
+        };
         let lower_candidate = slots[..at]
             .iter()
             .any(|s| !s.is_empty() && s.fingerprint() == kh.fingerprint);
@@ -371,14 +492,15 @@ impl Client {
         }
     }
 
-    fn put_once(&mut self, key: &[u8], value: &[u8]) -> Result<()> {
-        let kh = KeyHash::new(key, self.info.geometry.bucket_count);
+    fn put_once(&mut self, key: &[u8], value: &[u8]) -> Result<Step<()>> {
         let used = block_len(key.len(), value.len());
         let class = class_for(used).ok_or(Error::ValueTooLarge {
             len: value.len(),
             max: self.max_value,
         })?;
+        // First: leasing may teach this client a new geometry.
         let offset = self.take_block(class)?;
+        let kh = KeyHash::new(key, self.info.geometry.bucket_count);
         encode_block(key, value, &mut self.conn.local_mut()[BLOCK_AT..]);
         let new = Slot::new(kh.fingerprint, class, offset);
         let write = Verb::Write {
@@ -392,7 +514,7 @@ impl Client {
 
     /// Writes the block (with the first bucket read) and CASes it into the
     /// key's slot, or an empty one.
-    fn publish(&mut self, key: &[u8], kh: &KeyHash, new: Slot, write: Verb) -> Result<()> {
+    fn publish(&mut self, key: &[u8], kh: &KeyHash, new: Slot, write: Verb) -> Result<Step<()>> {
         let mut pending_write = Some(write);
         // With a hint, the first batch also reads the key's current block,
         // so an update takes two round trips instead of three.
@@ -407,6 +529,10 @@ impl Client {
             verbs.extend(hint.as_ref().map(|h| h.read));
             self.conn.post(&verbs)?;
             let slots = self.bucket_slots();
+            // A resize is moving these buckets: writing waits for the new index.
+            if meets_resize(&slots) {
+                return Ok(Step::Moved);
+            }
             let confirmed = match hint.take() {
                 Some(h) => self
                     .hinted_block(key, kh, &slots, &h, started)
@@ -422,6 +548,7 @@ impl Client {
                         continue;
                     }
                     Scan::Found(found) => found,
+                    Scan::Moved => return Ok(Step::Moved),
                 },
             };
             if let Some(&(pos, old)) = found.first() {
@@ -433,19 +560,19 @@ impl Client {
                     // Copies above ours belong to inserts still in flight,
                     // which remove them themselves; trying here only helps.
                     self.remove_duplicates(&found[1..], started)?;
-                    return Ok(());
+                    return Ok(Step::Done(()));
                 }
                 continue;
             }
-            let empty = slots
-                .iter()
-                .position(|s| s.is_empty())
-                .ok_or(Error::IndexFull)?;
-            let pos = slot_pos(kh, empty);
+            let Some(empty) = KeyHash::insert_choice(&slots) else {
+                return Ok(Step::Full);
+            };
+            let pos = kh.slot_pos(empty);
             if self.cas(pos, Slot::EMPTY, new)? {
                 // A hint even if this copy is resolved away: GETs check it.
                 self.cache.remember(key, pos, new);
-                return self.resolve_insert(key, kh, pos, new);
+                self.resolve_insert(key, kh, pos, new)?;
+                return Ok(Step::Done(()));
             }
         }
         Err(Error::Contended(self.options.max_attempts))
@@ -459,13 +586,20 @@ impl Client {
     /// only while the PUTs that made them are in flight. (A client that saw
     /// a higher copy but not the lowest read before the lowest was inserted,
     /// so its operation is concurrent with that insert and ordered before it.)
+    /// If a resize freezes the buckets first, it keeps the lowest copy.
     fn resolve_insert(&mut self, key: &[u8], kh: &KeyHash, mine: SlotPos, new: Slot) -> Result<()> {
         let inserted = Instant::now();
         let mut corrupt = CorruptSlot::default();
+        let Some(my_index) = kh.slot_index(mine) else {
+            return Err(Error::Protocol("inserted outside the key's buckets".into()));
+        };
         for _ in 0..self.options.max_attempts {
             let started = Instant::now();
             self.conn.post(&self.bucket_reads(kh))?;
             let slots = self.bucket_slots();
+            if meets_resize(&slots) {
+                return Ok(());
+            }
             // Our own block cannot have been unlinked and reused for another
             // key sooner than a grace period after we published it.
             let known = (inserted.elapsed() < self.deadline).then_some(new);
@@ -475,9 +609,10 @@ impl Client {
                     continue;
                 }
                 Scan::Found(found) => found,
+                Scan::Moved => return Ok(()),
             };
-            let ours_is_higher = slots[slot_index(kh, mine)] == new
-                && found.first().is_some_and(|&(lowest, _)| lowest != mine);
+            let ours_is_higher =
+                slots[my_index] == new && found.first().is_some_and(|&(lowest, _)| lowest != mine);
             if ours_is_higher {
                 if started.elapsed() <= self.deadline && self.cas(mine, new, Slot::EMPTY)? {
                     return Ok(());
@@ -489,7 +624,7 @@ impl Client {
         Err(Error::Contended(self.options.max_attempts))
     }
 
-    fn delete_once(&mut self, key: &[u8], unlinked: &mut bool) -> Result<bool> {
+    fn delete_once(&mut self, key: &[u8], unlinked: &mut bool) -> Result<Step<bool>> {
         let kh = KeyHash::new(key, self.info.geometry.bucket_count);
         self.cache.forget(key);
         let mut corrupt = CorruptSlot::default();
@@ -497,15 +632,19 @@ impl Client {
             let started = Instant::now();
             self.conn.post(&self.bucket_reads(&kh))?;
             let slots = self.bucket_slots();
+            if meets_resize(&slots) {
+                return Ok(Step::Moved);
+            }
             let found = match self.scan(key, &kh, &slots, started, false, None, |_| {})? {
                 Scan::Retry(suspect) => {
                     corrupt.saw(key, suspect)?;
                     continue;
                 }
                 Scan::Found(found) => found,
+                Scan::Moved => return Ok(Step::Moved),
             };
             let Some(&(pos, old)) = found.first() else {
-                return Ok(*unlinked);
+                return Ok(Step::Done(*unlinked));
             };
             if started.elapsed() > self.deadline {
                 continue;
@@ -515,7 +654,7 @@ impl Client {
                 // A copy that survives this belongs to a PUT still in flight,
                 // which is then ordered after this delete.
                 self.remove_duplicates(&found[1..], started)?;
-                return Ok(true);
+                return Ok(Step::Done(true));
             }
         }
         Err(Error::Contended(self.options.max_attempts))
@@ -533,22 +672,14 @@ impl Client {
         Ok(true)
     }
 
+    /// The READs of the key's two windows of buckets (one each).
     fn bucket_reads(&self, kh: &KeyHash) -> [Verb; 2] {
         let g = &self.info.geometry;
-        let [b0, b1] = kh.buckets();
-        let len = BUCKET_BYTES as usize;
-        [
-            Verb::Read {
-                remote: g.bucket_offset(b0),
-                local: BUCKETS_AT,
-                len,
-            },
-            Verb::Read {
-                remote: g.bucket_offset(b1),
-                local: BUCKETS_AT + len,
-                len,
-            },
-        ]
+        std::array::from_fn(|w| Verb::Read {
+            remote: g.bucket_offset(kh.windows[w]),
+            local: BUCKETS_AT + w * WINDOW_BYTES,
+            len: WINDOW_BYTES,
+        })
     }
 
     fn bucket_slots(&self) -> [Slot; SLOTS] {
@@ -575,6 +706,12 @@ impl Client {
     /// A slot that cannot point at a block, or whose block fails validation,
     /// is skipped; if the key is not found elsewhere the scan asks for a
     /// retry, naming that slot (see [`CorruptSlot`]).
+    ///
+    /// Frozen slots (a resize is migrating these buckets) are followed as
+    /// usual, and so may a slot pointing past the region this client knows
+    /// (it grew): both are trusted only if the epoch word, read in the same
+    /// batch as the blocks and so after the buckets, shows no newer geometry
+    /// — the buckets were then read before the new index was published.
     #[allow(clippy::too_many_arguments)]
     fn scan(
         &mut self,
@@ -592,29 +729,47 @@ impl Client {
         let mut found = Vec::new();
         let mut suspect: Option<(SlotPos, Slot)> = None;
         let mut candidates: Vec<(usize, Slot, u64, usize)> = Vec::new();
+        let mut check_epoch = meets_resize(slots);
         for (i, &s) in slots.iter().enumerate() {
-            if s.is_empty() || s.fingerprint() != kh.fingerprint {
+            let live = s.thawed();
+            if live.is_empty() || live.fingerprint() != kh.fingerprint {
                 continue;
             }
             if Some(s) == known {
-                found.push((slot_pos(kh, i), s));
+                found.push((kh.slot_pos(i), s));
                 continue;
             }
             // No client writes a block larger than `max_block` (< room).
-            match g.block_span(s).filter(|&(_, len)| len <= room) {
+            match g.block_span(live).filter(|&(_, len)| len <= room) {
                 Some((offset, len)) => candidates.push((i, s, offset, len)),
                 None => {
-                    suspect.get_or_insert((slot_pos(kh, i), s));
+                    check_epoch |= live.offset() >= g.region_len;
+                    suspect.get_or_insert((kh.slot_pos(i), s));
                 }
             }
         }
         self.pause_if_slow();
+        let epoch_read = Verb::Read {
+            remote: EPOCH_OFFSET,
+            local: EPOCH_AT,
+            len: 8,
+        };
+        if candidates.is_empty() && check_epoch {
+            self.conn.post(&[epoch_read])?;
+            if read_u64(self.conn.local(), EPOCH_AT) != g.epoch {
+                return Ok(Scan::Moved);
+            }
+        }
         let mut next = 0;
         while next < candidates.len() {
             let mut verbs = Vec::new();
+            if check_epoch {
+                verbs.push(epoch_read);
+            }
+            let first = verbs.len();
             let mut at = reads_at;
             while let Some(&(_, _, remote, len)) = candidates.get(next) {
-                if !verbs.is_empty() && at + len > reads_at + room {
+                if verbs.len() > first && at + len > reads_at + room {
                     break;
                 }
                 verbs.push(Verb::Read {
@@ -626,6 +781,9 @@ impl Client {
                 next += 1;
             }
             self.conn.post(&verbs)?;
+            if check_epoch && read_u64(self.conn.local(), EPOCH_AT) != g.epoch {
+                return Ok(Scan::Moved);
+            }
             if started.elapsed() > self.deadline {
                 // Too slow to trust anything read: a block may have been
                 // freed and rewritten (even for another key) since the slot
@@ -634,14 +792,15 @@ impl Client {
             }
             let local = self.conn.local();
             let mut at = reads_at;
-            for &(i, slot, _, len) in &candidates[next - verbs.len()..next] {
+            let batch = verbs.len() - first;
+            for &(i, slot, _, len) in &candidates[next - batch..next] {
                 let block = &local[at..at + len];
                 at += len;
                 // Read within the deadline, a block its slot still referenced
                 // when the buckets were read cannot have been reused yet: a
                 // failure here is damage, or a race a retry resolves.
                 let Ok(view) = decode_block(block) else {
-                    suspect.get_or_insert((slot_pos(kh, i), slot));
+                    suspect.get_or_insert((kh.slot_pos(i), slot));
                     continue;
                 };
                 if view.key != key {
@@ -650,7 +809,7 @@ impl Client {
                 if found.is_empty() {
                     on_value(view.value);
                 }
-                found.push((slot_pos(kh, i), slot));
+                found.push((kh.slot_pos(i), slot));
                 if first_only {
                     return Ok(Scan::Found(found));
                 }
@@ -690,11 +849,16 @@ impl Client {
         }
         let size = class_size(class);
         let grace = self.deadline * 4;
-        let give_up = Instant::now() + (grace * 20).max(Duration::from_secs(2));
+        let give_up = Instant::now() + SPACE_WAIT;
         loop {
             match self.conn.call(&Request::Lease { min_len: size })? {
                 Response::Leased(extents) => {
                     self.alloc.add_extents(&extents);
+                    // Space the region grew by: learn its geometry first.
+                    let end = extents.iter().map(|e| e.offset + e.len).max();
+                    if end.is_some_and(|end| end > self.info.geometry.region_len) {
+                        self.follow_geometry(false)?;
+                    }
                     if let Some(offset) = self.alloc.take(class) {
                         return Ok(offset);
                     }
@@ -710,8 +874,13 @@ impl Client {
                 }
                 Response::Error {
                     kind: ErrorKind::HeapFull | ErrorKind::HeapBusy,
-                    ..
-                } => return Err(Error::RegionFull(size)),
+                    message,
+                } => {
+                    return Err(Error::RegionFull {
+                        size,
+                        reason: message,
+                    })
+                }
                 other => return Err(unexpected(other)),
             }
         }
@@ -782,20 +951,4 @@ fn unexpected(r: Response) -> Error {
         Response::Error { kind, message } => Error::from_server(kind, message),
         other => Error::Protocol(format!("unexpected reply {other:?}")),
     }
-}
-
-fn slot_pos(kh: &KeyHash, index: usize) -> SlotPos {
-    SlotPos {
-        bucket: kh.buckets()[index / SLOTS_PER_BUCKET],
-        index: index % SLOTS_PER_BUCKET,
-    }
-}
-
-fn slot_index(kh: &KeyHash, pos: SlotPos) -> usize {
-    let first = if pos.bucket == kh.buckets()[0] {
-        0
-    } else {
-        SLOTS_PER_BUCKET
-    };
-    first + pos.index
 }

@@ -40,6 +40,9 @@ enum Command {
     Del { key: String },
     /// Print the server's statistics.
     Stats,
+    /// Double the server's index now (it also doubles by itself when the
+    /// index fills) and print the new geometry once it is in force.
+    Resize,
 }
 
 fn main() -> ExitCode {
@@ -114,11 +117,18 @@ fn run(args: Args) -> Result<ExitCode, String> {
             println!("give_backs {}", s.give_backs);
             println!("refused_give_backs {}", s.refused_give_backs);
             println!("malformed_messages {}", s.malformed);
-            println!("buckets {} (slots {})", s.bucket_count, s.bucket_count * 8);
+            println!("epoch {}", s.epoch);
+            println!("resizes {}", s.resizes);
+            println!("resizing {}", s.resizing);
+            println!("buckets {} (slots {})", s.bucket_count, s.index_slots);
             println!(
                 "live_slots {} (as of index scan {})",
                 s.live_slots, s.index_scans
             );
+            println!("occupancy {:.3}", s.occupancy());
+            println!("region_bytes {}", s.region_bytes);
+            println!("max_region_bytes {}", s.max_region_bytes);
+            println!("growths {}", s.growths);
             println!("live_bytes {}", s.live_bytes);
             println!("corrupt_slots {}", s.corrupt_slots);
             println!("heap_bytes {}", s.heap_size);
@@ -127,6 +137,15 @@ fn run(args: Args) -> Result<ExitCode, String> {
             println!("chunk_bytes {}", g.chunk_size);
             println!("max_value_bytes {}", kv.max_value());
             println!("server_cpu_us {}", s.server_cpu_us);
+            ExitCode::SUCCESS
+        }
+        Command::Resize => {
+            let before = kv.geometry().bucket_count;
+            let g = kv.resize().map_err(|e| e.to_string())?;
+            println!(
+                "buckets {before} -> {} (epoch {}, region {} bytes)",
+                g.bucket_count, g.epoch, g.region_len
+            );
             ExitCode::SUCCESS
         }
     };

@@ -3,9 +3,18 @@
 //! described here, so server and client agree on it byte for byte.
 //!
 //! ```text
-//! 0        4096                36864                   heap_offset            region_len
-//! | header | key table: 4096×8 | index: buckets × 64 B | heap: chunks of blocks |
+//! 0        4096                36864                                        region_len
+//! | header | key table: 4096×8 | heap: the index (buckets × 64 B), chunks of blocks |
 //! ```
+//!
+//! The index is a contiguous run of the heap: a new region's starts at the
+//! heap's start, and a resize builds a larger one elsewhere in the heap and
+//! switches the header to it. The region grows at its end. The header holds
+//! two geometry records, each with its own checksum; the valid one with the
+//! higher epoch is current, so a switch is one record written in full
+//! (checksum last) and a crash in the middle leaves the previous one in
+//! force. The word at [`EPOCH_OFFSET`] repeats the current epoch for clients,
+//! who read it with one READ to learn whether the geometry has changed.
 //!
 //! The key table holds one access key per connected client of the shm
 //! backend (a client's verbs check its own word, so one client can be cut
@@ -21,17 +30,24 @@ use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 /// "ONEKVRG1" read as a little-endian word.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"ONEKVRG1");
-/// Bumped whenever the byte layout of the region changes (2: key table).
-pub const FORMAT_VERSION: u64 = 2;
+/// Bumped whenever the byte layout of the region changes (2: key table;
+/// 3: two header records, the index inside the heap, two-bucket windows).
+pub const FORMAT_VERSION: u64 = 3;
 pub const HEADER_SIZE: u64 = 4096;
-/// Words of the header covered by its checksum (the checksum is word 9).
+/// Words of a header record covered by its checksum (the checksum is word 9).
 const HEADER_WORDS: usize = 9;
+/// Words between the starts of the two header records.
+const RECORD_STRIDE: usize = 16;
+/// Header words a reader needs to see both records.
+pub const HEADER_READ_WORDS: usize = RECORD_STRIDE + HEADER_WORDS + 1;
+/// The current epoch, for clients (outside both records' checksums).
+pub const EPOCH_OFFSET: u64 = 256;
 /// The shm backend's per-client access keys, one word each, right after the
 /// header. Outside the header checksum: every connect and fence changes it.
 pub const KEY_TABLE_OFFSET: u64 = HEADER_SIZE;
 pub const KEY_TABLE_ENTRIES: u64 = 4096;
-/// Where the index of a region of this format starts.
-pub const INDEX_OFFSET: u64 = KEY_TABLE_OFFSET + KEY_TABLE_ENTRIES * 8;
+/// Where the heap starts, and in it a new region's first index.
+pub const HEAP_OFFSET: u64 = KEY_TABLE_OFFSET + KEY_TABLE_ENTRIES * 8;
 /// Largest bucket count a header may claim (2^40 buckets = 64 TiB of index).
 pub const MAX_BUCKETS: u64 = 1 << 40;
 
@@ -59,7 +75,8 @@ pub enum LayoutError {
 }
 
 /// Where everything is inside the region; the server writes it into the
-/// header and hands it to every client at connect.
+/// header and hands it to every client at connect. `epoch` counts the
+/// changes (index resizes, heap growth) since the region was created.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Geometry {
     pub region_len: u64,
@@ -71,14 +88,10 @@ pub struct Geometry {
     pub epoch: u64,
 }
 
-fn round_up(v: u64, to: u64) -> u64 {
-    v.div_ceil(to) * to
-}
-
 impl Geometry {
-    /// Lays out a region of `memory` bytes. The index takes about 1/16 of it
-    /// (unless `buckets` says otherwise); chunks are 1/16 of the heap,
-    /// between 64 KiB and 4 MiB.
+    /// Lays out a region of `memory` bytes: an index of `buckets` buckets
+    /// (by default [`DEFAULT_BUCKETS`]) at the start of the heap; chunks are
+    /// 1/16 of the heap, between 64 KiB and 4 MiB.
     pub fn for_memory(memory: u64, buckets: Option<u64>) -> Result<Self, LayoutError> {
         let region_len = memory / 4096 * 4096;
         if region_len < 1 << 20 {
@@ -93,21 +106,19 @@ impl Geometry {
             )));
         }
         let bucket_count = match buckets {
-            Some(b) if (2..=MAX_BUCKETS).contains(&b) && b.is_power_of_two() => b,
+            Some(b) if (MIN_BUCKETS..=MAX_BUCKETS).contains(&b) && b.is_power_of_two() => b,
             Some(b) => {
                 return Err(LayoutError::BadGeometry(format!(
-                    "bucket count {b} must be a power of two from 2 to {MAX_BUCKETS}"
+                    "bucket count {b} must be a power of two from {MIN_BUCKETS} to {MAX_BUCKETS}"
                 )))
             }
-            None => {
-                // The largest power of two that keeps the index near 1/16.
-                let target = (region_len / 16 / BUCKET_BYTES).max(2);
-                1u64 << (63 - target.leading_zeros())
-            }
+            // Small: the index doubles online as keys arrive.
+            None => DEFAULT_BUCKETS,
         };
+        let heap_offset = HEAP_OFFSET;
         // bucket_count ≤ 2^40, so neither product nor sum can overflow.
-        let heap_offset = round_up(INDEX_OFFSET + bucket_count * BUCKET_BYTES, 4096);
-        if heap_offset.saturating_add(256 << 10) > region_len {
+        let index_end = heap_offset + index_bytes(bucket_count);
+        if index_end.saturating_add(256 << 10) > region_len {
             return Err(LayoutError::BadGeometry(format!(
                 "{bucket_count} buckets leave less than 256 KiB of heap in {region_len} bytes"
             )));
@@ -116,7 +127,7 @@ impl Geometry {
         let chunk_size = (heap_size / 16).clamp(64 << 10, 4 << 20) / 4096 * 4096;
         let g = Geometry {
             region_len,
-            index_offset: INDEX_OFFSET,
+            index_offset: heap_offset,
             bucket_count,
             heap_offset,
             heap_size,
@@ -131,22 +142,25 @@ impl Geometry {
     /// on its numbers can overflow once this passed.
     pub fn validate(&self) -> Result<(), LayoutError> {
         let bad = |m: &str| Err(LayoutError::BadGeometry(m.to_string()));
-        if !self.bucket_count.is_power_of_two() || !(2..=MAX_BUCKETS).contains(&self.bucket_count) {
-            return bad("bucket count is not a power of two from 2 to 2^40");
+        if !self.bucket_count.is_power_of_two()
+            || !(MIN_BUCKETS..=MAX_BUCKETS).contains(&self.bucket_count)
+        {
+            return bad("bucket count is not a power of two from 8 to 2^40");
         }
         if self.region_len > Slot::OFFSET_MASK {
             return bad("region larger than a slot can address");
         }
-        let index_end = self
-            .index_offset
-            .checked_add(self.bucket_count * BUCKET_BYTES);
-        if self.index_offset != INDEX_OFFSET || index_end.is_none_or(|e| e > self.heap_offset) {
-            return bad("index overlaps the key table or the heap");
-        }
-        if !self.heap_offset.is_multiple_of(4096)
+        if self.heap_offset != HEAP_OFFSET
             || self.heap_offset.checked_add(self.heap_size) != Some(self.region_len)
         {
-            return bad("heap does not end at the region end");
+            return bad("heap does not run from the key table to the region end");
+        }
+        let index_end = self.index_offset.checked_add(self.index_bytes());
+        if self.index_offset < self.heap_offset
+            || !self.index_offset.is_multiple_of(BUCKET_BYTES)
+            || index_end.is_none_or(|e| e > self.region_len)
+        {
+            return bad("index does not lie inside the heap");
         }
         if self.chunk_size < 4096
             || self.chunk_size > self.heap_size
@@ -188,6 +202,17 @@ impl Geometry {
         room.min(MAX_VALUE)
     }
 
+    /// Bytes of the index: `bucket_count` buckets, and the few more that
+    /// only the windows of the last buckets reach.
+    pub fn index_bytes(&self) -> u64 {
+        index_bytes(self.bucket_count)
+    }
+
+    /// Buckets in the index, the extra ones included.
+    pub fn index_buckets(&self) -> u64 {
+        self.bucket_count + WINDOW_BUCKETS as u64 - 1
+    }
+
     pub fn bucket_offset(&self, bucket: u64) -> u64 {
         self.index_offset + bucket * BUCKET_BYTES
     }
@@ -196,7 +221,7 @@ impl Geometry {
         self.bucket_offset(pos.bucket) + pos.index as u64 * 8
     }
 
-    /// The header as words; the checksum covers words 0..9.
+    /// This geometry as a header record; the checksum covers words 0..9.
     pub fn encode_header(&self) -> [u64; HEADER_WORDS + 1] {
         let mut w = [
             MAGIC,
@@ -214,8 +239,31 @@ impl Geometry {
         w
     }
 
+    /// Byte offset of the header record that holds this geometry: the two
+    /// records alternate, so writing a new epoch never touches the current
+    /// one (epoch 1 is in the first).
+    pub fn record_offset(&self) -> u64 {
+        ((self.epoch + 1) % 2) * (RECORD_STRIDE as u64 * 8)
+    }
+
+    /// The current geometry of a header: of the records that pass their
+    /// checks, the one with the higher epoch. With none valid, the error of
+    /// the record that looks most like a region's.
     pub fn decode_header(w: &[u64]) -> Result<Self, LayoutError> {
-        if w.len() < HEADER_WORDS + 1 || w[0] != MAGIC {
+        let record = |r: usize| {
+            let at = r * RECORD_STRIDE;
+            w.get(at..at + HEADER_WORDS + 1)
+                .map_or(Err(LayoutError::BadMagic), Self::decode_record)
+        };
+        match (record(0), record(1)) {
+            (Ok(a), Ok(b)) => Ok(if b.epoch > a.epoch { b } else { a }),
+            (Ok(g), Err(_)) | (Err(_), Ok(g)) => Ok(g),
+            (Err(LayoutError::BadMagic), Err(e)) | (Err(e), Err(_)) => Err(e),
+        }
+    }
+
+    fn decode_record(w: &[u64]) -> Result<Self, LayoutError> {
+        if w[0] != MAGIC {
             return Err(LayoutError::BadMagic);
         }
         if w[1] != FORMAT_VERSION {
@@ -239,6 +287,18 @@ impl Geometry {
         g.validate()?;
         Ok(g)
     }
+}
+
+/// Buckets of a new region's index unless told otherwise: 1 024 slots, as
+/// small as a hash table starts (it doubles when it fills).
+pub const DEFAULT_BUCKETS: u64 = 128;
+
+/// Fewest buckets an index has: a key's two windows must not overlap.
+pub const MIN_BUCKETS: u64 = 8;
+
+/// Bytes of an index of `bucket_count` buckets (see [`Geometry::index_bytes`]).
+pub fn index_bytes(bucket_count: u64) -> u64 {
+    (bucket_count + WINDOW_BUCKETS as u64 - 1) * BUCKET_BYTES
 }
 
 fn words_checksum(words: &[u64]) -> u64 {
@@ -291,7 +351,9 @@ pub struct Slot(pub u64);
 impl Slot {
     pub const EMPTY: Slot = Slot(0);
     pub const OFFSET_MASK: u64 = (1 << 47) - 1;
-    const FROZEN: u64 = 1 << 47;
+    pub const FROZEN: u64 = 1 << 47;
+    /// An empty slot a resize has frozen: nothing may be inserted into it.
+    pub const FROZEN_EMPTY: Slot = Slot(Self::FROZEN);
 
     pub fn new(fingerprint: u8, class: u8, offset: u64) -> Slot {
         debug_assert!(offset > 0 && offset <= Self::OFFSET_MASK);
@@ -306,9 +368,18 @@ impl Slot {
     pub fn class(self) -> u8 {
         (self.0 >> 48) as u8
     }
-    /// Set by a resize that is migrating this slot: writers must not CAS it.
+    /// Set by a resize that is migrating this slot: writers must not CAS it
+    /// (readers still follow it: its block is the key's value until the new
+    /// index is published).
     pub fn is_frozen(self) -> bool {
         self.0 & Self::FROZEN != 0
+    }
+    pub fn frozen(self) -> Slot {
+        Slot(self.0 | Self::FROZEN)
+    }
+    /// The slot as it was before a resize froze it.
+    pub fn thawed(self) -> Slot {
+        Slot(self.0 & !Self::FROZEN)
     }
     pub fn offset(self) -> u64 {
         self.0 & Self::OFFSET_MASK
@@ -319,39 +390,76 @@ impl Slot {
     }
 }
 
-/// Where a key may live: two candidate buckets and an 8-bit fingerprint.
+/// Where a key may live: two windows of three adjacent buckets (each window
+/// one 192-byte READ) and an 8-bit fingerprint. An insert takes the least
+/// loaded of the six buckets, which fills the index to ~88% before a key
+/// finds them all full (windows of two: ~85% and less as the index grows;
+/// two single buckets: ~75%; the first free slot of the first bucket: ~30%).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KeyHash {
-    pub bucket_a: u64,
-    pub bucket_b: u64,
+    /// First buckets of the two windows, ascending and not overlapping.
+    pub windows: [u64; 2],
     pub fingerprint: u8,
 }
 
 const SECOND_BUCKET_SEED: u64 = 0x6f6e_656b_765f_6232;
 
+/// Buckets one window covers.
+pub const WINDOW_BUCKETS: usize = 3;
+/// Slots a key may occupy: two windows.
+pub const CANDIDATE_SLOTS: usize = 2 * WINDOW_BUCKETS * SLOTS_PER_BUCKET;
+
 impl KeyHash {
+    /// Where `key` lives in an index of `bucket_count` (≥ MIN_BUCKETS, a
+    /// power of two) buckets. The fingerprint does not depend on it.
     pub fn new(key: &[u8], bucket_count: u64) -> KeyHash {
         let mask = bucket_count - 1;
         let h = xxh3_64(key);
-        let bucket_a = h & mask;
-        let mut bucket_b = xxh3_64_with_seed(key, SECOND_BUCKET_SEED) & mask;
-        if bucket_b == bucket_a {
-            bucket_b = bucket_a ^ 1;
+        let a = h & mask;
+        let mut b = xxh3_64_with_seed(key, SECOND_BUCKET_SEED) & mask;
+        if a.abs_diff(b) < WINDOW_BUCKETS as u64 {
+            b = (a + bucket_count / 2) & mask;
         }
         KeyHash {
-            bucket_a,
-            bucket_b,
+            windows: [a.min(b), a.max(b)],
             fingerprint: (h >> 56) as u8,
         }
     }
 
-    /// The two buckets in ascending order, so slot positions compare the
-    /// same way for every client.
-    pub fn buckets(&self) -> [u64; 2] {
-        [
-            self.bucket_a.min(self.bucket_b),
-            self.bucket_a.max(self.bucket_b),
-        ]
+    /// The candidate buckets in ascending order, so slot positions compare
+    /// the same way for every client.
+    pub fn buckets(&self) -> [u64; 2 * WINDOW_BUCKETS] {
+        std::array::from_fn(|i| self.windows[i / WINDOW_BUCKETS] + (i % WINDOW_BUCKETS) as u64)
+    }
+
+    /// Position of candidate slot `i` (0..CANDIDATE_SLOTS), in bucket order.
+    pub fn slot_pos(&self, i: usize) -> SlotPos {
+        SlotPos {
+            bucket: self.buckets()[i / SLOTS_PER_BUCKET],
+            index: i % SLOTS_PER_BUCKET,
+        }
+    }
+
+    /// Which candidate slot `pos` is, if it is one of this key's.
+    pub fn slot_index(&self, pos: SlotPos) -> Option<usize> {
+        let b = self.buckets().iter().position(|&b| b == pos.bucket)?;
+        (pos.index < SLOTS_PER_BUCKET).then_some(b * SLOTS_PER_BUCKET + pos.index)
+    }
+
+    /// Where an insert goes among the candidate slots `slots` (in
+    /// `slot_pos` order): the first empty slot of the least loaded bucket,
+    /// the lower bucket on a tie; None if all are full.
+    pub fn insert_choice(slots: &[Slot; CANDIDATE_SLOTS]) -> Option<usize> {
+        slots
+            .chunks(SLOTS_PER_BUCKET)
+            .enumerate()
+            .map(|(b, bucket)| (bucket.iter().filter(|s| !s.is_empty()).count(), b))
+            .filter(|&(used, _)| used < SLOTS_PER_BUCKET)
+            .min()
+            .and_then(|(_, b)| {
+                let first = b * SLOTS_PER_BUCKET;
+                (first..first + SLOTS_PER_BUCKET).find(|&i| slots[i].is_empty())
+            })
     }
 }
 
@@ -421,6 +529,7 @@ mod tests {
         let g = Geometry::for_memory(64 << 20, None).unwrap();
         let w = g.encode_header();
         assert_eq!(Geometry::decode_header(&w), Ok(g));
+        assert_eq!(g.record_offset(), 0);
 
         let mut bad = w;
         bad[4] ^= 1;
@@ -452,6 +561,7 @@ mod tests {
         }
         assert!(Geometry::for_memory(1000, None).is_err());
         assert!(Geometry::for_memory(1 << 20, Some(3)).is_err());
+        assert!(Geometry::for_memory(1 << 20, Some(4)).is_err());
         assert!(Geometry::for_memory(1 << 20, Some(1 << 20)).is_err());
         assert!(Geometry::for_memory(1 << 30, Some(1 << 63)).is_err());
         assert!(Geometry::for_memory(u64::MAX, None).is_err());
@@ -465,7 +575,7 @@ mod tests {
     fn untrusted_geometry_and_slots_never_overflow() {
         let g = Geometry::for_memory(16 << 20, None).unwrap();
         // A header claiming 2^58 buckets (its index would wrap) is refused.
-        for buckets in [1u64 << 58, 1 << 41, 3, 0] {
+        for buckets in [1u64 << 58, 1 << 41, 3, 4, 0] {
             let forged = Geometry {
                 bucket_count: buckets,
                 ..g
@@ -488,8 +598,8 @@ mod tests {
         assert_eq!(g.block_span(inside), Some((g.heap_offset, 64)));
         let past_end = Slot::new(1, 0, g.region_len - 32);
         assert_eq!(g.block_span(past_end), None);
-        let in_index = Slot::new(1, 0, g.index_offset);
-        assert_eq!(g.block_span(in_index), None);
+        let in_key_table = Slot::new(1, 0, KEY_TABLE_OFFSET);
+        assert_eq!(g.block_span(in_key_table), None);
     }
 
     #[test]
@@ -500,8 +610,12 @@ mod tests {
             (0xab, 17, 0x0012_3456_789a)
         );
         assert!(!s.is_empty() && !s.is_frozen());
-        assert!(Slot(s.0 | 1 << 47).is_frozen());
-        assert_eq!(Slot(s.0 | 1 << 47).offset(), s.offset());
+        assert!(s.frozen().is_frozen());
+        assert_eq!(s.frozen().offset(), s.offset());
+        assert_eq!(s.frozen().thawed(), s);
+        assert!(
+            Slot::EMPTY.frozen() == Slot::FROZEN_EMPTY && Slot::FROZEN_EMPTY.thawed().is_empty()
+        );
     }
 
     #[test]
@@ -523,13 +637,75 @@ mod tests {
     }
 
     #[test]
-    fn key_hash_picks_two_distinct_buckets() {
-        for i in 0..1000u32 {
-            let h = KeyHash::new(&i.to_le_bytes(), 64);
-            assert_ne!(h.bucket_a, h.bucket_b);
-            assert!(h.bucket_a < 64 && h.bucket_b < 64);
-            assert!(h.buckets()[0] < h.buckets()[1]);
+    fn key_hash_picks_two_windows_that_do_not_overlap() {
+        for buckets in [8u64, 16, 64, 1 << 20] {
+            for i in 0..1000u32 {
+                let h = KeyHash::new(&i.to_le_bytes(), buckets);
+                let [a, b] = h.windows;
+                assert!(a + 3 <= b && b < buckets, "{buckets}: {a} {b}");
+                let all = h.buckets();
+                assert!(all.windows(2).all(|w| w[0] < w[1]));
+                assert!(
+                    all[5]
+                        < Geometry::for_memory(1 << 30, Some(buckets))
+                            .unwrap()
+                            .index_buckets()
+                );
+                for i in 0..CANDIDATE_SLOTS {
+                    assert_eq!(h.slot_index(h.slot_pos(i)), Some(i));
+                }
+            }
         }
+    }
+
+    /// What the less-loaded choice buys: uniform keys fill ≥ 85% of an
+    /// index's slots before the first of them finds all its buckets full.
+    #[test]
+    fn inserts_fill_the_index_past_85_percent() {
+        for buckets in [1u64 << 10, 1 << 14, 1 << 16] {
+            let g = Geometry::for_memory(64 << 20, Some(buckets)).unwrap();
+            let mut index = vec![Slot::EMPTY; (g.index_buckets() as usize) * SLOTS_PER_BUCKET];
+            let mut stored = 0u64;
+            for i in 0u64.. {
+                let h = KeyHash::new(format!("user{i}").as_bytes(), buckets);
+                let slots: [Slot; CANDIDATE_SLOTS] = std::array::from_fn(|c| {
+                    let p = h.slot_pos(c);
+                    index[p.bucket as usize * SLOTS_PER_BUCKET + p.index]
+                });
+                let Some(c) = KeyHash::insert_choice(&slots) else {
+                    break;
+                };
+                let p = h.slot_pos(c);
+                index[p.bucket as usize * SLOTS_PER_BUCKET + p.index] = Slot::new(1, 0, 4096);
+                stored += 1;
+            }
+            let occupancy = stored as f64 / (g.index_buckets() * SLOTS_PER_BUCKET as u64) as f64;
+            assert!(occupancy >= 0.85, "{buckets} buckets: {occupancy:.3}");
+        }
+    }
+
+    #[test]
+    fn the_newer_valid_header_record_is_current() {
+        let g1 = Geometry::for_memory(64 << 20, None).unwrap();
+        let g2 = Geometry {
+            epoch: 2,
+            bucket_count: g1.bucket_count * 2,
+            index_offset: g1.index_offset + g1.index_bytes(),
+            ..g1
+        };
+        let mut words = [0u64; HEADER_READ_WORDS];
+        let put = |words: &mut [u64; HEADER_READ_WORDS], g: &Geometry| {
+            let at = g.record_offset() as usize / 8;
+            words[at..at + HEADER_WORDS + 1].copy_from_slice(&g.encode_header());
+        };
+        put(&mut words, &g1);
+        assert_eq!(Geometry::decode_header(&words), Ok(g1));
+        put(&mut words, &g2);
+        assert_eq!(Geometry::decode_header(&words), Ok(g2));
+        // A record torn by a crash in the middle of its write: the other rules.
+        let at = g2.record_offset() as usize / 8;
+        words[at + HEADER_WORDS] ^= 1;
+        assert_eq!(Geometry::decode_header(&words), Ok(g1));
     }
 
     #[test]

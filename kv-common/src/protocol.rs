@@ -1,5 +1,5 @@
-//! Two-sided control messages (connect, lease, return space, stats,
-//! disconnect). They are serde types encoded with postcard; the data path
+//! Two-sided control messages (connect, lease, return space, geometry and
+//! resize, stats, disconnect). They are serde types encoded with postcard; the data path
 //! never uses them.
 
 use serde::{Deserialize, Serialize};
@@ -8,7 +8,7 @@ use crate::layout::Geometry;
 use crate::transport::RemoteRegion;
 
 /// Bumped when a message changes shape.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 /// Largest encoded message either side accepts.
 pub const MAX_MESSAGE: usize = 64 * 1024;
 
@@ -38,8 +38,27 @@ pub enum Request {
     GiveBack {
         extents: Vec<Extent>,
     },
+    /// The current geometry and how to reach the region (a client asks
+    /// when it met a frozen slot, a block past the region it knows, or an
+    /// epoch newer than its own).
+    Geometry,
+    /// Start a resize of the index of epoch `epoch` (a client found no room
+    /// for a key; an operator asked). Answered at once with the geometry;
+    /// the client then waits for a newer epoch.
+    Resize {
+        epoch: u64,
+    },
     Stats,
     Disconnect,
+}
+
+/// The geometry in force and how this client names the region under it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GeometryInfo {
+    pub geometry: Geometry,
+    pub region: RemoteRegion,
+    /// A resize is migrating the index: a newer epoch is coming.
+    pub resizing: bool,
 }
 
 /// What a connected client learns: where the region is and how it is laid out.
@@ -67,6 +86,8 @@ pub enum ErrorKind {
     BadExtent,
     /// The server already serves as many clients as it is configured for.
     TooManyClients,
+    /// The index cannot grow (its cap, or no memory for a larger one).
+    IndexFull,
 }
 
 /// Counters a server keeps about its control plane and heap.
@@ -103,6 +124,29 @@ pub struct ServerStats {
     pub corrupt_slots: u64,
     /// CPU time the control plane and the reclaimer spent.
     pub server_cpu_us: u64,
+    /// Changes of the geometry since the region was created.
+    pub epoch: u64,
+    /// Index resizes this server completed, and whether one is under way.
+    pub resizes: u64,
+    pub resizing: bool,
+    /// Times the heap grew, the region's size now and the cap it grows to.
+    pub growths: u64,
+    pub region_bytes: u64,
+    pub max_region_bytes: u64,
+    /// Slots of the current index (`live_slots` of them in use).
+    pub index_slots: u64,
+    /// Geometry and resize requests answered.
+    pub geometry_requests: u64,
+}
+
+impl ServerStats {
+    /// Fraction of the index's slots in use, as of the last scan.
+    pub fn occupancy(&self) -> f64 {
+        if self.index_slots == 0 {
+            return 0.0;
+        }
+        self.live_slots as f64 / self.index_slots as f64
+    }
 }
 
 impl ServerStats {
@@ -113,6 +157,7 @@ impl ServerStats {
             + self.leases
             + self.give_backs
             + self.stats_requests
+            + self.geometry_requests
             + self.disconnects
             + self.malformed
     }
@@ -123,6 +168,7 @@ pub enum Response {
     Connected(ConnectInfo),
     Leased(Vec<Extent>),
     GivenBack,
+    Geometry(GeometryInfo),
     Stats(ServerStats),
     Goodbye,
     Error { kind: ErrorKind, message: String },

@@ -1,17 +1,20 @@
-//! The control plane's answers: connect, lease, give-back, stats and
-//! disconnect, one flat match on (request, session). Nothing here touches a
-//! slot or a block; clients do that themselves with one-sided verbs.
+//! The control plane's answers: connect, lease, give-back, geometry and
+//! resize, stats and disconnect, one flat match on (request, session).
+//! Nothing here touches a slot or a block; clients do that themselves with
+//! one-sided verbs, and resizes and growth are the `kv-grow` thread's.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
-use std::sync::{Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use kv_common::layout::Geometry;
+use kv_common::layout::{Geometry, SLOTS_PER_BUCKET};
 use kv_common::protocol::{
-    ConnectInfo, ErrorKind, Request, Response, ServerStats, PROTOCOL_VERSION,
+    ConnectInfo, ErrorKind, GeometryInfo, Request, Response, ServerStats, PROTOCOL_VERSION,
 };
 use kv_common::transport::shm::SharedRegion;
-use kv_common::transport::{ControlPeer, Fenced};
+use kv_common::transport::{ControlListener, ControlPeer, Fenced};
+use kv_common::Address;
 
 use crate::heap::{ClientId, HeapPool, LeaseRefusal};
 
@@ -37,12 +40,48 @@ pub struct Counters {
     pub live_slots: AtomicU64,
     pub live_bytes: AtomicU64,
     pub corrupt_slots: AtomicU64,
+    pub geometry_requests: AtomicU64,
+    pub resizes: AtomicU64,
+    pub growths: AtomicU64,
+}
+
+/// What the `kv-grow` thread is asked to do.
+#[derive(Debug, Default)]
+pub struct GrowRequests {
+    /// Resize the index while it has this many buckets (a client found no
+    /// room, or an operator asked).
+    pub resize: Option<u64>,
+    /// Leases are failing and most of the heap is live: grow it.
+    pub heap: bool,
+}
+
+/// How far the region may grow, and when the index grows on its own.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub max_region: u64,
+    pub max_buckets: u64,
+    /// Occupied fraction of the index's slots at which it is doubled.
+    pub resize_at: f64,
 }
 
 /// What the control plane's threads share.
 pub struct Shared {
-    pub geometry: Geometry,
-    pub region: std::sync::Arc<SharedRegion>,
+    /// Changed only by the `kv-grow` thread, after the header says so.
+    pub geometry: RwLock<Geometry>,
+    pub region: Arc<SharedRegion>,
+    pub listener: Arc<dyn ControlListener>,
+    /// Where clients reach this server (the resize mover is one of them).
+    pub address: Address,
+    pub limits: Limits,
+    /// A resize is migrating the index.
+    pub resizing: AtomicBool,
+    pub grow: (Mutex<GrowRequests>, Condvar),
+    /// The epoch of the geometry each connected client last learned: an
+    /// old index is reused once every client has moved past it.
+    pub client_epochs: Mutex<HashMap<ClientId, u64>>,
+    /// Why the last resize of an epoch failed, so clients asking again for
+    /// that epoch get the reason instead of another attempt.
+    pub failed_resize: Mutex<Option<(u64, String)>>,
     pub secret: Option<Vec<u8>>,
     pub op_deadline: Duration,
     pub max_clients: u64,
@@ -65,6 +104,41 @@ impl Shared {
         self.op_deadline * 4
     }
 
+    pub fn geometry(&self) -> Geometry {
+        match self.geometry.read() {
+            Ok(g) => *g,
+            Err(poisoned) => *poisoned.into_inner(),
+        }
+    }
+
+    /// Asks the `kv-grow` thread for a resize or more heap.
+    pub fn want_growth(&self, f: impl FnOnce(&mut GrowRequests)) {
+        let (wanted, cv) = &self.grow;
+        if let Ok(mut w) = wanted.lock() {
+            f(&mut w);
+            cv.notify_one();
+        }
+    }
+
+    /// The geometry and how this client reaches the region, noting that
+    /// the client now knows this epoch.
+    fn geometry_info(
+        &self,
+        id: ClientId,
+        peer: &mut dyn ControlPeer,
+    ) -> Result<GeometryInfo, String> {
+        let geometry = self.geometry();
+        let region = peer.region().map_err(|e| e.to_string())?;
+        if let Ok(mut epochs) = self.client_epochs.lock() {
+            epochs.insert(id, geometry.epoch);
+        }
+        Ok(GeometryInfo {
+            geometry,
+            region,
+            resizing: self.resizing.load(Relaxed),
+        })
+    }
+
     pub fn wake_reclaimer(&self) {
         let (flag, cv) = &self.reclaim;
         if let Ok(mut f) = flag.lock() {
@@ -77,6 +151,7 @@ impl Shared {
     /// cheap enough to answer any number of stats requests.
     pub fn stats(&self) -> ServerStats {
         let c = &self.counters;
+        let g = self.geometry();
         let (heap_free, heap_leased) = self
             .pool
             .lock()
@@ -94,15 +169,23 @@ impl Shared {
             disconnects: c.disconnects.load(Relaxed),
             departures: c.departures.load(Relaxed),
             malformed: c.malformed.load(Relaxed),
-            heap_size: self.geometry.heap_size,
+            heap_size: g.heap_size,
             heap_free,
             heap_leased,
-            bucket_count: self.geometry.bucket_count,
+            bucket_count: g.bucket_count,
             live_slots: c.live_slots.load(Relaxed),
             live_bytes: c.live_bytes.load(Relaxed),
             index_scans: c.index_scans.load(Relaxed),
             corrupt_slots: c.corrupt_slots.load(Relaxed),
             server_cpu_us: c.cpu_us.load(Relaxed),
+            epoch: g.epoch,
+            resizes: c.resizes.load(Relaxed),
+            resizing: self.resizing.load(Relaxed),
+            growths: c.growths.load(Relaxed),
+            region_bytes: g.region_len,
+            max_region_bytes: self.limits.max_region,
+            index_slots: g.index_buckets() * SLOTS_PER_BUCKET as u64,
+            geometry_requests: c.geometry_requests.load(Relaxed),
         }
     }
 }
@@ -190,13 +273,17 @@ pub fn handle(
             };
             let id = shared.next_client.fetch_add(1, Relaxed);
             session.client = Some(id);
+            let geometry = shared.geometry();
+            if let Ok(mut epochs) = shared.client_epochs.lock() {
+                epochs.insert(id, geometry.epoch);
+            }
             c.connects.fetch_add(1, Relaxed);
             c.connected.fetch_add(1, Relaxed);
             tracing::debug!(client = id, "connected");
             let info = ConnectInfo {
                 client_id: id,
                 region,
-                geometry: shared.geometry,
+                geometry,
                 op_deadline_us: shared.op_deadline.as_micros() as u64,
             };
             (Response::Connected(info), After::Stay)
@@ -215,17 +302,32 @@ pub fn handle(
         }
         (Request::Lease { min_len }, Some(id)) => {
             c.leases.fetch_add(1, Relaxed);
-            if min_len == 0 || min_len > shared.geometry.chunk_size {
-                let m = format!(
-                    "lease of {min_len} bytes; chunks are {}",
-                    shared.geometry.chunk_size
-                );
+            let chunk_size = shared.geometry().chunk_size;
+            if min_len == 0 || min_len > chunk_size {
+                let m = format!("lease of {min_len} bytes; chunks are {chunk_size}");
                 let after = offence(session);
                 return (error(ErrorKind::Malformed, m), after);
             }
             let leased = match shared.pool.lock() {
                 Ok(mut p) => p.lease(id, min_len),
                 Err(_) => Err(LeaseRefusal::Full),
+            };
+            let can_grow = shared.geometry().region_len < shared.limits.max_region;
+            let mostly_live = || {
+                let g = shared.geometry();
+                c.live_bytes.load(Relaxed) >= g.heap_size / 2
+            };
+            // Collecting cannot help a heap that is mostly live: grow it.
+            let leased = match leased {
+                Err(LeaseRefusal::Busy) if can_grow && mostly_live() => {
+                    shared.want_growth(|w| w.heap = true);
+                    Err(LeaseRefusal::Busy)
+                }
+                Err(LeaseRefusal::Full) if can_grow => {
+                    shared.want_growth(|w| w.heap = true);
+                    Err(LeaseRefusal::Busy)
+                }
+                other => other,
             };
             match leased {
                 Ok(extents) => {
@@ -239,10 +341,11 @@ pub fn handle(
                 }
                 Err(LeaseRefusal::Full) => {
                     shared.wake_reclaimer();
-                    (
-                        error(ErrorKind::HeapFull, "no free heap space left"),
-                        After::Stay,
-                    )
+                    let m = format!(
+                        "no free heap space left, and the region is at its cap of {} bytes (--max-memory)",
+                        shared.limits.max_region
+                    );
+                    (error(ErrorKind::HeapFull, m), After::Stay)
                 }
                 Err(LeaseRefusal::TooManyExtents) => {
                     let m = "this client holds too many extents; give some back first";
@@ -264,6 +367,42 @@ pub fn handle(
                     let after = offence(session);
                     (error(ErrorKind::BadExtent, m), after)
                 }
+            }
+        }
+        (Request::Geometry, Some(id)) => {
+            c.geometry_requests.fetch_add(1, Relaxed);
+            match shared.geometry_info(id, peer) {
+                Ok(info) => (Response::Geometry(info), After::Stay),
+                Err(m) => (error(ErrorKind::NotConnected, m), After::Close),
+            }
+        }
+        (Request::Resize { epoch }, Some(id)) => {
+            c.geometry_requests.fetch_add(1, Relaxed);
+            let current = shared.geometry();
+            if epoch == current.epoch && !shared.resizing.load(Relaxed) {
+                let failed = shared
+                    .failed_resize
+                    .lock()
+                    .ok()
+                    .and_then(|f| f.clone())
+                    .filter(|(e, _)| *e == epoch);
+                if let Some((_, why)) = failed {
+                    return (error(ErrorKind::IndexFull, why), After::Stay);
+                }
+                if current.bucket_count * 2 > shared.limits.max_buckets {
+                    let m = format!(
+                        "the index has {} buckets, the cap (--max-buckets) is {}",
+                        current.bucket_count, shared.limits.max_buckets
+                    );
+                    return (error(ErrorKind::IndexFull, m), After::Stay);
+                }
+                // Said before the reply, so the client sees it resizing.
+                shared.resizing.store(true, Relaxed);
+                shared.want_growth(|w| w.resize = Some(current.bucket_count));
+            }
+            match shared.geometry_info(id, peer) {
+                Ok(info) => (Response::Geometry(info), After::Stay),
+                Err(m) => (error(ErrorKind::NotConnected, m), After::Close),
             }
         }
         (Request::Stats, Some(_)) => {
@@ -301,6 +440,9 @@ pub fn end_session(
     };
     if let Ok(mut p) = shared.pool.lock() {
         p.depart(id, eligible);
+    }
+    if let Ok(mut epochs) = shared.client_epochs.lock() {
+        epochs.remove(&id);
     }
     let c = &shared.counters;
     c.connected.fetch_sub(1, Relaxed);

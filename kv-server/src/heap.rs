@@ -11,6 +11,8 @@
 //! - **leased** to one client, which alone writes new blocks into it;
 //! - **retired**: given back by its client, or left by one that departed,
 //!   and not yet looked at by a collection;
+//! - **reserved** for an index: the current one, one a resize is building,
+//!   or an old one a client may still read; never leased or collected;
 //! - **settled**: none of the above — space that held blocks the index
 //!   referenced when it was last looked at.
 //!
@@ -102,6 +104,8 @@ pub struct HeapPool {
     leased_bytes: u64,
     extents_held: HashMap<ClientId, usize>,
     retired: Vec<Retired>,
+    /// offset → length of index space.
+    reserved: BTreeMap<u64, u64>,
     /// When a lease last failed for want of space, if no collection began
     /// since.
     wanted_since: Option<Instant>,
@@ -130,6 +134,7 @@ impl HeapPool {
             leased_bytes: 0,
             extents_held: HashMap::new(),
             retired: Vec::new(),
+            reserved: BTreeMap::new(),
             wanted_since: None,
             last_lease: None,
             last_scan: None,
@@ -288,6 +293,9 @@ impl HeapPool {
         for r in &self.retired {
             live.mark(r.extent.offset, r.extent.len);
         }
+        for (&offset, &len) in &self.reserved {
+            live.mark(offset, len);
+        }
         let mut freed = 0;
         for e in live.unmarked_runs() {
             freed += e.len;
@@ -337,6 +345,54 @@ impl HeapPool {
             self.aging_bytes -= e.len;
             self.insert_free(e);
         }
+    }
+
+    /// Reserves `e` for an index: space no lease or free extent holds (the
+    /// index of a reopened region, before the first collection).
+    pub fn reserve_at(&mut self, e: Extent) {
+        self.reserved.insert(e.offset, e.len);
+    }
+
+    /// Reserves `len` contiguous free bytes for a new index (the smallest
+    /// free extent that holds them), if there are any.
+    pub fn reserve(&mut self, len: u64) -> Option<Extent> {
+        let len = len.next_multiple_of(UNIT);
+        let &(_, offset) = self.free_by_size.range((len, 0)..).next()?;
+        let e = self.take_free(offset, len);
+        self.reserved.insert(e.offset, e.len);
+        Some(e)
+    }
+
+    /// Ends the reservation of an index nobody reads any more: its space is
+    /// leasable from `ready_at` (a verb a departed client had in flight may
+    /// still read it until then).
+    pub fn release(&mut self, e: Extent, ready_at: Instant) {
+        if self.reserved.remove(&e.offset).is_some() {
+            self.aging.push_back((ready_at, e));
+            self.aging_bytes += e.len;
+        }
+    }
+
+    /// The heap now ends at `new_end`: the new space is free.
+    pub fn grow(&mut self, new_end: u64) {
+        if new_end > self.end {
+            let e = Extent {
+                offset: self.end,
+                len: new_end - self.end,
+            };
+            self.end = new_end;
+            self.insert_free(e);
+        }
+    }
+
+    pub fn end(&self) -> u64 {
+        self.end
+    }
+
+    /// Whether leases are failing for want of space (and no collection has
+    /// begun since).
+    pub fn short_of_space(&self) -> bool {
+        self.wanted_since.is_some()
     }
 
     fn lease_containing(&self, offset: u64) -> Option<(u64, Lease)> {
@@ -593,5 +649,32 @@ mod tests {
         let mut q = pool(4096, 4096, &[]);
         q.lease(1, 64).unwrap();
         assert_eq!(q.lease(2, 64), Err(LeaseRefusal::Full));
+    }
+
+    #[test]
+    fn reserved_index_space_is_never_leased_or_collected_until_released() {
+        let mut p = pool(1 << 20, 64 << 10, &[]);
+        let index = p.reserve(300 << 10).unwrap();
+        let before = p.free_bytes();
+        let now = Instant::now();
+        p.collect(now, map(1 << 20, &[]), now);
+        assert_eq!(p.free_bytes(), before, "a collection freed index space");
+        while let Ok(es) = p.lease(1, 4096) {
+            for e in es {
+                assert!(e.offset + e.len <= index.offset || e.offset >= index.offset + index.len);
+            }
+        }
+        p.release(index, now);
+        p.mature(now);
+        assert_eq!(p.free_bytes(), index.len);
+    }
+
+    #[test]
+    fn growth_adds_free_space_at_the_end() {
+        let mut p = pool(1 << 20, 64 << 10, &[ext(0, 1 << 20)]);
+        assert_eq!(p.free_bytes(), 0);
+        p.grow(3 << 20);
+        assert_eq!((p.free_bytes(), p.end()), (2 << 20, 3 << 20));
+        assert_eq!(p.reserve(2 << 20), Some(ext(1 << 20, 2 << 20)));
     }
 }

@@ -5,29 +5,31 @@
 //! Embed it with [`Server::start`]; the `kv-server` binary is a thin daemon
 //! around the same call.
 
+use std::collections::HashMap;
 use std::fs::File;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Sender};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kv_common::layout::{Geometry, KEY_TABLE_ENTRIES};
-use kv_common::protocol::ServerStats;
+use kv_common::layout::{Geometry, Slot, KEY_TABLE_ENTRIES, MAX_BUCKETS};
+use kv_common::protocol::{Extent, ServerStats};
 use kv_common::transport::{self, ControlListener, ControlPeer, TransportError};
 use kv_common::Address;
 use polling::Poller;
 
 mod control;
 mod event_loop;
+mod grow;
 pub mod heap;
 mod reclaim;
 pub mod region;
 mod units;
 
 pub use control::thread_cpu_us;
-use control::{Counters, Shared};
+use control::{Counters, GrowRequests, Limits, Shared};
 pub use event_loop::Timeouts;
 
 #[derive(Debug, thiserror::Error)]
@@ -43,10 +45,20 @@ pub enum ServerError {
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
     pub address: Address,
-    /// Size of a new region (an existing one keeps its own).
+    /// Size of a new region (an existing one keeps its own); it grows from
+    /// there as its heap fills.
     pub memory: u64,
-    /// Index buckets of a new region; by default the index takes ~1/16.
+    /// Largest size the region may grow to; by default the size of the file
+    /// system that holds it.
+    pub max_memory: Option<u64>,
+    /// Index buckets of a new region (default `DEFAULT_BUCKETS`; it doubles
+    /// as it fills).
     pub buckets: Option<u64>,
+    /// Most buckets the index may grow to (default: no cap short of 2^40).
+    pub max_buckets: Option<u64>,
+    /// Fraction of the index's slots in use at which it doubles (clients
+    /// that find a key's buckets full ask for a resize earlier).
+    pub resize_at: f64,
     /// When set, clients must present it to connect.
     pub secret: Option<Vec<u8>>,
     /// File backing the region of an rdma server (a shm address names its
@@ -65,6 +77,9 @@ pub struct ServerConfig {
     pub timeouts: Timeouts,
 }
 
+/// A new region's size: small, since it grows.
+pub const DEFAULT_MEMORY: u64 = 64 << 20;
+
 /// Open control connections allowed per client slot: room for clients that
 /// are still connecting, without letting idle sockets pile up unbounded.
 const CONNECTIONS_PER_CLIENT: u64 = 2;
@@ -73,8 +88,11 @@ impl ServerConfig {
     pub fn new(address: Address) -> Self {
         ServerConfig {
             address,
-            memory: 1 << 30,
+            memory: DEFAULT_MEMORY,
+            max_memory: None,
             buckets: None,
+            max_buckets: None,
+            resize_at: 0.8,
             secret: None,
             region_file: None,
             group_access: false,
@@ -104,6 +122,16 @@ impl ServerConfig {
         if self.timeouts.handshake.is_zero() || self.timeouts.idle.is_some_and(|d| d.is_zero()) {
             return Err(ServerError::Config("timeouts must be positive".into()));
         }
+        if self.max_memory.is_some_and(|m| m < self.memory) {
+            return Err(ServerError::Config(
+                "max memory must be at least the initial memory".into(),
+            ));
+        }
+        if !(self.resize_at > 0.0 && self.resize_at <= 1.0) {
+            return Err(ServerError::Config(
+                "the resize threshold must be a fraction in (0, 1]".into(),
+            ));
+        }
         Ok(())
     }
 }
@@ -130,9 +158,18 @@ impl Server {
         let path = region_path(&config)?;
         let wanted = Geometry::for_memory(config.memory, config.buckets)
             .map_err(|e| ServerError::Config(e.to_string()))?;
+        let max_memory = match config.max_memory {
+            Some(m) => m,
+            None => file_system_size(&path)?.max(config.memory),
+        }
+        .min(MAX_REGION);
         let mut listener = transport::bind(&config.address)?;
-        let opened =
-            region::open_or_create(&path, &wanted, region::file_mode(config.group_access))?;
+        let opened = region::open_or_create(
+            &path,
+            &wanted,
+            region::file_mode(config.group_access),
+            max_memory,
+        )?;
         let geometry = opened.geometry;
         let region = Arc::new(opened.region);
         // Revokes every key of an earlier registration.
@@ -141,6 +178,15 @@ impl Server {
             // Verbs of the previous server's clients that were under way
             // when their keys were revoked land within a grace period.
             std::thread::sleep(config.grace());
+            // Nobody is admitted yet: a resize that died unpublished is
+            // undone with plain stores.
+            let thawed = region::thaw_index(&region, &geometry)?;
+            if thawed > 0 {
+                tracing::warn!(
+                    thawed,
+                    "a resize was interrupted; the index it was migrating is in force again"
+                );
+            }
         }
         let scan_started = Instant::now();
         let scan = region::scan_index(&region, &geometry)?;
@@ -149,6 +195,10 @@ impl Server {
             geometry.region_len,
             geometry.chunk_size,
         );
+        pool.reserve_at(Extent {
+            offset: geometry.index_offset,
+            len: geometry.index_bytes(),
+        });
         // Nobody can write now: what the index does not reference is free.
         pool.collect(scan_started, scan.live, Instant::now());
         let counters = Counters::default();
@@ -175,8 +225,19 @@ impl Server {
         );
         let listener: Arc<dyn ControlListener> = Arc::from(listener);
         let shared = Arc::new(Shared {
-            geometry,
-            region,
+            geometry: RwLock::new(geometry),
+            region: region.clone(),
+            listener: listener.clone(),
+            address: config.address.clone(),
+            limits: Limits {
+                max_region: max_memory.max(geometry.region_len).min(region.max_len()),
+                max_buckets: config.max_buckets.unwrap_or(MAX_BUCKETS),
+                resize_at: config.resize_at,
+            },
+            resizing: AtomicBool::new(false),
+            grow: (Mutex::new(GrowRequests::default()), Condvar::new()),
+            client_epochs: Mutex::new(HashMap::new()),
+            failed_resize: Mutex::new(None),
             secret: config.secret.clone(),
             op_deadline: config.op_deadline,
             max_clients: config.max_clients,
@@ -211,6 +272,10 @@ impl Server {
             threads.push(spawn("kv-reclaim", Box::new(move || reclaim::run(shared)))?);
         }
         {
+            let shared = shared.clone();
+            threads.push(spawn("kv-grow", Box::new(move || grow::run(shared)))?);
+        }
+        {
             let (shared, listener, poller) = (shared.clone(), listener.clone(), poller.clone());
             threads.push(spawn(
                 "kv-accept",
@@ -232,8 +297,10 @@ impl Server {
         &self.address
     }
 
+    /// The geometry in force now (it changes as the region grows and the
+    /// index is resized).
     pub fn geometry(&self) -> Geometry {
-        self.shared.geometry
+        self.shared.geometry()
     }
 
     /// Whether this start created the region (false: it was reopened).
@@ -261,7 +328,7 @@ impl Server {
         &self,
         key: &[u8],
     ) -> Result<Vec<(kv_common::layout::SlotPos, kv_common::layout::Slot)>, TransportError> {
-        region::slots_of(&self.shared.region, &self.shared.geometry, key)
+        region::slots_of(&self.shared.region, &self.shared.geometry(), key)
     }
 
     /// Stops accepting clients, revokes the access keys (so clients' verbs
@@ -279,6 +346,7 @@ impl Server {
         self.listener.wake();
         let _ = self.poller.notify();
         self.shared.wake_reclaimer();
+        self.shared.want_growth(|_| {});
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
@@ -293,6 +361,32 @@ impl Drop for Server {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// Largest region a slot's offset can address.
+const MAX_REGION: u64 = Slot::OFFSET_MASK + 1;
+
+/// Bytes of the file system that holds `path` (the default growth cap).
+fn file_system_size(path: &std::path::Path) -> Result<u64, ServerError> {
+    use std::os::unix::ffi::OsStrExt;
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(std::path::Path::new("."));
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes())
+        .map_err(|_| ServerError::Config(format!("{}: NUL in path", dir.display())))?;
+    // SAFETY: statvfs fills the struct we own from a NUL-terminated path.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return Err(ServerError::Region {
+            path: path.to_path_buf(),
+            reason: format!(
+                "cannot size its file system: {}",
+                std::io::Error::last_os_error()
+            ),
+        });
+    }
+    Ok((st.f_blocks as u64).saturating_mul(st.f_frsize as u64))
 }
 
 /// The file that holds the region: named by a shm address, or given for

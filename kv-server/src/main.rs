@@ -37,14 +37,27 @@ struct ServeArgs {
     /// NAME.sock), or rdma://HOST:PORT when built with the rdma feature.
     #[arg(long, value_parser = Address::parse)]
     listen: Option<Address>,
-    /// Size of a new region (index + heap), allocated up front. An existing
-    /// region keeps its size.
-    #[arg(long, default_value = "1GiB", value_parser = parse_size)]
+    /// Initial size of a new region (index + heap), allocated up front. The
+    /// region grows (in steps of its size, 64 MiB to 1 GiB) when its heap
+    /// fills, up to --max-memory; an existing region starts at its own size.
+    #[arg(long, default_value = "64MiB", value_parser = parse_size)]
     memory: u64,
-    /// Index buckets (8 slots each, power of two) of a new region; by default
-    /// the index takes about 1/16 of the memory.
+    /// Largest size the region may grow to (default: the size of the file
+    /// system that holds it). Writes fail with "heap full" only there.
+    #[arg(long, value_parser = parse_size)]
+    max_memory: Option<u64>,
+    /// Index buckets (8 slots each, power of two, at least 8) of a new
+    /// region (default 128). The index doubles while clients keep working
+    /// when it is --resize-at full, or when a key finds its buckets full;
+    /// set this to skip the early doublings when the key count is known.
     #[arg(long)]
     buckets: Option<u64>,
+    /// Most buckets the index may grow to (default: no cap).
+    #[arg(long)]
+    max_buckets: Option<u64>,
+    /// Fraction of the index's slots in use at which it doubles.
+    #[arg(long, default_value_t = 0.8)]
+    resize_at: f64,
     /// File backing the region of an rdma server (default
     /// /dev/shm/onekv-rdma-PORT). A shm address names its own file.
     #[arg(long)]
@@ -166,7 +179,10 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         .ok_or("--listen is required to serve (see --help)")?;
     let mut config = ServerConfig::new(listen);
     config.memory = args.memory;
+    config.max_memory = args.max_memory;
     config.buckets = args.buckets;
+    config.max_buckets = args.max_buckets;
+    config.resize_at = args.resize_at;
     config.region_file = args.region_file;
     config.group_access = args.group_access;
     config.op_deadline = Duration::from_millis(args.op_deadline_ms);

@@ -78,7 +78,7 @@ pub fn collect(shared: &Shared) {
         return;
     };
     let started = Instant::now();
-    let scan = match region::scan_index(&shared.region, &shared.geometry) {
+    let scan = match region::scan_index(&shared.region, &shared.geometry()) {
         Ok(s) => s,
         Err(e) => {
             tracing::error!("index scan failed: {e}");

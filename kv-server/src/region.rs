@@ -1,6 +1,7 @@
 //! The server's side of the region file: create it (private, locked, its
 //! space allocated up front), or reopen and validate an existing one (never
-//! overwriting a file it does not understand), and scan the index.
+//! overwriting a file it does not understand), switch its geometry, and
+//! scan the index.
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
@@ -8,8 +9,8 @@ use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::Path;
 
 use kv_common::layout::{
-    decode_block, Geometry, KeyHash, Slot, SlotPos, BUCKET_BYTES, KEY_TABLE_ENTRIES,
-    KEY_TABLE_OFFSET, SLOTS_PER_BUCKET,
+    decode_block, Geometry, KeyHash, Slot, SlotPos, BUCKET_BYTES, EPOCH_OFFSET, HEADER_READ_WORDS,
+    KEY_TABLE_ENTRIES, KEY_TABLE_OFFSET, SLOTS_PER_BUCKET,
 };
 use kv_common::transport::shm::SharedRegion;
 use kv_common::transport::TransportError;
@@ -43,11 +44,13 @@ fn region_error(path: &Path, reason: impl std::fmt::Display) -> ServerError {
 }
 
 /// Opens the region at `path`, or creates it with `geometry` (and `mode`)
-/// when there is no file or an empty one.
+/// when there is no file or an empty one; either way mapped with room to
+/// grow to `max_len` bytes.
 pub fn open_or_create(
     path: &Path,
     geometry: &Geometry,
     mode: u32,
+    max_len: u64,
 ) -> Result<OpenedRegion, ServerError> {
     let file = OpenOptions::new()
         .read(true)
@@ -59,20 +62,19 @@ pub fn open_or_create(
     lock_exclusive(&file, path)?;
     let len = file.metadata().map_err(|e| region_error(path, e))?.len();
     if len == 0 || unfinished_create(&file) {
-        return create(file, path, geometry, mode);
+        return create(file, path, geometry, mode, max_len);
     }
-    let region = SharedRegion::from_file(&file, path).map_err(|e| region_error(path, e))?;
-    let mut words = [0u64; 10];
-    region
-        .read(0, &mut words)
-        .map_err(|e| region_error(path, e))?;
-    let found = Geometry::decode_header(&words).map_err(|e| {
+    let region =
+        SharedRegion::from_file(&file, path, max_len).map_err(|e| region_error(path, e))?;
+    let found = read_geometry(&region).map_err(|e| {
         region_error(
             path,
             format!("{e}; refusing to use it (move it away or pick another path)"),
         )
     })?;
-    if found.region_len != region.len() {
+    // Longer is a growth that died before its header switch: the header
+    // rules, and the next growth reuses the space.
+    if found.region_len > region.len() {
         return Err(region_error(
             path,
             format!(
@@ -98,7 +100,8 @@ pub fn open_or_create(
 fn unfinished_create(file: &File) -> bool {
     use std::os::unix::fs::FileExt;
     let size = file.metadata().map_or(0, |m| m.len());
-    let index_end = Geometry::for_memory(size, None).map_or(0, |g| g.heap_offset);
+    let index_end =
+        Geometry::for_memory(size, None).map_or(0, |g| g.index_offset + g.index_bytes());
     let len = size.min(index_end.max(64 << 20));
     let mut buf = vec![0u8; 1 << 20];
     let mut at = 0;
@@ -117,6 +120,7 @@ fn create(
     path: &Path,
     geometry: &Geometry,
     mode: u32,
+    max_len: u64,
 ) -> Result<OpenedRegion, ServerError> {
     // Exactly `mode`, whatever the umask took away at open.
     file.set_permissions(std::fs::Permissions::from_mode(mode))
@@ -135,18 +139,37 @@ fn create(
             format!("cannot allocate {len} bytes for the region: {e}"),
         ));
     }
-    let region = SharedRegion::from_file(&file, path).map_err(|e| region_error(path, e))?;
-    for (i, w) in geometry.encode_header().iter().enumerate() {
-        region
-            .store(i as u64 * 8, *w)
-            .map_err(|e| region_error(path, e))?;
-    }
+    let region =
+        SharedRegion::from_file(&file, path, max_len).map_err(|e| region_error(path, e))?;
+    write_geometry(&region, geometry).map_err(|e| region_error(path, e))?;
     Ok(OpenedRegion {
         region,
         geometry: *geometry,
         created: true,
         lock: file,
     })
+}
+
+/// The geometry the region's header holds (its newer valid record).
+pub fn read_geometry(region: &SharedRegion) -> Result<Geometry, String> {
+    let mut words = [0u64; HEADER_READ_WORDS];
+    region.read(0, &mut words).map_err(|e| e.to_string())?;
+    Geometry::decode_header(&words).map_err(|e| e.to_string())
+}
+
+/// Makes `g` the region's geometry: its header record (the one the current
+/// geometry does not use) is written whole, checksum last, so a crash at any
+/// point leaves either geometry in force; then the epoch word tells clients.
+pub fn write_geometry(region: &SharedRegion, g: &Geometry) -> Result<(), TransportError> {
+    let words = g.encode_header();
+    let at = g.record_offset();
+    let (body, checksum) = words.split_at(words.len() - 1);
+    // The checksum word first reset, so no moment has a stale checksum
+    // matching a half-written body.
+    region.store(at + body.len() as u64 * 8, 0)?;
+    region.write(at, body)?;
+    region.store(at + body.len() as u64 * 8, checksum[0])?;
+    region.store(EPOCH_OFFSET, g.epoch)
 }
 
 fn lock_exclusive(file: &File, path: &Path) -> Result<(), ServerError> {
@@ -164,7 +187,8 @@ fn lock_exclusive(file: &File, path: &Path) -> Result<(), ServerError> {
     Ok(())
 }
 
-/// Calls `f` for every occupied slot of the index (server-side reads only).
+/// Calls `f` for every occupied slot of the index, frozen or not (server-side
+/// reads only; a frozen empty slot is empty).
 pub fn for_each_slot(
     region: &SharedRegion,
     g: &Geometry,
@@ -175,12 +199,12 @@ pub fn for_each_slot(
     const BATCH: u64 = 1024;
     let mut words = vec![0u64; (BATCH as usize) * SLOTS_PER_BUCKET];
     let mut first = 0;
-    while first < g.bucket_count {
-        let n = BATCH.min(g.bucket_count - first);
+    while first < g.index_buckets() {
+        let n = BATCH.min(g.index_buckets() - first);
         let batch = &mut words[..n as usize * SLOTS_PER_BUCKET];
         region.read(g.bucket_offset(first), batch)?;
         for (i, &w) in batch.iter().enumerate() {
-            if w != 0 {
+            if !Slot(w).thawed().is_empty() {
                 let pos = SlotPos {
                     bucket: first + (i / SLOTS_PER_BUCKET) as u64,
                     index: i % SLOTS_PER_BUCKET,
@@ -213,7 +237,7 @@ pub fn scan_index(region: &SharedRegion, g: &Geometry) -> Result<IndexScan, Tran
         corrupt_slots: 0,
     };
     let mut first_corrupt = None;
-    for_each_slot(region, g, |pos, slot| match g.block_span(slot) {
+    for_each_slot(region, g, |pos, slot| match g.block_span(slot.thawed()) {
         Some((offset, len)) => {
             scan.live.mark(offset, len as u64);
             scan.live_slots += 1;
@@ -237,8 +261,36 @@ pub fn scan_index(region: &SharedRegion, g: &Geometry) -> Result<IndexScan, Tran
     Ok(scan)
 }
 
+/// Thaws every frozen slot of an index: a resize was migrating it when its
+/// server died, and the new index was never switched to. Only for a server
+/// that has not admitted anyone (plain stores into slots clients CAS would
+/// race with them). Returns how many slots were frozen.
+pub fn thaw_index(region: &SharedRegion, g: &Geometry) -> Result<u64, TransportError> {
+    let mut frozen = Vec::new();
+    for_each_slot(region, g, |pos, slot| {
+        if slot.is_frozen() {
+            frozen.push((pos, slot));
+        }
+    })?;
+    // Frozen empty slots are skipped by for_each_slot: walk them too.
+    let mut empty = 0;
+    for b in 0..g.index_buckets() {
+        for i in 0..SLOTS_PER_BUCKET {
+            let at = g.bucket_offset(b) + i as u64 * 8;
+            if region.load(at)? == Slot::FROZEN_EMPTY.0 {
+                region.store(at, 0)?;
+                empty += 1;
+            }
+        }
+    }
+    for &(pos, slot) in &frozen {
+        region.store(g.slot_offset(pos), slot.thawed().0)?;
+    }
+    Ok(frozen.len() as u64 + empty)
+}
+
 /// Reads the block a slot points at, if the slot can point at one.
-fn read_block(region: &SharedRegion, g: &Geometry, slot: Slot) -> Option<Vec<u8>> {
+pub(crate) fn read_block(region: &SharedRegion, g: &Geometry, slot: Slot) -> Option<Vec<u8>> {
     let (offset, len) = g.block_span(slot)?;
     let mut words = vec![0u64; len / 8];
     region.read(offset, &mut words).ok()?;
@@ -259,7 +311,7 @@ pub fn slots_of(
         let mut words = [0u64; SLOTS_PER_BUCKET];
         region.read(g.index_offset + bucket * BUCKET_BYTES, &mut words)?;
         for (index, w) in words.into_iter().enumerate() {
-            let slot = Slot(w);
+            let slot = Slot(w).thawed();
             if slot.is_empty() || slot.fingerprint() != h.fingerprint {
                 continue;
             }
@@ -313,14 +365,13 @@ pub fn check(path: &Path, mode: CheckMode) -> Result<CheckReport, ServerError> {
         .open(path)
         .map_err(|e| region_error(path, e))?;
     lock_exclusive(&file, path)?;
-    let region = SharedRegion::from_file(&file, path).map_err(|e| region_error(path, e))?;
-    let mut words = [0u64; 10];
-    region
-        .read(0, &mut words)
-        .map_err(|e| region_error(path, e))?;
-    let g = Geometry::decode_header(&words).map_err(|e| region_error(path, e))?;
-    if g.region_len != region.len() {
-        return Err(region_error(path, "header and file size disagree"));
+    let region = SharedRegion::from_file(&file, path, 0).map_err(|e| region_error(path, e))?;
+    let g = read_geometry(&region).map_err(|e| region_error(path, e))?;
+    if g.region_len > region.len() {
+        return Err(region_error(
+            path,
+            "the header says the region is larger than its file",
+        ));
     }
     if let CheckMode::Repair { settle } = mode {
         // Clients of a server that died still hold valid keys: revoke them
@@ -336,18 +387,20 @@ pub fn check(path: &Path, mode: CheckMode) -> Result<CheckReport, ServerError> {
     let mut spans: Vec<(u64, u64, SlotPos, Slot)> = Vec::new();
     for_each_slot(&region, &g, |pos, slot| {
         report.slots += 1;
+        // A frozen slot is an interrupted resize's: the next server thaws it.
+        let live = slot.thawed();
         let damage = |what: &str| Damage {
             pos,
             slot,
             what: what.to_string(),
         };
-        let Some((offset, len)) = g.block_span(slot) else {
+        let Some((offset, len)) = g.block_span(live) else {
             report
                 .damaged
                 .push(damage("class or offset outside the heap"));
             return;
         };
-        let Some(bytes) = read_block(&region, &g, slot) else {
+        let Some(bytes) = read_block(&region, &g, live) else {
             report.damaged.push(damage("unreadable"));
             return;
         };
@@ -355,7 +408,7 @@ pub fn check(path: &Path, mode: CheckMode) -> Result<CheckReport, ServerError> {
             Err(e) => report.damaged.push(damage(&e.to_string())),
             Ok(view) => {
                 let h = KeyHash::new(view.key, g.bucket_count);
-                if h.fingerprint != slot.fingerprint() || !h.buckets().contains(&pos.bucket) {
+                if h.fingerprint != live.fingerprint() || !h.buckets().contains(&pos.bucket) {
                     report
                         .damaged
                         .push(damage("key does not belong in this bucket"));

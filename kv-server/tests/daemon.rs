@@ -55,7 +55,7 @@ fn bad_arguments_are_refused_clearly() {
     // An index whose size would wrap around is refused, not served.
     let out = server(&["--listen", &region, "--buckets", "9223372036854775808"]);
     assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("power of two from 2"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("power of two from 8"));
 
     let out = server(&[]);
     assert_eq!(out.status.code(), Some(1));

@@ -151,12 +151,23 @@ impl Daemon {
     /// Starts `kv-server` on `address` (the region in `region`) and waits
     /// until it accepts control connections.
     pub fn start(address: &Address, region: &Path, extra: &[&str]) -> Daemon {
+        Daemon::start_with_env(address, region, extra, &[])
+    }
+
+    /// As [`Daemon::start`], with these environment variables set.
+    pub fn start_with_env(
+        address: &Address,
+        region: &Path,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Daemon {
         let child = Command::new(workspace_bin("kv-server"))
             .arg("--listen")
             .arg(address.to_string())
             .arg("--region-file")
             .arg(region)
             .args(extra)
+            .envs(env.iter().copied())
             .stderr(Stdio::piped())
             .spawn()
             .expect("start kv-server");
@@ -201,6 +212,29 @@ impl Daemon {
             let _ = child.kill();
             let _ = child.wait();
         }
+    }
+
+    /// Waits (at most `limit`) for the daemon to exit by itself; its exit
+    /// status and log.
+    pub fn wait_exit(mut self, limit: Duration) -> (std::process::ExitStatus, String) {
+        let mut child = self.child.take().expect("running daemon");
+        let deadline = Instant::now() + limit;
+        let status = loop {
+            if let Some(status) = child.try_wait().expect("wait for kv-server") {
+                break status;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                panic!("kv-server did not exit within {limit:?}");
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        let log = self
+            .log
+            .take()
+            .and_then(|t| t.join().ok())
+            .unwrap_or_default();
+        (status, String::from_utf8_lossy(&log).into_owned())
     }
 
     /// SIGTERM; its exit status and log once it has stopped.

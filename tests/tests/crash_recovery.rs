@@ -117,7 +117,30 @@ fn acknowledged_writes_survive_kill_9_of_the_server_under_load() {
     writer.join().unwrap();
 
     let last = steps();
-    let mut kv = Client::connect(&address.to_string()).unwrap();
+    let lost = lost_writes(&address.to_string(), last);
+    println!(
+        "{last} steps acknowledged over {cycles} kill -9 restarts, {} lost",
+        lost.len()
+    );
+    assert!(
+        lost.is_empty(),
+        "{} of {last} acknowledged writes lost over {cycles} kill -9 restarts: {:?}",
+        lost.len(),
+        &lost[..lost.len().min(10)]
+    );
+
+    // Offline, the region is consistent: no overlapping blocks, no key in
+    // the wrong bucket, no unreadable block.
+    daemon.terminate();
+    let report = kv_server::region::check(&region, kv_server::region::CheckMode::Report).unwrap();
+    assert!(report.damaged.is_empty(), "{:?}", report.damaged);
+    assert!(report.slots >= last);
+}
+
+/// The acknowledged writes (steps 1..=last of `writer`) that the server at
+/// `address` does not hold; fillers must hold whole values.
+fn lost_writes(address: &str, last: u64) -> Vec<String> {
+    let mut kv = Client::connect(address).unwrap();
     let mut lost = Vec::new();
     for step in 1..=last {
         let key = format!("w{step}");
@@ -137,23 +160,81 @@ fn acknowledged_writes_survive_kill_9_of_the_server_under_load() {
         assert_eq!(k, key);
     }
     kv.close().unwrap();
-    println!(
-        "{last} steps acknowledged over {cycles} kill -9 restarts, {} lost",
-        lost.len()
-    );
-    assert!(
-        lost.is_empty(),
-        "{} of {last} acknowledged writes lost over {cycles} kill -9 restarts: {:?}",
-        lost.len(),
-        &lost[..lost.len().min(10)]
-    );
+    lost
+}
 
-    // Offline, the region is consistent: no overlapping blocks, no key in
-    // the wrong bucket, no unreadable block.
-    daemon.terminate();
-    let report = kv_server::region::check(&region, kv_server::region::CheckMode::Report).unwrap();
-    assert!(report.damaged.is_empty(), "{:?}", report.damaged);
-    assert!(report.slots >= last);
+/// The server aborts at each step of an index migration (the
+/// ONEKV_RESIZE_FAULT hook) under a running writer, and is restarted: no
+/// acknowledged write is lost, the index is consistent, and resizing works
+/// again.
+#[test]
+fn a_server_killed_inside_a_resize_loses_no_acknowledged_write() {
+    for step in ["freezing", "frozen", "copying", "copied", "published"] {
+        let dir = region_dir();
+        let region = dir.path().join("region");
+        let address = test_address(&region);
+        // A small index the writer fills within a few hundred steps; it
+        // grows only when a key finds no room, so the fault comes then.
+        let args = [
+            "--memory",
+            "16MiB",
+            "--buckets",
+            "64",
+            "--resize-at",
+            "1",
+            "--op-deadline-ms",
+            "20",
+        ];
+        let faulty =
+            Daemon::start_with_env(&address, &region, &args, &[("ONEKV_RESIZE_FAULT", step)]);
+        let stop = Arc::new(AtomicBool::new(false));
+        let acked = Arc::new(Mutex::new(0u64));
+        let writer = {
+            let (address, stop, acked) = (address.to_string(), stop.clone(), acked.clone());
+            std::thread::spawn(move || writer(address, stop, acked))
+        };
+        let (status, log) = faulty.wait_exit(Duration::from_secs(120));
+        assert!(!status.success(), "{step}: the server did not abort: {log}");
+        assert!(log.contains("ONEKV_RESIZE_FAULT"), "{step}: {log}");
+        let at_crash = *acked.lock().unwrap();
+        let daemon = Daemon::start(&address, &region, &args);
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while *acked.lock().unwrap() < at_crash + 1500 {
+            assert!(!writer.is_finished(), "{step}: the writer failed");
+            assert!(Instant::now() < deadline, "{step}: the writer is stuck");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        stop.store(true, Ordering::Relaxed);
+        writer.join().unwrap();
+        let last = *acked.lock().unwrap();
+        let lost = lost_writes(&address.to_string(), last);
+        assert!(
+            lost.is_empty(),
+            "{step}: {} of {last} lost: {:?}",
+            lost.len(),
+            &lost[..lost.len().min(10)]
+        );
+        let mut kv = Client::connect(&address.to_string()).unwrap();
+        let stats = kv.server_stats().unwrap();
+        assert!(
+            stats.resizes >= 1,
+            "{step}: no resize after the restart: {stats:?}"
+        );
+        kv.close().unwrap();
+        let (_, log) = daemon.terminate();
+        let report =
+            kv_server::region::check(&region, kv_server::region::CheckMode::Report).unwrap();
+        assert!(
+            report.damaged.is_empty(),
+            "{step}: {:?}\n{log}",
+            report.damaged
+        );
+        assert!(
+            report.slots >= last,
+            "{step}: {} slots for {last} keys",
+            report.slots
+        );
+    }
 }
 
 fn churn(address: &str, name: &str) -> Child {

@@ -153,7 +153,7 @@ fn rss_kib() -> u64 {
 
 #[test]
 fn a_flood_of_give_backs_is_cut_off_and_grows_nothing() {
-    let srv = TestServer::start(|_| {});
+    let srv = TestServer::start(|c| c.max_memory = Some(c.memory));
     let g = srv.server.geometry();
     let mut honest = honest_client(&srv);
     let before = srv.server.stats();
@@ -192,7 +192,11 @@ fn a_flood_of_give_backs_is_cut_off_and_grows_nothing() {
 
 #[test]
 fn space_a_client_hoards_comes_back_when_it_vanishes() {
-    let srv = TestServer::start(|c| c.op_deadline = Duration::from_millis(5));
+    // A region that cannot grow, so hoarding can exhaust it.
+    let srv = TestServer::start(|c| {
+        c.op_deadline = Duration::from_millis(5);
+        c.max_memory = Some(c.memory);
+    });
     let total = srv.server.stats().heap_free;
     let mut s = liar(&srv);
     let mut hoard = 0;
@@ -202,7 +206,7 @@ fn space_a_client_hoards_comes_back_when_it_vanishes() {
     assert_eq!(hoard, total, "the hoarder did not get everything");
     let mut honest = Client::connect(&srv.address).unwrap();
     match honest.put(b"k", b"v") {
-        Err(Error::RegionFull(_)) => {}
+        Err(Error::RegionFull { .. }) => {}
         other => panic!("expected RegionFull while space is hoarded, got {other:?}"),
     }
     // The hoarder vanishes without a word (as a killed process would).

@@ -1,6 +1,7 @@
 //! Many clients hammer a few keys with PUT, GET and DELETE while freed blocks
-//! are recycled within milliseconds. Every history is checked with
-//! stateright's LinearizabilityTester, one register per key.
+//! are recycled within milliseconds (and, in the second test, while the index
+//! is resized again and again). Every history is checked with stateright's
+//! LinearizabilityTester, one register per key.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Barrier, Mutex};
@@ -8,6 +9,7 @@ use std::sync::{Barrier, Mutex};
 use std::time::Duration;
 
 use kv_client::{Client, ClientOptions};
+use kv_common::protocol::ServerStats;
 use onekv_tests::{aggressive_reuse, or_abort, parse_tagged, tagged_value, TestServer};
 use stateright::semantics::register::{Register, RegisterOp, RegisterRet};
 use stateright::semantics::{ConsistencyTester, LinearizabilityTester};
@@ -30,17 +32,47 @@ fn key(k: usize) -> String {
 
 #[test]
 fn histories_are_linearizable_under_aggressive_reuse() {
-    // A 4 MiB region with a tiny index: the values written (tens of MiB) do
-    // not fit unless freed blocks are reused, and keys share buckets.
+    check_histories(&[]);
+}
+
+#[test]
+fn histories_stay_linearizable_through_resizes() {
+    // The index doubles five times while the keys are hammered: writers meet
+    // frozen slots and move to the new index, readers cross the switch.
+    let resized_at = [60, 140, 220, 300, 380];
+    let stats = check_histories(&resized_at);
+    assert!(stats.resizes >= 3, "too few resizes: {stats:?}");
+    assert_eq!(stats.bucket_count, 8 << resized_at.len());
+}
+
+/// Runs the workload and checks every round's history; resizes the index
+/// once the rounds in `resize_at` have begun. Returns the final stats.
+fn check_histories(resize_at: &[usize]) -> ServerStats {
+    // A 4 MiB region that cannot grow, with a tiny index: the values written
+    // (tens of MiB) do not fit unless freed blocks are reused, and keys
+    // share buckets.
     let srv = TestServer::start(|c| {
         aggressive_reuse(c);
         c.memory = 4 << 20;
+        c.max_memory = Some(4 << 20);
         c.buckets = Some(8);
     });
     let log = Mutex::new(Vec::new());
     let barrier = Barrier::new(THREADS);
     let done = AtomicUsize::new(0);
     std::thread::scope(|s| {
+        if !resize_at.is_empty() {
+            let (done, address) = (&done, &srv.address);
+            s.spawn(move || {
+                let mut kv = or_abort(Client::connect(address), "connect");
+                for &round in resize_at {
+                    while done.load(Ordering::SeqCst) < round * THREADS {
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                    or_abort(kv.resize(), "resize");
+                }
+            });
+        }
         for t in 0..THREADS {
             let (log, barrier, done, address) = (&log, &barrier, &done, &srv.address);
             s.spawn(move || {
@@ -197,6 +229,7 @@ fn histories_are_linearizable_under_aggressive_reuse() {
         stats.heap_free + stats.heap_leased <= stats.heap_size,
         "space counted twice: {stats:?}"
     );
+    stats
 }
 
 fn short(v: &[u8]) -> String {

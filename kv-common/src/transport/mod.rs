@@ -224,6 +224,9 @@ pub trait ControlPeer: Send {
     /// Lets this client onto the data path: how it names the region, with
     /// a key of its own where the backend has per-client keys.
     fn admit(&mut self) -> Result<RemoteRegion, TransportError>;
+    /// How this admitted client names the region now: after the region
+    /// grew, a longer length (and over rdma the newest registration's key).
+    fn region(&mut self) -> Result<RemoteRegion, TransportError>;
     /// Cuts this client off the data path: from now on its verbs fail. Done
     /// before any space it held is reused.
     fn fence(&mut self) -> Fenced;
@@ -237,6 +240,9 @@ pub trait ControlListener: Send + Sync {
     /// that ran on this region before) fail from now on.
     fn register(&mut self, region: std::sync::Arc<shm::SharedRegion>)
         -> Result<(), TransportError>;
+    /// The region grew: makes its new part reachable. Keys handed out
+    /// before stay valid for the part they covered.
+    fn extend(&self) -> Result<(), TransportError>;
     /// Revokes the registration: verbs with its keys fail from now on.
     fn deregister(&self);
     /// Blocks for the next control channel (a connection not yet admitted).

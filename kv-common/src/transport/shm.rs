@@ -22,8 +22,6 @@ use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use memmap2::MmapRaw;
-
 use super::{
     frame_call, write_frame, Connection, ControlListener, ControlPeer, Fenced, FrameReader,
     Received, RemoteRegion, TransportError, Verb, VerbStats,
@@ -32,28 +30,40 @@ use crate::layout::{KEY_TABLE_ENTRIES, KEY_TABLE_OFFSET};
 use crate::protocol::{Request, Response};
 use crate::Address;
 
-/// A mapped region file, accessed only through atomics.
+/// A mapped region file, accessed only through atomics. The server's
+/// mapping can grow in place: it reserves address space for the largest
+/// size the region may reach and maps the file into its start, so the
+/// region's address (which an RDMA registration names) never changes.
 pub struct SharedRegion {
-    map: MmapRaw,
+    base: *mut u8,
+    /// Bytes mapped (and of the file); only grows.
+    len: AtomicU64,
+    /// Bytes of address space reserved at `base`.
+    reserved: u64,
+    file: File,
     path: PathBuf,
+    /// One growth at a time.
+    growing: Mutex<()>,
 }
 
-// SAFETY: the mapping is only touched through `&[AtomicU64]`, which is Sync.
+// SAFETY: the mapping is only touched through `&[AtomicU64]`, which is Sync,
+// and it stays mapped (never moves) for as long as the value lives.
 unsafe impl Send for SharedRegion {}
 unsafe impl Sync for SharedRegion {}
 
 impl SharedRegion {
-    /// Maps an open region file (the server creates, locks and sizes it).
-    pub fn from_file(file: &File, path: &Path) -> std::io::Result<Self> {
-        Self::map(file, path)
+    /// Maps an open region file (the server creates, locks and sizes it),
+    /// with room to grow in place up to `max_len` bytes.
+    pub fn from_file(file: &File, path: &Path, max_len: u64) -> std::io::Result<Self> {
+        Self::map(file.try_clone()?, path, max_len)
     }
 
     pub fn open(path: &Path) -> std::io::Result<Self> {
         let file = OpenOptions::new().read(true).write(true).open(path)?;
-        Self::map(&file, path)
+        Self::map(file, path, 0)
     }
 
-    fn map(file: &File, path: &Path) -> std::io::Result<Self> {
+    fn map(file: File, path: &Path, max_len: u64) -> std::io::Result<Self> {
         let len = file.metadata()?.len();
         if len < 4096 || len % 8 != 0 {
             return Err(std::io::Error::new(
@@ -61,11 +71,93 @@ impl SharedRegion {
                 format!("{}: {len} bytes cannot be a onekv region", path.display()),
             ));
         }
-        let map = MmapRaw::map_raw(file)?;
-        Ok(SharedRegion {
-            map,
+        let reserved = max_len.max(len).next_multiple_of(4096);
+        let too_big = || std::io::Error::other(format!("{reserved} bytes cannot be mapped"));
+        let reserved_len = usize::try_from(reserved).map_err(|_| too_big())?;
+        // SAFETY: a fresh anonymous reservation; nothing else refers to it.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                reserved_len,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        let region = SharedRegion {
+            base: base as *mut u8,
+            len: AtomicU64::new(0),
+            reserved,
+            file,
             path: path.to_path_buf(),
-        })
+            growing: Mutex::new(()),
+        };
+        region.map_part(0, len)?;
+        region.len.store(len, Ordering::Release);
+        Ok(region)
+    }
+
+    /// Maps file bytes `[from, to)` over the reservation at the same offsets.
+    fn map_part(&self, from: u64, to: u64) -> std::io::Result<()> {
+        // SAFETY: [base+from, base+to) lies inside our reservation (checked
+        // by the callers against `reserved`), which MAP_FIXED replaces.
+        let p = unsafe {
+            libc::mmap(
+                self.base.add(from as usize) as *mut libc::c_void,
+                (to - from) as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_FIXED,
+                self.file.as_raw_fd(),
+                from as libc::off_t,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// Grows the file to `new_len` bytes (allocating them, so a full file
+    /// system fails here rather than with SIGBUS later) and maps the new
+    /// part in place. Readers see the new length only once it is mapped.
+    pub fn grow(&self, new_len: u64) -> std::io::Result<()> {
+        let _one = self
+            .growing
+            .lock()
+            .map_err(|_| std::io::Error::other("poisoned"))?;
+        let len = self.len();
+        if new_len <= len {
+            return Ok(());
+        }
+        if new_len > self.reserved || !new_len.is_multiple_of(4096) {
+            return Err(std::io::Error::other(format!(
+                "cannot grow to {new_len} bytes: at most {} (page multiples)",
+                self.reserved
+            )));
+        }
+        // SAFETY: posix_fallocate on a descriptor we own.
+        let rc = unsafe {
+            libc::posix_fallocate(
+                self.file.as_raw_fd(),
+                len as libc::off_t,
+                (new_len - len) as libc::off_t,
+            )
+        };
+        if rc != 0 {
+            return Err(std::io::Error::from_raw_os_error(rc));
+        }
+        self.map_part(len, new_len)?;
+        self.len.store(new_len, Ordering::Release);
+        Ok(())
+    }
+
+    /// Largest size this mapping can grow to.
+    pub fn max_len(&self) -> u64 {
+        self.reserved
     }
 
     pub fn path(&self) -> &Path {
@@ -73,26 +165,24 @@ impl SharedRegion {
     }
 
     pub fn len(&self) -> u64 {
-        self.map.len() as u64
+        self.len.load(Ordering::Acquire)
     }
 
     /// Start of the mapping, for registering it with an RDMA device.
     pub fn as_mut_ptr(&self) -> *mut u8 {
-        self.map.as_mut_ptr()
+        self.base
     }
 
     pub fn is_empty(&self) -> bool {
-        self.map.len() == 0
+        self.len() == 0
     }
 
     fn words(&self) -> &[AtomicU64] {
-        // SAFETY: the mapping is page-aligned, lives as long as self, and is
+        // SAFETY: the first `len` bytes are mapped (the length is published
+        // only after its pages are), page-aligned, live as long as self, and
         // only ever accessed atomically, by this and every other process.
         unsafe {
-            std::slice::from_raw_parts(
-                self.map.as_mut_ptr() as *const AtomicU64,
-                self.map.len() / 8,
-            )
+            std::slice::from_raw_parts(self.base as *const AtomicU64, (self.len() / 8) as usize)
         }
     }
 
@@ -159,7 +249,28 @@ impl SharedRegion {
 
     /// Writes dirty pages back to the file (meaningful for on-disk regions).
     pub fn flush(&self) -> std::io::Result<()> {
-        self.map.flush()
+        // SAFETY: msync of the mapped part of our own mapping.
+        let rc = unsafe {
+            libc::msync(
+                self.base as *mut libc::c_void,
+                self.len() as usize,
+                libc::MS_SYNC,
+            )
+        };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+}
+
+impl Drop for SharedRegion {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly the reservation made in `map`; nothing
+        // borrowed from it outlives self.
+        unsafe {
+            libc::munmap(self.base as *mut libc::c_void, self.reserved as usize);
+        }
     }
 }
 
@@ -472,6 +583,11 @@ impl ControlListener for ShmListener {
         Ok(())
     }
 
+    fn extend(&self) -> Result<(), TransportError> {
+        // Clients map the whole file when they learn its new length.
+        Ok(())
+    }
+
     fn deregister(&self) {
         if let Some(keys) = &self.keys {
             keys.revoke_all();
@@ -488,6 +604,7 @@ impl ControlListener for ShmListener {
             reader: FrameReader::default(),
             keys,
             slot: None,
+            remote: None,
             process,
         }))
     }
@@ -509,6 +626,8 @@ pub struct ShmPeer {
     keys: Arc<KeyTable>,
     /// The key-table entry of an admitted client.
     slot: Option<u32>,
+    /// What it was told at admission.
+    remote: Option<RemoteRegion>,
     /// A pidfd of the client's process (it maps the region itself), which
     /// becomes readable when that process has exited.
     process: Option<OwnedFd>,
@@ -576,7 +695,17 @@ impl ControlPeer for ShmPeer {
         }
         let remote = self.keys.admit()?;
         self.slot = Some(remote.key_slot);
+        self.remote = Some(remote);
         Ok(remote)
+    }
+
+    fn region(&mut self) -> Result<RemoteRegion, TransportError> {
+        // The same key; the mapping a client makes covers the whole file.
+        let remote = self.remote.ok_or(TransportError::NotAttached)?;
+        Ok(RemoteRegion {
+            len: self.keys.region.len(),
+            ..remote
+        })
     }
 
     fn fence(&mut self) -> Fenced {
@@ -606,7 +735,7 @@ mod tests {
         let path = dir.path().join("r");
         let file = File::create_new(&path).unwrap();
         file.set_len(1 << 16).unwrap();
-        SharedRegion::from_file(&file, &path).unwrap()
+        SharedRegion::from_file(&file, &path, 0).unwrap()
     }
 
     #[test]

@@ -358,10 +358,14 @@ pub struct RdmaListener {
     mr: Arc<Mutex<Option<Registration>>>,
 }
 
-/// The registered region and how clients name it.
+/// The registered region and how clients name it. After growth, the
+/// registrations of its earlier sizes stay: clients that have not yet
+/// learned the new key still use theirs.
 struct Registration {
-    _mr: Mr,
+    region: Arc<SharedRegion>,
+    mr: Mr,
     remote: RemoteRegion,
+    earlier: Vec<Mr>,
 }
 
 impl RdmaListener {
@@ -385,15 +389,31 @@ impl RdmaListener {
 
 impl ControlListener for RdmaListener {
     fn register(&mut self, region: Arc<SharedRegion>) -> Result<(), TransportError> {
-        let mr = Mr::region(&self.pd, region, REMOTE_ALL)?;
-        let remote = RemoteRegion {
-            base: mr.addr(),
-            len: mr.len() as u64,
-            rkey: mr.rkey(),
-            key_slot: 0,
-        };
+        let mr = Mr::region(&self.pd, region.clone(), REMOTE_ALL)?;
+        let remote = remote_of(&mr);
         if let Ok(mut slot) = self.mr.lock() {
-            *slot = Some(Registration { _mr: mr, remote });
+            *slot = Some(Registration {
+                region,
+                mr,
+                remote,
+                earlier: Vec::new(),
+            });
+        }
+        Ok(())
+    }
+
+    fn extend(&self) -> Result<(), TransportError> {
+        let mut slot = self
+            .mr
+            .lock()
+            .map_err(|_| TransportError::Unsupported("registration poisoned".into()))?;
+        let Some(r) = slot.as_mut() else {
+            return Err(TransportError::NotAttached);
+        };
+        if r.region.len() > r.remote.len {
+            let mr = Mr::region(&self.pd, r.region.clone(), REMOTE_ALL)?;
+            r.remote = remote_of(&mr);
+            r.earlier.push(std::mem::replace(&mut r.mr, mr));
         }
         Ok(())
     }
@@ -421,6 +441,15 @@ impl ControlListener for RdmaListener {
         if let Ok(addr) = self.tcp.local_addr() {
             let _ = TcpStream::connect_timeout(&addr, Duration::from_secs(1));
         }
+    }
+}
+
+fn remote_of(mr: &Mr) -> RemoteRegion {
+    RemoteRegion {
+        base: mr.addr(),
+        len: mr.len() as u64,
+        rkey: mr.rkey(),
+        key_slot: 0,
     }
 }
 
@@ -467,6 +496,10 @@ impl ControlPeer for RdmaPeer {
     }
 
     fn admit(&mut self) -> Result<RemoteRegion, TransportError> {
+        self.region()
+    }
+
+    fn region(&mut self) -> Result<RemoteRegion, TransportError> {
         self.registration
             .lock()
             .ok()

@@ -1,0 +1,479 @@
+//! The `kv-grow` thread: every change of the region's geometry happens here,
+//! one at a time — the heap growing at the region's end, and the index
+//! being resized while clients keep reading and writing.
+//!
+//! # Resizing the index
+//!
+//! 1. A new index of twice the buckets is reserved in the heap (growing the
+//!    region if no free run is long enough).
+//! 2. **Freeze**: every slot of the old index, empty or not, gets its frozen
+//!    bit by CAS, through a client connection to this server: over rdma the
+//!    slots are changed by RDMA atomics on a loopback queue pair, the domain
+//!    in which clients CAS them (a CPU store or atomic would not be atomic
+//!    against the NIC's). A client CAS either lands before the freeze (and
+//!    is carried over with the slot) or fails on the frozen value; a writer
+//!    that meets a frozen slot waits for the new geometry and redoes its
+//!    operation there. Readers keep following frozen slots: until the new
+//!    index is published, their blocks are the keys' values.
+//! 3. **Copy**: each frozen slot is placed in the new index (its key read
+//!    from its block, so its new buckets are known), in position order; a
+//!    key already placed — two copies of a key that concurrent inserts left
+//!    and the freeze caught before they were resolved — keeps the first,
+//!    the lowest position, which is the copy readers were returning.
+//!    Nobody else knows the new index yet: plain stores build it.
+//! 4. **Publish**: the header's spare record gets the new geometry (the
+//!    switch is that record becoming valid), then the epoch word. A client
+//!    that read an old slot checks the epoch after it (in its next batch):
+//!    unchanged means its read came before the switch and stands.
+//! 5. The old index is kept until every connected client has asked for a
+//!    geometry at least this new (an idle client keeps it), then ages for
+//!    a grace period like any freed space.
+//!
+//! A crash before step 4 leaves the old index in force with frozen slots:
+//! the next server thaws them before admitting anyone. After step 4, the new
+//! index is complete.
+
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kv_common::layout::{
+    decode_block, index_bytes, Geometry, KeyHash, Slot, BUCKET_BYTES, CANDIDATE_SLOTS,
+    SLOTS_PER_BUCKET,
+};
+use kv_common::protocol::{Extent, Request, Response, PROTOCOL_VERSION};
+use kv_common::transport::{self, read_u64, Connection, TransportError, Verb};
+
+use crate::control::{self, Shared};
+use crate::region;
+
+/// Growth steps: the region's size, at least 64 MiB and at most 1 GiB (so
+/// one step's allocation takes well under a second).
+const MIN_GROWTH: u64 = 64 << 20;
+const MAX_GROWTH: u64 = 1 << 30;
+/// How often the index's occupancy is sampled.
+const SAMPLE_EVERY: Duration = Duration::from_millis(500);
+/// Buckets the occupancy sample reads (all of a smaller index).
+const SAMPLE_BUCKETS: u64 = 4096;
+
+pub fn run(shared: Arc<Shared>) {
+    let mut cpu_mark = control::thread_cpu_us();
+    // Old indexes and the epoch that replaced each.
+    let mut old_indexes: Vec<(Extent, u64)> = Vec::new();
+    loop {
+        let wanted = {
+            let (wanted, cv) = &shared.grow;
+            let Ok(mut w) = wanted.lock() else {
+                return;
+            };
+            if w.resize.is_none() && !w.heap {
+                w = match cv.wait_timeout(w, SAMPLE_EVERY) {
+                    Ok((w, _)) => w,
+                    Err(_) => return,
+                };
+            }
+            std::mem::take(&mut *w)
+        };
+        if shared.stopping.load(Relaxed) {
+            return;
+        }
+        if wanted.heap {
+            if let Err(e) = grow_heap(&shared, 0) {
+                tracing::warn!("the heap cannot grow: {e}");
+            }
+        }
+        let g = shared.geometry();
+        let asked = wanted.resize == Some(g.bucket_count);
+        if asked || should_resize(&shared, &g) {
+            shared.resizing.store(true, Relaxed);
+            let started = Instant::now();
+            match resize(&shared) {
+                Ok((old, new)) => {
+                    old_indexes.push((old, new.epoch));
+                    tracing::info!(
+                        buckets = new.bucket_count,
+                        epoch = new.epoch,
+                        took_ms = started.elapsed().as_millis() as u64,
+                        "index resized"
+                    );
+                }
+                Err(e) => {
+                    tracing::warn!("index resize failed: {e}");
+                    if let Ok(mut f) = shared.failed_resize.lock() {
+                        *f = Some((g.epoch, e));
+                    }
+                }
+            }
+        }
+        // A request for an index that has grown since needs nothing more.
+        shared.resizing.store(false, Relaxed);
+        release_old_indexes(&shared, &mut old_indexes);
+        control::account_cpu(&shared.counters, &mut cpu_mark);
+    }
+}
+
+/// Whether the index is past its load threshold and may grow.
+fn should_resize(shared: &Shared, g: &Geometry) -> bool {
+    if g.bucket_count * 2 > shared.limits.max_buckets {
+        return false;
+    }
+    let failed = shared
+        .failed_resize
+        .lock()
+        .is_ok_and(|f| f.as_ref().is_some_and(|(e, _)| *e == g.epoch));
+    !failed && sample_occupancy(shared, g).is_ok_and(|o| o >= shared.limits.resize_at)
+}
+
+/// The used fraction of up to `SAMPLE_BUCKETS` buckets spread over the index.
+fn sample_occupancy(shared: &Shared, g: &Geometry) -> Result<f64, TransportError> {
+    const RUN: u64 = 64;
+    let runs = (SAMPLE_BUCKETS / RUN).min(g.bucket_count / RUN).max(1);
+    let run = g.bucket_count.min(RUN);
+    let stride = g.bucket_count / runs;
+    let mut words = vec![0u64; (run as usize) * SLOTS_PER_BUCKET];
+    let (mut used, mut seen) = (0u64, 0u64);
+    for r in 0..runs {
+        shared
+            .region
+            .read(g.bucket_offset(r * stride), &mut words)?;
+        used += words
+            .iter()
+            .filter(|&&w| !Slot(w).thawed().is_empty())
+            .count() as u64;
+        seen += words.len() as u64;
+    }
+    Ok(used as f64 / seen as f64)
+}
+
+/// Releases the old indexes every connected client has moved past.
+fn release_old_indexes(shared: &Shared, old: &mut Vec<(Extent, u64)>) {
+    if old.is_empty() {
+        return;
+    }
+    let oldest_known = shared
+        .client_epochs
+        .lock()
+        .map(|e| e.values().copied().min().unwrap_or(u64::MAX))
+        .unwrap_or(0);
+    let ready_at = Instant::now() + shared.grace();
+    old.retain(|&(extent, replaced_at)| {
+        if oldest_known < replaced_at {
+            return true;
+        }
+        if let Ok(mut p) = shared.pool.lock() {
+            p.release(extent, ready_at);
+        }
+        false
+    });
+}
+
+/// Grows the region at its end by a step (and by at least `at_least`
+/// bytes), up to the cap. The new geometry is published before the pool
+/// leases any of the new space, so a client handed some can learn where it
+/// is.
+pub fn grow_heap(shared: &Shared, at_least: u64) -> Result<(), String> {
+    let g = shared.geometry();
+    let cap = shared.limits.max_region;
+    let step = g
+        .region_len
+        .clamp(MIN_GROWTH, MAX_GROWTH)
+        .max(at_least.next_multiple_of(4096));
+    let new_len = g.region_len.saturating_add(step).min(cap) / 4096 * 4096;
+    if new_len < g.region_len + at_least.max(1) {
+        return Err(format!(
+            "the region is {} bytes, its cap (--max-memory) {cap}",
+            g.region_len
+        ));
+    }
+    shared
+        .region
+        .grow(new_len)
+        .map_err(|e| format!("growing the region file to {new_len} bytes: {e}"))?;
+    shared.listener.extend().map_err(|e| e.to_string())?;
+    let new = Geometry {
+        region_len: new_len,
+        heap_size: new_len - g.heap_offset,
+        epoch: g.epoch + 1,
+        ..g
+    };
+    publish(shared, &new)?;
+    if let Ok(mut p) = shared.pool.lock() {
+        p.grow(new_len);
+    }
+    shared.counters.growths.fetch_add(1, Relaxed);
+    tracing::info!(region_bytes = new_len, epoch = new.epoch, "heap grew");
+    Ok(())
+}
+
+/// Makes `g` the geometry: in the header first (what a restart finds and
+/// what clients' epoch checks read), then for the control plane.
+fn publish(shared: &Shared, g: &Geometry) -> Result<(), String> {
+    region::write_geometry(&shared.region, g).map_err(|e| e.to_string())?;
+    match shared.geometry.write() {
+        Ok(mut current) => *current = *g,
+        Err(poisoned) => *poisoned.into_inner() = *g,
+    }
+    Ok(())
+}
+
+/// Doubles the index (see the module doc). Returns the old index's space
+/// and the new geometry.
+fn resize(shared: &Shared) -> Result<(Extent, Geometry), String> {
+    let old = shared.geometry();
+    let mut mover = Mover::connect(shared).map_err(|e| format!("mover: {e}"))?;
+    let mut buckets = old.bucket_count * 2;
+    let mut new_index = reserve_index(shared, buckets)?;
+    if let Err(e) = mover.freeze(&old) {
+        release_now(shared, new_index);
+        thaw(shared, &old, mover);
+        return Err(format!("freezing the index: {e}"));
+    }
+    fault_point("frozen");
+    // Twice the buckets hold the same keys at under half the load; a key
+    // finding no room there is so unlikely that doubling again is enough.
+    let (slots, copied) = loop {
+        match copy(shared, &old, buckets, new_index.offset) {
+            Ok(Some(done)) => break done,
+            Ok(None) if buckets * 2 <= shared.limits.max_buckets => {
+                release_now(shared, new_index);
+                buckets *= 2;
+                new_index = reserve_index(shared, buckets)?;
+            }
+            other => {
+                release_now(shared, new_index);
+                thaw(shared, &old, mover);
+                return Err(format!("copying the index: {other:?}"));
+            }
+        }
+    };
+    let new = Geometry {
+        index_offset: new_index.offset,
+        bucket_count: buckets,
+        epoch: old.epoch + 1,
+        ..shared.geometry()
+    };
+    shared
+        .region
+        .write(new.index_offset, &slots)
+        .map_err(|e| e.to_string())?;
+    fault_point("copied");
+    publish(shared, &new)?;
+    fault_point("published");
+    shared.counters.resizes.fetch_add(1, Relaxed);
+    tracing::debug!(copied, "index published");
+    mover.close();
+    let old_extent = Extent {
+        offset: old.index_offset,
+        len: old.index_bytes(),
+    };
+    Ok((old_extent, new))
+}
+
+/// Gives a resize's frozen index back to the writers, who wait meanwhile;
+/// through new connections if the mover's broke (until the server stops).
+fn thaw(shared: &Shared, g: &Geometry, mut mover: Mover) {
+    loop {
+        match mover.thaw(g) {
+            Ok(()) => return mover.close(),
+            Err(e) => tracing::error!("thawing the index after a failed resize: {e}"),
+        }
+        loop {
+            if shared.stopping.load(Relaxed) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+            if let Ok(m) = Mover::connect(shared) {
+                mover = m;
+                break;
+            }
+        }
+    }
+}
+
+/// Space for an index of `buckets` buckets, from free heap or new space.
+fn reserve_index(shared: &Shared, buckets: u64) -> Result<Extent, String> {
+    let len = index_bytes(buckets);
+    let reserve = || shared.pool.lock().ok().and_then(|mut p| p.reserve(len));
+    if let Some(e) = reserve() {
+        return Ok(e);
+    }
+    grow_heap(shared, len)?;
+    reserve().ok_or_else(|| format!("no {len}-byte run of free heap for the new index"))
+}
+
+/// Returns an index reservation nobody has seen to the free space.
+fn release_now(shared: &Shared, e: Extent) {
+    if let Ok(mut p) = shared.pool.lock() {
+        p.release(e, Instant::now());
+    }
+}
+
+/// Builds the new index (in memory) from the frozen old one: the slots to
+/// store and how many were carried over, or None if some key found its
+/// buckets full.
+fn copy(
+    shared: &Shared,
+    old: &Geometry,
+    buckets: u64,
+    at: u64,
+) -> Result<Option<(Vec<u64>, u64)>, TransportError> {
+    let region = &shared.region;
+    let new = Geometry {
+        index_offset: at,
+        bucket_count: buckets,
+        ..*old
+    };
+    let mut occupied = Vec::new();
+    region::for_each_slot(region, old, |_, s| occupied.push(s.thawed()))?;
+    let mut slots = vec![0u64; (new.index_buckets() as usize) * SLOTS_PER_BUCKET];
+    let at_slot =
+        |pos: kv_common::layout::SlotPos| pos.bucket as usize * SLOTS_PER_BUCKET + pos.index;
+    let key_of = |slot: Slot| -> Option<Vec<u8>> {
+        let block = region::read_block(region, old, slot)?;
+        decode_block(&block).ok().map(|v| v.key.to_vec())
+    };
+    let (mut copied, mut duplicates, mut damaged) = (0u64, 0u64, 0u64);
+    let halfway = occupied.len() / 2;
+    for (n, slot) in occupied.into_iter().enumerate() {
+        if n == halfway {
+            fault_point("copying");
+        }
+        let Some(key) = key_of(slot) else {
+            damaged += 1;
+            continue;
+        };
+        let h = KeyHash::new(&key, buckets);
+        let candidates: [Slot; CANDIDATE_SLOTS] =
+            std::array::from_fn(|i| Slot(slots[at_slot(h.slot_pos(i))]));
+        let placed = candidates.iter().any(|&c| {
+            !c.is_empty() && c.fingerprint() == h.fingerprint && key_of(c) == Some(key.clone())
+        });
+        if placed {
+            duplicates += 1;
+            continue;
+        }
+        let Some(i) = KeyHash::insert_choice(&candidates) else {
+            return Ok(None);
+        };
+        slots[at_slot(h.slot_pos(i))] = slot.0;
+        copied += 1;
+    }
+    if damaged > 0 || duplicates > 0 {
+        tracing::warn!(
+            damaged,
+            duplicates,
+            "resize left out slots whose block is damaged, and later copies of keys"
+        );
+    }
+    Ok(Some((slots, copied)))
+}
+
+/// Stops the resize here when the fault-injection variable names this step
+/// (tests kill the server in the middle of a migration this way).
+fn fault_point(step: &str) {
+    if std::env::var("ONEKV_RESIZE_FAULT").is_ok_and(|s| s == step) {
+        tracing::error!(
+            step,
+            "ONEKV_RESIZE_FAULT: aborting in the middle of a resize"
+        );
+        std::process::abort();
+    }
+}
+
+/// The server's own client connection, through which it changes slots that
+/// clients CAS: in their atomicity domain (RDMA atomics on a loopback queue
+/// pair; CPU atomics on shm).
+struct Mover {
+    conn: Box<dyn Connection>,
+}
+
+/// Buckets frozen per batch: 64 slots, one CAS each at most, within a
+/// queue pair's batch limit.
+const FREEZE_BUCKETS: u64 = 8;
+const CAS_AT: usize = (FREEZE_BUCKETS * BUCKET_BYTES) as usize;
+
+impl Mover {
+    fn connect(shared: &Shared) -> Result<Mover, TransportError> {
+        let mut conn = transport::connect(&shared.address, transport::DEFAULT_REPLY_TIMEOUT)?;
+        let reply = conn.call(&Request::Connect {
+            protocol_version: PROTOCOL_VERSION,
+            secret: shared.secret.clone().unwrap_or_default(),
+        })?;
+        let Response::Connected(info) = reply else {
+            return Err(TransportError::Unsupported(format!(
+                "the server refused its own mover: {reply:?}"
+            )));
+        };
+        conn.attach(&info.region, 2 * CAS_AT)?;
+        Ok(Mover { conn })
+    }
+
+    /// Sets the frozen bit of every slot of `g`'s index.
+    fn freeze(&mut self, g: &Geometry) -> Result<(), TransportError> {
+        let halfway = g.index_buckets() / 2;
+        self.each_group(
+            g,
+            |w| (!Slot(w).is_frozen()).then(|| Slot(w).frozen().0),
+            |first| {
+                if first >= halfway && first < halfway + FREEZE_BUCKETS {
+                    fault_point("freezing");
+                }
+            },
+        )
+    }
+
+    /// Clears the frozen bits again (a resize that could not finish).
+    fn thaw(&mut self, g: &Geometry) -> Result<(), TransportError> {
+        self.each_group(
+            g,
+            |w| Slot(w).is_frozen().then(|| Slot(w).thawed().0),
+            |_| {},
+        )
+    }
+
+    /// For each group of buckets: read it, CAS every word `change` maps to
+    /// a new value, and repeat until no word needs changing (a client CAS
+    /// may land between the read and ours).
+    fn each_group(
+        &mut self,
+        g: &Geometry,
+        change: impl Fn(u64) -> Option<u64>,
+        mut after_group: impl FnMut(u64),
+    ) -> Result<(), TransportError> {
+        let mut first = 0;
+        while first < g.index_buckets() {
+            let n = FREEZE_BUCKETS.min(g.index_buckets() - first);
+            let remote = g.bucket_offset(first);
+            loop {
+                self.conn.post(&[Verb::Read {
+                    remote,
+                    local: 0,
+                    len: (n * BUCKET_BYTES) as usize,
+                }])?;
+                let local = self.conn.local();
+                let cas: Vec<Verb> = (0..n as usize * SLOTS_PER_BUCKET)
+                    .filter_map(|i| {
+                        let w = read_u64(local, i * 8);
+                        change(w).map(|swap| Verb::Cas {
+                            remote: remote + i as u64 * 8,
+                            local: CAS_AT + i * 8,
+                            expect: w,
+                            swap,
+                        })
+                    })
+                    .collect();
+                if cas.is_empty() {
+                    break;
+                }
+                self.conn.post(&cas)?;
+            }
+            after_group(first);
+            first += n;
+        }
+        Ok(())
+    }
+
+    fn close(mut self) {
+        let _ = self.conn.call(&Request::Disconnect);
+    }
+}
