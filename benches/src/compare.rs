@@ -42,7 +42,7 @@ pub fn run(args: CompareArgs) -> Result<(), String> {
         w.threadcount,
         args.workload.seed
     );
-    let options = RunOptions::for_terminal(args.workload.seed);
+    let options = RunOptions::for_terminal(args.workload.seed, args.workload.status_interval()?);
     let mut rows = Vec::new();
     for name in &args.targets {
         // Each target gets a fresh, empty store.

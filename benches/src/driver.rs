@@ -105,16 +105,21 @@ struct Shared {
 
 pub struct RunOptions {
     pub seed: u64,
-    /// Draw a progress bar (true) or print status lines every 10 s.
+    /// Draw a progress bar (true) or print status lines.
     pub progress_bar: bool,
+    /// How often status lines (operations, current ops/s) are printed.
+    pub status_interval: Duration,
     pub quiet: bool,
 }
 
 impl RunOptions {
-    pub fn for_terminal(seed: u64) -> RunOptions {
+    /// A progress bar on a terminal; else, or with `status_interval`,
+    /// YCSB-style status lines (every 10 s by default).
+    pub fn for_terminal(seed: u64, status_interval: Option<Duration>) -> RunOptions {
         RunOptions {
             seed,
-            progress_bar: std::io::stdout().is_terminal(),
+            progress_bar: status_interval.is_none() && std::io::stdout().is_terminal(),
+            status_interval: status_interval.unwrap_or(Duration::from_secs(10)),
             quiet: false,
         }
     }
@@ -219,15 +224,15 @@ fn report_progress(
         }
         if let Some(bar) = &bar {
             bar.set_position(done);
-        } else if !o.quiet && last_status.0.elapsed() >= Duration::from_secs(10) {
+        } else if !o.quiet && last_status.0.elapsed() >= o.status_interval {
             let rate = (done - last_status.1) as f64 / last_status.0.elapsed().as_secs_f64();
             eprintln!(
-                "{} sec: {done} operations; {rate:.1} current ops/sec",
-                start.elapsed().as_secs()
+                "{:.1} sec: {done} operations; {rate:.1} current ops/sec",
+                start.elapsed().as_secs_f64()
             );
             last_status = (Instant::now(), done);
         }
-        std::thread::sleep(Duration::from_millis(20));
+        std::thread::sleep(Duration::from_millis(5));
     }
     if let Some(bar) = bar {
         bar.set_position(shared.done.load(Ordering::Relaxed));

@@ -36,6 +36,11 @@ pub struct WorkloadArgs {
     /// File holding the server's shared secret.
     #[arg(long)]
     pub secret_file: Option<PathBuf>,
+    /// Print a status line (operations so far, current ops/s) this often,
+    /// in seconds, instead of a progress bar (default: a bar on a terminal,
+    /// else every 10 s).
+    #[arg(long, value_name = "SECS")]
+    pub status_interval: Option<f64>,
     /// Initial region size of the embedded server (default: the server's
     /// default; it grows as the data does).
     #[arg(long, value_parser = kv_common::size::parse_size)]
@@ -64,6 +69,19 @@ impl WorkloadArgs {
         self.secret_file
             .as_deref()
             .map(kv_common::secret::read_secret_file)
+            .transpose()
+    }
+
+    pub fn status_interval(&self) -> Result<Option<std::time::Duration>, String> {
+        self.status_interval
+            .map(|s| {
+                std::time::Duration::try_from_secs_f64(s)
+                    .ok()
+                    .filter(|d| !d.is_zero())
+                    .ok_or_else(|| {
+                        format!("--status-interval {s}: must be a positive number of seconds")
+                    })
+            })
             .transpose()
     }
 
@@ -99,7 +117,7 @@ pub fn run(args: WorkloadArgs, load: bool, run: bool) -> Result<(), String> {
         w.threadcount,
         args.seed
     );
-    let options = RunOptions::for_terminal(args.seed);
+    let options = RunOptions::for_terminal(args.seed, args.status_interval()?);
     let mut phases = Vec::new();
     let mut out = std::io::stdout().lock();
     for (wanted, phase) in [(load, Phase::Load), (run, Phase::Run)] {
@@ -111,7 +129,8 @@ pub fn run(args: WorkloadArgs, load: bool, run: bool) -> Result<(), String> {
         phases.push(report::phase_json("onekv", &result));
     }
     if let Some(lines) = target.growth_report() {
-        std::io::Write::write_all(&mut out, format!("{lines}\n").as_bytes()).map_err(|e| e.to_string())?;
+        std::io::Write::write_all(&mut out, format!("{lines}\n").as_bytes())
+            .map_err(|e| e.to_string())?;
     }
     if let Some(path) = &args.json {
         report::write_json(

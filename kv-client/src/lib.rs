@@ -586,7 +586,9 @@ impl Client {
     /// only while the PUTs that made them are in flight. (A client that saw
     /// a higher copy but not the lowest read before the lowest was inserted,
     /// so its operation is concurrent with that insert and ordered before it.)
-    /// If a resize freezes the buckets first, it keeps the lowest copy.
+    /// If a resize freezes the buckets first, its copy keeps the lowest copy
+    /// (this waits until it is published); if the resize is undone, the
+    /// resolution goes on here.
     fn resolve_insert(&mut self, key: &[u8], kh: &KeyHash, mine: SlotPos, new: Slot) -> Result<()> {
         let inserted = Instant::now();
         let mut corrupt = CorruptSlot::default();
@@ -598,7 +600,11 @@ impl Client {
             self.conn.post(&self.bucket_reads(kh))?;
             let slots = self.bucket_slots();
             if meets_resize(&slots) {
-                return Ok(());
+                if self.follow_geometry(false)? {
+                    return Ok(());
+                }
+                std::thread::sleep(Duration::from_millis(1));
+                continue;
             }
             // Our own block cannot have been unlinked and reused for another
             // key sooner than a grace period after we published it.
@@ -609,7 +615,12 @@ impl Client {
                     continue;
                 }
                 Scan::Found(found) => found,
-                Scan::Moved => return Ok(()),
+                Scan::Moved => {
+                    if self.follow_geometry(false)? {
+                        return Ok(());
+                    }
+                    continue;
+                }
             };
             let ours_is_higher =
                 slots[my_index] == new && found.first().is_some_and(|&(lowest, _)| lowest != mine);
@@ -743,7 +754,10 @@ impl Client {
             match g.block_span(live).filter(|&(_, len)| len <= room) {
                 Some((offset, len)) => candidates.push((i, s, offset, len)),
                 None => {
-                    check_epoch |= live.offset() >= g.region_len;
+                    // Past the region this client knows: it may have grown.
+                    check_epoch |= live
+                        .block_len()
+                        .is_some_and(|len| live.offset().saturating_add(len) > g.region_len);
                     suspect.get_or_insert((kh.slot_pos(i), s));
                 }
             }

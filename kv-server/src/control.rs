@@ -111,6 +111,36 @@ impl Shared {
         }
     }
 
+    /// The geometry to tell client `id`, recording that it knows it: both
+    /// under one lock, which releasing an old index takes too, so no client
+    /// is ever told about an index already released. Callers fetch the
+    /// region's key after this, so a client at an epoch holds a key at least
+    /// as new as that epoch's registration.
+    pub fn tell_geometry(&self, id: ClientId) -> Geometry {
+        match self.client_epochs.lock() {
+            Ok(mut epochs) => {
+                let g = self.geometry();
+                epochs.insert(id, g.epoch);
+                g
+            }
+            Err(_) => self.geometry(),
+        }
+    }
+
+    /// Client `id` is gone: it holds back no old index or registration.
+    pub fn forget_client(&self, id: ClientId) {
+        if let Ok(mut epochs) = self.client_epochs.lock() {
+            epochs.remove(&id);
+        }
+    }
+
+    /// The oldest epoch a connected client knows (None: no clients).
+    pub fn oldest_client_epoch(&self) -> Option<u64> {
+        self.client_epochs
+            .lock()
+            .map_or(Some(0), |e| e.values().copied().min())
+    }
+
     /// Asks the `kv-grow` thread for a resize or more heap.
     pub fn want_growth(&self, f: impl FnOnce(&mut GrowRequests)) {
         let (wanted, cv) = &self.grow;
@@ -127,11 +157,8 @@ impl Shared {
         id: ClientId,
         peer: &mut dyn ControlPeer,
     ) -> Result<GeometryInfo, String> {
-        let geometry = self.geometry();
+        let geometry = self.tell_geometry(id);
         let region = peer.region().map_err(|e| e.to_string())?;
-        if let Ok(mut epochs) = self.client_epochs.lock() {
-            epochs.insert(id, geometry.epoch);
-        }
         Ok(GeometryInfo {
             geometry,
             region,
@@ -261,9 +288,14 @@ pub fn handle(
                 let m = format!("the server serves at most {} clients", shared.max_clients);
                 return (error(ErrorKind::TooManyClients, m), After::Close);
             }
+            // The epoch first: the key admit hands out is then at least as
+            // new as the geometry (see `tell_geometry`).
+            let id = shared.next_client.fetch_add(1, Relaxed);
+            let geometry = shared.tell_geometry(id);
             let region = match peer.admit() {
                 Ok(r) => r,
                 Err(e) => {
+                    shared.forget_client(id);
                     c.rejected.fetch_add(1, Relaxed);
                     return (
                         error(ErrorKind::TooManyClients, e.to_string()),
@@ -271,12 +303,7 @@ pub fn handle(
                     );
                 }
             };
-            let id = shared.next_client.fetch_add(1, Relaxed);
             session.client = Some(id);
-            let geometry = shared.geometry();
-            if let Ok(mut epochs) = shared.client_epochs.lock() {
-                epochs.insert(id, geometry.epoch);
-            }
             c.connects.fetch_add(1, Relaxed);
             c.connected.fetch_add(1, Relaxed);
             tracing::debug!(client = id, "connected");
@@ -441,9 +468,9 @@ pub fn end_session(
     if let Ok(mut p) = shared.pool.lock() {
         p.depart(id, eligible);
     }
-    if let Ok(mut epochs) = shared.client_epochs.lock() {
-        epochs.remove(&id);
-    }
+    shared.forget_client(id);
+    // It may have been the last holding back an old index.
+    shared.want_growth(|_| {});
     let c = &shared.counters;
     c.connected.fetch_sub(1, Relaxed);
     if !said_goodbye {

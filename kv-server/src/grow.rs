@@ -60,6 +60,8 @@ pub fn run(shared: Arc<Shared>) {
     let mut cpu_mark = control::thread_cpu_us();
     // Old indexes and the epoch that replaced each.
     let mut old_indexes: Vec<(Extent, u64)> = Vec::new();
+    // The epoch of the last growth whose earlier registrations remain.
+    let mut registrations_since: Option<u64> = None;
     loop {
         let wanted = {
             let (wanted, cv) = &shared.grow;
@@ -77,6 +79,7 @@ pub fn run(shared: Arc<Shared>) {
         if shared.stopping.load(Relaxed) {
             return;
         }
+        let growths_before = shared.counters.growths.load(Relaxed);
         if wanted.heap {
             if let Err(e) = grow_heap(&shared, 0) {
                 tracing::warn!("the heap cannot grow: {e}");
@@ -88,26 +91,44 @@ pub fn run(shared: Arc<Shared>) {
             shared.resizing.store(true, Relaxed);
             let started = Instant::now();
             match resize(&shared) {
-                Ok((old, new)) => {
+                Ok((old, new, copied)) => {
                     old_indexes.push((old, new.epoch));
+                    let slots = g.index_buckets() * SLOTS_PER_BUCKET as u64;
                     tracing::info!(
+                        occupancy = format!("{:.3}", copied as f64 / slots as f64),
+                        keys = copied,
                         buckets = new.bucket_count,
                         epoch = new.epoch,
                         took_ms = started.elapsed().as_millis() as u64,
                         "index resized"
                     );
                 }
-                Err(e) => {
-                    tracing::warn!("index resize failed: {e}");
+                Err(ResizeError::Refused(e)) => {
+                    tracing::warn!("index resize refused: {e}");
                     if let Ok(mut f) = shared.failed_resize.lock() {
                         *f = Some((g.epoch, e));
                     }
                 }
+                Err(ResizeError::Failed(e)) => tracing::warn!("index resize failed: {e}"),
             }
         }
         // A request for an index that has grown since needs nothing more.
         shared.resizing.store(false, Relaxed);
         release_old_indexes(&shared, &mut old_indexes);
+        if shared.counters.growths.load(Relaxed) > growths_before {
+            registrations_since = Some(shared.geometry().epoch);
+        }
+        // Registrations of the region's earlier sizes, once every client
+        // holds the newest key (it asked for a geometry since the growth).
+        if let Some(epoch) = registrations_since {
+            if shared
+                .oldest_client_epoch()
+                .is_none_or(|oldest| oldest >= epoch)
+            {
+                shared.listener.forget_earlier();
+                registrations_since = None;
+            }
+        }
         control::account_cpu(&shared.counters, &mut cpu_mark);
     }
 }
@@ -145,16 +166,22 @@ fn sample_occupancy(shared: &Shared, g: &Geometry) -> Result<f64, TransportError
     Ok(used as f64 / seen as f64)
 }
 
-/// Releases the old indexes every connected client has moved past.
+/// Releases the old indexes every connected client has moved past. Under
+/// the client-epoch lock, which a client's epoch is recorded under together
+/// with the geometry it is told (so none can be told about an index
+/// released meanwhile), and the collection lock (so no scan still reading an
+/// old index as the index can free what it does not see there).
 fn release_old_indexes(shared: &Shared, old: &mut Vec<(Extent, u64)>) {
     if old.is_empty() {
         return;
     }
-    let oldest_known = shared
-        .client_epochs
-        .lock()
-        .map(|e| e.values().copied().min().unwrap_or(u64::MAX))
-        .unwrap_or(0);
+    let Ok(_no_scan) = shared.collecting.lock() else {
+        return;
+    };
+    let Ok(epochs) = shared.client_epochs.lock() else {
+        return;
+    };
+    let oldest_known = epochs.values().copied().min().unwrap_or(u64::MAX);
     let ready_at = Instant::now() + shared.grace();
     old.retain(|&(extent, replaced_at)| {
         if oldest_known < replaced_at {
@@ -216,17 +243,29 @@ fn publish(shared: &Shared, g: &Geometry) -> Result<(), String> {
     Ok(())
 }
 
-/// Doubles the index (see the module doc). Returns the old index's space
-/// and the new geometry.
-fn resize(shared: &Shared) -> Result<(Extent, Geometry), String> {
+/// Why a resize did not happen.
+#[derive(Debug)]
+enum ResizeError {
+    /// It cannot, at this size: no memory or a cap. Clients asking again for
+    /// the same epoch are told so.
+    Refused(String),
+    /// Something transient (the mover could not connect, a verb failed):
+    /// the next request tries again.
+    Failed(String),
+}
+
+/// Doubles the index (see the module doc). Returns the old index's space,
+/// the new geometry and how many keys moved.
+fn resize(shared: &Shared) -> Result<(Extent, Geometry, u64), ResizeError> {
     let old = shared.geometry();
-    let mut mover = Mover::connect(shared).map_err(|e| format!("mover: {e}"))?;
+    let mut mover =
+        Mover::connect(shared).map_err(|e| ResizeError::Failed(format!("mover: {e}")))?;
     let mut buckets = old.bucket_count * 2;
-    let mut new_index = reserve_index(shared, buckets)?;
+    let mut new_index = reserve_index(shared, buckets).map_err(ResizeError::Refused)?;
     if let Err(e) = mover.freeze(&old) {
         release_now(shared, new_index);
         thaw(shared, &old, mover);
-        return Err(format!("freezing the index: {e}"));
+        return Err(ResizeError::Failed(format!("freezing the index: {e}")));
     }
     fault_point("frozen");
     // Twice the buckets hold the same keys at under half the load; a key
@@ -237,36 +276,57 @@ fn resize(shared: &Shared) -> Result<(Extent, Geometry), String> {
             Ok(None) if buckets * 2 <= shared.limits.max_buckets => {
                 release_now(shared, new_index);
                 buckets *= 2;
-                new_index = reserve_index(shared, buckets)?;
+                new_index = match reserve_index(shared, buckets) {
+                    Ok(e) => e,
+                    Err(e) => {
+                        thaw(shared, &old, mover);
+                        return Err(ResizeError::Refused(e));
+                    }
+                };
             }
-            other => {
+            Ok(None) => {
                 release_now(shared, new_index);
                 thaw(shared, &old, mover);
-                return Err(format!("copying the index: {other:?}"));
+                return Err(ResizeError::Refused(format!(
+                    "a key finds no room in {buckets} buckets, the cap (--max-buckets)"
+                )));
+            }
+            Err(e) => {
+                release_now(shared, new_index);
+                thaw(shared, &old, mover);
+                return Err(ResizeError::Failed(format!("copying the index: {e}")));
             }
         }
     };
+    // The heap may have grown meanwhile (a newer epoch): build on that.
+    let current = shared.geometry();
     let new = Geometry {
         index_offset: new_index.offset,
         bucket_count: buckets,
-        epoch: old.epoch + 1,
-        ..shared.geometry()
+        epoch: current.epoch + 1,
+        ..current
     };
-    shared
+    let published = shared
         .region
         .write(new.index_offset, &slots)
-        .map_err(|e| e.to_string())?;
-    fault_point("copied");
-    publish(shared, &new)?;
+        .map_err(|e| e.to_string())
+        .and_then(|()| {
+            fault_point("copied");
+            publish(shared, &new)
+        });
+    if let Err(e) = published {
+        release_now(shared, new_index);
+        thaw(shared, &old, mover);
+        return Err(ResizeError::Failed(e));
+    }
     fault_point("published");
     shared.counters.resizes.fetch_add(1, Relaxed);
-    tracing::debug!(copied, "index published");
     mover.close();
     let old_extent = Extent {
         offset: old.index_offset,
         len: old.index_bytes(),
     };
-    Ok((old_extent, new))
+    Ok((old_extent, new, copied))
 }
 
 /// Gives a resize's frozen index back to the writers, who wait meanwhile;

@@ -356,6 +356,7 @@ impl HeapPool {
     /// Reserves `len` contiguous free bytes for a new index (the smallest
     /// free extent that holds them), if there are any.
     pub fn reserve(&mut self, len: u64) -> Option<Extent> {
+        self.mature(Instant::now());
         let len = len.next_multiple_of(UNIT);
         let &(_, offset) = self.free_by_size.range((len, 0)..).next()?;
         let e = self.take_free(offset, len);

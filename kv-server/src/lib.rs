@@ -181,6 +181,8 @@ impl Server {
             // Nobody is admitted yet: a resize that died unpublished is
             // undone with plain stores.
             let thawed = region::thaw_index(&region, &geometry)?;
+            // The epoch word may lag a header switch the crash interrupted.
+            region.store(kv_common::layout::EPOCH_OFFSET, geometry.epoch)?;
             if thawed > 0 {
                 tracing::warn!(
                     thawed,

@@ -286,7 +286,41 @@ pub fn thaw_index(region: &SharedRegion, g: &Geometry) -> Result<u64, TransportE
     for &(pos, slot) in &frozen {
         region.store(g.slot_offset(pos), slot.thawed().0)?;
     }
+    if !frozen.is_empty() {
+        remove_duplicates(region, g)?;
+    }
     Ok(frozen.len() as u64 + empty)
+}
+
+/// Empties every slot holding a key that a lower slot holds too. Inserts
+/// that the freeze caught before they had resolved their duplicates left
+/// them for the resize's copy to drop; a thawed index keeps them otherwise.
+/// Only for a server that has not admitted anyone.
+fn remove_duplicates(region: &SharedRegion, g: &Geometry) -> Result<u64, TransportError> {
+    let mut slots = Vec::new();
+    for_each_slot(region, g, |pos, slot| slots.push((pos, slot)))?;
+    let mut seen = std::collections::HashSet::new();
+    let mut removed = 0;
+    // Position order: the first copy met is the lowest, the one readers get.
+    for (pos, slot) in slots {
+        let Some(block) = read_block(region, g, slot) else {
+            continue;
+        };
+        let Ok(view) = decode_block(&block) else {
+            continue;
+        };
+        if !seen.insert(view.key.to_vec()) {
+            region.store(g.slot_offset(pos), 0)?;
+            removed += 1;
+        }
+    }
+    if removed > 0 {
+        tracing::warn!(
+            removed,
+            "removed duplicate copies an interrupted resize left"
+        );
+    }
+    Ok(removed)
 }
 
 /// Reads the block a slot points at, if the slot can point at one.

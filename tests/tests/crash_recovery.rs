@@ -248,13 +248,42 @@ fn churn(address: &str, name: &str) -> Child {
 
 #[test]
 fn clients_killed_mid_operation_lose_nothing_and_leak_nothing() {
+    kill_clients_mid_operation(false);
+}
+
+/// The same while the index is resized again and again: a client killed in
+/// the middle of a resize (waiting for it, or with its slots being frozen)
+/// changes nothing for the others, and holds back no old index.
+#[test]
+fn clients_killed_during_resizes_lose_nothing_and_leak_nothing() {
+    kill_clients_mid_operation(true);
+}
+
+fn kill_clients_mid_operation(resizing: bool) {
     let dir = region_dir();
     let path = dir.path().join("region");
     let mut config = test_config(&path);
     config.op_deadline = Duration::from_millis(10);
     config.memory = 16 << 20;
+    if resizing {
+        config.buckets = Some(8);
+    }
     let address = config.address.to_string();
     let server = Server::start(config.clone()).unwrap();
+    let killing = Arc::new(AtomicBool::new(true));
+    let resizer = resizing.then(|| {
+        let (address, killing) = (address.clone(), killing.clone());
+        std::thread::spawn(move || {
+            let mut kv = Client::connect(&address).unwrap();
+            let mut resizes = 0;
+            while killing.load(Ordering::Relaxed) && resizes < 12 {
+                kv.resize().unwrap();
+                resizes += 1;
+                std::thread::sleep(Duration::from_millis(80));
+            }
+            resizes
+        })
+    });
 
     let names: Vec<String> = (0..6).map(|i| format!("c{i}")).collect();
     let mut rng = 0x5851_f42d_4c95_7f2du64;
@@ -287,6 +316,12 @@ fn clients_killed_mid_operation_lose_nothing_and_leak_nothing() {
         }
     }
 
+    killing.store(false, Ordering::Relaxed);
+    if let Some(r) = resizer {
+        let resizes = r.join().unwrap();
+        assert!(resizes >= 3, "only {resizes} resizes during the kills");
+    }
+
     // Every key holds a value its writer wrote, whole.
     let mut kv = Client::connect(&address).unwrap();
     let mut present = 0;
@@ -311,5 +346,6 @@ fn clients_killed_mid_operation_lose_nothing_and_leak_nothing() {
     // Every churn process that got connected before its kill departed (on
     // a slow machine some are killed before they connect).
     assert_eq!(running.departures + running.disconnects, running.connects);
+    assert_eq!(running.resizes > 0, resizing);
     assert!(running.departures > 0, "{kills} kills: {running:?}");
 }

@@ -243,6 +243,8 @@ pub trait ControlListener: Send + Sync {
     /// The region grew: makes its new part reachable. Keys handed out
     /// before stay valid for the part they covered.
     fn extend(&self) -> Result<(), TransportError>;
+    /// Every client holds the newest key: earlier registrations may go.
+    fn forget_earlier(&self);
     /// Revokes the registration: verbs with its keys fail from now on.
     fn deregister(&self);
     /// Blocks for the next control channel (a connection not yet admitted).

@@ -588,6 +588,8 @@ impl ControlListener for ShmListener {
         Ok(())
     }
 
+    fn forget_earlier(&self) {}
+
     fn deregister(&self) {
         if let Some(keys) = &self.keys {
             keys.revoke_all();

@@ -359,8 +359,8 @@ pub struct RdmaListener {
 }
 
 /// The registered region and how clients name it. After growth, the
-/// registrations of its earlier sizes stay: clients that have not yet
-/// learned the new key still use theirs.
+/// registrations of its earlier sizes stay until every client has learned
+/// the new key (`forget_earlier`).
 struct Registration {
     region: Arc<SharedRegion>,
     mr: Mr,
@@ -416,6 +416,14 @@ impl ControlListener for RdmaListener {
             r.earlier.push(std::mem::replace(&mut r.mr, mr));
         }
         Ok(())
+    }
+
+    fn forget_earlier(&self) {
+        if let Ok(mut slot) = self.mr.lock() {
+            if let Some(r) = slot.as_mut() {
+                r.earlier.clear();
+            }
+        }
     }
 
     fn deregister(&self) {
