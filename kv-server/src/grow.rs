@@ -262,16 +262,26 @@ fn resize(shared: &Shared) -> Result<(Extent, Geometry, u64), ResizeError> {
         Mover::connect(shared).map_err(|e| ResizeError::Failed(format!("mover: {e}")))?;
     let mut buckets = old.bucket_count * 2;
     let mut new_index = reserve_index(shared, buckets).map_err(ResizeError::Refused)?;
+    let freezing = Instant::now();
     if let Err(e) = mover.freeze(&old) {
         release_now(shared, new_index);
         thaw(shared, &old, mover);
         return Err(ResizeError::Failed(format!("freezing the index: {e}")));
     }
+    let freeze_ms = freezing.elapsed().as_millis() as u64;
     fault_point("frozen");
+    // The frozen index, as it lies in the region now: the heap may have
+    // grown since the resize began (reserving the new index, say), and the
+    // slots frozen last may point into the new space.
+    let frozen = Geometry {
+        index_offset: old.index_offset,
+        bucket_count: old.bucket_count,
+        ..shared.geometry()
+    };
     // Twice the buckets hold the same keys at under half the load; a key
     // finding no room there is so unlikely that doubling again is enough.
     let (slots, copied) = loop {
-        match copy(shared, &old, buckets, new_index.offset) {
+        match copy(shared, &frozen, buckets, new_index.offset) {
             Ok(Some(done)) => break done,
             Ok(None) if buckets * 2 <= shared.limits.max_buckets => {
                 release_now(shared, new_index);
@@ -326,6 +336,7 @@ fn resize(shared: &Shared) -> Result<(Extent, Geometry, u64), ResizeError> {
         offset: old.index_offset,
         len: old.index_bytes(),
     };
+    tracing::debug!(freeze_ms, copied, "index published");
     Ok((old_extent, new, copied))
 }
 
@@ -388,25 +399,25 @@ fn copy(
     let mut slots = vec![0u64; (new.index_buckets() as usize) * SLOTS_PER_BUCKET];
     let at_slot =
         |pos: kv_common::layout::SlotPos| pos.bucket as usize * SLOTS_PER_BUCKET + pos.index;
-    let key_of = |slot: Slot| -> Option<Vec<u8>> {
-        let block = region::read_block(region, old, slot)?;
-        decode_block(&block).ok().map(|v| v.key.to_vec())
-    };
+    let mut blocks = KeyReader::new(region, old);
+    let mut key = Vec::new();
     let (mut copied, mut duplicates, mut damaged) = (0u64, 0u64, 0u64);
     let halfway = occupied.len() / 2;
     for (n, slot) in occupied.into_iter().enumerate() {
         if n == halfway {
             fault_point("copying");
         }
-        let Some(key) = key_of(slot) else {
+        let Some(k) = blocks.key(slot) else {
             damaged += 1;
             continue;
         };
+        key.clear();
+        key.extend_from_slice(k);
         let h = KeyHash::new(&key, buckets);
         let candidates: [Slot; CANDIDATE_SLOTS] =
             std::array::from_fn(|i| Slot(slots[at_slot(h.slot_pos(i))]));
         let placed = candidates.iter().any(|&c| {
-            !c.is_empty() && c.fingerprint() == h.fingerprint && key_of(c) == Some(key.clone())
+            !c.is_empty() && c.fingerprint() == h.fingerprint && blocks.key(c) == Some(&key[..])
         });
         if placed {
             duplicates += 1;
@@ -418,14 +429,50 @@ fn copy(
         slots[at_slot(h.slot_pos(i))] = slot.0;
         copied += 1;
     }
-    if damaged > 0 || duplicates > 0 {
-        tracing::warn!(
-            damaged,
+    if duplicates > 0 {
+        tracing::info!(
             duplicates,
-            "resize left out slots whose block is damaged, and later copies of keys"
+            "resize kept the lowest copy of keys inserted twice"
         );
     }
+    if damaged > 0 {
+        tracing::error!(
+            damaged,
+            "resize dropped slots whose block fails validation (damage; `kv-server check` names such slots)"
+        );
+        shared.counters.corrupt_slots.fetch_add(damaged, Relaxed);
+    }
     Ok(Some((slots, copied)))
+}
+
+/// Reads the keys of blocks, reusing its buffers (a resize reads one per key).
+struct KeyReader<'a> {
+    region: &'a kv_common::transport::shm::SharedRegion,
+    g: &'a Geometry,
+    words: Vec<u64>,
+    bytes: Vec<u8>,
+}
+
+impl<'a> KeyReader<'a> {
+    fn new(region: &'a kv_common::transport::shm::SharedRegion, g: &'a Geometry) -> Self {
+        KeyReader {
+            region,
+            g,
+            words: Vec::new(),
+            bytes: Vec::new(),
+        }
+    }
+
+    /// The key of the block `slot` points at, if it is a valid block.
+    fn key(&mut self, slot: Slot) -> Option<&[u8]> {
+        let (offset, len) = self.g.block_span(slot)?;
+        self.words.resize(len / 8, 0);
+        self.region.read(offset, &mut self.words).ok()?;
+        self.bytes.clear();
+        self.bytes
+            .extend(self.words.iter().flat_map(|w| w.to_le_bytes()));
+        decode_block(&self.bytes).ok().map(|v| v.key)
+    }
 }
 
 /// Stops the resize here when the fault-injection variable names this step

@@ -1,7 +1,8 @@
 //! The reclaimer: a thread that turns unreferenced heap space back into
 //! leasable space (see the ownership argument in `heap.rs`). It scans the
 //! index when a lease went wanting, when a departed client's space has
-//! settled, or (at most once a second) when free space runs low. The scan
+//! settled, or (at most once a second) when free space runs low; when it
+//! finds more than half the heap live, it asks for the heap to grow. The scan
 //! reads the region without the pool's lock; only the short sweep over the
 //! unit map takes it.
 
@@ -78,7 +79,8 @@ pub fn collect(shared: &Shared) {
         return;
     };
     let started = Instant::now();
-    let scan = match region::scan_index(&shared.region, &shared.geometry()) {
+    let g = shared.geometry();
+    let scan = match region::scan_index(&shared.region, &g) {
         Ok(s) => s,
         Err(e) => {
             tracing::error!("index scan failed: {e}");
@@ -90,6 +92,11 @@ pub fn collect(shared: &Shared) {
     c.live_slots.store(scan.live_slots, Relaxed);
     c.live_bytes.store(scan.live_bytes, Relaxed);
     c.corrupt_slots.store(scan.corrupt_slots, Relaxed);
+    // More than half the heap live: collections would come ever more often
+    // and free ever less. Grow instead (the heap stays under ~2x the data).
+    if scan.live_bytes > g.heap_size / 2 && g.region_len < shared.limits.max_region {
+        shared.want_growth(|w| w.heap = true);
+    }
     let ready_at = Instant::now() + shared.grace();
     let freed = match shared.pool.lock() {
         Ok(mut p) => p.collect(started, scan.live, ready_at),

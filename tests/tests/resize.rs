@@ -213,3 +213,59 @@ fn the_heap_is_full_only_at_its_cap_and_says_so() {
         assert!(or_abort(kv.get(k.as_bytes()), "get").is_some(), "{k} lost");
     }
 }
+
+#[test]
+fn writes_into_space_a_resize_grew_the_heap_by_are_carried_over() {
+    // A full heap with a large index: doubling the index needs more space
+    // than any free run, so the resize itself grows the region, and updates
+    // landing meanwhile put blocks in the new space before their slots are
+    // frozen.
+    const KEYS: u64 = 600;
+    let srv = TestServer::start(|c| {
+        c.memory = 8 << 20;
+        c.buckets = Some(65536);
+        c.resize_at = 1.0;
+    });
+    let stop = AtomicBool::new(false);
+    let last = Mutex::new(vec![0u64; KEYS as usize]);
+    std::thread::scope(|s| {
+        let (stop, last, address) = (&stop, &last, &srv.address);
+        s.spawn(move || {
+            let mut kv = or_abort(Client::connect(address), "connect");
+            for seq in 1.. {
+                let i = seq % KEYS;
+                let k = format!("big-{i}");
+                or_abort(
+                    kv.put(k.as_bytes(), &tagged_value(&k, "w", seq, 3000)),
+                    "put",
+                );
+                last.lock().unwrap()[i as usize] = seq;
+                if stop.load(Ordering::SeqCst) {
+                    return;
+                }
+            }
+        });
+        let mut kv = or_abort(Client::connect(&srv.address), "connect");
+        while last.lock().unwrap().contains(&0) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        for _ in 0..3 {
+            or_abort(kv.resize(), "resize");
+        }
+        stop.store(true, Ordering::SeqCst);
+    });
+    let stats = srv.server.stats();
+    assert!(stats.growths > 0 && stats.resizes >= 3, "{stats:?}");
+    let mut kv = or_abort(Client::connect(&srv.address), "connect");
+    let last = last.into_inner().unwrap();
+    for i in 0..KEYS {
+        let k = format!("big-{i}");
+        let v = or_abort(kv.get(k.as_bytes()), "get").unwrap_or_else(|| panic!("{k} lost"));
+        let (_, _, seq) = parse_tagged(&v).expect("whole value");
+        assert!(
+            seq >= last[i as usize],
+            "{k}: read #{seq}, #{} was acknowledged",
+            last[i as usize]
+        );
+    }
+}
