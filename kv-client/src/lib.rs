@@ -339,6 +339,20 @@ impl Client {
         }
     }
 
+    /// Waits out a resize met in the middle of an insert's duplicate check:
+    /// true if a new index was published (its copy kept the lowest copy),
+    /// false if the index is the same (the heap grew, or the resize was
+    /// undone) and the check goes on here.
+    fn follow_to_new_index(&mut self) -> Result<bool> {
+        let before = (
+            self.info.geometry.index_offset,
+            self.info.geometry.bucket_count,
+        );
+        self.follow_geometry(false)?;
+        let g = &self.info.geometry;
+        Ok((g.index_offset, g.bucket_count) != before)
+    }
+
     /// Switches to a new geometry: what was remembered about slots is
     /// dropped, and a grown region is mapped (or its new key taken).
     fn adopt(&mut self, info: GeometryInfo) -> Result<()> {
@@ -600,7 +614,7 @@ impl Client {
             self.conn.post(&self.bucket_reads(kh))?;
             let slots = self.bucket_slots();
             if meets_resize(&slots) {
-                if self.follow_geometry(false)? {
+                if self.follow_to_new_index()? {
                     return Ok(());
                 }
                 std::thread::sleep(Duration::from_millis(1));
@@ -616,7 +630,7 @@ impl Client {
                 }
                 Scan::Found(found) => found,
                 Scan::Moved => {
-                    if self.follow_geometry(false)? {
+                    if self.follow_to_new_index()? {
                         return Ok(());
                     }
                     continue;
@@ -657,14 +671,17 @@ impl Client {
             let Some(&(pos, old)) = found.first() else {
                 return Ok(Step::Done(*unlinked));
             };
+            // Extra copies first, the lowest (the one readers return) last:
+            // a copy left behind would become the lowest and bring back an
+            // older value. One that changed or froze meanwhile: read again.
+            if !self.remove_duplicates(&found[1..], started)? {
+                continue;
+            }
             if started.elapsed() > self.deadline {
                 continue;
             }
             if self.cas(pos, old, Slot::EMPTY)? {
                 *unlinked = true;
-                // A copy that survives this belongs to a PUT still in flight,
-                // which is then ordered after this delete.
-                self.remove_duplicates(&found[1..], started)?;
                 return Ok(Step::Done(true));
             }
         }
@@ -672,10 +689,11 @@ impl Client {
     }
 
     /// Empties slots that hold extra copies of a key (verified by `scan`
-    /// within the deadline that began at `started`). False if any could not
-    /// be removed: it changed since it was read, or time ran out.
+    /// within the deadline that began at `started`), highest first. False if
+    /// any could not be removed: it changed since it was read, or time ran
+    /// out.
     fn remove_duplicates(&mut self, dups: &[(SlotPos, Slot)], started: Instant) -> Result<bool> {
-        for &(pos, slot) in dups {
+        for &(pos, slot) in dups.iter().rev() {
             if started.elapsed() > self.deadline || !self.cas(pos, slot, Slot::EMPTY)? {
                 return Ok(false);
             }

@@ -78,3 +78,34 @@ fn large_values_come_from_standard_input_or_a_file() {
     let got = kv(&["--server", &address, "get", "small"]);
     assert_eq!(&got.stdout[..1000], &value[..1000]);
 }
+
+#[test]
+fn resize_doubles_the_index_and_stats_show_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let region = dir.path().join("r");
+    let config = kv_server::ServerConfig {
+        memory: 16 << 20,
+        buckets: Some(64),
+        ..kv_server::ServerConfig::new(kv_common::Address::Shm {
+            region: region.clone(),
+        })
+    };
+    let _server = kv_server::Server::start(config).unwrap();
+    let address = format!("shm://{}", region.display());
+    assert!(kv(&["--server", &address, "put", "k", "v"])
+        .status
+        .success());
+    let out = kv(&["--server", &address, "resize"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("buckets 64 -> 128"));
+    let stats = String::from_utf8_lossy(&kv(&["--server", &address, "stats"]).stdout).into_owned();
+    for line in ["epoch 2", "resizes 1", "buckets 128", "occupancy "] {
+        assert!(stats.contains(line), "no {line:?} in {stats}");
+    }
+    let got = kv(&["--server", &address, "get", "k"]);
+    assert_eq!(got.stdout, b"v\n");
+}

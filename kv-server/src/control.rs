@@ -79,9 +79,12 @@ pub struct Shared {
     /// The epoch of the geometry each connected client last learned: an
     /// old index is reused once every client has moved past it.
     pub client_epochs: Mutex<HashMap<ClientId, u64>>,
-    /// Why the last resize of an epoch failed, so clients asking again for
-    /// that epoch get the reason instead of another attempt.
-    pub failed_resize: Mutex<Option<(u64, String)>>,
+    /// Why the last resize was refused (no room for the new index), at
+    /// which epoch and when: clients asking again soon after get the reason
+    /// instead of another attempt.
+    pub refused_resize: Mutex<Option<(u64, String, Instant)>>,
+    /// What the server's own resize connection presents (see `grow.rs`).
+    pub mover_token: [u8; 32],
     pub secret: Option<Vec<u8>>,
     pub op_deadline: Duration,
     pub max_clients: u64,
@@ -125,6 +128,14 @@ impl Shared {
             }
             Err(_) => self.geometry(),
         }
+    }
+
+    /// Why a resize of the index of `epoch` was refused lately, if it was:
+    /// for a second (collections and departures may free room meanwhile).
+    pub fn resize_refusal(&self, epoch: u64) -> Option<String> {
+        let refused = self.refused_resize.lock().ok()?.clone()?;
+        let (at_epoch, why, when) = refused;
+        (at_epoch == epoch && when.elapsed() < Duration::from_secs(1)).then_some(why)
     }
 
     /// Client `id` is gone: it holds back no old index or registration.
@@ -276,14 +287,16 @@ pub fn handle(
                     format!("client speaks protocol {protocol_version}, server {PROTOCOL_VERSION}");
                 return (error(ErrorKind::VersionMismatch, m), After::Close);
             }
-            if let Some(expected) = &shared.secret {
+            // The server's own resize connection: admitted past the limit.
+            let mover = same_secret(&shared.mover_token, &secret);
+            if let Some(expected) = shared.secret.as_ref().filter(|_| !mover) {
                 if !same_secret(expected, &secret) {
                     c.rejected.fetch_add(1, Relaxed);
                     tracing::warn!("refused a client with a wrong secret");
                     return (error(ErrorKind::BadSecret, "wrong secret"), After::Close);
                 }
             }
-            if c.connected.load(Relaxed) >= shared.max_clients {
+            if !mover && c.connected.load(Relaxed) >= shared.max_clients {
                 c.rejected.fetch_add(1, Relaxed);
                 let m = format!("the server serves at most {} clients", shared.max_clients);
                 return (error(ErrorKind::TooManyClients, m), After::Close);
@@ -407,13 +420,7 @@ pub fn handle(
             c.geometry_requests.fetch_add(1, Relaxed);
             let current = shared.geometry();
             if epoch == current.epoch && !shared.resizing.load(Relaxed) {
-                let failed = shared
-                    .failed_resize
-                    .lock()
-                    .ok()
-                    .and_then(|f| f.clone())
-                    .filter(|(e, _)| *e == epoch);
-                if let Some((_, why)) = failed {
+                if let Some(why) = shared.resize_refusal(epoch) {
                     return (error(ErrorKind::IndexFull, why), After::Stay);
                 }
                 if current.bucket_count * 2 > shared.limits.max_buckets {

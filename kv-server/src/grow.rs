@@ -105,8 +105,8 @@ pub fn run(shared: Arc<Shared>) {
                 }
                 Err(ResizeError::Refused(e)) => {
                     tracing::warn!("index resize refused: {e}");
-                    if let Ok(mut f) = shared.failed_resize.lock() {
-                        *f = Some((g.epoch, e));
+                    if let Ok(mut f) = shared.refused_resize.lock() {
+                        *f = Some((shared.geometry().epoch, e, Instant::now()));
                     }
                 }
                 Err(ResizeError::Failed(e)) => tracing::warn!("index resize failed: {e}"),
@@ -138,11 +138,8 @@ fn should_resize(shared: &Shared, g: &Geometry) -> bool {
     if g.bucket_count * 2 > shared.limits.max_buckets {
         return false;
     }
-    let failed = shared
-        .failed_resize
-        .lock()
-        .is_ok_and(|f| f.as_ref().is_some_and(|(e, _)| *e == g.epoch));
-    !failed && sample_occupancy(shared, g).is_ok_and(|o| o >= shared.limits.resize_at)
+    shared.resize_refusal(g.epoch).is_none()
+        && sample_occupancy(shared, g).is_ok_and(|o| o >= shared.limits.resize_at)
 }
 
 /// The used fraction of up to `SAMPLE_BUCKETS` buckets spread over the index.
@@ -342,22 +339,21 @@ fn resize(shared: &Shared) -> Result<(Extent, Geometry, u64), ResizeError> {
 
 /// Gives a resize's frozen index back to the writers, who wait meanwhile;
 /// through new connections if the mover's broke (until the server stops).
-fn thaw(shared: &Shared, g: &Geometry, mut mover: Mover) {
+fn thaw(shared: &Shared, g: &Geometry, mover: Mover) {
+    let mut mover = Some(mover);
     loop {
-        match mover.thaw(g) {
-            Ok(()) => return mover.close(),
-            Err(e) => tracing::error!("thawing the index after a failed resize: {e}"),
-        }
-        loop {
-            if shared.stopping.load(Relaxed) {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-            if let Ok(m) = Mover::connect(shared) {
-                mover = m;
-                break;
+        if let Some(mut m) = mover.take() {
+            match m.thaw(g) {
+                Ok(()) => return m.close(),
+                // Dropped: its session ends before the next connects.
+                Err(e) => tracing::error!("thawing the index after a failed resize: {e}"),
             }
         }
+        if shared.stopping.load(Relaxed) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        mover = Mover::connect(shared).ok();
     }
 }
 
@@ -487,6 +483,20 @@ fn fault_point(step: &str) {
     }
 }
 
+/// A secret only this server process knows: the mover presents it instead
+/// of the configured secret, and is admitted even when `--max-clients` are
+/// connected (a full server must still be able to resize).
+pub fn mover_token() -> [u8; 32] {
+    use std::hash::BuildHasher;
+    // RandomState is seeded from the OS's randomness.
+    let mut token = [0u8; 32];
+    for (i, part) in token.chunks_mut(8).enumerate() {
+        let word = std::collections::hash_map::RandomState::new().hash_one(i);
+        part.copy_from_slice(&word.to_le_bytes());
+    }
+    token
+}
+
 /// The server's own client connection, through which it changes slots that
 /// clients CAS: in their atomicity domain (RDMA atomics on a loopback queue
 /// pair; CPU atomics on shm).
@@ -504,7 +514,7 @@ impl Mover {
         let mut conn = transport::connect(&shared.address, transport::DEFAULT_REPLY_TIMEOUT)?;
         let reply = conn.call(&Request::Connect {
             protocol_version: PROTOCOL_VERSION,
-            secret: shared.secret.clone().unwrap_or_default(),
+            secret: shared.mover_token.to_vec(),
         })?;
         let Response::Connected(info) = reply else {
             return Err(TransportError::Unsupported(format!(

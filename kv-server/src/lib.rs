@@ -69,7 +69,8 @@ pub struct ServerConfig {
     /// Longest a client's one-sided operation may take before it retries;
     /// freed space is reused only after four of these.
     pub op_deadline: Duration,
-    /// Most clients connected at once (each holds a key and leased space).
+    /// Most clients connected at once (each holds a key and leased space),
+    /// at most 4095: the server's own resize connection needs a key too.
     pub max_clients: u64,
     /// How long a control connection may take to connect, and may stay
     /// silent once connected. Open connections, connected or not, are capped
@@ -114,9 +115,11 @@ impl ServerConfig {
         if self.op_deadline.is_zero() {
             return Err(ServerError::Config("op deadline must be positive".into()));
         }
-        if self.max_clients == 0 || self.max_clients > KEY_TABLE_ENTRIES {
+        // One key-table entry stays for the server's own resize connection.
+        if self.max_clients == 0 || self.max_clients >= KEY_TABLE_ENTRIES {
             return Err(ServerError::Config(format!(
-                "max clients must be from 1 to {KEY_TABLE_ENTRIES}"
+                "max clients must be from 1 to {}",
+                KEY_TABLE_ENTRIES - 1
             )));
         }
         if self.timeouts.handshake.is_zero() || self.timeouts.idle.is_some_and(|d| d.is_zero()) {
@@ -239,7 +242,8 @@ impl Server {
             resizing: AtomicBool::new(false),
             grow: (Mutex::new(GrowRequests::default()), Condvar::new()),
             client_epochs: Mutex::new(HashMap::new()),
-            failed_resize: Mutex::new(None),
+            refused_resize: Mutex::new(None),
+            mover_token: grow::mover_token(),
             secret: config.secret.clone(),
             op_deadline: config.op_deadline,
             max_clients: config.max_clients,

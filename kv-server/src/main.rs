@@ -73,7 +73,7 @@ struct ServeArgs {
     /// milliseconds; freed space is reused after four times this.
     #[arg(long, default_value_t = 50)]
     op_deadline_ms: u64,
-    /// Most clients connected at once (at most 4096); more are refused with
+    /// Most clients connected at once (at most 4095); more are refused with
     /// a clear error. Open control connections are capped at twice this.
     #[arg(long, default_value_t = 1024)]
     max_clients: u64,

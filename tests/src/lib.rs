@@ -229,12 +229,17 @@ impl Daemon {
             }
             std::thread::sleep(Duration::from_millis(10));
         };
+        (status, self.take_log())
+    }
+
+    /// Everything the daemon logged (once it has exited).
+    fn take_log(&mut self) -> String {
         let log = self
             .log
             .take()
             .and_then(|t| t.join().ok())
             .unwrap_or_default();
-        (status, String::from_utf8_lossy(&log).into_owned())
+        String::from_utf8_lossy(&log).into_owned()
     }
 
     /// SIGTERM; its exit status and log once it has stopped.
@@ -243,12 +248,7 @@ impl Daemon {
         // SAFETY: kill(2) on our own child's pid.
         unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
         let status = child.wait().expect("daemon exits");
-        let log = self
-            .log
-            .take()
-            .and_then(|t| t.join().ok())
-            .unwrap_or_default();
-        (status, String::from_utf8_lossy(&log).into_owned())
+        (status, self.take_log())
     }
 }
 
