@@ -1,8 +1,11 @@
 //! The onekv client. It reaches the server's region with one-sided verbs
-//! only: a GET reads both candidate buckets in one batch and the matching
-//! block in a second (one batch for both, for a key whose slot it has
-//! seen, when slot hints are on); a PUT writes its block out of place in the same batch as the
-//! bucket reads and publishes it with a CAS on the slot.
+//! only: a GET reads the key's two windows of candidate buckets in one batch
+//! and the matching block in a second (one batch for both, for a key whose
+//! slot it has seen, when slot hints are on); a PUT writes its block out of
+//! place in the same batch as the bucket reads and publishes it with a CAS on
+//! the slot. When the server resizes the index or grows the region, the
+//! client notices (a frozen slot, a block past the region it knows) and
+//! learns the new geometry before going on.
 //!
 //! ```no_run
 //! let mut kv = kv_client::Client::connect("shm:///dev/shm/onekv")?;
@@ -426,7 +429,7 @@ impl Client {
     }
 
     /// A GET in one round trip for a key whose slot this client has seen:
-    /// one batch reads both buckets and, after them, the remembered block
+    /// one batch reads both windows and, after them, the remembered block
     /// (see [`Client::hinted_block`]); on a stale hint, false and a full GET.
     fn get_cached(&mut self, key: &[u8], kh: &KeyHash, out: &mut Vec<u8>) -> Result<bool> {
         let Some(hint) = self.usable_hint(key) else {
@@ -461,7 +464,7 @@ impl Client {
         Some(Hint { pos, slot, read })
     }
 
-    /// After a batch that read both buckets and then the hinted block (the
+    /// After a batch that read both windows and then the hinted block (the
     /// READs of a batch execute in order, on an RC queue pair as on shm):
     /// the key's value, if the slot still holds the remembered value, no
     /// lower slot could hold the key, the block is the key's and it was all
