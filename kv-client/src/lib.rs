@@ -49,8 +49,10 @@ const EPOCH_AT: usize = 2 * WINDOW_BYTES;
 const CAS_AT: usize = EPOCH_AT + 8;
 const BLOCK_AT: usize = 512;
 const SLOTS: usize = CANDIDATE_SLOTS;
-/// How long a writer waits for a resize to publish the new index.
-const RESIZE_WAIT: Duration = Duration::from_secs(120);
+/// How long a writer waits for a resize to publish the new index (the
+/// server answers meanwhile that it is resizing; doubling an index of 10^8
+/// keys, or a large one over a slow fabric, takes minutes).
+const RESIZE_WAIT: Duration = Duration::from_secs(600);
 /// How long a PUT waits for heap space while the server reclaims or grows.
 const SPACE_WAIT: Duration = Duration::from_secs(30);
 

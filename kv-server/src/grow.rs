@@ -549,8 +549,8 @@ impl Mover {
     }
 
     /// For each group of buckets: read it, CAS every word `change` maps to
-    /// a new value, and repeat until no word needs changing (a client CAS
-    /// may land between the read and ours).
+    /// a new value, and repeat while a CAS failed (a client CAS landed
+    /// between the read and ours): two round trips per group when none did.
     fn each_group(
         &mut self,
         g: &Geometry,
@@ -583,6 +583,16 @@ impl Mover {
                     break;
                 }
                 self.conn.post(&cas)?;
+                let local = self.conn.local();
+                let all_swapped = cas.iter().all(|v| match *v {
+                    Verb::Cas {
+                        local: at, expect, ..
+                    } => read_u64(local, at) == expect,
+                    _ => true,
+                });
+                if all_swapped {
+                    break;
+                }
             }
             after_group(first);
             first += n;
