@@ -226,9 +226,8 @@ fn worker(
             (start.elapsed(), kv.verb_stats().since(&before))
         }
         Op::RawRead | Op::RawCas => {
-            let mut conn =
-                transport::connect(&Address::parse(address)?, transport::DEFAULT_REPLY_TIMEOUT)
-                    .map_err(|e| e.to_string())?;
+            let mut conn = transport::connect(&Address::parse(address)?, &Default::default())
+                .map_err(|e| e.to_string())?;
             let info = match conn.call(&Request::Connect {
                 protocol_version: PROTOCOL_VERSION,
                 secret: vec![],

@@ -1,14 +1,12 @@
-//! Where this client last saw each key: its slot position and slot value.
-//! A hint only: a GET through it re-reads the buckets and the block in one
-//! batch and uses the block only if the slot still holds that value, so a
-//! stale entry costs a round trip, never a wrong answer.
+//! Where this client last saw each key: a bounded map from key to
+//! [`Hint`]. What a hint allows, and when, is `hint`'s business.
 
 use std::collections::HashMap;
 
-use kv_common::layout::{Slot, SlotPos};
+use crate::hint::Hint;
 
 pub struct SlotCache {
-    entries: HashMap<Vec<u8>, (SlotPos, Slot)>,
+    entries: HashMap<Vec<u8>, Hint>,
     capacity: usize,
 }
 
@@ -20,23 +18,23 @@ impl SlotCache {
         }
     }
 
-    pub fn get(&self, key: &[u8]) -> Option<(SlotPos, Slot)> {
+    pub fn get(&self, key: &[u8]) -> Option<Hint> {
         self.entries.get(key).copied()
     }
 
-    pub fn remember(&mut self, key: &[u8], pos: SlotPos, slot: Slot) {
+    pub fn remember(&mut self, key: &[u8], hint: Hint) {
         if self.capacity == 0 {
             return;
         }
         if let Some(e) = self.entries.get_mut(key) {
-            *e = (pos, slot);
+            *e = hint;
             return;
         }
         if self.entries.len() >= self.capacity {
             // Cheaper than tracking recency, and entries refill on use.
             self.entries.clear();
         }
-        self.entries.insert(key.to_vec(), (pos, slot));
+        self.entries.insert(key.to_vec(), hint);
     }
 
     pub fn forget(&mut self, key: &[u8]) {
@@ -50,7 +48,12 @@ impl SlotCache {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Instant;
+
+    use kv_common::layout::{Slot, SlotPos};
+
     use super::*;
+    use crate::clock::OpClock;
 
     #[test]
     fn remembers_forgets_and_stays_bounded() {
@@ -58,18 +61,19 @@ mod tests {
             bucket: 3,
             index: 1,
         };
+        let hint = |s| Hint::seen(pos, Slot(s), OpClock::at(Instant::now()));
         let mut c = SlotCache::new(2);
-        c.remember(b"a", pos, Slot(7));
-        c.remember(b"a", pos, Slot(8));
-        assert_eq!(c.get(b"a"), Some((pos, Slot(8))));
-        c.remember(b"b", pos, Slot(9));
-        c.remember(b"c", pos, Slot(10));
+        c.remember(b"a", hint(7));
+        c.remember(b"a", hint(8));
+        assert_eq!(c.get(b"a").map(|h| h.slot), Some(Slot(8)));
+        c.remember(b"b", hint(9));
+        c.remember(b"c", hint(10));
         assert!(c.entries.len() <= 2);
-        assert_eq!(c.get(b"c"), Some((pos, Slot(10))));
+        assert_eq!(c.get(b"c").map(|h| h.slot), Some(Slot(10)));
         c.forget(b"c");
         assert_eq!(c.get(b"c"), None);
         let mut off = SlotCache::new(0);
-        off.remember(b"a", pos, Slot(1));
+        off.remember(b"a", hint(1));
         assert_eq!(off.get(b"a"), None);
     }
 }

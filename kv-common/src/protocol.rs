@@ -68,9 +68,15 @@ pub struct ConnectInfo {
     pub region: RemoteRegion,
     pub geometry: Geometry,
     /// A one-sided operation whose reads took longer than this is retried; a
-    /// freed block is reused only after several of these (the grace period).
+    /// freed block is reused only after [`GRACE_DEADLINES`] of these (the
+    /// grace period).
     pub op_deadline_us: u64,
 }
+
+/// The grace period, in operation deadlines: space found unreferenced is
+/// reused only this many deadlines later. Clients rely on it (a hint
+/// confirmed less than grace − deadline ago cannot name a reused block).
+pub const GRACE_DEADLINES: u32 = 4;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ErrorKind {

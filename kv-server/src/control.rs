@@ -104,7 +104,7 @@ pub struct Shared {
 
 impl Shared {
     pub fn grace(&self) -> Duration {
-        self.op_deadline * 4
+        self.op_deadline * kv_common::protocol::GRACE_DEADLINES
     }
 
     pub fn geometry(&self) -> Geometry {

@@ -511,7 +511,7 @@ const CAS_AT: usize = (FREEZE_BUCKETS * BUCKET_BYTES) as usize;
 
 impl Mover {
     fn connect(shared: &Shared) -> Result<Mover, TransportError> {
-        let mut conn = transport::connect(&shared.address, transport::DEFAULT_REPLY_TIMEOUT)?;
+        let mut conn = transport::connect(&shared.address, &transport::ConnectOptions::default())?;
         let reply = conn.call(&Request::Connect {
             protocol_version: PROTOCOL_VERSION,
             secret: shared.mover_token.to_vec(),

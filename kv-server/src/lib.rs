@@ -108,7 +108,7 @@ impl ServerConfig {
 
     /// How long freed space waits before anyone may reuse it.
     pub fn grace(&self) -> Duration {
-        self.op_deadline * 4
+        self.op_deadline * kv_common::protocol::GRACE_DEADLINES
     }
 
     fn check(&self) -> Result<(), ServerError> {

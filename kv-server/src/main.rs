@@ -129,7 +129,9 @@ fn main() -> ExitCode {
             op_deadline_ms,
         }) => {
             let mode = if repair {
-                let grace = Duration::from_millis(op_deadline_ms.saturating_mul(4));
+                let grace = Duration::from_millis(
+                    op_deadline_ms.saturating_mul(kv_common::protocol::GRACE_DEADLINES.into()),
+                );
                 CheckMode::Repair {
                     settle: grace.max(Duration::from_secs(1)),
                 }

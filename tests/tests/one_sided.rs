@@ -2,6 +2,8 @@
 //! server's control plane handles no message except heap leases, and each
 //! operation takes the round trips the design promises.
 
+use std::time::Duration;
+
 use kv_client::{Client, ClientOptions};
 use onekv_tests::TestServer;
 
@@ -44,9 +46,9 @@ fn steady_loop_sends_no_control_messages_beyond_leases() {
 }
 
 /// Clients with slot hints on (the default over rdma, off over shm).
-fn hinted(address: &str) -> Client {
+fn hinted(address: &str, entries: usize) -> Client {
     let options = ClientOptions {
-        slot_cache_entries: Some(1024),
+        slot_cache_entries: Some(entries),
         ..ClientOptions::default()
     };
     Client::connect_with(address, options).unwrap()
@@ -54,59 +56,88 @@ fn hinted(address: &str) -> Client {
 
 #[test]
 fn operations_take_the_promised_round_trips() {
-    let srv = TestServer::start(|_| {});
-    let mut kv = hinted(&srv.address);
+    // A long deadline, so that hints stay fresh however slow the machine:
+    // a hint settles two deadlines after its copy appeared, and is used in
+    // one round trip for three deadlines after it was last confirmed.
+    let deadline = Duration::from_secs(1);
+    let srv = TestServer::start(|c| c.op_deadline = deadline);
+    let mut kv = hinted(&srv.address, 1024);
     kv.put(b"warm", b"up").unwrap(); // takes the first lease
     let rt = |kv: &Client| kv.verb_stats().round_trips;
+    let took = |kv: &mut Client, op: &dyn Fn(&mut Client)| {
+        let at = rt(kv);
+        op(kv);
+        rt(kv) - at
+    };
+    let put = |v: u8| move |kv: &mut Client| kv.put(b"k", &[v; 1024]).unwrap();
+    let get = |v: u8| move |kv: &mut Client| assert_eq!(kv.get(b"k").unwrap(), Some(vec![v; 1024]));
 
-    let at = rt(&kv);
-    kv.put(b"k", &[1u8; 1024]).unwrap();
     assert_eq!(
-        rt(&kv) - at,
-        3,
-        "insert: write+buckets, CAS, duplicate check"
+        took(&mut kv, &put(1)),
+        2,
+        "insert: write+buckets, CAS+buckets"
     );
-
-    let at = rt(&kv);
-    kv.put(b"k", &[2u8; 1024]).unwrap();
-    assert_eq!(rt(&kv) - at, 2, "warm update: write+buckets+block, CAS");
-
-    let at = rt(&kv);
-    assert_eq!(kv.get(b"k").unwrap(), Some(vec![2u8; 1024]));
-    assert_eq!(rt(&kv) - at, 1, "warm get: buckets and block in one batch");
+    assert_eq!(
+        took(&mut kv, &put(2)),
+        2,
+        "young copy: write+buckets+block, CAS"
+    );
+    assert_eq!(
+        took(&mut kv, &get(2)),
+        1,
+        "warm get: buckets and block in one batch"
+    );
+    // Once no other insert of the key can still land, a sighting that shows
+    // it alone lets updates and deletes go without reading.
+    std::thread::sleep(deadline * 2 + Duration::from_millis(100));
+    assert_eq!(took(&mut kv, &get(2)), 1, "warm get (the hint settles)");
+    assert_eq!(
+        took(&mut kv, &put(3)),
+        1,
+        "warm update: write and CAS in one batch"
+    );
+    assert_eq!(took(&mut kv, &get(3)), 1, "warm get after a warm update");
 
     // A client that has not seen the key: buckets, then block; then warm.
-    let mut other = hinted(&srv.address);
-    let at = rt(&other);
-    assert_eq!(other.get(b"k").unwrap(), Some(vec![2u8; 1024]));
-    assert_eq!(rt(&other) - at, 2, "cold get: buckets, block");
-    let at = rt(&other);
-    assert_eq!(other.get(b"k").unwrap(), Some(vec![2u8; 1024]));
-    assert_eq!(rt(&other) - at, 1, "warm get");
-
-    // Its hint goes stale when another client updates the key: the slot
-    // no longer matches, so it falls back to a full GET and sees the update.
-    kv.put(b"k", &[3u8; 1024]).unwrap();
-    let at = rt(&other);
-    other.put(b"cold", &[1u8; 64]).unwrap();
-    other.put(b"cold", &[2u8; 64]).unwrap();
-    assert_eq!(rt(&other) - at, 3 + 2, "insert, then warm update");
-    let at = rt(&other);
-    assert_eq!(other.get(b"k").unwrap(), Some(vec![3u8; 1024]));
+    let mut other = hinted(&srv.address, 1024);
+    assert_eq!(took(&mut other, &get(3)), 2, "cold get: buckets, block");
+    assert_eq!(took(&mut other, &get(3)), 1, "warm get");
+    // Its hint goes stale when another client updates the key: the slot no
+    // longer matches, and the buckets read with it lead to the block.
+    assert_eq!(took(&mut kv, &put(4)), 1, "warm update");
     assert_eq!(
-        rt(&other) - at,
-        3,
-        "stale hint: one batch, then buckets and block"
+        took(&mut other, &get(4)),
+        2,
+        "stale hint: buckets+block, block"
     );
 
-    let at = rt(&kv);
-    assert!(kv.delete(b"k").unwrap());
-    assert_eq!(rt(&kv) - at, 3, "delete: buckets, block, CAS");
+    // Without hints: every operation reads the buckets first.
+    let mut cold = hinted(&srv.address, 0);
+    assert_eq!(
+        took(&mut cold, &put(5)),
+        3,
+        "cold update: write+buckets, block, CAS"
+    );
+    assert_eq!(took(&mut cold, &get(5)), 2, "cold get: buckets, block");
 
-    let at = rt(&kv);
-    assert_eq!(kv.get(b"k").unwrap(), None);
+    assert_eq!(
+        took(&mut kv, &get(5)),
+        2,
+        "stale hint: buckets+block, block"
+    );
+    std::thread::sleep(deadline * 2 + Duration::from_millis(100));
+    assert_eq!(took(&mut kv, &get(5)), 1, "warm get (the hint settles)");
+    let delete = |kv: &mut Client| assert!(kv.delete(b"k").unwrap());
+    assert_eq!(took(&mut kv, &delete), 1, "warm delete: one CAS");
+    let missing = |kv: &mut Client| assert_eq!(kv.get(b"k").unwrap(), None);
     assert!(
-        rt(&kv) - at <= 2,
+        took(&mut kv, &missing) <= 2,
         "missing key: buckets (and a fingerprint false positive at most)"
+    );
+    cold.put(b"k", &[6; 1024]).unwrap();
+    assert_eq!(
+        took(&mut cold, &delete),
+        3,
+        "cold delete: buckets, block, CAS"
     );
 }

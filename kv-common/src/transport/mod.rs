@@ -270,22 +270,84 @@ pub fn bind(address: &Address) -> Result<Box<dyn ControlListener>, TransportErro
 /// answers at once, so silence this long means it is gone.
 pub const DEFAULT_REPLY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
-/// Opens a control channel to the server at `address`; a call that gets no
-/// reply within `reply_timeout` fails, and the connection is then unusable.
+/// How a client connection is opened.
+#[derive(Debug, Clone, Copy)]
+pub struct ConnectOptions {
+    /// A control call that gets no reply within this fails, and the
+    /// connection is then unusable.
+    pub reply_timeout: std::time::Duration,
+    /// The order the verbs of a batch execute in (a test hook).
+    pub read_order: ReadOrder,
+}
+
+impl Default for ConnectOptions {
+    fn default() -> Self {
+        ConnectOptions {
+            reply_timeout: DEFAULT_REPLY_TIMEOUT,
+            read_order: ReadOrder::Posted,
+        }
+    }
+}
+
+/// The order in which the READs of a batch read remote memory. An RC queue
+/// pair returns READ responses in order, but the NIC's DMA reads of host
+/// memory for them may be served in either order (PCIe lets read requests
+/// pass each other), so the client must not depend on it. `Reversed` makes
+/// that visible: the READs of a batch execute last to first, pausing between
+/// them as a slow PCIe path would; every other verb keeps its place (an
+/// atomic or a WRITE executes after the verbs posted before it).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ReadOrder {
+    #[default]
+    Posted,
+    Reversed {
+        pause: std::time::Duration,
+    },
+}
+
+impl ReadOrder {
+    /// The verbs in the order they execute: READs take the places READs
+    /// had, last to first.
+    pub fn arrange(self, verbs: &[Verb]) -> std::borrow::Cow<'_, [Verb]> {
+        if self == ReadOrder::Posted {
+            return std::borrow::Cow::Borrowed(verbs);
+        }
+        let mut reads = verbs
+            .iter()
+            .rev()
+            .filter(|v| matches!(v, Verb::Read { .. }));
+        let arranged = verbs
+            .iter()
+            .map(|v| match v {
+                Verb::Read { .. } => *reads.next().unwrap_or(v),
+                other => *other,
+            })
+            .collect();
+        std::borrow::Cow::Owned(arranged)
+    }
+
+    /// How long to wait before executing `verb` when `earlier_read` READs
+    /// of the batch have executed already.
+    pub fn pause_before(self, verb: &Verb, earlier_reads: usize) -> Option<std::time::Duration> {
+        match self {
+            ReadOrder::Reversed { pause } if earlier_reads > 0 => {
+                matches!(verb, Verb::Read { .. }).then_some(pause)
+            }
+            _ => None,
+        }
+    }
+}
+
+/// Opens a control channel to the server at `address`.
 pub fn connect(
     address: &Address,
-    reply_timeout: std::time::Duration,
+    options: &ConnectOptions,
 ) -> Result<Box<dyn Connection>, TransportError> {
     match address {
-        Address::Shm { region } => Ok(Box::new(shm::ShmConnection::connect(
-            region,
-            reply_timeout,
-        )?)),
+        Address::Shm { region } => Ok(Box::new(shm::ShmConnection::connect(region, options)?)),
         #[cfg(feature = "rdma")]
         Address::Rdma { host, port } => Ok(Box::new(rdma::RdmaConnection::connect(
-            host,
-            *port,
-            reply_timeout,
+            host, *port, options,
         )?)),
         #[cfg(not(feature = "rdma"))]
         Address::Rdma { .. } => Err(no_rdma(address)),
@@ -473,5 +535,29 @@ mod tests {
             FrameReader::default().poll(&mut closed).unwrap(),
             Received::Closed
         );
+    }
+
+    #[test]
+    fn reversed_reads_take_the_read_places_last_to_first() {
+        let read = |remote| Verb::Read {
+            remote,
+            local: 0,
+            len: 8,
+        };
+        let cas = Verb::Cas {
+            remote: 0,
+            local: 0,
+            expect: 1,
+            swap: 2,
+        };
+        let batch = [read(1), cas, read(2), read(3)];
+        let order = ReadOrder::Reversed {
+            pause: std::time::Duration::ZERO,
+        };
+        assert_eq!(&*order.arrange(&batch), &[read(3), cas, read(2), read(1)]);
+        assert_eq!(&*ReadOrder::Posted.arrange(&batch), &batch);
+        assert_eq!(order.pause_before(&read(2), 0), None);
+        assert!(order.pause_before(&read(2), 1).is_some());
+        assert_eq!(order.pause_before(&cas, 1), None);
     }
 }

@@ -23,8 +23,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::{
-    frame_call, write_frame, Connection, ControlListener, ControlPeer, Fenced, FrameReader,
-    Received, RemoteRegion, TransportError, Verb, VerbStats,
+    frame_call, write_frame, ConnectOptions, Connection, ControlListener, ControlPeer, Fenced,
+    FrameReader, ReadOrder, Received, RemoteRegion, TransportError, Verb, VerbStats,
 };
 use crate::layout::{KEY_TABLE_ENTRIES, KEY_TABLE_OFFSET};
 use crate::protocol::{Request, Response};
@@ -285,10 +285,12 @@ pub struct ShmConnection {
     /// so the stream is never used again (the client reconnects).
     broken: Option<String>,
     reply_timeout: Duration,
+    read_order: ReadOrder,
 }
 
 impl ShmConnection {
-    pub fn connect(region_path: &Path, reply_timeout: Duration) -> Result<Self, TransportError> {
+    pub fn connect(region_path: &Path, options: &ConnectOptions) -> Result<Self, TransportError> {
+        let reply_timeout = options.reply_timeout;
         let socket = Address::shm_socket(region_path);
         let stream =
             UnixStream::connect(&socket).map_err(|source| TransportError::Unreachable {
@@ -309,6 +311,7 @@ impl ShmConnection {
             stats: VerbStats::default(),
             broken: None,
             reply_timeout,
+            read_order: options.read_order,
         })
     }
 
@@ -426,10 +429,15 @@ impl ShmConnection {
                 )));
             }
         }
-        for verb in verbs {
+        let mut reads = 0;
+        for verb in self.read_order.arrange(verbs).iter() {
+            if let Some(pause) = self.read_order.pause_before(verb, reads) {
+                std::thread::sleep(pause);
+            }
             match *verb {
                 Verb::Read { remote, local, len } => {
-                    region.read(remote, self.local_words(local, len)?)?
+                    region.read(remote, self.local_words(local, len)?)?;
+                    reads += 1;
                 }
                 Verb::Write { remote, local, len } => {
                     region.write(remote, self.local_words(local, len)?)?

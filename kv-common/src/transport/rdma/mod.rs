@@ -22,8 +22,8 @@ use std::time::{Duration, Instant};
 use verbs::{Completion, Cq, Device, Endpoint, Mr, Op, Pd, Qp, SendWr, LOCAL_ONLY, REMOTE_ALL};
 
 use super::{
-    read_frame, write_frame, Connection, ControlListener, ControlPeer, Fenced, Received,
-    RemoteRegion, TransportError, Verb, VerbStats,
+    read_frame, write_frame, ConnectOptions, Connection, ControlListener, ControlPeer, Fenced,
+    ReadOrder, Received, RemoteRegion, TransportError, Verb, VerbStats,
 };
 use crate::protocol::{self, Request, Response, MAX_MESSAGE};
 use crate::transport::shm::SharedRegion;
@@ -206,13 +206,14 @@ pub struct RdmaConnection {
     remote: Option<RemoteRegion>,
     stats: VerbStats,
     reply_timeout: Duration,
+    read_order: ReadOrder,
 }
 
 impl RdmaConnection {
     pub fn connect(
         host: &str,
         port: u16,
-        reply_timeout: Duration,
+        options: &ConnectOptions,
     ) -> Result<RdmaConnection, TransportError> {
         let address = format!("rdma://{host}:{port}");
         let unreachable = |source| TransportError::Unreachable {
@@ -237,7 +238,8 @@ impl RdmaConnection {
             local: None,
             remote: None,
             stats: VerbStats::default(),
-            reply_timeout,
+            reply_timeout: options.reply_timeout,
+            read_order: options.read_order,
         })
     }
 
@@ -338,8 +340,22 @@ impl Connection for RdmaConnection {
     }
 
     fn post(&mut self, verbs: &[Verb]) -> Result<(), TransportError> {
-        let wrs = self.wrs(verbs)?;
-        self.channel.run(&wrs, COMPLETION_TIMEOUT)?;
+        if self.read_order == ReadOrder::Posted {
+            let wrs = self.wrs(verbs)?;
+            self.channel.run(&wrs, COMPLETION_TIMEOUT)?;
+        } else {
+            // The test order: one verb at a time, READs reversed, still
+            // counted as one batch.
+            let mut reads = 0;
+            for verb in self.read_order.arrange(verbs).iter() {
+                if let Some(pause) = self.read_order.pause_before(verb, reads) {
+                    std::thread::sleep(pause);
+                }
+                let wrs = self.wrs(std::slice::from_ref(verb))?;
+                self.channel.run(&wrs, COMPLETION_TIMEOUT)?;
+                reads += usize::from(matches!(verb, Verb::Read { .. }));
+            }
+        }
         let local = self.local.as_ref().map_or(&[][..], Mr::bytes);
         self.stats.record_batch(verbs, local);
         Ok(())

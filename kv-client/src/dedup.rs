@@ -1,0 +1,113 @@
+//! Two clients may insert the same key at once, each into an empty slot it
+//! found when no copy existed. The rule that resolves it: **the lowest slot
+//! position wins.** Readers return the lowest copy, writers update it, a
+//! resize keeps it, and inserts whose copy is higher remove their own.
+//!
+//! An insert does not return until it has seen at most one copy left: a
+//! copy that changed under the removing CAS, or an update that landed on
+//! its slot meanwhile, is read again. So extra copies exist only while the
+//! PUTs that made them are in flight (or after their client died, until a
+//! later writer removes them). A client that saw a higher copy but not the
+//! lowest read before the lowest was inserted, so its operation is
+//! concurrent with that insert and ordered before it. If a resize freezes
+//! the buckets first, its copy keeps the lowest copy (the insert waits
+//! until it is published); if the resize is undone, the check goes on here.
+//!
+//! The check starts from the READ of the windows that went in the insert's
+//! own batch, after its CAS. If that READ does not show the insert's copy it
+//! may have reached memory before the CAS did (or the copy was updated
+//! since): the windows are read again, so no ordering of a READ after an
+//! atomic is assumed.
+
+use std::time::Duration;
+
+use crossbeam::utils::Backoff;
+use kv_common::layout::{KeyHash, Slot, SlotPos};
+
+use crate::clock::OpClock;
+use crate::corrupt::CorruptSlot;
+use crate::index::{meets_resize, Scan, ScanMode};
+use crate::{Client, Error, Result};
+
+impl Client {
+    /// Resolves the insert of `new` at `mine`, published by the batch timed
+    /// by `published` (which also read the windows).
+    pub(crate) fn resolve_insert(
+        &mut self,
+        key: &[u8],
+        kh: &KeyHash,
+        mine: SlotPos,
+        new: Slot,
+        published: OpClock,
+    ) -> Result<()> {
+        let Some(my_index) = kh.slot_index(mine) else {
+            return Err(Error::Protocol("inserted outside the key's buckets".into()));
+        };
+        let mut corrupt = CorruptSlot::default();
+        let backoff = Backoff::new();
+        let mut read_with_cas = Some(published);
+        for _ in 0..self.options.max_attempts {
+            let clock = match read_with_cas.take() {
+                Some(clock) if self.slots()[my_index] == new => clock,
+                _ => self.read_windows(kh, None)?,
+            };
+            let slots = self.slots();
+            if meets_resize(&slots) {
+                if self.follow_to_new_index()? {
+                    return Ok(());
+                }
+                // Frozen with no resize under way: one is being undone.
+                std::thread::sleep(Duration::from_millis(1));
+                continue;
+            }
+            // Our own block cannot have been unlinked and reused for another
+            // key sooner than a grace period after we published it.
+            let known = published.in_time().then_some(new);
+            let mode = ScanMode::AllCopies { known };
+            let copies = match self.scan(key, kh, &slots, clock, mode)? {
+                Scan::Retry(suspect) => {
+                    corrupt.saw(key, suspect)?;
+                    continue;
+                }
+                Scan::Found(copies) => copies,
+                Scan::Moved => {
+                    if self.follow_to_new_index()? {
+                        return Ok(());
+                    }
+                    continue;
+                }
+            };
+            let ours_is_higher = slots[my_index] == new
+                && copies
+                    .slots
+                    .first()
+                    .is_some_and(|&(lowest, _)| lowest != mine);
+            if ours_is_higher {
+                if clock.in_time() && self.cas(mine, new, Slot::EMPTY)? {
+                    self.cache.forget(key);
+                    return Ok(());
+                }
+            } else if self.remove_duplicates(copies.slots.get(1..).unwrap_or(&[]), clock)? {
+                return Ok(());
+            }
+            backoff.snooze();
+        }
+        Err(Error::Contended(self.options.max_attempts))
+    }
+
+    /// Empties slots that hold extra copies of a key (found by the attempt
+    /// timed by `clock`), highest first. False if any could not be removed:
+    /// it changed since it was read, or the reads are too old to act on.
+    pub(crate) fn remove_duplicates(
+        &mut self,
+        dups: &[(SlotPos, Slot)],
+        clock: OpClock,
+    ) -> Result<bool> {
+        for &(pos, slot) in dups.iter().rev() {
+            if !clock.in_time() || !self.cas(pos, slot, Slot::EMPTY)? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+}

@@ -1,0 +1,50 @@
+//! DELETE: CAS the key's slot to empty. With a sole, fresh hint (see
+//! `hint`) that is the whole operation. Otherwise locate every copy and
+//! remove the extra ones, highest first, before the lowest: a copy left
+//! behind would become the lowest and bring back an older value.
+
+use crossbeam::utils::Backoff;
+use kv_common::layout::{KeyHash, Slot};
+
+use crate::corrupt::CorruptSlot;
+use crate::locate::{Located, Need};
+use crate::{Client, Error, Result, Step};
+
+impl Client {
+    /// `unlinked` survives a redo: if an attempt unlinked the key before its
+    /// connection was lost, the redo finds nothing but the key was there.
+    pub(crate) fn delete_once(&mut self, key: &[u8], unlinked: &mut bool) -> Result<Step<bool>> {
+        let kh = KeyHash::new(key, self.info.geometry.bucket_count);
+        if let Some(hint) = self.blind_hint(key) {
+            self.cache.forget(key);
+            if self.cas(hint.pos, hint.slot, Slot::EMPTY)? {
+                *unlinked = true;
+                return Ok(Step::Done(true));
+            }
+        }
+        let mut corrupt = CorruptSlot::default();
+        let backoff = Backoff::new();
+        for _ in 0..self.options.max_attempts {
+            match self.locate(key, &kh, None, Need::Every)? {
+                Located::Found { copies, clock } => {
+                    self.cache.forget(key);
+                    let Some((&lowest, extra)) = copies.slots.split_first() else {
+                        continue;
+                    };
+                    if self.remove_duplicates(extra, clock)?
+                        && clock.in_time()
+                        && self.cas(lowest.0, lowest.1, Slot::EMPTY)?
+                    {
+                        *unlinked = true;
+                        return Ok(Step::Done(true));
+                    }
+                }
+                Located::Absent { .. } => return Ok(Step::Done(*unlinked)),
+                Located::Retry(suspect) => corrupt.saw(key, suspect)?,
+                Located::Moved => return Ok(Step::Moved),
+            }
+            backoff.snooze();
+        }
+        Err(Error::Contended(self.options.max_attempts))
+    }
+}

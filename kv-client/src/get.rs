@@ -1,0 +1,139 @@
+//! GET: read the key's two windows of buckets in one batch, then the
+//! blocks of the slots whose fingerprint matches; the lowest slot holding
+//! the key is its value. With a fresh hint, the windows and the remembered
+//! block are read in one batch (see `hint` for why their order does not
+//! matter); if the slot changed, the windows just read go on to the scan,
+//! so a stale hint costs nothing.
+
+use std::ops::Range;
+
+use kv_common::layout::{decode_block, KeyHash};
+use kv_common::transport::Verb;
+
+use crate::clock::OpClock;
+use crate::corrupt::CorruptSlot;
+use crate::hint::Hint;
+use crate::index::{others_match, Scan, ScanMode};
+use crate::{Client, Result, Step};
+
+/// What one batch of a key's windows and its hinted block showed.
+pub enum Sighting {
+    /// The hinted slot still holds the key, as its lowest copy: its value
+    /// lies at `value` in the local buffer. `alone`: no other slot could
+    /// hold a copy.
+    Held {
+        value: Range<usize>,
+        clock: OpClock,
+        alone: bool,
+    },
+    /// The windows were read (the clock started before them), but the hint
+    /// did not hold.
+    WindowsOnly(OpClock),
+}
+
+impl Client {
+    pub(crate) fn get_once(&mut self, key: &[u8], out: &mut Vec<u8>) -> Result<Step<bool>> {
+        let kh = KeyHash::new(key, self.info.geometry.bucket_count);
+        let mut read_already = None;
+        if let Some(hint) = self.fresh_hint(key) {
+            match self.read_hinted(key, &kh, hint, None)? {
+                Sighting::Held { value, .. } => {
+                    copy_out(self.conn.local(), value, out);
+                    return Ok(Step::Done(true));
+                }
+                Sighting::WindowsOnly(clock) => read_already = Some(clock),
+            }
+        }
+        let mut corrupt = CorruptSlot::default();
+        for _ in 0..self.options.max_attempts {
+            let clock = match read_already.take() {
+                Some(clock) => clock,
+                None => self.read_windows(&kh, None)?,
+            };
+            let slots = self.slots();
+            match self.scan(key, &kh, &slots, clock, ScanMode::Lowest)? {
+                Scan::Found(copies) => {
+                    let Some(&(pos, slot)) = copies.slots.first() else {
+                        self.cache.forget(key);
+                        return Ok(Step::Done(false));
+                    };
+                    if let Some(value) = copies.value {
+                        copy_out(self.conn.local(), value, out);
+                    }
+                    self.saw(key, pos, slot, clock, false);
+                    return Ok(Step::Done(true));
+                }
+                Scan::Retry(suspect) => corrupt.saw(key, suspect)?,
+                Scan::Moved => return Ok(Step::Moved),
+            }
+        }
+        Err(crate::Error::Contended(self.options.max_attempts))
+    }
+
+    /// Reads the key's windows and its hinted block in one batch (after
+    /// `first`, a WRITE that travels with it). The value is the key's if the
+    /// slot still holds the hinted value, no other slot could hold a lower
+    /// copy (none can once the hint is sole), the block is the key's, and it
+    /// was all read within the deadline: exactly what reading the buckets
+    /// and then the block would have concluded. The hint is confirmed, or
+    /// dropped.
+    pub(crate) fn read_hinted(
+        &mut self,
+        key: &[u8],
+        kh: &KeyHash,
+        hint: Hint,
+        first: Option<Verb>,
+    ) -> Result<Sighting> {
+        let at = kh.slot_index(hint.pos);
+        let span = self.info.geometry.block_span(hint.slot);
+        let local = self.layout.reads;
+        let fits = span.filter(|&(_, len)| len <= self.layout.read_room());
+        let (Some(at), Some((remote, len))) = (at, fits) else {
+            self.cache.forget(key);
+            return Ok(Sighting::WindowsOnly(self.read_windows(kh, first)?));
+        };
+        let clock = self.timing.start();
+        let [a, b] = self.window_reads(kh);
+        let block = Verb::Read { remote, local, len };
+        match first {
+            Some(first) => self.conn.post(&[first, a, b, block])?,
+            None => self.conn.post(&[a, b, block])?,
+        }
+        let slots = self.slots();
+        let alone = !others_match(kh, &slots, at, false);
+        if clock.in_time() && slots[at] == hint.slot {
+            // The same copy, seen again (whatever else the batch shows).
+            let seen = hint.confirmed(hint.slot, clock.started(), alone, &self.timing);
+            self.cache.remember(key, seen);
+        } else {
+            self.cache.forget(key);
+            return Ok(Sighting::WindowsOnly(clock));
+        }
+        if !hint.is_sole() && others_match(kh, &slots, at, true) {
+            // A lower slot might hold a copy: the scan decides.
+            return Ok(Sighting::WindowsOnly(clock));
+        }
+        let bytes = &self.conn.local()[local..local + len];
+        match decode_block(bytes).ok().filter(|v| v.key == key) {
+            Some(view) => {
+                let start = local + (view.value.as_ptr() as usize - bytes.as_ptr() as usize);
+                Ok(Sighting::Held {
+                    value: start..start + view.value.len(),
+                    clock,
+                    alone,
+                })
+            }
+            None => {
+                // A fresh hint's block is the key's: this is damage, which
+                // the scan reports.
+                self.cache.forget(key);
+                Ok(Sighting::WindowsOnly(clock))
+            }
+        }
+    }
+}
+
+fn copy_out(local: &[u8], value: Range<usize>, out: &mut Vec<u8>) {
+    out.clear();
+    out.extend_from_slice(&local[value]);
+}

@@ -1,0 +1,195 @@
+//! What a client remembers about where a key lives, and when it may act on
+//! that without reading the buckets first.
+//!
+//! A hint is a slot position `pos`, the slot value `slot` last seen there
+//! (it names the key's block), and two times, each the start of a batch:
+//! `held_since`, from when `pos` has held the key without a break, and
+//! `confirmed`, when `pos` last held `slot`.
+//!
+//! **Fresh hints cannot name a reused block.** Space is reused only a grace
+//! period after a collection found it unreferenced, and a block is never
+//! linked again once unlinked. The slot held `slot` after `confirmed`, so
+//! `slot`'s block cannot be rewritten before `confirmed + G`, and no slot
+//! can hold the value `slot` again before then either (that needs the block
+//! rewritten and published anew). A batch posted less than `G − D` after
+//! `confirmed` executes before `confirmed + G` (it runs within `D`), so:
+//!
+//! - a READ of the block returns `slot`'s block, in whatever order the
+//!   batch's READs reach memory. If a READ of the buckets in the same batch
+//!   shows `slot` at `pos`, the block was current then; nothing depends on
+//!   the order of the two READs (see `ReadOrder` in the transport);
+//! - a CAS expecting `slot` succeeds only if `pos` has held `slot` since
+//!   `confirmed`: no ABA. Every confirming sighting and every successful CAS
+//!   starts a new window.
+//!
+//! **Settled hints allow a blind CAS.** Readers take the lowest copy of a
+//! key, so a CAS on a hinted slot that is not the lowest copy, or that
+//! leaves another copy behind, can be lost or undone (see `dedup`). A second
+//! copy of a key appears only from an insert that read the buckets before
+//! the first copy existed; it checks the deadline before its CAS, so it
+//! lands within `2D` (`Timing::settle`) of the first copy appearing. A
+//! sighting at least that long after `held_since` that finds no other copy
+//! of the key therefore proves that none exists or can appear while `pos`
+//! holds the key: the hint is `sole`. A sole, fresh hint lets an update
+//! write its block and CAS the slot in one batch, and a delete CAS the slot
+//! empty, with no read at all.
+
+use std::time::Instant;
+
+use kv_common::layout::{Slot, SlotPos};
+
+use crate::clock::{OpClock, Timing};
+use crate::Client;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Hint {
+    pub pos: SlotPos,
+    /// The slot value last seen at `pos`; it names the key's block.
+    pub slot: Slot,
+    held_since: Instant,
+    confirmed: Instant,
+    /// No other copy of the key exists, nor can one appear while `pos`
+    /// holds the key.
+    sole: bool,
+}
+
+impl Hint {
+    /// `pos` was seen holding the key as `slot` by the batch timed by
+    /// `sighting`, which has completed (and no earlier sighting is known to
+    /// be of the same copy). The copy existed by now: settling counts from
+    /// here.
+    pub fn seen(pos: SlotPos, slot: Slot, sighting: OpClock) -> Hint {
+        Hint {
+            pos,
+            slot,
+            held_since: Instant::now(),
+            confirmed: sighting.started(),
+            sole: false,
+        }
+    }
+
+    /// A batch posted now may use the hint in place of reading the buckets.
+    pub fn is_fresh(&self, timing: &Timing) -> bool {
+        self.confirmed.elapsed() < timing.hint_life()
+    }
+
+    /// A CAS on the hinted slot needs no read of the buckets.
+    pub fn allows_blind_cas(&self, timing: &Timing) -> bool {
+        self.sole && self.is_fresh(timing)
+    }
+
+    pub fn is_sole(&self) -> bool {
+        self.sole
+    }
+
+    /// A batch that started `at` saw `pos` still hold `slot` (or this client's
+    /// CAS replace it with `now_holds`); `alone`: that batch saw no other slot
+    /// that could hold the key. Only for a hint that was fresh when the batch
+    /// was posted: the slot then held the key throughout.
+    pub fn confirmed(self, now_holds: Slot, at: Instant, alone: bool, timing: &Timing) -> Hint {
+        let settled = at.saturating_duration_since(self.held_since) >= timing.settle();
+        Hint {
+            slot: now_holds,
+            confirmed: at,
+            sole: self.sole || (alone && settled),
+            ..self
+        }
+    }
+}
+
+impl Client {
+    /// The key's hint, if it allows a CAS with no read (`Hint::allows_blind_cas`).
+    pub(crate) fn blind_hint(&self, key: &[u8]) -> Option<Hint> {
+        self.cache
+            .get(key)
+            .filter(|h| h.allows_blind_cas(&self.timing))
+    }
+
+    /// The key's hint, if a batch posted now may use it.
+    pub(crate) fn fresh_hint(&mut self, key: &[u8]) -> Option<Hint> {
+        let hint = self.cache.get(key)?;
+        if hint.is_fresh(&self.timing) {
+            Some(hint)
+        } else {
+            self.cache.forget(key);
+            None
+        }
+    }
+
+    /// Remembers that the batch timed by `clock` saw `pos` hold the key as
+    /// `slot`; `exact`: that scan proved no other slot holds the key. A hint
+    /// still fresh for the same slot value is the same copy seen again.
+    pub(crate) fn saw(
+        &mut self,
+        key: &[u8],
+        pos: SlotPos,
+        slot: Slot,
+        clock: OpClock,
+        exact: bool,
+    ) {
+        if slot.is_frozen() {
+            self.cache.forget(key);
+            return;
+        }
+        let hint = match self.cache.get(key) {
+            Some(h) if h.pos == pos && h.slot == slot && h.is_fresh(&self.timing) => {
+                h.confirmed(slot, clock.started(), exact, &self.timing)
+            }
+            _ => Hint::seen(pos, slot, clock),
+        };
+        self.cache.remember(key, hint);
+    }
+
+    /// This client's CAS replaced `old` at `pos` with `new`, in a batch
+    /// timed by `clock` that was posted while a hint for `old` was fresh (or
+    /// the read that found `old` was in time): the copy lives on.
+    pub(crate) fn replaced(
+        &mut self,
+        key: &[u8],
+        pos: SlotPos,
+        old: Slot,
+        new: Slot,
+        clock: OpClock,
+    ) {
+        let hint = match self.cache.get(key) {
+            Some(h) if h.pos == pos && h.slot == old => {
+                h.confirmed(new, clock.started(), false, &self.timing)
+            }
+            _ => Hint::seen(pos, new, clock),
+        };
+        self.cache.remember(key, hint);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[test]
+    fn a_hint_settles_only_after_a_later_lone_sighting_and_goes_stale() {
+        let timing = Timing::new(Duration::from_millis(5));
+        let pos = SlotPos {
+            bucket: 1,
+            index: 2,
+        };
+        let at = Instant::now();
+        let h = Hint::seen(pos, Slot(1), OpClock::at(at));
+        assert!(h.is_fresh(&timing) && !h.allows_blind_cas(&timing));
+        // Alone, but too soon after the copy was first seen.
+        let h = h.confirmed(Slot(2), at + Duration::from_millis(1), true, &timing);
+        assert!(!h.is_sole());
+        // Later, but another slot might hold the key.
+        let later = Instant::now() + timing.settle();
+        assert!(!h.confirmed(Slot(2), later, false, &timing).is_sole());
+        let h = h.confirmed(Slot(3), later, true, &timing);
+        assert!(h.is_sole() && h.slot == Slot(3));
+        let stale = Hint::seen(
+            pos,
+            Slot(1),
+            OpClock::at(Instant::now() - timing.hint_life()),
+        );
+        assert!(!stale.is_fresh(&timing) && !stale.allows_blind_cas(&timing));
+    }
+}

@@ -1,0 +1,263 @@
+//! Reading a key's place in the index: its two windows of candidate
+//! buckets (one READ each), the CAS on one of its slots, and the scan that
+//! reads the blocks of the slots whose fingerprint matches.
+
+use std::ops::Range;
+use std::time::Duration;
+
+use kv_common::layout::{decode_block, KeyHash, Slot, SlotPos, CANDIDATE_SLOTS, EPOCH_OFFSET};
+use kv_common::transport::{read_u64, Verb};
+
+use crate::clock::OpClock;
+use crate::local::WINDOW_BYTES;
+use crate::{Client, Result};
+
+pub type Slots = [Slot; CANDIDATE_SLOTS];
+
+/// How much of a key's copies a scan must find.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScanMode {
+    /// The lowest copy and its value: what a GET returns.
+    Lowest,
+    /// Every copy, lowest first: what a writer must know. A slot equal to
+    /// `known` is taken to hold the key without reading its block (the
+    /// writer's own copy, published within the deadline).
+    AllCopies { known: Option<Slot> },
+}
+
+/// What reading a key's candidate blocks found.
+pub enum Scan {
+    /// Saw something inconsistent: start again from the buckets. Names the
+    /// slot whose block failed validation, if that was the reason (None: the
+    /// reads took too long to be trusted).
+    Retry(Option<(SlotPos, Slot)>),
+    Found(Copies),
+    /// The geometry changed since the buckets were read: they may be stale.
+    Moved,
+}
+
+/// The copies of a key a scan found.
+pub struct Copies {
+    /// Slots holding the key, lowest position first.
+    pub slots: Vec<(SlotPos, Slot)>,
+    /// Where the lowest copy's value lies in the local buffer.
+    pub value: Option<Range<usize>>,
+    /// Every other slot that could hold the key was read and holds another
+    /// key: `slots` is all there is.
+    pub exact: bool,
+}
+
+/// Whether the index read of an operation shows a resize under way.
+pub fn meets_resize(slots: &Slots) -> bool {
+    slots.iter().any(|s| s.is_frozen())
+}
+
+/// Whether any candidate other than `at` has the key's fingerprint (and so
+/// could hold the key); only those before `at` with `lower_only`.
+pub fn others_match(kh: &KeyHash, slots: &Slots, at: usize, lower_only: bool) -> bool {
+    let end = if lower_only { at } else { slots.len() };
+    slots[..end].iter().enumerate().any(|(i, s)| {
+        let live = s.thawed();
+        i != at && !live.is_empty() && live.fingerprint() == kh.fingerprint
+    })
+}
+
+impl Client {
+    /// The READs of the key's two windows of buckets.
+    pub(crate) fn window_reads(&self, kh: &KeyHash) -> [Verb; 2] {
+        let g = &self.info.geometry;
+        std::array::from_fn(|w| Verb::Read {
+            remote: g.bucket_offset(kh.windows[w]),
+            local: self.layout.window(w),
+            len: WINDOW_BYTES,
+        })
+    }
+
+    /// Reads the key's windows in one batch (after `first`, a WRITE that
+    /// travels with them); the clock starts before it.
+    pub(crate) fn read_windows(&mut self, kh: &KeyHash, first: Option<Verb>) -> Result<OpClock> {
+        let clock = self.timing.start();
+        let [a, b] = self.window_reads(kh);
+        match first {
+            Some(first) => self.conn.post(&[first, a, b])?,
+            None => self.conn.post(&[a, b])?,
+        }
+        Ok(clock)
+    }
+
+    /// The key's candidate slots as the last READ of its windows left them.
+    pub(crate) fn slots(&self) -> Slots {
+        let local = self.conn.local();
+        std::array::from_fn(|i| Slot(read_u64(local, self.layout.windows + i * 8)))
+    }
+
+    pub(crate) fn cas_verb(&self, pos: SlotPos, expect: Slot, swap: Slot) -> Verb {
+        Verb::Cas {
+            remote: self.info.geometry.slot_offset(pos),
+            local: self.layout.cas,
+            expect: expect.0,
+            swap: swap.0,
+        }
+    }
+
+    /// Whether the last CAS posted found the value it expected.
+    pub(crate) fn cas_held(&self, expect: Slot) -> bool {
+        read_u64(self.conn.local(), self.layout.cas) == expect.0
+    }
+
+    pub(crate) fn cas(&mut self, pos: SlotPos, expect: Slot, swap: Slot) -> Result<bool> {
+        self.conn.post(&[self.cas_verb(pos, expect, swap)])?;
+        Ok(self.cas_held(expect))
+    }
+
+    /// Reads the blocks of the slots whose fingerprint matches and keeps
+    /// those that pass the checksum and hold `key`.
+    ///
+    /// A slot that cannot point at a block, or whose block fails validation,
+    /// is skipped; if the key is not found elsewhere the scan asks for a
+    /// retry, naming that slot (see [`crate::corrupt::CorruptSlot`]).
+    ///
+    /// Frozen slots (a resize is migrating these buckets) are followed as
+    /// usual, and so may a slot pointing past the region this client knows
+    /// (it grew): both are trusted only if the epoch word, read in the same
+    /// batch as the blocks and so after the buckets, shows no newer geometry
+    /// — the buckets were then read before the new index was published.
+    pub(crate) fn scan(
+        &mut self,
+        key: &[u8],
+        kh: &KeyHash,
+        slots: &Slots,
+        clock: OpClock,
+        mode: ScanMode,
+    ) -> Result<Scan> {
+        let g = self.info.geometry;
+        let (reads_at, room) = (self.layout.reads, self.layout.read_room());
+        let known = match mode {
+            ScanMode::AllCopies { known } => known,
+            ScanMode::Lowest => None,
+        };
+        let mut copies = Copies {
+            slots: Vec::new(),
+            value: None,
+            exact: true,
+        };
+        let mut suspect: Option<(SlotPos, Slot)> = None;
+        let mut candidates: Vec<(usize, Slot, u64, usize)> = Vec::new();
+        let mut check_epoch = meets_resize(slots);
+        for (i, &s) in slots.iter().enumerate() {
+            let live = s.thawed();
+            if live.is_empty() || live.fingerprint() != kh.fingerprint {
+                continue;
+            }
+            if Some(s) == known {
+                copies.slots.push((kh.slot_pos(i), s));
+                continue;
+            }
+            // No client writes a block larger than `max_block` (< room).
+            match g.block_span(live).filter(|&(_, len)| len <= room) {
+                Some((offset, len)) => candidates.push((i, s, offset, len)),
+                None => {
+                    // Past the region this client knows: it may have grown.
+                    check_epoch |= live
+                        .block_len()
+                        .is_some_and(|len| live.offset().saturating_add(len) > g.region_len);
+                    suspect.get_or_insert((kh.slot_pos(i), s));
+                }
+            }
+        }
+        self.pause_if_slow();
+        let epoch_read = Verb::Read {
+            remote: EPOCH_OFFSET,
+            local: self.layout.epoch,
+            len: 8,
+        };
+        if candidates.is_empty() && check_epoch {
+            self.conn.post(&[epoch_read])?;
+            if read_u64(self.conn.local(), self.layout.epoch) != g.epoch {
+                return Ok(Scan::Moved);
+            }
+        }
+        let mut next = 0;
+        while next < candidates.len() {
+            let mut verbs = Vec::new();
+            if check_epoch {
+                verbs.push(epoch_read);
+            }
+            let first = verbs.len();
+            let mut at = reads_at;
+            while let Some(&(_, _, remote, len)) = candidates.get(next) {
+                if verbs.len() > first && at + len > reads_at + room {
+                    break;
+                }
+                verbs.push(Verb::Read {
+                    remote,
+                    local: at,
+                    len,
+                });
+                at += len;
+                next += 1;
+            }
+            self.conn.post(&verbs)?;
+            if check_epoch && read_u64(self.conn.local(), self.layout.epoch) != g.epoch {
+                return Ok(Scan::Moved);
+            }
+            if !clock.in_time() {
+                // Too slow to trust anything read: a block may have been
+                // freed and rewritten (even for another key) since the slot
+                // was read, so not even "not found" can be concluded.
+                return Ok(Scan::Retry(None));
+            }
+            let local = self.conn.local();
+            let mut at = reads_at;
+            let batch = verbs.len() - first;
+            for &(i, slot, _, len) in &candidates[next - batch..next] {
+                let block = &local[at..at + len];
+                let block_at = at;
+                at += len;
+                // Read within the deadline, a block its slot still referenced
+                // when the buckets were read cannot have been reused yet: a
+                // failure here is damage, or a race a retry resolves.
+                let Ok(view) = decode_block(block) else {
+                    suspect.get_or_insert((kh.slot_pos(i), slot));
+                    continue;
+                };
+                if view.key != key {
+                    continue;
+                }
+                if copies.slots.is_empty() {
+                    let start = block_at + (view.value.as_ptr() as usize - block.as_ptr() as usize);
+                    copies.value = Some(start..start + view.value.len());
+                }
+                copies.slots.push((kh.slot_pos(i), slot));
+                if mode == ScanMode::Lowest {
+                    copies.exact = false;
+                    return Ok(Scan::Found(copies));
+                }
+            }
+        }
+        if suspect.is_some() {
+            if copies.slots.is_empty() {
+                return Ok(Scan::Retry(suspect));
+            }
+            copies.exact = false;
+        }
+        copies.slots.sort_by_key(|&(pos, _)| pos);
+        Ok(Scan::Found(copies))
+    }
+
+    /// The fault hook `pause_after_index_read`: sleeps as a client on a slow
+    /// or preempted host would, one time in four the whole pause, otherwise
+    /// up to a quarter of it.
+    fn pause_if_slow(&mut self) {
+        if let Some(max) = self.options.pause_after_index_read {
+            self.jitter ^= self.jitter << 13;
+            self.jitter ^= self.jitter >> 7;
+            self.jitter ^= self.jitter << 17;
+            let pause = match self.jitter % 4 {
+                0 => max,
+                _ => Duration::from_micros(self.jitter % (max.as_micros() as u64 / 4 + 1)),
+            };
+            std::thread::sleep(pause);
+        }
+    }
+}

@@ -1,0 +1,60 @@
+//! The connection's local buffer, laid out once per connection: where the
+//! key's windows of buckets land, the epoch word, the result of a CAS, the
+//! block being written, and room for the candidate blocks read back.
+
+use kv_common::layout::{
+    block_len, class_for, class_size, Geometry, BUCKET_BYTES, MAX_KEY, WINDOW_BUCKETS,
+};
+
+pub const WINDOW_BYTES: usize = WINDOW_BUCKETS * BUCKET_BYTES as usize;
+
+#[derive(Debug, Clone, Copy)]
+pub struct LocalLayout {
+    /// Both windows, back to back: slot `i` of the key's candidates is the
+    /// word at `windows + 8 * i`.
+    pub windows: usize,
+    /// The region's epoch word.
+    pub epoch: usize,
+    /// The old value a CAS returns.
+    pub cas: usize,
+    /// The block a PUT writes.
+    pub block: usize,
+    /// Candidate blocks, back to back, from here to `len`.
+    pub reads: usize,
+    /// The whole buffer.
+    pub len: usize,
+}
+
+impl LocalLayout {
+    /// Room for the windows, the words, the block being written and at least
+    /// two candidate blocks. The chunk size (and so the largest block) never
+    /// changes for a region, so neither does this.
+    pub fn for_geometry(g: &Geometry) -> LocalLayout {
+        // The largest block any client writes: a maximal key and value.
+        let largest = block_len(MAX_KEY, g.max_value());
+        let max_block = class_for(largest).map_or(g.max_block(), class_size) as usize;
+        let windows = 0;
+        let epoch = windows + 2 * WINDOW_BYTES;
+        let cas = epoch + 8;
+        let block = (cas + 8).next_multiple_of(64);
+        let reads = block + max_block;
+        LocalLayout {
+            windows,
+            epoch,
+            cas,
+            block,
+            reads,
+            len: reads + 2 * max_block,
+        }
+    }
+
+    /// Where window `w` (0 or 1) of the key's buckets lands.
+    pub fn window(&self, w: usize) -> usize {
+        self.windows + w * WINDOW_BYTES
+    }
+
+    /// Bytes of candidate blocks one batch can read back.
+    pub fn read_room(&self) -> usize {
+        self.len - self.reads
+    }
+}

@@ -1,0 +1,90 @@
+//! Finding a key's copies for a writer: one fresh read of its windows (with
+//! a fresh hint, the hinted block in the same batch), then the blocks of the
+//! slots whose fingerprint matches.
+
+use kv_common::layout::{KeyHash, Slot, SlotPos};
+use kv_common::transport::Verb;
+
+use crate::clock::OpClock;
+use crate::get::Sighting;
+use crate::index::{meets_resize, Copies, Scan, ScanMode};
+use crate::{Client, Result};
+
+/// What a writer needs to know about the key's copies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Need {
+    /// The lowest copy (an update).
+    Lowest,
+    /// Every copy (a delete must remove them all).
+    Every,
+}
+
+pub enum Located {
+    /// Copies of the key, lowest first, as read by the attempt timed by
+    /// `clock`.
+    Found { copies: Copies, clock: OpClock },
+    /// No copy among the key's candidate slots, as read (they are still
+    /// in the local buffer: `Client::slots`).
+    Absent { clock: OpClock },
+    /// A block failed validation (named, if one did) or the reads were
+    /// too slow: read again.
+    Retry(Option<(SlotPos, Slot)>),
+    /// A resize is moving these buckets, or moved them: writing waits for
+    /// the new index.
+    Moved,
+}
+
+impl Client {
+    /// Locates the key's copies. `first` (the WRITE of a new block) travels
+    /// in the first batch.
+    pub(crate) fn locate(
+        &mut self,
+        key: &[u8],
+        kh: &KeyHash,
+        first: Option<Verb>,
+        need: Need,
+    ) -> Result<Located> {
+        let mut held = None;
+        let clock = match self.fresh_hint(key) {
+            Some(hint) => match self.read_hinted(key, kh, hint, first)? {
+                Sighting::Held { clock, alone, .. } => {
+                    held = Some((hint, alone));
+                    clock
+                }
+                Sighting::WindowsOnly(clock) => clock,
+            },
+            None => self.read_windows(kh, first)?,
+        };
+        let slots = self.slots();
+        if meets_resize(&slots) {
+            return Ok(Located::Moved);
+        }
+        if let Some((hint, alone)) = held {
+            let exact = alone || hint.is_sole();
+            if need == Need::Lowest || exact {
+                let copies = Copies {
+                    slots: vec![(hint.pos, hint.slot)],
+                    value: None,
+                    exact,
+                };
+                return Ok(Located::Found { copies, clock });
+            }
+        }
+        let mode = ScanMode::AllCopies { known: None };
+        Ok(match self.scan(key, kh, &slots, clock, mode)? {
+            Scan::Found(copies) => match copies.slots.first() {
+                Some(&(pos, slot)) => {
+                    let alone = copies.exact && copies.slots.len() == 1;
+                    self.saw(key, pos, slot, clock, alone);
+                    Located::Found { copies, clock }
+                }
+                None => {
+                    self.cache.forget(key);
+                    Located::Absent { clock }
+                }
+            },
+            Scan::Retry(suspect) => Located::Retry(suspect),
+            Scan::Moved => Located::Moved,
+        })
+    }
+}

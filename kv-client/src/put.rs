@@ -1,0 +1,134 @@
+//! PUT: write the new block out of place, then publish it with a CAS on
+//! the key's slot. With a sole, fresh hint (see `hint`) the WRITE and the
+//! CAS share one batch. Otherwise: locate the key, then update its lowest
+//! copy in place, or insert into an empty slot and check for a concurrent
+//! insert of the same key (`dedup`).
+//!
+//! A WRITE and a CAS posted after it may share a batch: an RC responder
+//! executes requests in the order they were sent (IBA spec vol. 1, §9.5
+//! "Transaction ordering"; only work requests after an RDMA READ or an
+//! atomic need `IBV_SEND_FENCE`, ibv_post_send(3)), so a reader that sees
+//! the new slot finds the block written, as Sherman's combined write-back
+//! and unlock relies on. On shm the verbs of a batch run in order.
+
+use crossbeam::utils::Backoff;
+use kv_common::layout::{block_len, class_for, encode_block, KeyHash, Slot};
+use kv_common::transport::Verb;
+
+use crate::clock::OpClock;
+use crate::corrupt::CorruptSlot;
+use crate::hint::Hint;
+use crate::index::Copies;
+use crate::locate::{Located, Need};
+use crate::{Client, Error, Result, Step};
+
+impl Client {
+    pub(crate) fn put_once(&mut self, key: &[u8], value: &[u8]) -> Result<Step<()>> {
+        let used = block_len(key.len(), value.len());
+        let class = class_for(used).ok_or(Error::ValueTooLarge {
+            len: value.len(),
+            max: self.max_value,
+        })?;
+        // First: leasing may teach this client a new geometry.
+        let offset = self.take_block(class)?;
+        let kh = KeyHash::new(key, self.info.geometry.bucket_count);
+        encode_block(key, value, &mut self.conn.local_mut()[self.layout.block..]);
+        let new = Slot::new(kh.fingerprint, class, offset);
+        let write = Verb::Write {
+            remote: offset,
+            local: self.layout.block,
+            len: used.div_ceil(8) as usize * 8,
+        };
+        // A block that is never published is garbage the server reclaims.
+        let mut unwritten = Some(write);
+        if let Some(hint) = self.blind_hint(key) {
+            unwritten = None;
+            if self.update_blind(key, hint, write, new)? {
+                return Ok(Step::Done(()));
+            }
+        }
+        let mut corrupt = CorruptSlot::default();
+        let backoff = Backoff::new();
+        for _ in 0..self.options.max_attempts {
+            match self.locate(key, &kh, unwritten.take(), Need::Lowest)? {
+                Located::Found { copies, clock } => {
+                    if self.update(key, &copies, new, clock)? {
+                        return Ok(Step::Done(()));
+                    }
+                }
+                Located::Absent { clock } => {
+                    if let Some(step) = self.insert(key, &kh, new, clock)? {
+                        return Ok(step);
+                    }
+                }
+                Located::Retry(suspect) => corrupt.saw(key, suspect)?,
+                Located::Moved => return Ok(Step::Moved),
+            }
+            backoff.snooze();
+        }
+        Err(Error::Contended(self.options.max_attempts))
+    }
+
+    /// One round trip: the block's WRITE and the CAS of the hinted slot in
+    /// one batch. False if the slot changed (the block is written; locate).
+    fn update_blind(&mut self, key: &[u8], hint: Hint, write: Verb, new: Slot) -> Result<bool> {
+        let clock = self.timing.start();
+        let cas = self.cas_verb(hint.pos, hint.slot, new);
+        self.conn.post(&[write, cas])?;
+        if self.cas_held(hint.slot) {
+            self.replaced(key, hint.pos, hint.slot, new, clock);
+            return Ok(true);
+        }
+        self.cache.forget(key);
+        Ok(false)
+    }
+
+    /// Publishes `new` over the lowest copy. False if it changed meanwhile
+    /// or the reads are too old to act on: locate again.
+    fn update(&mut self, key: &[u8], copies: &Copies, new: Slot, clock: OpClock) -> Result<bool> {
+        let Some(&(pos, old)) = copies.slots.first() else {
+            return Ok(false);
+        };
+        if !clock.in_time() || !self.cas(pos, old, new)? {
+            return Ok(false);
+        }
+        self.replaced(key, pos, old, new, clock);
+        // Copies above ours belong to inserts still in flight, which remove
+        // them themselves; trying here only helps.
+        self.remove_duplicates(&copies.slots[1..], clock)?;
+        Ok(true)
+    }
+
+    /// Inserts into an empty slot of the windows `locate` just read: the
+    /// CAS and a new read of the windows in one batch, where the duplicate
+    /// check starts. None if the slot was taken meanwhile or the reads are
+    /// too old to act on: locate again.
+    fn insert(
+        &mut self,
+        key: &[u8],
+        kh: &KeyHash,
+        new: Slot,
+        clock: OpClock,
+    ) -> Result<Option<Step<()>>> {
+        let Some(empty) = KeyHash::insert_choice(&self.slots()) else {
+            return Ok(Some(Step::Full));
+        };
+        // An insert lands within two deadlines of the read that found no
+        // copy: what lets a hint settle (`Timing::settle`).
+        if !clock.in_time() {
+            return Ok(None);
+        }
+        let pos = kh.slot_pos(empty);
+        let published = self.timing.start();
+        let [a, b] = self.window_reads(kh);
+        self.conn
+            .post(&[self.cas_verb(pos, Slot::EMPTY, new), a, b])?;
+        if !self.cas_held(Slot::EMPTY) {
+            return Ok(None);
+        }
+        // A hint even if this copy is resolved away: it is checked on use.
+        self.cache.remember(key, Hint::seen(pos, new, published));
+        self.resolve_insert(key, kh, pos, new, published)?;
+        Ok(Some(Step::Done(())))
+    }
+}
