@@ -1,5 +1,8 @@
-//! Fixed-size GET and PUT loops, with the raw verbs they are built of as
-//! the baseline: one 1-KiB READ and one CAS per round trip.
+//! Fixed-size loops of each operation, cold (the client reads the buckets
+//! first) and warm (it remembers the key's slot from a recent operation),
+//! with the raw verbs they are built of as the baseline: one 1-KiB READ and
+//! one CAS per round trip. Only the timed operation counts towards the
+//! round trips and bytes per op (a warm DELETE's preceding GET does not).
 
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
@@ -33,10 +36,10 @@ pub struct MicroArgs {
     /// Thread counts to run each loop with.
     #[arg(long, value_delimiter = ',', default_value = "1,2")]
     threads: Vec<usize>,
-    /// Keys each client remembers the slot of (0: every GET reads the
-    /// buckets first). Default: the client's, which depends on the transport.
-    #[arg(long)]
-    slot_cache_entries: Option<usize>,
+    /// Keys each thread works on in the warm loops: all of them are
+    /// revisited well within a hint's life (three operation deadlines).
+    #[arg(long, default_value_t = 64)]
+    warm_keys: usize,
     /// Initial size of the embedded server's region (default: the server's;
     /// it grows as the keys are loaded).
     #[arg(long, value_parser = kv_common::size::parse_size)]
@@ -45,20 +48,47 @@ pub struct MicroArgs {
 
 #[derive(Clone, Copy, PartialEq)]
 enum Op {
-    Get,
-    Put,
     RawRead,
     RawCas,
+    Get { warm: bool },
+    Update { warm: bool },
+    Insert,
+    Delete { warm: bool },
 }
 
 impl Op {
+    const ALL: [Op; 9] = [
+        Op::RawRead,
+        Op::RawCas,
+        Op::Get { warm: false },
+        Op::Get { warm: true },
+        Op::Update { warm: false },
+        Op::Update { warm: true },
+        Op::Insert,
+        Op::Delete { warm: false },
+        Op::Delete { warm: true },
+    ];
+
+    /// One word, so that scripts can pick a line by its first field.
     fn name(self) -> &'static str {
         match self {
-            Op::Get => "GET",
-            Op::Put => "PUT",
-            Op::RawRead => "READ 1 KiB (raw verb)",
-            Op::RawCas => "CAS (raw verb)",
+            Op::RawRead => "raw-READ-1KiB",
+            Op::RawCas => "raw-CAS",
+            Op::Get { warm: false } => "GET-cold",
+            Op::Get { warm: true } => "GET-warm",
+            Op::Update { warm: false } => "UPDATE-cold",
+            Op::Update { warm: true } => "UPDATE-warm",
+            Op::Insert => "INSERT",
+            Op::Delete { warm: false } => "DELETE-cold",
+            Op::Delete { warm: true } => "DELETE-warm",
         }
+    }
+
+    fn warm(self) -> bool {
+        matches!(
+            self,
+            Op::Get { warm: true } | Op::Update { warm: true } | Op::Delete { warm: true }
+        )
     }
 }
 
@@ -95,7 +125,7 @@ pub fn run(args: MicroArgs) -> Result<(), String> {
         args.keys, args.key_size, args.value_size, args.seconds, target.address
     );
     println!(
-        "{:<22} {:>7} {:>11} {:>8} {:>8} {:>9} {:>8} {:>10} {:>10}",
+        "{:<14} {:>7} {:>11} {:>8} {:>8} {:>9} {:>8} {:>10} {:>10}",
         "operation",
         "threads",
         "ops/s",
@@ -109,7 +139,7 @@ pub fn run(args: MicroArgs) -> Result<(), String> {
     let server_before = target.server.as_ref().map(|s| s.stats());
     let mut baseline_p50 = [0u64; 2];
     for &threads in &args.threads {
-        for op in [Op::RawRead, Op::RawCas, Op::Get, Op::Put] {
+        for op in Op::ALL {
             let r = run_loop(&target.address, op, threads, &args)?;
             let p50 = r.latency.value_at_quantile(0.5);
             match op {
@@ -119,7 +149,8 @@ pub fn run(args: MicroArgs) -> Result<(), String> {
             }
             let per = |v: u64| v as f64 / r.ops.max(1) as f64;
             let ratio = match op {
-                Op::Get | Op::Put if baseline_p50[0] > 0 => {
+                Op::RawRead | Op::RawCas => String::new(),
+                _ if baseline_p50[0] > 0 => {
                     format!(
                         "  p50 = {:.1}x raw READ",
                         p50 as f64 / baseline_p50[0] as f64
@@ -128,7 +159,7 @@ pub fn run(args: MicroArgs) -> Result<(), String> {
                 _ => String::new(),
             };
             println!(
-                "{:<22} {:>7} {:>11.0} {:>8.2} {:>8.2} {:>9.2} {:>8.2} {:>10.0} {:>10.0}{ratio}",
+                "{:<14} {:>7} {:>11.0} {:>8.2} {:>8.2} {:>9.2} {:>8.2} {:>10.0} {:>10.0}{ratio}",
                 op.name(),
                 threads,
                 r.ops as f64 / r.elapsed.as_secs_f64(),
@@ -201,29 +232,17 @@ fn worker(
     };
     let mut ops = 0u64;
     let (elapsed, verbs) = match op {
-        Op::Get | Op::Put => {
-            let options = kv_client::ClientOptions {
-                slot_cache_entries: args.slot_cache_entries,
-                ..Default::default()
-            };
-            let mut kv = Client::connect_with(address, options).map_err(|e| e.to_string())?;
-            let value = vec![t as u8; args.value_size];
-            let mut out = Vec::with_capacity(args.value_size);
-            let before = kv.verb_stats();
+        Op::Get { .. } | Op::Update { .. } | Op::Insert | Op::Delete { .. } => {
+            let mut kv = KvLoop::connect(address, op, t, args)?;
             barrier.wait();
             let start = Instant::now();
             while start.elapsed() < duration {
-                let k = key(next() % args.keys, args.key_size);
-                let t0 = Instant::now();
-                if op == Op::Get {
-                    kv.get_into(&k, &mut out).map_err(|e| e.to_string())?;
-                } else {
-                    kv.put(&k, &value).map_err(|e| e.to_string())?;
-                }
-                latency.saturating_record(t0.elapsed().as_nanos() as u64);
+                kv.step(&mut next, &mut latency)?;
                 ops += 1;
             }
-            (start.elapsed(), kv.verb_stats().since(&before))
+            // Throughput counts the timed operations' time only: a warm
+            // DELETE's set-up waits for hints to settle.
+            (kv.busy, kv.timed)
         }
         Op::RawRead | Op::RawCas => {
             let mut conn = transport::connect(&Address::parse(address)?, &Default::default())
@@ -275,4 +294,137 @@ fn worker(
         latency,
         verbs,
     })
+}
+
+/// One thread's loop of a key-value operation. Warm loops first make every
+/// key's hint settle (a sighting two deadlines after the first), so that
+/// each timed operation meets a fresh, settled hint, as a client revisiting
+/// its working set does.
+struct KvLoop<'a> {
+    kv: Client,
+    op: Op,
+    args: &'a MicroArgs,
+    /// This thread's working set (warm loops) or the keys it deletes next.
+    keys: Vec<Vec<u8>>,
+    value: Vec<u8>,
+    out: Vec<u8>,
+    /// Names keys this loop creates.
+    prefix: String,
+    made: u64,
+    /// Verbs of the timed operations only, and the time they took.
+    timed: VerbStats,
+    busy: Duration,
+}
+
+impl<'a> KvLoop<'a> {
+    fn connect(address: &str, op: Op, t: usize, args: &'a MicroArgs) -> Result<Self, String> {
+        let options = kv_client::ClientOptions {
+            slot_cache_entries: Some(if op.warm() { 65_536 } else { 0 }),
+            ..Default::default()
+        };
+        let kv = Client::connect_with(address, options).map_err(|e| e.to_string())?;
+        let threads = args.threads.iter().max().copied().unwrap_or(1);
+        let mut l = KvLoop {
+            kv,
+            op,
+            args,
+            keys: Vec::new(),
+            value: vec![t as u8; args.value_size],
+            out: Vec::with_capacity(args.value_size),
+            prefix: format!("micro-{}-{t}-{}", op.name(), std::process::id()),
+            made: 0,
+            timed: VerbStats::default(),
+            busy: Duration::ZERO,
+        };
+        if let Op::Get { warm: true } | Op::Update { warm: true } = op {
+            let per = (args.keys / threads as u64).max(1);
+            let set =
+                (0..args.warm_keys as u64).map(|i| key(t as u64 * per + i % per, args.key_size));
+            l.keys = set.collect();
+            l.settle_hints()?;
+        }
+        Ok(l)
+    }
+
+    /// Reads every key of the working set, waits until their copies can
+    /// have no concurrent insert left, and reads them again.
+    fn settle_hints(&mut self) -> Result<(), String> {
+        for k in &self.keys {
+            self.kv
+                .get_into(k, &mut self.out)
+                .map_err(|e| e.to_string())?;
+        }
+        std::thread::sleep(self.kv.op_deadline() * 2);
+        for k in &self.keys {
+            self.kv
+                .get_into(k, &mut self.out)
+                .map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }
+
+    fn fresh_key(&mut self) -> Vec<u8> {
+        self.made += 1;
+        format!("{}-{}", self.prefix, self.made).into_bytes()
+    }
+
+    /// One timed operation, after whatever untimed set-up it needs.
+    fn step(
+        &mut self,
+        next: &mut impl FnMut() -> u64,
+        latency: &mut Histogram<u64>,
+    ) -> Result<(), String> {
+        let err = |e: kv_client::Error| e.to_string();
+        let key = match self.op {
+            Op::Get { warm: true } | Op::Update { warm: true } => {
+                // Round robin: every key is revisited after the same time.
+                self.made += 1;
+                self.keys[(self.made % self.keys.len() as u64) as usize].clone()
+            }
+            Op::Delete { warm } => {
+                if self.keys.is_empty() {
+                    self.refill_deletes(warm)?;
+                }
+                self.keys.pop().unwrap_or_default()
+            }
+            Op::Insert => self.fresh_key(),
+            _ => key(next() % self.args.keys, self.args.key_size),
+        };
+        let before = self.kv.verb_stats();
+        let t0 = Instant::now();
+        match self.op {
+            Op::Get { .. } => {
+                self.kv.get_into(&key, &mut self.out).map_err(err)?;
+            }
+            Op::Update { .. } | Op::Insert => self.kv.put(&key, &self.value).map_err(err)?,
+            Op::Delete { .. } => {
+                self.kv.delete(&key).map_err(err)?;
+            }
+            Op::RawRead | Op::RawCas => {}
+        }
+        let took = t0.elapsed();
+        latency.saturating_record(took.as_nanos() as u64);
+        self.busy += took;
+        self.timed.add(&self.kv.verb_stats().since(&before));
+        Ok(())
+    }
+
+    /// Inserts the next keys to delete (untimed); for warm deletes, lets
+    /// their hints settle.
+    fn refill_deletes(&mut self, warm: bool) -> Result<(), String> {
+        for _ in 0..self.args.warm_keys.max(1) {
+            let k = self.fresh_key();
+            self.kv.put(&k, &self.value).map_err(|e| e.to_string())?;
+            self.keys.push(k);
+        }
+        if warm {
+            std::thread::sleep(self.kv.op_deadline() * 2);
+            for k in &self.keys {
+                self.kv
+                    .get_into(k, &mut self.out)
+                    .map_err(|e| e.to_string())?;
+            }
+        }
+        Ok(())
+    }
 }

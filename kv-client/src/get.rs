@@ -46,12 +46,14 @@ impl Client {
         }
         let mut corrupt = CorruptSlot::default();
         for _ in 0..self.options.max_attempts {
-            let clock = match read_already.take() {
-                Some(clock) => clock,
-                None => self.read_windows(&kh, None)?,
+            // After a hint that did not hold, every copy: proving there is
+            // only one lets the hint settle.
+            let (clock, mode) = match read_already.take() {
+                Some(clock) => (clock, ScanMode::AllCopies { known: None }),
+                None => (self.read_windows(&kh, None)?, ScanMode::Lowest),
             };
             let slots = self.slots();
-            match self.scan(key, &kh, &slots, clock, ScanMode::Lowest)? {
+            match self.scan(key, &kh, &slots, clock, mode)? {
                 Scan::Found(copies) => {
                     let Some(&(pos, slot)) = copies.slots.first() else {
                         self.cache.forget(key);
@@ -60,7 +62,8 @@ impl Client {
                     if let Some(value) = copies.value {
                         copy_out(self.conn.local(), value, out);
                     }
-                    self.saw(key, pos, slot, clock, false);
+                    let alone = copies.exact && copies.slots.len() == 1;
+                    self.saw(key, pos, slot, clock, alone);
                     return Ok(Step::Done(true));
                 }
                 Scan::Retry(suspect) => corrupt.saw(key, suspect)?,
@@ -105,6 +108,12 @@ impl Client {
             // The same copy, seen again (whatever else the batch shows).
             let seen = hint.confirmed(hint.slot, clock.started(), alone, &self.timing);
             self.cache.remember(key, seen);
+            if !seen.is_sole() && !alone && seen.may_settle(&self.timing) {
+                // Only reading the other slots' blocks tells whether they
+                // hold copies: the caller's scan does, once, and the hint
+                // settles.
+                return Ok(Sighting::WindowsOnly(clock));
+            }
         } else {
             self.cache.forget(key);
             return Ok(Sighting::WindowsOnly(clock));

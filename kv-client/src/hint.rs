@@ -78,6 +78,11 @@ impl Hint {
         self.sole && self.is_fresh(timing)
     }
 
+    /// A lone sighting now would make the hint sole.
+    pub fn may_settle(&self, timing: &Timing) -> bool {
+        self.held_since.elapsed() >= timing.settle()
+    }
+
     pub fn is_sole(&self) -> bool {
         self.sole
     }

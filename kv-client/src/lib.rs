@@ -161,6 +161,12 @@ impl Client {
         &self.info.geometry
     }
 
+    /// The server's operation deadline: reads older than this are not
+    /// trusted, and hints settle two of these after a key's copy appeared.
+    pub fn op_deadline(&self) -> Duration {
+        Duration::from_micros(self.info.op_deadline_us)
+    }
+
     /// Largest value this server accepts.
     pub fn max_value(&self) -> usize {
         self.max_value
