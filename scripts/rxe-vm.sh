@@ -4,7 +4,7 @@
 # on a virtio NIC, and there runs: perftest baselines (ib_read_lat,
 # ib_atomic_lat), the test suites that use TestServer over rdma, a kv-server
 # daemon with several client processes, and kv-bench micro over rdma.
-# Prints GET/PUT latency as ratios to ib_read_lat and round trips per op,
+# Prints operation latencies as ratios to ib_read_lat and raw READ, and round trips per op,
 # and ends with a line "N passed, N failed". Exits non-zero on any failure.
 #
 # usage: scripts/rxe-vm.sh            (RXE_WORK=dir to move its work files)
@@ -170,12 +170,15 @@ cat /tmp/micro.log
 kill -TERM $server
 if wait $server; then ok "kv-server shutdown"; else bad "kv-server shutdown"; cat /tmp/server.log; fi
 
-get_us=$(awk '$1=="GET" {print $4; exit}' /tmp/micro.log)
-put_us=$(awk '$1=="PUT" {print $4; exit}' /tmp/micro.log)
-get_rt=$(awk '$1=="GET" {print $7; exit}' /tmp/micro.log)
-put_rt=$(awk '$1=="PUT" {print $7; exit}' /tmp/micro.log)
-if [ -n "$read_us" ] && [ -n "$get_us" ]; then
-  echo "RXE-RATIO: GET p50 ${get_us} us = $(awk "BEGIN{printf \"%.2f\", $get_us/$read_us}")x ib_read_lat (${get_rt} round trips); PUT p50 ${put_us} us = $(awk "BEGIN{printf \"%.2f\", $put_us/$read_us}")x ib_read_lat (${put_rt} round trips)"
+# p50 and round trips of one line of the micro table; and ratios of a p50
+# to ib_read_lat and to the same boot's raw READ.
+col() { awk -v op="$1" -v c="$2" '$1==op {print $c; exit}' /tmp/micro.log; }
+raw_us=$(col raw-READ-1KiB 4)
+if [ -n "$read_us" ] && [ -n "$raw_us" ]; then
+  for op in GET-warm UPDATE-warm DELETE-warm GET-cold UPDATE-cold INSERT; do
+    us=$(col $op 4); rt=$(col $op 7)
+    [ -n "$us" ] && echo "RXE-RATIO: $op p50 ${us} us = $(awk "BEGIN{printf \"%.2f\", $us/$read_us}")x ib_read_lat, $(awk "BEGIN{printf \"%.2f\", $us/$raw_us}")x raw READ (${rt} round trips)"
+  done
 fi
 echo "RXE-SUMMARY: $pass passed, $fail failed"
 GUEST
@@ -195,7 +198,7 @@ accel="tcg,thread=multi"
 # a stock kernel, so probe briefly and fall back to TCG.
 if [ -w /dev/kvm ] && boot kvm onekv.probe 30 2>&1 | grep -q RXE-PROBE-OK; then accel=kvm; fi
 log "booting ($accel)"
-boot "$accel" "" 2400 2>&1 | tee "$WORK/console.log" | grep -E '^(RXE-|rxe0|test result|onekv micro|operation|READ|CAS|GET|PUT|p[0-9]:|server during)' || true
+boot "$accel" "" 2400 2>&1 | tee "$WORK/console.log" | grep -E '^(RXE-|rxe0|test result|onekv micro|operation|raw-|GET|UPDATE|INSERT|DELETE|p[0-9]:|server during)' || true
 
 summary=$(grep -a 'RXE-SUMMARY:' "$WORK/console.log" | tail -1 | sed 's/.*RXE-SUMMARY: //' | tr -d '\r')
 if [ -z "$summary" ]; then

@@ -340,14 +340,12 @@ impl Connection for RdmaConnection {
     }
 
     fn post(&mut self, verbs: &[Verb]) -> Result<(), TransportError> {
-        if self.read_order == ReadOrder::Posted {
-            let wrs = self.wrs(verbs)?;
-            self.channel.run(&wrs, COMPLETION_TIMEOUT)?;
-        } else {
-            // The test order: one verb at a time, READs reversed, still
-            // counted as one batch.
+        let arranged = self.read_order.arrange(verbs);
+        if matches!(self.read_order, ReadOrder::Reversed { pause } if !pause.is_zero()) {
+            // The test order with pauses: one verb at a time, READs
+            // reversed, still counted as one batch.
             let mut reads = 0;
-            for verb in self.read_order.arrange(verbs).iter() {
+            for verb in arranged.iter() {
                 if let Some(pause) = self.read_order.pause_before(verb, reads) {
                     std::thread::sleep(pause);
                 }
@@ -355,6 +353,10 @@ impl Connection for RdmaConnection {
                 self.channel.run(&wrs, COMPLETION_TIMEOUT)?;
                 reads += usize::from(matches!(verb, Verb::Read { .. }));
             }
+        } else {
+            // One doorbell; an RC queue pair executes in posting order.
+            let wrs = self.wrs(&arranged)?;
+            self.channel.run(&wrs, COMPLETION_TIMEOUT)?;
         }
         let local = self.local.as_ref().map_or(&[][..], Mr::bytes);
         self.stats.record_batch(verbs, local);
