@@ -37,7 +37,7 @@ pub struct MicroArgs {
     #[arg(long, value_delimiter = ',', default_value = "1,2")]
     threads: Vec<usize>,
     /// Keys each thread works on in the warm loops: all of them are
-    /// revisited well within a hint's life (three operation deadlines).
+    /// revisited well within a hint's life (two operation deadlines).
     #[arg(long, default_value_t = 64)]
     warm_keys: usize,
     /// Initial size of the embedded server's region (default: the server's;
@@ -346,19 +346,18 @@ impl<'a> KvLoop<'a> {
         Ok(l)
     }
 
-    /// Reads every key of the working set, waits until their copies can
-    /// have no concurrent insert left, and reads them again.
+    /// Reads every key of the working set now, after one deadline, and
+    /// after two: their copies then can have no concurrent insert left, and
+    /// each sighting came while the one before was fresh.
     fn settle_hints(&mut self) -> Result<(), String> {
-        for k in &self.keys {
-            self.kv
-                .get_into(k, &mut self.out)
-                .map_err(|e| e.to_string())?;
-        }
-        std::thread::sleep(self.kv.op_deadline() * 2);
-        for k in &self.keys {
-            self.kv
-                .get_into(k, &mut self.out)
-                .map_err(|e| e.to_string())?;
+        let deadline = self.kv.op_deadline();
+        for pause in [Duration::ZERO, deadline, deadline + deadline / 10] {
+            std::thread::sleep(pause);
+            for k in &self.keys {
+                self.kv
+                    .get_into(k, &mut self.out)
+                    .map_err(|e| e.to_string())?;
+            }
         }
         Ok(())
     }
@@ -418,12 +417,7 @@ impl<'a> KvLoop<'a> {
             self.keys.push(k);
         }
         if warm {
-            std::thread::sleep(self.kv.op_deadline() * 2);
-            for k in &self.keys {
-                self.kv
-                    .get_into(k, &mut self.out)
-                    .map_err(|e| e.to_string())?;
-            }
+            self.settle_hints()?;
         }
         Ok(())
     }

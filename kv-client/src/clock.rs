@@ -38,9 +38,12 @@ impl Timing {
     /// How long after a sighting a remembered slot may be used without
     /// reading the buckets first: a batch posted before then executes before
     /// a grace period has passed, so the block it names cannot have been
-    /// reused, nor the slot have come back to the same value (G − D).
+    /// reused, nor the slot have come back to the same value. That needs
+    /// G − D; G − 2D leaves the same deadline of margin for a thread
+    /// preempted between its check and its post that a CAS after a read
+    /// has.
     pub fn hint_life(&self) -> Duration {
-        self.grace - self.deadline
+        self.grace.saturating_sub(self.deadline * 2)
     }
 
     /// How long after a copy of a key appears another insert of the key can

@@ -13,11 +13,18 @@
 //! the buckets first, its copy keeps the lowest copy (the insert waits
 //! until it is published); if the resize is undone, the check goes on here.
 //!
-//! The check starts from the READ of the windows that went in the insert's
-//! own batch, after its CAS. If that READ does not show the insert's copy it
-//! may have reached memory before the CAS did (or the copy was updated
-//! since): the windows are read again, so no ordering of a READ after an
-//! atomic is assumed.
+//! The check starts from the READs of the windows that went in the insert's
+//! own batch, after its CAS. That relies on read-after-write order on one
+//! queue pair: a READ posted after an atomic (or a WRITE) sees its effect.
+//! The responder executes requests in order (IBA vol. 1, §9.5), the atomic's
+//! store reaches host memory as a posted write that a later DMA read may not
+//! pass (PCIe ordering), and libfabric's verbs provider advertises it for RC
+//! (`FI_ORDER_RAW`, `FI_ORDER_ATOMIC_RAW`); only write-after-read needs
+//! `IBV_SEND_FENCE`. Unlike two READs, whose DMA reads may pass each other,
+//! this is an ordering the hardware promises, and the `ReadOrder` test hook
+//! keeps it. As a check, if the READ of the insert's own window does not
+//! show its copy (or the copy was updated since), the windows are read
+//! again.
 
 use std::time::Duration;
 

@@ -12,7 +12,8 @@
 //! `slot`'s block cannot be rewritten before `confirmed + G`, and no slot
 //! can hold the value `slot` again before then either (that needs the block
 //! rewritten and published anew). A batch posted less than `G − D` after
-//! `confirmed` executes before `confirmed + G` (it runs within `D`), so:
+//! `confirmed` executes before `confirmed + G` (it runs within `D`); hints
+//! are used for `G − 2D` (`Timing::hint_life`), a deadline of margin. So:
 //!
 //! - a READ of the block returns `slot`'s block, in whatever order the
 //!   batch's READs reach memory. If a READ of the buckets in the same batch

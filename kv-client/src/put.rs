@@ -89,7 +89,11 @@ impl Client {
         let Some(&(pos, old)) = copies.slots.first() else {
             return Ok(false);
         };
-        if !clock.in_time() || !self.cas(pos, old, new)? {
+        if !clock.in_time() {
+            return Ok(false);
+        }
+        if !self.cas(pos, old, new)? {
+            self.cache.forget(key);
             return Ok(false);
         }
         self.replaced(key, pos, old, new, clock);

@@ -7,8 +7,10 @@ use serde::{Deserialize, Serialize};
 use crate::layout::Geometry;
 use crate::transport::RemoteRegion;
 
-/// Bumped when a message changes shape.
-pub const PROTOCOL_VERSION: u32 = 3;
+/// Bumped when a message changes shape, or what clients must do on the
+/// data path does (4: an insert CASes within the operation deadline of the
+/// read that found no copy, which clients' settled hints rely on).
+pub const PROTOCOL_VERSION: u32 = 4;
 /// Largest encoded message either side accepts.
 pub const MAX_MESSAGE: usize = 64 * 1024;
 

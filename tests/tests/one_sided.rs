@@ -58,7 +58,7 @@ fn hinted(address: &str, entries: usize) -> Client {
 fn operations_take_the_promised_round_trips() {
     // A long deadline, so that hints stay fresh however slow the machine:
     // a hint settles two deadlines after its copy appeared, and is used in
-    // one round trip for three deadlines after it was last confirmed.
+    // one round trip for two deadlines after it was last confirmed.
     let deadline = Duration::from_secs(1);
     let srv = TestServer::start(|c| c.op_deadline = deadline);
     let mut kv = hinted(&srv.address, 1024);
@@ -87,9 +87,12 @@ fn operations_take_the_promised_round_trips() {
         1,
         "warm get: buckets and block in one batch"
     );
-    // Once no other insert of the key can still land, a sighting that shows
-    // it alone lets updates and deletes go without reading.
-    std::thread::sleep(deadline * 2 + Duration::from_millis(100));
+    // Once no other insert of the key can still land (two deadlines), a
+    // sighting that shows it alone lets updates and deletes go without
+    // reading. Hints are used for two deadlines after each sighting.
+    std::thread::sleep(deadline);
+    assert_eq!(took(&mut kv, &get(2)), 1, "warm get");
+    std::thread::sleep(deadline + Duration::from_millis(100));
     assert_eq!(took(&mut kv, &get(2)), 1, "warm get (the hint settles)");
     assert_eq!(
         took(&mut kv, &put(3)),
@@ -125,7 +128,9 @@ fn operations_take_the_promised_round_trips() {
         2,
         "stale hint: buckets+block, block"
     );
-    std::thread::sleep(deadline * 2 + Duration::from_millis(100));
+    std::thread::sleep(deadline);
+    assert_eq!(took(&mut kv, &get(5)), 1, "warm get");
+    std::thread::sleep(deadline + Duration::from_millis(100));
     assert_eq!(took(&mut kv, &get(5)), 1, "warm get (the hint settles)");
     let delete = |kv: &mut Client| assert!(kv.delete(b"k").unwrap());
     assert_eq!(took(&mut kv, &delete), 1, "warm delete: one CAS");

@@ -28,6 +28,11 @@ pub struct RemoteRegion {
 
 /// One work request. `remote` is an offset inside the region, `local` an
 /// offset inside the connection's local buffer.
+///
+/// Order within a batch, as on an RC queue pair: a WRITE or an atomic
+/// executes after the verbs posted before it, and a READ sees the effect of
+/// the WRITEs and atomics posted before it. The READs of a batch among
+/// themselves may read memory in any order (see [`ReadOrder`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verb {
     Read {
