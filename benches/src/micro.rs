@@ -175,10 +175,11 @@ pub fn run(args: MicroArgs) -> Result<(), String> {
     if let (Some(before), Some(server)) = (server_before, &target.server) {
         let after = server.stats();
         println!(
-            "server during the loops: {} control messages ({} heap leases), {} us of CPU",
+            "server during the loops: {} control messages ({} heap leases), {} us of CPU, {} index resizes",
             after.messages() - before.messages(),
             after.leases - before.leases,
-            after.server_cpu_us - before.server_cpu_us
+            after.server_cpu_us - before.server_cpu_us,
+            after.resizes - before.resizes
         );
     }
     Ok(())

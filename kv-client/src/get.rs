@@ -3,12 +3,13 @@
 //! the key is its value. With a fresh hint, the windows and the remembered
 //! block are read in one batch (see `hint` for why their order does not
 //! matter); if the slot changed, the windows just read go on to the scan,
-//! so a stale hint costs nothing.
+//! so a stale hint costs nothing. A sole hint needs no other slot: the
+//! batch reads the slot's word and the block, two READs instead of three.
 
 use std::ops::Range;
 
-use kv_common::layout::{decode_block, KeyHash};
-use kv_common::transport::Verb;
+use kv_common::layout::{decode_block, KeyHash, Slot};
+use kv_common::transport::{read_u64, Verb};
 
 use crate::clock::OpClock;
 use crate::corrupt::CorruptSlot;
@@ -29,6 +30,8 @@ pub enum Sighting {
     /// The windows were read (the clock started before them), but the hint
     /// did not hold.
     WindowsOnly(OpClock),
+    /// The sole hint's slot changed: nothing read is of use.
+    Stale,
 }
 
 impl Client {
@@ -42,6 +45,7 @@ impl Client {
                     return Ok(Step::Done(true));
                 }
                 Sighting::WindowsOnly(clock) => read_already = Some(clock),
+                Sighting::Stale => {}
             }
         }
         let mut corrupt = CorruptSlot::default();
@@ -95,9 +99,12 @@ impl Client {
             self.cache.forget(key);
             return Ok(Sighting::WindowsOnly(self.read_windows(kh, first)?));
         };
+        let block = Verb::Read { remote, local, len };
+        if hint.is_sole() {
+            return self.read_sole(key, hint, block, first);
+        }
         let clock = self.timing.start();
         let [a, b] = self.window_reads(kh);
-        let block = Verb::Read { remote, local, len };
         match first {
             Some(first) => self.conn.post(&[first, a, b, block])?,
             None => self.conn.post(&[a, b, block])?,
@@ -122,16 +129,12 @@ impl Client {
             // A lower slot might hold a copy: the scan decides.
             return Ok(Sighting::WindowsOnly(clock));
         }
-        let bytes = &self.conn.local()[local..local + len];
-        match decode_block(bytes).ok().filter(|v| v.key == key) {
-            Some(view) => {
-                let start = local + (view.value.as_ptr() as usize - bytes.as_ptr() as usize);
-                Ok(Sighting::Held {
-                    value: start..start + view.value.len(),
-                    clock,
-                    alone,
-                })
-            }
+        match self.value_in(key, block) {
+            Some(value) => Ok(Sighting::Held {
+                value,
+                clock,
+                alone,
+            }),
             None => {
                 // A fresh hint's block is the key's: this is damage, which
                 // the scan reports.
@@ -139,6 +142,59 @@ impl Client {
                 Ok(Sighting::WindowsOnly(clock))
             }
         }
+    }
+
+    /// A sole hint: one batch reads the hinted slot's word and its block.
+    /// No other slot can hold a copy, so the slot still holding the hinted
+    /// value is all the block needs.
+    fn read_sole(
+        &mut self,
+        key: &[u8],
+        hint: Hint,
+        block: Verb,
+        first: Option<Verb>,
+    ) -> Result<Sighting> {
+        let clock = self.timing.start();
+        let word = Verb::Read {
+            remote: self.info.geometry.slot_offset(hint.pos),
+            local: self.layout.slot,
+            len: 8,
+        };
+        match first {
+            Some(first) => self.conn.post(&[first, word, block])?,
+            None => self.conn.post(&[word, block])?,
+        }
+        let now = Slot(read_u64(self.conn.local(), self.layout.slot));
+        let value = (clock.in_time() && now == hint.slot)
+            .then(|| self.value_in(key, block))
+            .flatten();
+        match value {
+            Some(value) => {
+                let seen = hint.confirmed(hint.slot, clock.started(), true, &self.timing);
+                self.cache.remember(key, seen);
+                Ok(Sighting::Held {
+                    value,
+                    clock,
+                    alone: true,
+                })
+            }
+            None => {
+                self.cache.forget(key);
+                Ok(Sighting::Stale)
+            }
+        }
+    }
+
+    /// Where the value lies in the local buffer, if the block `read` brought
+    /// back is valid and holds `key`.
+    fn value_in(&self, key: &[u8], read: Verb) -> Option<Range<usize>> {
+        let Verb::Read { local, len, .. } = read else {
+            return None;
+        };
+        let bytes = &self.conn.local()[local..local + len];
+        let view = decode_block(bytes).ok().filter(|v| v.key == key)?;
+        let start = local + (view.value.as_ptr() as usize - bytes.as_ptr() as usize);
+        Some(start..start + view.value.len())
     }
 }
 

@@ -1,6 +1,7 @@
 //! The connection's local buffer, laid out once per connection: where the
-//! key's windows of buckets land, the epoch word, the result of a CAS, the
-//! block being written, and room for the candidate blocks read back.
+//! key's windows of buckets land, the epoch word, the result of a CAS, a
+//! slot read alone, the block being written, and room for the candidate
+//! blocks read back.
 
 use kv_common::layout::{
     block_len, class_for, class_size, Geometry, BUCKET_BYTES, MAX_KEY, WINDOW_BUCKETS,
@@ -17,6 +18,8 @@ pub struct LocalLayout {
     pub epoch: usize,
     /// The old value a CAS returns.
     pub cas: usize,
+    /// One slot read alone (a sole hint's).
+    pub slot: usize,
     /// The block a PUT writes.
     pub block: usize,
     /// Candidate blocks, back to back, from here to `len`.
@@ -36,12 +39,14 @@ impl LocalLayout {
         let windows = 0;
         let epoch = windows + 2 * WINDOW_BYTES;
         let cas = epoch + 8;
-        let block = (cas + 8).next_multiple_of(64);
+        let slot = cas + 8;
+        let block = (slot + 8).next_multiple_of(64);
         let reads = block + max_block;
         LocalLayout {
             windows,
             epoch,
             cas,
+            slot,
             block,
             reads,
             len: reads + 2 * max_block,

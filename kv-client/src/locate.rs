@@ -52,6 +52,8 @@ impl Client {
                     clock
                 }
                 Sighting::WindowsOnly(clock) => clock,
+                // The WRITE went in that batch.
+                Sighting::Stale => self.read_windows(kh, None)?,
             },
             None => self.read_windows(kh, first)?,
         };
