@@ -53,6 +53,7 @@ pub fn run(args: CompareArgs) -> Result<(), String> {
                 let f = Onekv {
                     address: t.address.clone(),
                     secret: args.workload.secret()?,
+                    slot_cache_entries: args.workload.slot_cache_entries,
                 };
                 onekv_target = Some(t);
                 Box::new(f)
@@ -127,7 +128,7 @@ fn print_table(rows: &[Row]) {
         .map(|r| r.run.throughput());
     let mut header = format!("{:<7} {:>12} {:>9}", "target", "run ops/s", "vs onekv");
     for k in &kinds {
-        header += &format!(" {:>24}", format!("{} p50/p99 us", k.ycsb_name()));
+        header += &format!(" {:>30}", format!("{} p50/p99 us (rt/op)", k.ycsb_name()));
     }
     header += &format!(" {:>12} {:>13}", "load ops/s", "server CPU ms");
     println!("{header}");
@@ -138,13 +139,21 @@ fn print_table(rows: &[Row]) {
         let mut line = format!("{:<7} {:>12.0} {:>9}", r.name, r.run.throughput(), ratio);
         for k in &kinds {
             let cell = r.run.ops.get(k).map_or("-".to_string(), |s| {
+                // Round trips per operation, for stores that count them.
+                let rt = match s.verbs.verbs {
+                    0 => String::new(),
+                    _ => format!(
+                        " ({:.2})",
+                        s.verbs.round_trips as f64 / s.operations().max(1) as f64
+                    ),
+                };
                 format!(
-                    "{:.1} / {:.1}",
+                    "{:.1} / {:.1}{rt}",
                     s.latency.value_at_quantile(0.5) as f64 / 1000.0,
                     s.latency.value_at_quantile(0.99) as f64 / 1000.0
                 )
             });
-            line += &format!(" {cell:>24}");
+            line += &format!(" {cell:>30}");
         }
         let cpu = r
             .run

@@ -31,12 +31,14 @@ pub trait StoreFactory: Sync {
 pub struct Onekv {
     pub address: String,
     pub secret: Option<Vec<u8>>,
+    pub slot_cache_entries: Option<usize>,
 }
 
 impl StoreFactory for Onekv {
     fn open(&self) -> Result<Box<dyn Store>, String> {
         let options = kv_client::ClientOptions {
             secret: self.secret.clone(),
+            slot_cache_entries: self.slot_cache_entries,
             ..Default::default()
         };
         let client = kv_client::Client::connect_with(&self.address, options)

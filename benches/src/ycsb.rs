@@ -45,6 +45,11 @@ pub struct WorkloadArgs {
     /// default; it grows as the data does).
     #[arg(long, value_parser = kv_common::size::parse_size)]
     pub memory: Option<u64>,
+    /// Keys each onekv client remembers the slot of (slot hints: one round
+    /// trip per operation on a key used recently; 0 turns them off).
+    /// Default: the client's (on over rdma, off over shm).
+    #[arg(long, value_name = "N")]
+    pub slot_cache_entries: Option<usize>,
 }
 
 impl WorkloadArgs {
@@ -107,6 +112,7 @@ pub fn run(args: WorkloadArgs, load: bool, run: bool) -> Result<(), String> {
     let store = Onekv {
         address: target.address.clone(),
         secret: args.secret()?,
+        slot_cache_entries: args.slot_cache_entries,
     };
     println!(
         "onekv {} on {}: {} records, {} operations, {} threads, seed {}",

@@ -8,6 +8,7 @@
 
 use std::ops::Range;
 
+use crossbeam::utils::Backoff;
 use kv_common::layout::{decode_block, KeyHash, Slot};
 use kv_common::transport::{read_u64, Verb};
 
@@ -49,6 +50,7 @@ impl Client {
             }
         }
         let mut corrupt = CorruptSlot::default();
+        let backoff = Backoff::new();
         for _ in 0..self.options.max_attempts {
             // After a hint that did not hold, every copy: proving there is
             // only one lets the hint settle.
@@ -73,6 +75,7 @@ impl Client {
                 Scan::Retry(suspect) => corrupt.saw(key, suspect)?,
                 Scan::Moved => return Ok(Step::Moved),
             }
+            backoff.snooze();
         }
         Err(crate::Error::Contended(self.options.max_attempts))
     }
