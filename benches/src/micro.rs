@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use hdrhistogram::Histogram;
 use kv_client::Client;
+use kv_common::layout::EPOCH_OFFSET;
 use kv_common::protocol::{Request, Response, PROTOCOL_VERSION};
 use kv_common::transport::{self, Verb, VerbStats};
 use kv_common::Address;
@@ -36,8 +37,9 @@ pub struct MicroArgs {
     /// Thread counts to run each loop with.
     #[arg(long, value_delimiter = ',', default_value = "1,2")]
     threads: Vec<usize>,
-    /// Keys each thread works on in the warm loops: all of them are
-    /// revisited well within a hint's life (two operation deadlines).
+    /// Keys each thread works on in the warm loops (and inserts ahead of
+    /// the DELETE loops): all of them are revisited well within a hint's
+    /// life (two operation deadlines).
     #[arg(long, default_value_t = 64)]
     warm_keys: usize,
     /// Initial size of the embedded server's region (default: the server's;
@@ -109,8 +111,11 @@ fn key(i: u64, size: usize) -> Vec<u8> {
 }
 
 pub fn run(args: MicroArgs) -> Result<(), String> {
-    if args.key_size == 0 || args.keys == 0 || args.threads.is_empty() {
-        return Err("--keys, --key-size and --threads must be positive".into());
+    if args.key_size == 0 || args.keys == 0 || args.warm_keys == 0 || args.threads.is_empty() {
+        return Err("--keys, --key-size, --warm-keys and --threads must be positive".into());
+    }
+    if !(args.seconds.is_finite() && args.seconds > 0.0) {
+        return Err("--seconds must be a positive number".into());
     }
     let target = Target::open(args.server.as_deref(), args.memory)?;
     let mut loader = Client::connect(&target.address).map_err(|e| e.to_string())?;
@@ -235,6 +240,10 @@ fn worker(
     let (elapsed, verbs) = match op {
         Op::Get { .. } | Op::Update { .. } | Op::Insert | Op::Delete { .. } => {
             let mut kv = KvLoop::connect(address, op, t, args)?;
+            // Hints settle after every thread is ready, so none waits long
+            // enough here for its hints to go stale.
+            barrier.wait();
+            kv.settle_hints()?;
             barrier.wait();
             let start = Instant::now();
             while start.elapsed() < duration {
@@ -257,8 +266,7 @@ fn worker(
             };
             conn.attach(&info.region, 4096).map_err(|e| e.to_string())?;
             let g = info.geometry;
-            // A word of the heap no client uses: the tail of the last chunk.
-            let scratch = g.heap_offset + g.heap_size - 8 * (t as u64 + 1);
+            g.validate().map_err(|e| e.to_string())?;
             let before = *conn.stats();
             barrier.wait();
             let start = Instant::now();
@@ -266,18 +274,20 @@ fn worker(
                 let verb = if op == Op::RawRead {
                     let bucket = next() % g.bucket_count;
                     // 16 buckets = 1 KiB, like a 1 KiB value.
-                    let first = bucket.min(g.bucket_count - 16);
+                    let first = bucket.min(g.bucket_count.saturating_sub(16));
                     Verb::Read {
                         remote: g.bucket_offset(first),
                         local: 0,
                         len: 1024,
                     }
                 } else {
+                    // On the epoch word, expecting a value it never holds:
+                    // the CAS compares and never writes.
                     Verb::Cas {
-                        remote: scratch,
+                        remote: EPOCH_OFFSET,
                         local: 2048,
-                        expect: 0,
-                        swap: 0,
+                        expect: u64::MAX,
+                        swap: u64::MAX,
                     }
                 };
                 let t0 = Instant::now();
@@ -298,7 +308,7 @@ fn worker(
 }
 
 /// One thread's loop of a key-value operation. Warm loops first make every
-/// key's hint settle (a sighting two deadlines after the first), so that
+/// key's hint settle (a sighting three deadlines after the first), so that
 /// each timed operation meets a fresh, settled hint, as a client revisiting
 /// its working set does.
 struct KvLoop<'a> {
@@ -342,17 +352,21 @@ impl<'a> KvLoop<'a> {
             let set =
                 (0..args.warm_keys as u64).map(|i| key(t as u64 * per + i % per, args.key_size));
             l.keys = set.collect();
-            l.settle_hints()?;
         }
         Ok(l)
     }
 
-    /// Reads every key of the working set now, after one deadline, and
-    /// after two: their copies then can have no concurrent insert left, and
-    /// each sighting came while the one before was fresh.
+    /// Reads every key of the working set now and then a deadline apart,
+    /// until their copies are three deadlines old: they then can have no
+    /// concurrent insert left, and each sighting came while the one before
+    /// was fresh (two deadlines). Nothing for loops that need no hints.
     fn settle_hints(&mut self) -> Result<(), String> {
+        if !self.op.warm() || self.keys.is_empty() {
+            return Ok(());
+        }
         let deadline = self.kv.op_deadline();
-        for pause in [Duration::ZERO, deadline, deadline + deadline / 10] {
+        let last = deadline + deadline / 10;
+        for pause in [Duration::ZERO, deadline, deadline, last] {
             std::thread::sleep(pause);
             for k in &self.keys {
                 self.kv

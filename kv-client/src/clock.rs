@@ -49,9 +49,11 @@ impl Timing {
     /// How long after a copy of a key appears another insert of the key can
     /// still land: one that read the buckets just before the copy appeared
     /// publishes within a deadline of that read (it checks before its CAS),
-    /// and its CAS executes within another.
+    /// and its CAS executes within another; one more deadline is the margin
+    /// for a thread preempted between its check and its post, as in
+    /// `hint_life`.
     pub fn settle(&self) -> Duration {
-        self.deadline * 2
+        self.deadline * 3
     }
 
     /// A pause that lets the server's reclaimer make progress.

@@ -28,7 +28,8 @@
 //! leaves another copy behind, can be lost or undone (see `dedup`). A second
 //! copy of a key appears only from an insert that read the buckets before
 //! the first copy existed; it checks the deadline before its CAS, so it
-//! lands within `2D` (`Timing::settle`) of the first copy appearing. A
+//! lands within `2D` of the first copy appearing (`Timing::settle` is `3D`,
+//! a deadline of margin). A
 //! sighting at least that long after `held_since` that finds no other copy
 //! of the key therefore proves that none exists or can appear while `pos`
 //! holds the key: the hint is `sole`. A sole, fresh hint lets an update

@@ -57,10 +57,9 @@ impl Client {
             },
             None => self.read_windows(kh, first)?,
         };
-        let slots = self.slots();
-        if meets_resize(&slots) {
-            return Ok(Located::Moved);
-        }
+        // The hinted slot still held its value (not frozen): its copy can
+        // be updated whatever else a resize has frozen. (A sole hint's batch
+        // read no windows.)
         if let Some((hint, alone)) = held {
             let exact = alone || hint.is_sole();
             if need == Need::Lowest || exact {
@@ -71,6 +70,10 @@ impl Client {
                 };
                 return Ok(Located::Found { copies, clock });
             }
+        }
+        let slots = self.slots();
+        if meets_resize(&slots) {
+            return Ok(Located::Moved);
         }
         let mode = ScanMode::AllCopies { known: None };
         Ok(match self.scan(key, kh, &slots, clock, mode)? {

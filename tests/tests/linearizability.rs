@@ -77,7 +77,7 @@ fn histories_stay_linearizable_when_the_reads_of_a_batch_run_backwards() {
     // Writers' hints settle (no other writer, and a deadline long enough for
     // a hint to stay fresh between a thread's visits to its keys), so their
     // updates and deletes go blind: one batch, no read, while other clients
-    // read the key. (About 300 blind updates and 90 blind deletes of the
+    // read the key. (About 200 blind updates and 50 blind deletes of the
     // checked keys per run on shm.)
     check_histories(Workload {
         read_order: ReadOrder::Reversed { pause },
