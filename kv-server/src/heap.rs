@@ -296,6 +296,11 @@ impl HeapPool {
         for (&offset, &len) in &self.reserved {
             live.mark(offset, len);
         }
+        // Space past the pool's end is not the pool's yet: a growth publishes
+        // the longer region before it hands the pool the new space, and a
+        // collection whose map already covers it must not free it too (it
+        // would be counted free twice and leased over live blocks).
+        live.mark(self.end, u64::MAX - self.end);
         let mut freed = 0;
         for e in live.unmarked_runs() {
             freed += e.len;
@@ -600,6 +605,23 @@ mod tests {
         assert_eq!(p.free_bytes, free_now + a.len - 64);
         // Once the block is unlinked, the next collection gets it too.
         assert_eq!(collect_at(&mut p, now + HOUR, &[]), 64);
+    }
+
+    #[test]
+    fn a_collection_that_sees_the_grown_region_first_leaves_the_new_space_to_growth() {
+        let mut p = pool(64 << 10, 4096, &[]);
+        let before = p.free_bytes();
+        // The region grew to 128 KiB and a collection scanned it before
+        // the pool was told.
+        let now = Instant::now();
+        assert_eq!(p.collect(now, map(128 << 10, &[]), now), 0);
+        p.grow(128 << 10);
+        p.mature(now + HOUR);
+        assert_eq!(
+            p.free_bytes(),
+            before + (64 << 10),
+            "new space counted twice"
+        );
     }
 
     #[test]
