@@ -1,10 +1,12 @@
 //! DELETE: CAS the key's slot to empty. With a sole, fresh hint (see
 //! `hint`) that is the whole operation. Otherwise locate every copy and
 //! remove the extra ones, highest first, before the lowest: a copy left
-//! behind would become the lowest and bring back an older value.
+//! behind would become the lowest and bring back an older value. Counters
+//! that have not settled stay (see `counter`).
 
 use crossbeam::utils::Backoff;
-use kv_common::layout::{KeyHash, Slot};
+use kv_common::layout::{KeyHash, Slot, SlotPos};
+use smallvec::SmallVec;
 
 use crate::corrupt::CorruptSlot;
 use crate::locate::{Located, Need};
@@ -28,8 +30,20 @@ impl Client {
             match self.locate(key, &kh, None, Need::Every)? {
                 Located::Found { copies, clock } => {
                     self.cache.forget(key);
-                    let Some((&lowest, extra)) = copies.slots.split_first() else {
-                        continue;
+                    // A counter that has not settled is not there for
+                    // readers: its creator may still settle it (after this
+                    // delete), or it was given up and counter calls clear
+                    // it away. Left alone, creators are not starved by
+                    // deletes.
+                    let targets: SmallVec<[(SlotPos, Slot); 2]> = copies
+                        .slots
+                        .iter()
+                        .zip(&copies.kinds)
+                        .filter(|(_, kind)| kind.is_readable())
+                        .map(|(&copy, _)| copy)
+                        .collect();
+                    let Some((&lowest, extra)) = targets.split_first() else {
+                        return Ok(Step::Done(*unlinked));
                     };
                     if self.remove_duplicates(extra, clock)?
                         && clock.in_time()

@@ -32,6 +32,9 @@ pub enum Error {
         slot: usize,
         offset: u64,
     },
+    /// A counter operation on a key that holds plain bytes.
+    #[error("the key holds a value that is not a counter")]
+    NotACounter,
     #[error("gave up after {0} attempts under contention")]
     Contended(u32),
     #[error("unexpected reply from server: {0}")]

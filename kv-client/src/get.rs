@@ -6,25 +6,22 @@
 //! so a stale hint costs nothing. A sole hint needs no other slot: the
 //! batch reads the slot's word and the block, two READs instead of three.
 
-use std::ops::Range;
-
 use crossbeam::utils::Backoff;
-use kv_common::layout::{decode_block, KeyHash, Slot};
+use kv_common::layout::{decode_block, CounterState, KeyHash, Payload, Slot};
 use kv_common::transport::{read_u64, Verb};
 
 use crate::clock::OpClock;
 use crate::corrupt::CorruptSlot;
 use crate::hint::Hint;
-use crate::index::{others_match, Scan, ScanMode};
+use crate::index::{others_match, Scan, ScanMode, Value};
 use crate::{Client, Result, Step};
 
 /// What one batch of a key's windows and its hinted block showed.
 pub enum Sighting {
-    /// The hinted slot still holds the key, as its lowest copy: its value
-    /// lies at `value` in the local buffer. `alone`: no other slot could
-    /// hold a copy.
+    /// The hinted slot still holds the key, as its lowest copy, with this
+    /// value. `alone`: no other slot could hold a copy.
     Held {
-        value: Range<usize>,
+        value: Value,
         clock: OpClock,
         alone: bool,
     },
@@ -36,15 +33,14 @@ pub enum Sighting {
 }
 
 impl Client {
-    pub(crate) fn get_once(&mut self, key: &[u8], out: &mut Vec<u8>) -> Result<Step<bool>> {
+    /// The value a GET of `key` returns, as it lies in the local buffer
+    /// until the next batch.
+    pub(crate) fn get_once(&mut self, key: &[u8]) -> Result<Step<Option<Value>>> {
         let kh = KeyHash::new(key, self.info.geometry.bucket_count);
         let mut read_already = None;
         if let Some(hint) = self.fresh_hint(key) {
             match self.read_hinted(key, &kh, hint, None)? {
-                Sighting::Held { value, .. } => {
-                    copy_out(self.conn.local(), value, out);
-                    return Ok(Step::Done(true));
-                }
+                Sighting::Held { value, .. } => return Ok(Step::Done(Some(value))),
                 Sighting::WindowsOnly(clock) => read_already = Some(clock),
                 Sighting::Stale => {}
             }
@@ -55,7 +51,7 @@ impl Client {
             // After a hint that did not hold, every copy: proving there is
             // only one lets the hint settle.
             let (clock, mode) = match read_already.take() {
-                Some(clock) => (clock, ScanMode::AllCopies { known: None }),
+                Some(clock) => (clock, ScanMode::Readable),
                 None => (self.read_windows(&kh, None)?, ScanMode::Lowest),
             };
             let slots = self.slots();
@@ -63,14 +59,11 @@ impl Client {
                 Scan::Found(copies) => {
                     let Some(&(pos, slot)) = copies.slots.first() else {
                         self.cache.forget(key);
-                        return Ok(Step::Done(false));
+                        return Ok(Step::Done(None));
                     };
-                    if let Some(value) = copies.value {
-                        copy_out(self.conn.local(), value, out);
-                    }
                     let alone = copies.exact && copies.slots.len() == 1;
                     self.saw(key, pos, slot, clock, alone);
-                    return Ok(Step::Done(true));
+                    return Ok(Step::Done(copies.value));
                 }
                 Scan::Retry(suspect) => corrupt.saw(key, suspect)?,
                 Scan::Moved => return Ok(Step::Moved),
@@ -188,20 +181,31 @@ impl Client {
         }
     }
 
-    /// Where the value lies in the local buffer, if the block `read` brought
-    /// back is valid and holds `key`.
-    fn value_in(&self, key: &[u8], read: Verb) -> Option<Range<usize>> {
+    /// The value a reader sees in the block `read` brought back, if it is
+    /// valid and holds `key` (a pending counter is not there yet).
+    pub(crate) fn value_in(&self, key: &[u8], read: Verb) -> Option<Value> {
         let Verb::Read { local, len, .. } = read else {
             return None;
         };
         let bytes = &self.conn.local()[local..local + len];
         let view = decode_block(bytes).ok().filter(|v| v.key == key)?;
-        let start = local + (view.value.as_ptr() as usize - bytes.as_ptr() as usize);
-        Some(start..start + view.value.len())
+        match view.payload {
+            Payload::Bytes(value) => {
+                let start = local + (value.as_ptr() as usize - bytes.as_ptr() as usize);
+                Some(Value::Bytes(start..start + value.len()))
+            }
+            Payload::Counter { value, state } => {
+                (state == CounterState::Settled).then_some(Value::Counter(value))
+            }
+        }
     }
 }
 
-fn copy_out(local: &[u8], value: Range<usize>, out: &mut Vec<u8>) {
+/// A value as a GET returns it: a counter as its decimal text.
+pub(crate) fn copy_out(local: &[u8], value: Value, out: &mut Vec<u8>) {
     out.clear();
-    out.extend_from_slice(&local[value]);
+    match value {
+        Value::Bytes(range) => out.extend_from_slice(&local[range]),
+        Value::Counter(n) => out.extend_from_slice(n.to_string().as_bytes()),
+    }
 }

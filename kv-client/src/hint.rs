@@ -53,6 +53,8 @@ pub struct Hint {
     /// No other copy of the key exists, nor can one appear while `pos`
     /// holds the key.
     sole: bool,
+    /// `slot` names a settled counter (which stays one while linked).
+    counter: bool,
 }
 
 impl Hint {
@@ -61,13 +63,31 @@ impl Hint {
     /// be of the same copy). The copy existed by now: settling counts from
     /// here.
     pub fn seen(pos: SlotPos, slot: Slot, sighting: OpClock) -> Hint {
+        Hint::held_since(pos, slot, Instant::now(), sighting)
+    }
+
+    /// As `seen`, for a copy known to exist since `since`.
+    pub fn held_since(pos: SlotPos, slot: Slot, since: Instant, sighting: OpClock) -> Hint {
         Hint {
             pos,
             slot,
-            held_since: Instant::now(),
+            held_since: since,
             confirmed: sighting.started(),
             sole: false,
+            counter: false,
         }
+    }
+
+    /// The hinted block was read and is a settled counter.
+    pub fn of_counter(self) -> Hint {
+        Hint {
+            counter: true,
+            ..self
+        }
+    }
+
+    pub fn is_counter(&self) -> bool {
+        self.counter
     }
 
     /// A batch posted now may use the hint in place of reading the buckets.
@@ -99,6 +119,7 @@ impl Hint {
             slot: now_holds,
             confirmed: at,
             sole: self.sole || (alone && settled),
+            counter: self.counter && now_holds == self.slot,
             ..self
         }
     }

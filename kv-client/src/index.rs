@@ -5,8 +5,11 @@
 use std::ops::Range;
 use std::time::Duration;
 
-use kv_common::layout::{decode_block, KeyHash, Slot, SlotPos, CANDIDATE_SLOTS, EPOCH_OFFSET};
+use kv_common::layout::{
+    decode_block, CounterState, KeyHash, Payload, Slot, SlotPos, CANDIDATE_SLOTS, EPOCH_OFFSET,
+};
 use kv_common::transport::{read_u64, Verb};
+use smallvec::SmallVec;
 
 use crate::clock::OpClock;
 use crate::local::WINDOW_BYTES;
@@ -14,15 +17,54 @@ use crate::{Client, Result};
 
 pub type Slots = [Slot; CANDIDATE_SLOTS];
 
-/// How much of a key's copies a scan must find.
+/// How much of a key's copies a scan must find. Readers do not see a
+/// counter that is not settled (its insert may still lose to another
+/// copy, see `counter`); writers do, and treat it as any copy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ScanMode {
-    /// The lowest copy and its value: what a GET returns.
+    /// The lowest copy a reader sees, and its value: what a GET returns.
     Lowest,
+    /// Every copy a reader sees, lowest first.
+    Readable,
     /// Every copy, lowest first: what a writer must know. A slot equal to
     /// `known` is taken to hold the key without reading its block (the
     /// writer's own copy, published within the deadline).
     AllCopies { known: Option<Slot> },
+}
+
+impl ScanMode {
+    fn skips_pending(self) -> bool {
+        !matches!(self, ScanMode::AllCopies { .. })
+    }
+}
+
+/// A key's value as a scan found it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Value {
+    /// Bytes at this place in the local buffer.
+    Bytes(Range<usize>),
+    /// A counter's value as its block was read.
+    Counter(i64),
+}
+
+/// What a copy's block held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Bytes,
+    Counter {
+        value: i64,
+        state: CounterState,
+    },
+    /// The writer's own copy, taken as the key's without reading it (or
+    /// a hinted one: hints name only copies a reader sees).
+    Known,
+}
+
+impl Kind {
+    /// Whether a reader sees this copy.
+    pub fn is_readable(self) -> bool {
+        !matches!(self, Kind::Counter { state, .. } if state != CounterState::Settled)
+    }
 }
 
 /// What reading a key's candidate blocks found.
@@ -39,12 +81,26 @@ pub enum Scan {
 /// The copies of a key a scan found.
 pub struct Copies {
     /// Slots holding the key, lowest position first.
-    pub slots: Vec<(SlotPos, Slot)>,
-    /// Where the lowest copy's value lies in the local buffer.
-    pub value: Option<Range<usize>>,
+    pub slots: SmallVec<[(SlotPos, Slot); 2]>,
+    /// What each of `slots` holds.
+    pub kinds: SmallVec<[Kind; 2]>,
+    /// The lowest copy's value.
+    pub value: Option<Value>,
     /// Every other slot that could hold the key was read and holds another
     /// key: `slots` is all there is.
     pub exact: bool,
+}
+
+impl Copies {
+    /// Puts the copies in position order. The blocks were read in slot
+    /// order, which is position order, so only a `known` copy can be out
+    /// of place; the value stays the lowest read copy's.
+    fn sort(&mut self) {
+        let mut order: SmallVec<[usize; 4]> = (0..self.slots.len()).collect();
+        order.sort_by_key(|&i| self.slots[i].0);
+        self.slots = order.iter().map(|&i| self.slots[i]).collect();
+        self.kinds = order.iter().map(|&i| self.kinds[i]).collect();
+    }
 }
 
 /// Whether the index read of an operation shows a resize under way.
@@ -134,15 +190,16 @@ impl Client {
         let (reads_at, room) = (self.layout.reads, self.layout.read_room());
         let known = match mode {
             ScanMode::AllCopies { known } => known,
-            ScanMode::Lowest => None,
+            ScanMode::Lowest | ScanMode::Readable => None,
         };
         let mut copies = Copies {
-            slots: Vec::new(),
+            slots: SmallVec::new(),
+            kinds: SmallVec::new(),
             value: None,
             exact: true,
         };
         let mut suspect: Option<(SlotPos, Slot)> = None;
-        let mut candidates: Vec<(usize, Slot, u64, usize)> = Vec::new();
+        let mut candidates: SmallVec<[(usize, Slot, u64, usize); 4]> = SmallVec::new();
         let mut check_epoch = meets_resize(slots);
         for (i, &s) in slots.iter().enumerate() {
             let live = s.thawed();
@@ -151,6 +208,7 @@ impl Client {
             }
             if Some(s) == known {
                 copies.slots.push((kh.slot_pos(i), s));
+                copies.kinds.push(Kind::Known);
                 continue;
             }
             // No client writes a block larger than `max_block` (< room).
@@ -179,7 +237,7 @@ impl Client {
         }
         let mut next = 0;
         while next < candidates.len() {
-            let mut verbs = Vec::new();
+            let mut verbs: SmallVec<[Verb; 8]> = SmallVec::new();
             if check_epoch {
                 verbs.push(epoch_read);
             }
@@ -224,11 +282,25 @@ impl Client {
                 if view.key != key {
                     continue;
                 }
+                let (kind, value) = match view.payload {
+                    Payload::Counter { value, state } => {
+                        if state != CounterState::Settled && mode.skips_pending() {
+                            // Not there for a reader, but it may yet be.
+                            copies.exact = false;
+                            continue;
+                        }
+                        (Kind::Counter { value, state }, Value::Counter(value))
+                    }
+                    Payload::Bytes(bytes) => {
+                        let start = block_at + (bytes.as_ptr() as usize - block.as_ptr() as usize);
+                        (Kind::Bytes, Value::Bytes(start..start + bytes.len()))
+                    }
+                };
                 if copies.slots.is_empty() {
-                    let start = block_at + (view.value.as_ptr() as usize - block.as_ptr() as usize);
-                    copies.value = Some(start..start + view.value.len());
+                    copies.value = Some(value);
                 }
                 copies.slots.push((kh.slot_pos(i), slot));
+                copies.kinds.push(kind);
                 if mode == ScanMode::Lowest {
                     copies.exact = false;
                     return Ok(Scan::Found(copies));
@@ -241,14 +313,14 @@ impl Client {
             }
             copies.exact = false;
         }
-        copies.slots.sort_by_key(|&(pos, _)| pos);
+        copies.sort();
         Ok(Scan::Found(copies))
     }
 
     /// The fault hook `pause_after_index_read`: sleeps as a client on a slow
     /// or preempted host would, one time in four the whole pause, otherwise
     /// up to a quarter of it.
-    fn pause_if_slow(&mut self) {
+    pub(crate) fn pause_if_slow(&mut self) {
         if let Some(max) = self.options.pause_after_index_read {
             self.jitter ^= self.jitter << 13;
             self.jitter ^= self.jitter >> 7;

@@ -29,8 +29,10 @@ use kv_common::transport::{self, ConnectOptions, Connection, ReadOrder, VerbStat
 use kv_common::Address;
 
 mod alloc;
+mod batch;
 mod clock;
 mod corrupt;
+mod counter;
 mod dedup;
 mod delete;
 mod error;
@@ -46,8 +48,10 @@ mod slot_cache;
 
 use alloc::BlockAllocator;
 use clock::Timing;
+use counter::CounterOp;
 pub use error::Error;
-use local::LocalLayout;
+use index::Value;
+use local::{LocalLayout, BATCH_KEYS};
 use slot_cache::SlotCache;
 
 pub type Result<T> = std::result::Result<T, Error>;
@@ -116,6 +120,7 @@ pub struct Client {
 }
 
 /// How one attempt at an operation ended.
+#[derive(Debug)]
 enum Step<T> {
     Done(T),
     /// The index is being resized or was replaced (a frozen slot, a newer
@@ -123,6 +128,16 @@ enum Step<T> {
     Moved,
     /// No room for the key: ask for a resize, then redo it.
     Full,
+}
+
+impl<T> Step<T> {
+    fn map<U>(self, f: impl FnOnce(T) -> U) -> Step<U> {
+        match self {
+            Step::Done(v) => Step::Done(f(v)),
+            Step::Moved => Step::Moved,
+            Step::Full => Step::Full,
+        }
+    }
 }
 
 impl Client {
@@ -203,7 +218,111 @@ impl Client {
     /// there is no such key.
     pub fn get_into(&mut self, key: &[u8], out: &mut Vec<u8>) -> Result<bool> {
         check_key(key)?;
-        self.run(|c| c.get_once(key, out))
+        self.run(|c| {
+            Ok(c.get_once(key)?.map(|value| match value {
+                Some(value) => {
+                    get::copy_out(c.conn.local(), value, out);
+                    true
+                }
+                None => false,
+            }))
+        })
+    }
+
+    /// The values of many keys, in order: the windows of up to 32 keys in
+    /// one batch, the blocks they point at in the next (two round trips for
+    /// the lot; one if every key has a settled hint). Each key is read
+    /// exactly as [`Client::get`] reads it.
+    ///
+    /// ```no_run
+    /// # let mut kv = kv_client::Client::connect("shm:///dev/shm/onekv")?;
+    /// let values = kv.get_many(&[b"user1", b"user2"])?;
+    /// assert_eq!(values.len(), 2);
+    /// # Ok::<(), kv_client::Error>(())
+    /// ```
+    pub fn get_many<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<Vec<Option<Vec<u8>>>> {
+        let keys: Vec<&[u8]> = keys.iter().map(AsRef::as_ref).collect();
+        for key in &keys {
+            check_key(key)?;
+        }
+        let mut out = vec![None; keys.len()];
+        for (keys, out) in keys.chunks(BATCH_KEYS).zip(out.chunks_mut(BATCH_KEYS)) {
+            let unsettled = match self.get_batch(keys, out) {
+                Ok(unsettled) => unsettled,
+                // The single path reconnects, as every call does.
+                Err(e) if e.is_connection_lost() => (0..keys.len()).collect(),
+                Err(e) => return Err(e),
+            };
+            for i in unsettled {
+                out[i] = self.get(keys[i])?;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Stores many key-value pairs, each as [`Client::put`] does (in order;
+    /// not atomically as a group). Not batched yet: one PUT per pair.
+    pub fn put_many<K: AsRef<[u8]>, V: AsRef<[u8]>>(&mut self, pairs: &[(K, V)]) -> Result<()> {
+        for (key, value) in pairs {
+            self.put(key.as_ref(), value.as_ref())?;
+        }
+        Ok(())
+    }
+
+    /// Removes many keys, each as [`Client::delete`] does; says for each
+    /// whether it was there. Not batched yet: one DELETE per key.
+    pub fn delete_many<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<Vec<bool>> {
+        keys.iter().map(|key| self.delete(key.as_ref())).collect()
+    }
+
+    /// Adds `delta` to the counter `key` (creating it at 0 first) and
+    /// returns its new value. The NIC's FETCH-AND-ADD does the addition in
+    /// place: concurrent increments from any number of clients all count.
+    /// A new counter's first increment takes about three operation deadlines
+    /// (see the `counter` module); later ones one round trip with a hint,
+    /// three without. Fails with [`Error::NotACounter`] if `key` holds a
+    /// value PUT stored. A GET of a counter returns its decimal text.
+    ///
+    /// ```no_run
+    /// # let mut kv = kv_client::Client::connect("shm:///dev/shm/onekv")?;
+    /// assert_eq!(kv.incr(b"visits", 1)?, 1);
+    /// assert_eq!(kv.incr(b"visits", 41)?, 42);
+    /// assert_eq!(kv.get(b"visits")?.as_deref(), Some(&b"42"[..]));
+    /// # Ok::<(), kv_client::Error>(())
+    /// ```
+    pub fn incr(&mut self, key: &[u8], delta: i64) -> Result<i64> {
+        check_key(key)?;
+        let new = self.run(|c| c.counter_once(key, CounterOp::Add(delta)))?;
+        new.ok_or(Error::Protocol("an increment found no counter".into()))
+    }
+
+    /// The value of the counter `key`, or None if there is none.
+    pub fn get_counter(&mut self, key: &[u8]) -> Result<Option<i64>> {
+        check_key(key)?;
+        self.run(|c| {
+            let found = c.get_once(key)?;
+            Ok(match found {
+                Step::Done(Some(Value::Counter(n))) => Step::Done(Some(n)),
+                Step::Done(Some(Value::Bytes(_))) => return Err(Error::NotACounter),
+                other => other.map(|_| None),
+            })
+        })
+    }
+
+    /// Sets the counter `key` to `new` if it holds `expected` (one CAS on
+    /// its word). Returns the value it held, which equals `expected` if and
+    /// only if it was swapped; None if there is no such counter.
+    pub fn compare_and_set(&mut self, key: &[u8], expected: i64, new: i64) -> Result<Option<i64>> {
+        check_key(key)?;
+        self.run(|c| {
+            c.counter_once(
+                key,
+                CounterOp::Swap {
+                    expect: expected,
+                    new,
+                },
+            )
+        })
     }
 
     /// Stores `value` under `key`, replacing any earlier value.

@@ -6,8 +6,12 @@
 use kv_common::layout::{
     block_len, class_for, class_size, Geometry, BUCKET_BYTES, MAX_KEY, WINDOW_BUCKETS,
 };
+use kv_common::transport::MAX_BATCH_VERBS;
 
 pub const WINDOW_BYTES: usize = WINDOW_BUCKETS * BUCKET_BYTES as usize;
+/// Keys one batch of a multi-key operation covers: two window READs each
+/// fill a batch.
+pub const BATCH_KEYS: usize = MAX_BATCH_VERBS / 2;
 
 #[derive(Debug, Clone, Copy)]
 pub struct LocalLayout {
@@ -20,6 +24,9 @@ pub struct LocalLayout {
     pub cas: usize,
     /// One slot read alone (a sole hint's).
     pub slot: usize,
+    /// The windows of the keys of a multi-key batch, then one slot word per
+    /// key (a hinted key's).
+    pub batch: usize,
     /// The block a PUT writes.
     pub block: usize,
     /// Candidate blocks, back to back, from here to `len`.
@@ -40,13 +47,16 @@ impl LocalLayout {
         let epoch = windows + 2 * WINDOW_BYTES;
         let cas = epoch + 8;
         let slot = cas + 8;
-        let block = (slot + 8).next_multiple_of(64);
+        let batch = (slot + 8).next_multiple_of(64);
+        let batch_end = batch + BATCH_KEYS * (2 * WINDOW_BYTES + 8);
+        let block = batch_end.next_multiple_of(64);
         let reads = block + max_block;
         LocalLayout {
             windows,
             epoch,
             cas,
             slot,
+            batch,
             block,
             reads,
             len: reads + 2 * max_block,
@@ -56,6 +66,16 @@ impl LocalLayout {
     /// Where window `w` (0 or 1) of the key's buckets lands.
     pub fn window(&self, w: usize) -> usize {
         self.windows + w * WINDOW_BYTES
+    }
+
+    /// Where window `w` of key `k` of a multi-key batch lands.
+    pub fn batch_window(&self, k: usize, w: usize) -> usize {
+        self.batch + (2 * k + w) * WINDOW_BYTES
+    }
+
+    /// Where the slot word of key `k` of a multi-key batch lands.
+    pub fn batch_word(&self, k: usize) -> usize {
+        self.batch + BATCH_KEYS * 2 * WINDOW_BYTES + 8 * k
     }
 
     /// Bytes of candidate blocks one batch can read back.

@@ -4,10 +4,11 @@
 
 use kv_common::layout::{KeyHash, Slot, SlotPos};
 use kv_common::transport::Verb;
+use smallvec::smallvec;
 
 use crate::clock::OpClock;
 use crate::get::Sighting;
-use crate::index::{meets_resize, Copies, Scan, ScanMode};
+use crate::index::{meets_resize, Copies, Kind, Scan, ScanMode};
 use crate::{Client, Result};
 
 /// What a writer needs to know about the key's copies.
@@ -64,7 +65,8 @@ impl Client {
             let exact = alone || hint.is_sole();
             if need == Need::Lowest || exact {
                 let copies = Copies {
-                    slots: vec![(hint.pos, hint.slot)],
+                    slots: smallvec![(hint.pos, hint.slot)],
+                    kinds: smallvec![Kind::Known],
                     value: None,
                     exact,
                 };
@@ -79,8 +81,13 @@ impl Client {
         Ok(match self.scan(key, kh, &slots, clock, mode)? {
             Scan::Found(copies) => match copies.slots.first() {
                 Some(&(pos, slot)) => {
-                    let alone = copies.exact && copies.slots.len() == 1;
-                    self.saw(key, pos, slot, clock, alone);
+                    // Hints name only copies a reader sees.
+                    if copies.kinds[0].is_readable() {
+                        let alone = copies.exact && copies.slots.len() == 1;
+                        self.saw(key, pos, slot, clock, alone);
+                    } else {
+                        self.cache.forget(key);
+                    }
                     Located::Found { copies, clock }
                 }
                 None => {

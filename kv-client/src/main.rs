@@ -38,6 +38,14 @@ enum Command {
     Get { key: String },
     /// Remove KEY; exits with status 1 if there was none.
     Del { key: String },
+    /// Add N (default 1, may be negative) to the counter KEY, creating it at
+    /// 0 first, and print its new value. Fails if KEY holds a value `put`
+    /// stored; `get` prints a counter in decimal.
+    Incr {
+        key: String,
+        #[arg(default_value_t = 1, allow_negative_numbers = true)]
+        n: i64,
+    },
     /// Print the server's statistics.
     Stats,
     /// Double the server's index now (it also doubles by itself when the
@@ -103,6 +111,11 @@ fn run(args: Args) -> Result<ExitCode, String> {
                 eprintln!("kv: key not found: {key}");
                 ExitCode::from(1)
             }
+        }
+        Command::Incr { key, n } => {
+            let value = kv.incr(key.as_bytes(), n).map_err(|e| e.to_string())?;
+            println!("{value}");
+            ExitCode::SUCCESS
         }
         Command::Stats => {
             let s = kv.server_stats().map_err(|e| e.to_string())?;

@@ -489,11 +489,72 @@ pub fn encode_block(key: &[u8], value: &[u8], out: &mut [u8]) -> usize {
     used
 }
 
+/// Marks a counter block in the lengths word (no value is 2^31 bytes long).
+const COUNTER_FLAG: u64 = 1 << 63;
+
+/// A counter's state word while its insert may still lose to another copy
+/// of the key: readers do not see it, and nothing adds to it.
+pub const COUNTER_PENDING: u64 = u64::from_le_bytes(*b"pending\0");
+/// A counter's state word once no other copy of its key can appear (only
+/// its creator stores it, by CAS from pending).
+pub const COUNTER_SETTLED: u64 = 1;
+/// A pending counter given up for dead by another client (by CAS from
+/// pending): it never settles, and its slot may be emptied.
+pub const COUNTER_ABANDONED: u64 = u64::from_le_bytes(*b"deadctr\0");
+
+/// Where a counter is in its life (see the state words).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CounterState {
+    Pending,
+    Settled,
+    Abandoned,
+}
+
+/// Where a counter block keeps its two words, from the block's start: the
+/// state (pending or settled) and the value, both 8-byte aligned (blocks
+/// are) so that the NIC's CAS and FETCH-AND-ADD can reach them.
+pub fn counter_words(key_len: usize) -> (usize, usize) {
+    let state = (BLOCK_HEADER + key_len).next_multiple_of(8);
+    (state, state + 8)
+}
+
+/// Bytes a counter block of this key occupies before class rounding.
+pub fn counter_block_len(key_len: usize) -> u64 {
+    counter_words(key_len).1 as u64 + 8
+}
+
+/// Writes a pending counter block holding `value` into `out`. The checksum
+/// covers the lengths and the key only: the two words change in place.
+/// Returns the bytes used.
+pub fn encode_counter_block(key: &[u8], value: i64, out: &mut [u8]) -> usize {
+    let (state, word) = counter_words(key.len());
+    let lengths = key.len() as u64 | COUNTER_FLAG;
+    out[8..16].copy_from_slice(&lengths.to_le_bytes());
+    out[16..16 + key.len()].copy_from_slice(key);
+    out[16 + key.len()..state].fill(0);
+    out[state..word].copy_from_slice(&COUNTER_PENDING.to_le_bytes());
+    out[word..word + 8].copy_from_slice(&value.to_le_bytes());
+    let sum = xxh3_64(&out[8..16 + key.len()]);
+    out[0..8].copy_from_slice(&sum.to_le_bytes());
+    word + 8
+}
+
+/// What a block holds besides its key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Payload<'a> {
+    Bytes(&'a [u8]),
+    /// A counter: its value and state as read.
+    Counter {
+        value: i64,
+        state: CounterState,
+    },
+}
+
 /// A block that passed its checksum.
 #[derive(Debug, PartialEq, Eq)]
 pub struct BlockView<'a> {
     pub key: &'a [u8],
-    pub value: &'a [u8],
+    pub payload: Payload<'a>,
 }
 
 pub fn decode_block(bytes: &[u8]) -> Result<BlockView<'_>, BlockError> {
@@ -503,6 +564,29 @@ pub fn decode_block(bytes: &[u8]) -> Result<BlockView<'_>, BlockError> {
     let word = |i: usize| u64::from_le_bytes(bytes[i..i + 8].try_into().expect("8 bytes"));
     let lengths = word(8);
     let key_len = (lengths & 0xffff_ffff) as usize;
+    if lengths & COUNTER_FLAG != 0 {
+        let (state, value) = counter_words(key_len);
+        if key_len > MAX_KEY || lengths != key_len as u64 | COUNTER_FLAG || value + 8 > bytes.len()
+        {
+            return Err(BlockError::BadLength);
+        }
+        if xxh3_64(&bytes[8..16 + key_len]) != word(0) {
+            return Err(BlockError::BadChecksum);
+        }
+        let state = match word(state) {
+            COUNTER_SETTLED => CounterState::Settled,
+            COUNTER_PENDING => CounterState::Pending,
+            COUNTER_ABANDONED => CounterState::Abandoned,
+            _ => return Err(BlockError::BadChecksum),
+        };
+        return Ok(BlockView {
+            key: &bytes[16..16 + key_len],
+            payload: Payload::Counter {
+                value: word(value) as i64,
+                state,
+            },
+        });
+    }
     let value_len = (lengths >> 32) as usize;
     let used = BLOCK_HEADER
         .checked_add(key_len)
@@ -516,7 +600,7 @@ pub fn decode_block(bytes: &[u8]) -> Result<BlockView<'_>, BlockError> {
     }
     Ok(BlockView {
         key: &bytes[16..16 + key_len],
-        value: &bytes[16 + key_len..used],
+        payload: Payload::Bytes(&bytes[16 + key_len..used]),
     })
 }
 
@@ -709,12 +793,52 @@ mod tests {
     }
 
     #[test]
+    fn counter_blocks_keep_aligned_words_outside_the_checksum() {
+        for key in [&b"k"[..], b"counter-7", &[9u8; 16]] {
+            let mut buf = vec![0u8; 128];
+            let used = encode_counter_block(key, -5, &mut buf);
+            assert_eq!(used as u64, counter_block_len(key.len()));
+            let (state, value) = counter_words(key.len());
+            assert!(state % 8 == 0 && value == state + 8 && used == value + 8);
+            let v = decode_block(&buf).unwrap();
+            assert_eq!(v.key, key);
+            let pending = Payload::Counter {
+                value: -5,
+                state: CounterState::Pending,
+            };
+            assert_eq!(v.payload, pending);
+            // The words change in place (FETCH-AND-ADD, CAS) and stay valid.
+            buf[state..value].copy_from_slice(&COUNTER_SETTLED.to_le_bytes());
+            buf[value..used].copy_from_slice(&40i64.to_le_bytes());
+            let settled = Payload::Counter {
+                value: 40,
+                state: CounterState::Settled,
+            };
+            assert_eq!(decode_block(&buf).unwrap().payload, settled);
+            // The key and lengths are covered; a state word no writer
+            // stores is damage; a block cut short is refused.
+            for i in 8..16 + key.len() {
+                let mut damaged = buf.clone();
+                damaged[i] ^= 1;
+                assert!(decode_block(&damaged).is_err(), "flip at byte {i}");
+            }
+            let mut odd = buf.clone();
+            odd[state] = 7;
+            assert!(decode_block(&odd).is_err());
+            assert_eq!(decode_block(&buf[..used - 1]), Err(BlockError::BadLength));
+        }
+    }
+
+    #[test]
     fn block_round_trips_and_detects_any_flipped_byte() {
         let mut buf = vec![0u8; 128];
         let used = encode_block(b"key-1", b"some value bytes", &mut buf);
         assert_eq!(used as u64, block_len(5, 16));
         let v = decode_block(&buf).unwrap();
-        assert_eq!((v.key, v.value), (&b"key-1"[..], &b"some value bytes"[..]));
+        assert_eq!(
+            (v.key, v.payload),
+            (&b"key-1"[..], Payload::Bytes(&b"some value bytes"[..]))
+        );
         for i in 0..used {
             for bit in [0x01u8, 0x80] {
                 let mut damaged = buf.clone();

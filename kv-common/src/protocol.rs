@@ -9,8 +9,9 @@ use crate::transport::RemoteRegion;
 
 /// Bumped when a message changes shape, or what clients must do on the
 /// data path does (4: an insert CASes within the operation deadline of the
-/// read that found no copy, which clients' settled hints rely on).
-pub const PROTOCOL_VERSION: u32 = 4;
+/// read that found no copy, which clients' settled hints rely on; 5:
+/// counter blocks, which older clients would take for damage).
+pub const PROTOCOL_VERSION: u32 = 5;
 /// Largest encoded message either side accepts.
 pub const MAX_MESSAGE: usize = 64 * 1024;
 

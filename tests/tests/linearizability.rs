@@ -252,17 +252,34 @@ fn check_histories(workload: Workload) -> ServerStats {
                             _ => RegisterOp::Write(None),
                         };
                         log.lock().unwrap().push(Event::Invoke(k, t, op.clone()));
+                        // Half the reads read a second key with it, in one
+                        // get_many: each is a read of its key within the
+                        // call.
+                        let pair = op == RegisterOp::Read && (rng >> 20) % 2 == 0;
+                        let k2 = (k + 1) % KEYS;
+                        if pair {
+                            log.lock()
+                                .unwrap()
+                                .push(Event::Invoke(k2, t, RegisterOp::Read));
+                        }
                         let ret = match op {
+                            RegisterOp::Read if pair => {
+                                let names = [name.clone(), key(k2)];
+                                let mut vs = or_abort(kv.get_many(&names), "get_many");
+                                let v2 = vs.pop().flatten();
+                                let v = vs.pop().flatten();
+                                check_owner(&names[1], &v2);
+                                log.lock().unwrap().push(Event::Return(
+                                    k2,
+                                    t,
+                                    RegisterRet::ReadOk(v2),
+                                ));
+                                check_owner(&name, &v);
+                                RegisterRet::ReadOk(v)
+                            }
                             RegisterOp::Read => {
                                 let v = or_abort(kv.get(name.as_bytes()), "get");
-                                if let Some(v) = &v {
-                                    let Some((owner, _, _)) = parse_tagged(v) else {
-                                        or_abort(Err("torn value"), "get")
-                                    };
-                                    if owner != name {
-                                        or_abort(Err(format!("{name} read {owner}'s value")), "get")
-                                    }
-                                }
+                                check_owner(&name, &v);
                                 RegisterRet::ReadOk(v)
                             }
                             RegisterOp::Write(Some(v)) => {
@@ -372,6 +389,18 @@ fn check_histories(workload: Workload) -> ServerStats {
         "space counted twice: {stats:?}"
     );
     stats
+}
+
+/// Aborts unless `v` is absent or a whole value written for `name`.
+fn check_owner(name: &str, v: &Value) {
+    if let Some(v) = v {
+        let Some((owner, _, _)) = parse_tagged(v) else {
+            or_abort(Err("torn value"), "get")
+        };
+        if owner != name {
+            or_abort(Err(format!("{name} read {owner}'s value")), "get")
+        }
+    }
 }
 
 fn short(v: &[u8]) -> String {

@@ -150,3 +150,59 @@ fn operations_take_the_promised_round_trips() {
         "cold delete: buckets, block, CAS"
     );
 }
+
+#[test]
+fn a_batch_of_gets_takes_two_round_trips_cold_and_one_warm() {
+    let deadline = Duration::from_millis(600);
+    let srv = TestServer::start(|c| c.op_deadline = deadline);
+    let mut writer = hinted(&srv.address, 0);
+    let keys: Vec<String> = (0..16).map(|i| format!("batch-{i}")).collect();
+    for (i, k) in keys.iter().enumerate() {
+        writer.put(k.as_bytes(), &[i as u8; 1000]).unwrap();
+    }
+    writer.incr(b"batch-counter", 7).unwrap();
+    let mut asked = keys.clone();
+    asked.push("batch-missing".into());
+    asked.push("batch-counter".into());
+    let expected: Vec<Option<Vec<u8>>> = (0..16)
+        .map(|i| Some(vec![i as u8; 1000]))
+        .chain([None, Some(b"7".to_vec())])
+        .collect();
+    let rt = |kv: &Client| kv.verb_stats().round_trips;
+
+    let mut cold = hinted(&srv.address, 0);
+    let at = rt(&cold);
+    assert_eq!(cold.get_many(&asked).unwrap(), expected);
+    assert_eq!(rt(&cold) - at, 2, "18 keys cold: windows, then blocks");
+    let at = rt(&cold);
+    for k in &asked {
+        cold.get(k.as_bytes()).unwrap();
+    }
+    assert!(rt(&cold) - at >= 35, "18 single GETs: two round trips each");
+
+    // With hints: sightings a deadline apart until the copies are three
+    // deadlines old, then the batch reads slot words and blocks only.
+    let mut warm = hinted(&srv.address, 64);
+    for pause in [
+        Duration::ZERO,
+        deadline,
+        deadline,
+        deadline + Duration::from_millis(100),
+    ] {
+        std::thread::sleep(pause);
+        assert_eq!(warm.get_many(&asked).unwrap(), expected);
+    }
+    let at = rt(&warm);
+    assert_eq!(warm.get_many(&asked).unwrap(), expected);
+    assert_eq!(rt(&warm) - at, 1, "18 keys with settled hints");
+    // Beyond one batch's 32 keys: several, each two round trips.
+    let many: Vec<String> = (0..70).map(|i| format!("batch-{}", i % 16)).collect();
+    let at = rt(&cold);
+    let got = cold.get_many(&many).unwrap();
+    assert_eq!(got[69], Some(vec![5; 1000]));
+    assert_eq!(
+        rt(&cold) - at,
+        6,
+        "70 keys: three batches of windows and blocks"
+    );
+}

@@ -50,6 +50,17 @@ fn daemon_and_cli() {
     assert!(kv(&region, &["del", "gone"]).status.success());
     assert_eq!(kv(&region, &["del", "gone"]).status.code(), Some(1));
 
+    // Counters: incr prints the new value, get its decimal text; incr of a
+    // plain value is an error (status 2).
+    assert_eq!(stdout(&kv(&region, &["incr", "hits"])), "1");
+    assert_eq!(stdout(&kv(&region, &["incr", "hits", "41"])), "42");
+    assert_eq!(stdout(&kv(&region, &["incr", "hits", "-2"])), "40");
+    assert_eq!(stdout(&kv(&region, &["get", "hits"])), "40");
+    let plain = kv(&region, &["incr", "greeting"]);
+    assert_eq!(plain.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&plain.stderr).contains("not a counter"));
+    assert!(kv(&region, &["del", "hits"]).status.success());
+
     // live_slots is as of the server's last index scan, which follows each
     // departing client shortly.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);

@@ -148,6 +148,10 @@ impl TransportError {
     }
 }
 
+/// Verbs one batch may hold (over rdma, the send queue's depth; shm keeps
+/// the same limit so that a client that is right on one is right on both).
+pub const MAX_BATCH_VERBS: usize = 64;
+
 /// A client's connection to one server: control channel plus data path.
 pub trait Connection: Send {
     /// Sends a control request and waits for its reply (two-sided).

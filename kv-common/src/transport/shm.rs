@@ -408,6 +408,13 @@ impl ShmConnection {
         remote: &RemoteRegion,
         verbs: &[Verb],
     ) -> Result<(), TransportError> {
+        if verbs.len() > super::MAX_BATCH_VERBS {
+            return Err(TransportError::LocalAccess(format!(
+                "batch of {} verbs exceeds {}",
+                verbs.len(),
+                super::MAX_BATCH_VERBS
+            )));
+        }
         // As a NIC checks the rkey and the queue pair's state: a client the
         // server cut off, or one of an earlier registration, is refused.
         let registered = region.load(key_word(remote.key_slot)?)?;

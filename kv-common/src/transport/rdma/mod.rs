@@ -30,8 +30,8 @@ use crate::transport::shm::SharedRegion;
 
 /// Receive buffers posted per connection, each MAX_MESSAGE long.
 const RECV_SLOTS: usize = 4;
-/// Work requests one batch may hold.
-const MAX_BATCH: usize = 64;
+/// Work requests one batch may hold: the send queue's depth.
+const MAX_BATCH: usize = super::MAX_BATCH_VERBS;
 const SEND_WR_ID: u64 = u64::MAX;
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Longest wait for the device to complete a batch.

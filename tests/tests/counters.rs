@@ -1,0 +1,364 @@
+//! Counters: FETCH-AND-ADD and CAS in place. Concurrent increments from many
+//! clients all count; with deletes and compare-and-sets mixed in, every
+//! history is linearizable; a late atomic never lands on reused space; and
+//! GET, PUT and DELETE of a counter key do what the API says.
+
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::{Barrier, Mutex};
+use std::time::Duration;
+
+use kv_client::{Client, ClientOptions, Error};
+use onekv_tests::{aggressive_reuse, or_abort, parse_tagged, tagged_value, TestServer};
+use stateright::semantics::{ConsistencyTester, LinearizabilityTester, SequentialSpec};
+
+fn hinted(address: &str, entries: usize) -> Client {
+    let options = ClientOptions {
+        slot_cache_entries: Some(entries),
+        ..ClientOptions::default()
+    };
+    or_abort(Client::connect_with(address, options), "connect")
+}
+
+#[test]
+fn concurrent_increments_all_count() {
+    let srv = TestServer::start(|c| c.op_deadline = Duration::from_millis(10));
+    const THREADS: usize = 4;
+    const INCRS: usize = 400;
+    let returned = Mutex::new(Vec::new());
+    let sum = AtomicI64::new(0);
+    let barrier = Barrier::new(THREADS);
+    std::thread::scope(|s| {
+        for t in 0..THREADS {
+            let (returned, sum, barrier, address) = (&returned, &sum, &barrier, &srv.address);
+            s.spawn(move || {
+                // Half the clients go through hints (one round trip once
+                // settled), half read the buckets every time.
+                let mut kv = hinted(address, if t % 2 == 0 { 1024 } else { 0 });
+                barrier.wait();
+                let mut mine = Vec::new();
+                for i in 0..INCRS {
+                    // All start at once: the first increments race to
+                    // create the counter.
+                    mine.push(or_abort(kv.incr(b"hits", 1), "incr"));
+                    let delta = (i % 7) as i64 + 2;
+                    or_abort(kv.incr(b"weighted", delta), "incr");
+                    sum.fetch_add(delta, Ordering::SeqCst);
+                }
+                returned.lock().unwrap().extend(mine);
+            });
+        }
+    });
+    let mut kv = Client::connect(&srv.address).unwrap();
+    let n = (THREADS * INCRS) as i64;
+    assert_eq!(kv.get_counter(b"hits").unwrap(), Some(n));
+    assert_eq!(
+        kv.get_counter(b"weighted").unwrap(),
+        Some(sum.load(Ordering::SeqCst))
+    );
+    // Each increment by one saw a value no other did: exactly 1..=n.
+    let mut returned = returned.into_inner().unwrap();
+    returned.sort_unstable();
+    assert_eq!(returned, (1..=n).collect::<Vec<_>>());
+}
+
+/// A counter key's value, as the API defines it.
+#[derive(Clone, Debug, Default)]
+struct Counter(Option<i64>);
+
+#[derive(Clone, Debug)]
+enum Op {
+    Incr(i64),
+    Get,
+    Swap(i64, i64),
+    Delete,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+enum Ret {
+    Incr(i64),
+    Get(Option<i64>),
+    Swap(Option<i64>),
+    Delete(bool),
+}
+
+impl SequentialSpec for Counter {
+    type Op = Op;
+    type Ret = Ret;
+    fn invoke(&mut self, op: &Op) -> Ret {
+        match *op {
+            Op::Incr(d) => {
+                let v = self.0.unwrap_or(0) + d;
+                self.0 = Some(v);
+                Ret::Incr(v)
+            }
+            Op::Get => Ret::Get(self.0),
+            Op::Swap(expect, new) => {
+                let old = self.0;
+                if old == Some(expect) {
+                    self.0 = Some(new);
+                }
+                Ret::Swap(old)
+            }
+            Op::Delete => Ret::Delete(self.0.take().is_some()),
+        }
+    }
+}
+
+enum Event {
+    Invoke(usize, usize, Op),
+    Return(usize, usize, Ret),
+}
+
+#[test]
+fn counter_histories_with_deletes_are_linearizable_under_aggressive_reuse() {
+    const THREADS: usize = 4;
+    const KEYS: usize = 2;
+    const ROUNDS: usize = 80;
+    const OPS: usize = 5;
+    // A short deadline (a new counter settles three of these after its
+    // insert) and a small region whose freed space is reused at once.
+    let srv = TestServer::start(|c| {
+        aggressive_reuse(c);
+        c.op_deadline = Duration::from_millis(3);
+        c.memory = 4 << 20;
+        c.max_memory = Some(4 << 20);
+        c.buckets = Some(8);
+    });
+    let name = |k: usize| format!("ctr-{k}");
+    let log = Mutex::new(Vec::new());
+    let barrier = Barrier::new(THREADS);
+    let starts = Mutex::new(vec![[None; KEYS]]);
+    std::thread::scope(|s| {
+        for t in 0..THREADS {
+            let (log, barrier, starts, address) = (&log, &barrier, &starts, &srv.address);
+            s.spawn(move || {
+                let options = ClientOptions {
+                    slot_cache_entries: Some(if t % 2 == 0 { 1024 } else { 0 }),
+                    // One client at times stalls between reading the index
+                    // and acting on it for longer than the grace period.
+                    pause_after_index_read: (t == 1).then_some(Duration::from_millis(20)),
+                    ..ClientOptions::default()
+                };
+                let mut kv = or_abort(Client::connect_with(address, options), "connect");
+                let mut rng = 0x9e37_79b9_7f4a_7c15u64.wrapping_mul(t as u64 + 1);
+                for _ in 0..ROUNDS {
+                    barrier.wait();
+                    for _ in 0..OPS {
+                        rng ^= rng << 13;
+                        rng ^= rng >> 7;
+                        rng ^= rng << 17;
+                        let k = (rng % KEYS as u64) as usize;
+                        let key = name(k);
+                        let op = match (rng >> 8) % 10 {
+                            0..=5 => Op::Incr((rng >> 16) as i64 % 5 + 1),
+                            6 | 7 => Op::Get,
+                            8 => Op::Swap((rng >> 16) as i64 % 8, (rng >> 24) as i64 % 100),
+                            _ => Op::Delete,
+                        };
+                        log.lock().unwrap().push(Event::Invoke(k, t, op.clone()));
+                        let ret = match op {
+                            Op::Incr(d) => Ret::Incr(or_abort(kv.incr(key.as_bytes(), d), "incr")),
+                            Op::Get => Ret::Get(or_abort(kv.get_counter(key.as_bytes()), "get")),
+                            Op::Swap(e, n) => Ret::Swap(or_abort(
+                                kv.compare_and_set(key.as_bytes(), e, n),
+                                "compare_and_set",
+                            )),
+                            Op::Delete => {
+                                Ret::Delete(or_abort(kv.delete(key.as_bytes()), "delete"))
+                            }
+                        };
+                        log.lock().unwrap().push(Event::Return(k, t, ret));
+                    }
+                    // Churn plain values through the heap meanwhile, so
+                    // freed counter blocks are reused for other data.
+                    for n in 0..4 {
+                        let churn = format!("churn-{t}-{n}");
+                        let v = tagged_value(&churn, "churn", n, 700);
+                        or_abort(kv.put(churn.as_bytes(), &v), "put");
+                    }
+                    barrier.wait();
+                    if t == 0 {
+                        let mut at = [None; KEYS];
+                        for (k, v) in at.iter_mut().enumerate() {
+                            *v = or_abort(kv.get_counter(name(k).as_bytes()), "get");
+                        }
+                        starts.lock().unwrap().push(at);
+                        log.lock()
+                            .unwrap()
+                            .push(Event::Invoke(usize::MAX, 0, Op::Get));
+                    }
+                }
+            });
+        }
+    });
+    // Split the log into rounds (marked by thread 0's read of every key)
+    // and check each key's history in each round from the value the round
+    // started with.
+    let starts = starts.into_inner().unwrap();
+    let mut round = 0;
+    let mut testers: Vec<LinearizabilityTester<usize, Counter>> = (0..KEYS)
+        .map(|k| LinearizabilityTester::new(Counter(starts[0][k])))
+        .collect();
+    let mut checked = 0;
+    for event in log.into_inner().unwrap() {
+        match event {
+            Event::Invoke(usize::MAX, ..) => {
+                for (k, tester) in testers.iter().enumerate() {
+                    assert!(
+                        tester.is_consistent(),
+                        "round {round}, key {k}: not linearizable: {tester:?}"
+                    );
+                    checked += tester.len();
+                }
+                round += 1;
+                testers = (0..KEYS)
+                    .map(|k| LinearizabilityTester::new(Counter(starts[round][k])))
+                    .collect();
+            }
+            Event::Invoke(k, t, op) => {
+                testers[k].on_invoke(t, op).unwrap();
+            }
+            Event::Return(k, t, ret) => {
+                testers[k].on_return(t, ret).unwrap();
+            }
+        }
+    }
+    assert_eq!(round, ROUNDS);
+    assert!(
+        checked >= ROUNDS * THREADS * OPS,
+        "{checked} operations checked"
+    );
+    // The churned values are intact: no late atomic landed on them.
+    let mut kv = Client::connect(&srv.address).unwrap();
+    for t in 0..THREADS {
+        for n in 0..4 {
+            let churn = format!("churn-{t}-{n}");
+            let v = kv.get(churn.as_bytes()).unwrap().unwrap();
+            assert_eq!(parse_tagged(&v).map(|p| p.0), Some(churn));
+        }
+    }
+}
+
+/// A FETCH-AND-ADD must never land on space that was reused since the
+/// client last saw the counter: neither after a stall between reading its
+/// slot and posting the atomic, nor through a remembered slot whose counter
+/// was deleted and whose space was rewritten. Here the counter is deleted
+/// and its space rewritten with other values all the while, and the
+/// incrementing client stalls for up to twice the grace period.
+#[test]
+fn a_late_increment_never_lands_on_reused_space() {
+    let srv = TestServer::start(|c| {
+        aggressive_reuse(c);
+        c.op_deadline = Duration::from_millis(2);
+        c.memory = 1 << 20;
+        c.max_memory = Some(1 << 20);
+        c.buckets = Some(8);
+    });
+    let done = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let (done, address) = (&done, &srv.address);
+        s.spawn(move || {
+            let options = ClientOptions {
+                slot_cache_entries: Some(64),
+                pause_after_index_read: Some(Duration::from_millis(12)),
+                ..ClientOptions::default()
+            };
+            let mut kv = or_abort(Client::connect_with(address, options), "connect");
+            for i in 0..200u64 {
+                // Eight counters in turn: each one's remembered slot is old
+                // by the time it comes round again.
+                let key = format!("late-{}", i % 8);
+                or_abort(kv.incr(key.as_bytes(), 1_000_000_007), "incr");
+                std::thread::sleep(Duration::from_millis(i % 5 * 4));
+                // Space of its own, used up fast: its chunks go back to the
+                // server, dead counters in them with it.
+                for n in 0..4 {
+                    let key = format!("mine-{n}");
+                    let v = tagged_value(&key, "i", i, 1000);
+                    or_abort(kv.put(key.as_bytes(), &v), "put");
+                }
+            }
+            done.store(true, Ordering::SeqCst);
+        });
+        let mut kv = or_abort(Client::connect(address), "connect");
+        let mut round = 0u64;
+        while !done.load(Ordering::SeqCst) {
+            kv.delete(format!("late-{}", round % 8).as_bytes()).unwrap();
+            for n in 0..6u64 {
+                let key = format!("p{n}");
+                let v = tagged_value(&key, "w", round * 10 + n, 1000);
+                kv.put(key.as_bytes(), &v).unwrap();
+            }
+            for n in 0..6u64 {
+                let key = format!("p{n}");
+                let v = kv.get(key.as_bytes()).unwrap().unwrap();
+                assert_eq!(
+                    parse_tagged(&v),
+                    Some((key, "w".to_string(), round * 10 + n)),
+                    "round {round}"
+                );
+            }
+            round += 1;
+        }
+    });
+}
+
+#[test]
+fn get_put_and_delete_of_a_counter_key_do_what_the_api_says() {
+    let srv = TestServer::start(|_| {});
+    let mut kv = Client::connect(&srv.address).unwrap();
+    assert_eq!(kv.get_counter(b"c").unwrap(), None);
+    assert_eq!(kv.compare_and_set(b"c", 0, 5).unwrap(), None);
+    assert_eq!(kv.incr(b"c", 5).unwrap(), 5);
+    assert_eq!(kv.incr(b"c", -7).unwrap(), -2);
+    assert_eq!(kv.get(b"c").unwrap().as_deref(), Some(&b"-2"[..]));
+    assert_eq!(kv.compare_and_set(b"c", 3, 9).unwrap(), Some(-2));
+    assert_eq!(kv.compare_and_set(b"c", -2, 9).unwrap(), Some(-2));
+    assert_eq!(kv.get_counter(b"c").unwrap(), Some(9));
+    assert_eq!(
+        kv.incr(b"c", i64::MAX).unwrap(),
+        9i64.wrapping_add(i64::MAX)
+    );
+    // PUT replaces the counter with bytes; counter calls then refuse it.
+    kv.put(b"c", b"12").unwrap();
+    assert!(matches!(kv.incr(b"c", 1), Err(Error::NotACounter)));
+    assert!(matches!(kv.get_counter(b"c"), Err(Error::NotACounter)));
+    assert!(matches!(
+        kv.compare_and_set(b"c", 12, 1),
+        Err(Error::NotACounter)
+    ));
+    // DELETE removes it; the next increment starts from 0.
+    assert!(kv.delete(b"c").unwrap());
+    assert_eq!(kv.incr(b"c", 1).unwrap(), 1);
+    assert!(kv.delete(b"c").unwrap());
+    assert_eq!(kv.get(b"c").unwrap(), None);
+}
+
+#[test]
+fn a_warm_increment_takes_one_round_trip() {
+    let deadline = Duration::from_millis(600);
+    let srv = TestServer::start(|c| c.op_deadline = deadline);
+    let mut kv = hinted(&srv.address, 64);
+    let rt = |kv: &Client| kv.verb_stats().round_trips;
+    kv.put(b"warm", b"up").unwrap(); // takes the first lease
+                                     // The creator's copy is settled alone: its hint allows blind atomics.
+    assert_eq!(kv.incr(b"n", 1).unwrap(), 1);
+    let at = rt(&kv);
+    assert_eq!(kv.incr(b"n", 1).unwrap(), 2);
+    assert_eq!(
+        rt(&kv) - at,
+        1,
+        "warm increment: slot word and FETCH-AND-ADD"
+    );
+    let at = rt(&kv);
+    assert_eq!(kv.compare_and_set(b"n", 2, 10).unwrap(), Some(2));
+    assert_eq!(rt(&kv) - at, 1, "warm compare-and-set");
+    // Another client: buckets, block, then the atomic.
+    let mut other = hinted(&srv.address, 64);
+    let at = rt(&other);
+    assert_eq!(other.incr(b"n", 1).unwrap(), 11);
+    assert_eq!(rt(&other) - at, 3, "cold increment");
+    // After a delete the hinted slot changed: the atomic is redone.
+    assert!(other.delete(b"n").unwrap());
+    assert_eq!(kv.incr(b"n", 1).unwrap(), 1);
+}
