@@ -255,7 +255,7 @@ fn check_histories(workload: Workload) -> ServerStats {
                         // Half the reads read a second key with it, in one
                         // get_many: each is a read of its key within the
                         // call.
-                        let pair = op == RegisterOp::Read && (rng >> 20) % 2 == 0;
+                        let pair = op == RegisterOp::Read && (rng >> 20).is_multiple_of(2);
                         let k2 = (k + 1) % KEYS;
                         if pair {
                             log.lock()
