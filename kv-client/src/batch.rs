@@ -1,14 +1,26 @@
-//! Multi-key GET: the windows of up to `BATCH_KEYS` keys in one batch, the
-//! blocks their fingerprints point at in the next — two round trips for
-//! the lot, one when every key has a settled hint (its slot word and block
-//! take the place of its windows). Each key is judged exactly as a single
-//! GET judges it (the lowest copy a reader sees, read within the deadline
-//! of the batch that read its windows); a key the batch cannot settle (a
-//! block failing validation, reads too slow, a resize under way, more
-//! blocks than fit) is read again on its own by the single-key path.
+//! Multi-key operations.
+//!
+//! GET: the windows of up to `BATCH_KEYS` keys in one batch, the blocks
+//! their fingerprints point at in the next — two round trips for the lot,
+//! one when every key has a settled hint (its slot word and block take the
+//! place of its windows).
+//!
+//! PUT: every new block and every key's windows in one batch (with a
+//! settled hint: the block and the CAS, which is then all), the matching
+//! blocks in a second, the CASes in a third (with the windows of inserted
+//! keys, where their duplicate check starts) — three round trips for up to
+//! 21 keys, one warm.
+//!
+//! Each key is judged exactly as the single-key call judges it (the lowest
+//! copy, read within the deadline of the batch that read its windows, a
+//! CAS posted only within it); a key the batch cannot settle (a block
+//! failing validation, reads too slow, a resize under way, a CAS that
+//! lost, more blocks than fit) goes to the single-key path.
 
-use kv_common::layout::EPOCH_OFFSET;
-use kv_common::layout::{decode_block, CounterState, KeyHash, Payload, Slot, CANDIDATE_SLOTS};
+use kv_common::layout::{
+    block_len, class_for, decode_block, encode_block, CounterState, KeyHash, Payload, Slot,
+    CANDIDATE_SLOTS, EPOCH_OFFSET,
+};
 use kv_common::transport::{read_u64, Verb, MAX_BATCH_VERBS};
 use smallvec::SmallVec;
 
@@ -16,7 +28,7 @@ use crate::get::copy_out;
 use crate::hint::Hint;
 use crate::index::{meets_resize, Value};
 use crate::local::{BATCH_KEYS, WINDOW_BYTES};
-use crate::{Client, Result};
+use crate::{Client, Error, Result};
 
 /// One block a batch reads for a key.
 #[derive(Clone, Copy)]
@@ -121,9 +133,7 @@ impl Client {
                 }
                 continue;
             }
-            let slots: [Slot; CANDIDATE_SLOTS] = std::array::from_fn(|c| {
-                Slot(read_u64(local, self.layout.batch_window(i, 0) + 8 * c))
-            });
+            let slots = self.batch_slots(i);
             check_epoch |= meets_resize(&slots);
             for (index, &slot) in slots.iter().enumerate() {
                 let live = slot.thawed();
@@ -225,5 +235,283 @@ impl Client {
             }
         }
         Ok(unsettled)
+    }
+}
+
+/// How one key of a multi-key PUT is being written.
+#[derive(Clone, Copy)]
+enum Publish {
+    /// A settled hint: WRITE and CAS went in the first batch.
+    Blind(Hint),
+    /// Its copies are being read.
+    Located,
+    /// CAS over the lowest copy at candidate `index`.
+    Update {
+        index: usize,
+        old: Slot,
+    },
+    /// CAS into the empty candidate `index`.
+    Insert {
+        index: usize,
+    },
+    /// The batch cannot settle it: the single-key path does.
+    Single,
+    Done,
+}
+
+impl Client {
+    /// Writes the leading pairs of `pairs` that one batch holds: every
+    /// block and every key's windows in one batch (a key with a settled
+    /// hint: its block and the CAS instead), the matching blocks in the
+    /// next, the CASes (and inserted keys' windows, for the duplicate check)
+    /// in a third. Returns how many pairs it took; a key it could not
+    /// settle has been written by the single-key path.
+    pub(crate) fn put_batch(&mut self, pairs: &[(&[u8], &[u8])]) -> Result<usize> {
+        // Blocks, staged in the candidate area: the first may lease (and
+        // give back spent space, which is why later ones may not: a block
+        // taken but not yet published must stay this client's).
+        let mut blocks: SmallVec<[(u64, u8, usize); BATCH_KEYS]> = SmallVec::new();
+        let mut staged = self.layout.reads;
+        for (i, (key, value)) in pairs.iter().enumerate().take(MAX_BATCH_VERBS / 3) {
+            let used = block_len(key.len(), value.len());
+            let class = class_for(used).ok_or(Error::ValueTooLarge {
+                len: value.len(),
+                max: self.max_value,
+            })?;
+            let len = used.div_ceil(8) as usize * 8;
+            let repeated = pairs[..i].iter().any(|(k, _)| k == key);
+            if repeated || staged + len > self.layout.len {
+                break;
+            }
+            let offset = match i {
+                0 => self.take_block(class)?,
+                _ => match self.alloc.take(class) {
+                    Some(offset) => offset,
+                    None => break,
+                },
+            };
+            encode_block(key, value, &mut self.conn.local_mut()[staged..]);
+            blocks.push((offset, class, staged));
+            staged += len;
+        }
+        let n = blocks.len();
+        let pairs = &pairs[..n];
+        let g = self.info.geometry;
+        let hashes: SmallVec<[KeyHash; BATCH_KEYS]> = pairs
+            .iter()
+            .map(|(k, _)| KeyHash::new(k, g.bucket_count))
+            .collect();
+        let news: SmallVec<[Slot; BATCH_KEYS]> = (0..n)
+            .map(|i| Slot::new(hashes[i].fingerprint, blocks[i].1, blocks[i].0))
+            .collect();
+
+        // First batch.
+        let mut verbs: SmallVec<[Verb; MAX_BATCH_VERBS]> = SmallVec::new();
+        let mut plan: SmallVec<[Publish; BATCH_KEYS]> = SmallVec::new();
+        for (i, (key, value)) in pairs.iter().enumerate() {
+            let (offset, _, local) = blocks[i];
+            verbs.push(Verb::Write {
+                remote: offset,
+                local,
+                len: block_len(key.len(), value.len()).div_ceil(8) as usize * 8,
+            });
+            match self.blind_hint(key) {
+                Some(hint) => {
+                    verbs.push(Verb::Cas {
+                        remote: g.slot_offset(hint.pos),
+                        local: self.layout.batch_word(i),
+                        expect: hint.slot.0,
+                        swap: news[i].0,
+                    });
+                    plan.push(Publish::Blind(hint));
+                }
+                None => {
+                    for w in 0..2 {
+                        verbs.push(Verb::Read {
+                            remote: g.bucket_offset(hashes[i].windows[w]),
+                            local: self.layout.batch_window(i, w),
+                            len: WINDOW_BYTES,
+                        });
+                    }
+                    plan.push(Publish::Located);
+                }
+            }
+        }
+        let clock = self.timing.start();
+        self.conn.post(&verbs)?;
+        self.pause_if_slow();
+
+        // Second batch: the blocks the windows point at (the staged blocks
+        // are written: their space is free again).
+        let mut candidates: SmallVec<[Candidate; BATCH_KEYS]> = SmallVec::new();
+        let mut at = self.layout.reads;
+        let mut taken: SmallVec<[(u64, usize); BATCH_KEYS]> = SmallVec::new();
+        for (i, (key, _)) in pairs.iter().enumerate() {
+            let local = self.conn.local();
+            if let Publish::Blind(hint) = plan[i] {
+                if read_u64(local, self.layout.batch_word(i)) == hint.slot.0 {
+                    self.replaced(key, hint.pos, hint.slot, news[i], clock);
+                    plan[i] = Publish::Done;
+                } else {
+                    self.cache.forget(key);
+                    plan[i] = Publish::Single;
+                }
+                continue;
+            }
+            let slots = self.batch_slots(i);
+            if meets_resize(&slots) {
+                plan[i] = Publish::Single;
+                continue;
+            }
+            for (index, &slot) in slots.iter().enumerate() {
+                if slot.is_empty() || slot.fingerprint() != hashes[i].fingerprint {
+                    continue;
+                }
+                let span = g.block_span(slot);
+                match span.filter(|&(_, len)| at + len <= self.layout.len) {
+                    Some((remote, len)) if candidates.len() < MAX_BATCH_VERBS => {
+                        let read = Verb::Read {
+                            remote,
+                            local: at,
+                            len,
+                        };
+                        candidates.push(Candidate {
+                            key: i,
+                            index,
+                            slot,
+                            read,
+                        });
+                        at += len;
+                    }
+                    _ => plan[i] = Publish::Single,
+                }
+            }
+        }
+        let reads: SmallVec<[Verb; MAX_BATCH_VERBS]> = candidates.iter().map(|c| c.read).collect();
+        if !reads.is_empty() {
+            self.conn.post(&reads)?;
+        }
+        for (i, (key, _)) in pairs.iter().enumerate() {
+            if !matches!(plan[i], Publish::Located) {
+                continue;
+            }
+            // Every copy, as a writer sees them (lowest first): the first
+            // is updated, the others removed after.
+            let mut lowest = None;
+            for c in candidates.iter().filter(|c| c.key == i) {
+                let Verb::Read { local, len, .. } = c.read else {
+                    continue;
+                };
+                match decode_block(&self.conn.local()[local..local + len]) {
+                    Ok(view) if view.key == *key => {
+                        lowest.get_or_insert(c);
+                    }
+                    Ok(_) => {}
+                    // Damage or a race: the single path retries and reports.
+                    Err(_) => plan[i] = Publish::Single,
+                }
+            }
+            if matches!(plan[i], Publish::Single) {
+                continue;
+            }
+            plan[i] = match lowest {
+                Some(c) => Publish::Update {
+                    index: c.index,
+                    old: c.slot,
+                },
+                None => {
+                    // An empty slot no other key of this batch takes.
+                    let mut slots = self.batch_slots(i);
+                    for &(bucket, index) in &taken {
+                        for (c, s) in slots.iter_mut().enumerate() {
+                            let pos = hashes[i].slot_pos(c);
+                            if (pos.bucket, pos.index) == (bucket, index) {
+                                *s = Slot::FROZEN_EMPTY;
+                            }
+                        }
+                    }
+                    match KeyHash::insert_choice(&slots) {
+                        Some(index) => {
+                            let pos = hashes[i].slot_pos(index);
+                            taken.push((pos.bucket, pos.index));
+                            Publish::Insert { index }
+                        }
+                        None => Publish::Single,
+                    }
+                }
+            };
+        }
+
+        // Third batch: the CASes, each with its key's windows for the
+        // duplicate check of an insert; posted only while the reads that
+        // chose them are in time.
+        let mut verbs: SmallVec<[Verb; MAX_BATCH_VERBS]> = SmallVec::new();
+        let in_time = clock.in_time();
+        let published = self.timing.start();
+        for i in 0..n {
+            let (index, expect) = match plan[i] {
+                Publish::Update { index, old } => (index, old),
+                Publish::Insert { index } => (index, Slot::EMPTY),
+                _ => continue,
+            };
+            if !in_time {
+                plan[i] = Publish::Single;
+                continue;
+            }
+            verbs.push(Verb::Cas {
+                remote: g.slot_offset(hashes[i].slot_pos(index)),
+                local: self.layout.batch_word(i),
+                expect: expect.0,
+                swap: news[i].0,
+            });
+            if let Publish::Insert { .. } = plan[i] {
+                for w in 0..2 {
+                    verbs.push(Verb::Read {
+                        remote: g.bucket_offset(hashes[i].windows[w]),
+                        local: self.layout.batch_window(i, w),
+                        len: WINDOW_BYTES,
+                    });
+                }
+            }
+        }
+        if !verbs.is_empty() {
+            self.conn.post(&verbs)?;
+        }
+        for (i, (key, value)) in pairs.iter().enumerate() {
+            let held = |c: &Client, expect: Slot| {
+                read_u64(c.conn.local(), c.layout.batch_word(i)) == expect.0
+            };
+            match plan[i] {
+                Publish::Update { index, old } if held(self, old) => {
+                    let pos = hashes[i].slot_pos(index);
+                    self.replaced(key, pos, old, news[i], clock);
+                    // Copies above ours belong to inserts still in flight,
+                    // which remove them themselves.
+                }
+                Publish::Insert { index } if held(self, Slot::EMPTY) => {
+                    let pos = hashes[i].slot_pos(index);
+                    self.cache
+                        .remember(key, Hint::seen(pos, news[i], published));
+                    // The duplicate check starts from the windows read with
+                    // the CAS, as a single insert's does.
+                    let from = self.layout.batch_window(i, 0);
+                    let to = self.layout.window(0);
+                    self.conn
+                        .local_mut()
+                        .copy_within(from..from + 2 * WINDOW_BYTES, to);
+                    self.resolve_insert(key, &hashes[i], pos, news[i], published)?;
+                }
+                Publish::Done => {}
+                _ => self.put(key, value)?,
+            }
+        }
+        Ok(n)
+    }
+
+    /// Key `k`'s candidate slots as its windows in a multi-key batch left
+    /// them.
+    fn batch_slots(&self, k: usize) -> [Slot; CANDIDATE_SLOTS] {
+        let local = self.conn.local();
+        std::array::from_fn(|c| Slot(read_u64(local, self.layout.batch_window(k, 0) + 8 * c)))
     }
 }

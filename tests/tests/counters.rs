@@ -11,6 +11,16 @@ use kv_client::{Client, ClientOptions, Error};
 use onekv_tests::{aggressive_reuse, or_abort, parse_tagged, tagged_value, TestServer};
 use stateright::semantics::{ConsistencyTester, LinearizabilityTester, SequentialSpec};
 
+/// An operation deadline of `shm_ms` on shm; over emulated rdma (the
+/// Soft-RoCE VM), where a round trip takes a good part of a millisecond,
+/// ten times that.
+fn deadline(shm_ms: u64) -> Duration {
+    match onekv_tests::rdma_host() {
+        Some(_) => Duration::from_millis(shm_ms * 10),
+        None => Duration::from_millis(shm_ms),
+    }
+}
+
 fn hinted(address: &str, entries: usize) -> Client {
     let options = ClientOptions {
         slot_cache_entries: Some(entries),
@@ -21,7 +31,7 @@ fn hinted(address: &str, entries: usize) -> Client {
 
 #[test]
 fn concurrent_increments_all_count() {
-    let srv = TestServer::start(|c| c.op_deadline = Duration::from_millis(10));
+    let srv = TestServer::start(|c| c.op_deadline = deadline(10));
     const THREADS: usize = 4;
     const INCRS: usize = 400;
     let returned = Mutex::new(Vec::new());
@@ -113,17 +123,21 @@ enum Event {
 fn counter_histories_with_deletes_are_linearizable_under_aggressive_reuse() {
     const THREADS: usize = 4;
     const KEYS: usize = 2;
-    const ROUNDS: usize = 80;
     const OPS: usize = 5;
     // A short deadline (a new counter settles three of these after its
     // insert) and a small region whose freed space is reused at once.
     let srv = TestServer::start(|c| {
         aggressive_reuse(c);
-        c.op_deadline = Duration::from_millis(3);
+        c.op_deadline = deadline(3);
         c.memory = 4 << 20;
         c.max_memory = Some(4 << 20);
         c.buckets = Some(8);
     });
+    let rounds = if onekv_tests::rdma_host().is_some() {
+        30
+    } else {
+        80
+    };
     let name = |k: usize| format!("ctr-{k}");
     let log = Mutex::new(Vec::new());
     let barrier = Barrier::new(THREADS);
@@ -136,12 +150,12 @@ fn counter_histories_with_deletes_are_linearizable_under_aggressive_reuse() {
                     slot_cache_entries: Some(if t % 2 == 0 { 1024 } else { 0 }),
                     // One client at times stalls between reading the index
                     // and acting on it for longer than the grace period.
-                    pause_after_index_read: (t == 1).then_some(Duration::from_millis(20)),
+                    pause_after_index_read: (t == 1).then_some(deadline(20)),
                     ..ClientOptions::default()
                 };
                 let mut kv = or_abort(Client::connect_with(address, options), "connect");
                 let mut rng = 0x9e37_79b9_7f4a_7c15u64.wrapping_mul(t as u64 + 1);
-                for _ in 0..ROUNDS {
+                for _ in 0..rounds {
                     barrier.wait();
                     for _ in 0..OPS {
                         rng ^= rng << 13;
@@ -223,9 +237,9 @@ fn counter_histories_with_deletes_are_linearizable_under_aggressive_reuse() {
             }
         }
     }
-    assert_eq!(round, ROUNDS);
+    assert_eq!(round, rounds);
     assert!(
-        checked >= ROUNDS * THREADS * OPS,
+        checked >= rounds * THREADS * OPS,
         "{checked} operations checked"
     );
     // The churned values are intact: no late atomic landed on them.
@@ -249,7 +263,7 @@ fn counter_histories_with_deletes_are_linearizable_under_aggressive_reuse() {
 fn a_late_increment_never_lands_on_reused_space() {
     let srv = TestServer::start(|c| {
         aggressive_reuse(c);
-        c.op_deadline = Duration::from_millis(2);
+        c.op_deadline = deadline(2);
         c.memory = 1 << 20;
         c.max_memory = Some(1 << 20);
         c.buckets = Some(8);
@@ -260,7 +274,7 @@ fn a_late_increment_never_lands_on_reused_space() {
         s.spawn(move || {
             let options = ClientOptions {
                 slot_cache_entries: Some(64),
-                pause_after_index_read: Some(Duration::from_millis(12)),
+                pause_after_index_read: Some(deadline(12)),
                 ..ClientOptions::default()
             };
             let mut kv = or_abort(Client::connect_with(address, options), "connect");
@@ -269,7 +283,7 @@ fn a_late_increment_never_lands_on_reused_space() {
                 // by the time it comes round again.
                 let key = format!("late-{}", i % 8);
                 or_abort(kv.incr(key.as_bytes(), 1_000_000_007), "incr");
-                std::thread::sleep(Duration::from_millis(i % 5 * 4));
+                std::thread::sleep(deadline(2) * (i % 5) as u32 * 2);
                 // Space of its own, used up fast: its chunks go back to the
                 // server, dead counters in them with it.
                 for n in 0..4 {

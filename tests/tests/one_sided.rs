@@ -206,3 +206,53 @@ fn a_batch_of_gets_takes_two_round_trips_cold_and_one_warm() {
         "70 keys: three batches of windows and blocks"
     );
 }
+
+#[test]
+fn a_batch_of_puts_takes_three_round_trips_cold_and_one_warm() {
+    let deadline = Duration::from_millis(600);
+    let srv = TestServer::start(|c| c.op_deadline = deadline);
+    let rt = |kv: &Client| kv.verb_stats().round_trips;
+    let keys: Vec<String> = (0..16).map(|i| format!("many-{i}")).collect();
+    let pairs = |v: u8| -> Vec<(String, Vec<u8>)> {
+        keys.iter().map(|k| (k.clone(), vec![v; 900])).collect()
+    };
+    let mut cold = hinted(&srv.address, 0);
+    cold.put(b"warm", b"up").unwrap(); // takes the first lease
+    let at = rt(&cold);
+    cold.put_many(&pairs(1)).unwrap();
+    let inserts = rt(&cold) - at;
+    // Inserts: blocks+windows, (no blocks to read), CASes+windows; a
+    // fingerprint shared with another key costs its duplicate check a read.
+    assert!((2..=5).contains(&inserts), "16 inserts took {inserts}");
+    let at = rt(&cold);
+    cold.put_many(&pairs(2)).unwrap();
+    assert_eq!(
+        rt(&cold) - at,
+        3,
+        "16 updates: blocks+windows, blocks, CASes"
+    );
+    let values = cold.get_many(&keys).unwrap();
+    assert!(values.iter().all(|v| v.as_deref() == Some(&[2u8; 900][..])));
+
+    // Settled hints: WRITE and CAS of every key in one batch.
+    let mut warm = hinted(&srv.address, 64);
+    for pause in [
+        Duration::ZERO,
+        deadline,
+        deadline,
+        deadline + Duration::from_millis(100),
+    ] {
+        std::thread::sleep(pause);
+        warm.get_many(&keys).unwrap();
+    }
+    warm.put(b"warm", b"up").unwrap();
+    let at = rt(&warm);
+    warm.put_many(&pairs(3)).unwrap();
+    assert_eq!(rt(&warm) - at, 1, "16 updates with settled hints");
+    let values = cold.get_many(&keys).unwrap();
+    assert!(values.iter().all(|v| v.as_deref() == Some(&[3u8; 900][..])));
+    // A key given twice ends with its last value.
+    cold.put_many(&[("twice", "a"), ("other", "b"), ("twice", "c")])
+        .unwrap();
+    assert_eq!(cold.get(b"twice").unwrap().as_deref(), Some(&b"c"[..]));
+}
