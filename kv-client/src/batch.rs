@@ -11,6 +11,9 @@
 //! keys, where their duplicate check starts) — three round trips for up to
 //! 21 keys, one warm.
 //!
+//! DELETE: the same three batches (one with settled hints), the last
+//! emptying every copy a reader sees.
+//!
 //! Each key is judged exactly as the single-key call judges it (the lowest
 //! copy, read within the deadline of the batch that read its windows, a
 //! CAS posted only within it); a key the batch cannot settle (a block
@@ -26,7 +29,7 @@ use smallvec::SmallVec;
 
 use crate::get::copy_out;
 use crate::hint::Hint;
-use crate::index::{meets_resize, Value};
+use crate::index::{meets_resize, Kind, Value};
 use crate::local::{BATCH_KEYS, WINDOW_BYTES};
 use crate::{Client, Error, Result};
 
@@ -38,6 +41,9 @@ struct Candidate {
     slot: Slot,
     read: Verb,
 }
+
+/// A key's copies as a writer sees them: candidate index, slot, contents.
+type WriterCopies = SmallVec<[(usize, Slot, Kind); 2]>;
 
 /// What the first batch read for a key.
 #[derive(Clone, Copy)]
@@ -341,85 +347,34 @@ impl Client {
         self.conn.post(&verbs)?;
         self.pause_if_slow();
 
-        // Second batch: the blocks the windows point at (the staged blocks
-        // are written: their space is free again).
-        let mut candidates: SmallVec<[Candidate; BATCH_KEYS]> = SmallVec::new();
-        let mut at = self.layout.reads;
-        let mut taken: SmallVec<[(u64, usize); BATCH_KEYS]> = SmallVec::new();
+        // The blind ones are done; the others' copies are read in a second
+        // batch (the staged blocks are written: their space is free again).
+        let mut located: SmallVec<[bool; BATCH_KEYS]> = SmallVec::new();
         for (i, (key, _)) in pairs.iter().enumerate() {
-            let local = self.conn.local();
             if let Publish::Blind(hint) = plan[i] {
-                if read_u64(local, self.layout.batch_word(i)) == hint.slot.0 {
+                if read_u64(self.conn.local(), self.layout.batch_word(i)) == hint.slot.0 {
                     self.replaced(key, hint.pos, hint.slot, news[i], clock);
                     plan[i] = Publish::Done;
                 } else {
                     self.cache.forget(key);
                     plan[i] = Publish::Single;
                 }
-                continue;
             }
-            let slots = self.batch_slots(i);
-            if meets_resize(&slots) {
-                plan[i] = Publish::Single;
-                continue;
-            }
-            for (index, &slot) in slots.iter().enumerate() {
-                if slot.is_empty() || slot.fingerprint() != hashes[i].fingerprint {
-                    continue;
-                }
-                let span = g.block_span(slot);
-                match span.filter(|&(_, len)| at + len <= self.layout.len) {
-                    Some((remote, len)) if candidates.len() < MAX_BATCH_VERBS => {
-                        let read = Verb::Read {
-                            remote,
-                            local: at,
-                            len,
-                        };
-                        candidates.push(Candidate {
-                            key: i,
-                            index,
-                            slot,
-                            read,
-                        });
-                        at += len;
-                    }
-                    _ => plan[i] = Publish::Single,
-                }
-            }
+            located.push(matches!(plan[i], Publish::Located));
         }
-        let reads: SmallVec<[Verb; MAX_BATCH_VERBS]> = candidates.iter().map(|c| c.read).collect();
-        if !reads.is_empty() {
-            self.conn.post(&reads)?;
-        }
-        for (i, (key, _)) in pairs.iter().enumerate() {
-            if !matches!(plan[i], Publish::Located) {
+        let keys: SmallVec<[&[u8]; BATCH_KEYS]> = pairs.iter().map(|p| p.0).collect();
+        let copies = self.writer_copies(&keys, &hashes, &located)?;
+        let mut taken: SmallVec<[(u64, usize); BATCH_KEYS]> = SmallVec::new();
+        for i in 0..n {
+            if !located[i] {
                 continue;
             }
-            // Every copy, as a writer sees them (lowest first): the first
-            // is updated, the others removed after.
-            let mut lowest = None;
-            for c in candidates.iter().filter(|c| c.key == i) {
-                let Verb::Read { local, len, .. } = c.read else {
-                    continue;
-                };
-                match decode_block(&self.conn.local()[local..local + len]) {
-                    Ok(view) if view.key == *key => {
-                        lowest.get_or_insert(c);
-                    }
-                    Ok(_) => {}
-                    // Damage or a race: the single path retries and reports.
-                    Err(_) => plan[i] = Publish::Single,
-                }
-            }
-            if matches!(plan[i], Publish::Single) {
-                continue;
-            }
-            plan[i] = match lowest {
-                Some(c) => Publish::Update {
-                    index: c.index,
-                    old: c.slot,
-                },
-                None => {
+            plan[i] = match copies[i].as_ref().map(|c| c.first()) {
+                None => Publish::Single,
+                // The lowest copy is updated; copies above it belong to
+                // inserts still in flight, which remove them themselves.
+                Some(Some(&(index, old, _))) => Publish::Update { index, old },
+                Some(None) => {
                     // An empty slot no other key of this batch takes.
                     let mut slots = self.batch_slots(i);
                     for &(bucket, index) in &taken {
@@ -485,8 +440,6 @@ impl Client {
                 Publish::Update { index, old } if held(self, old) => {
                     let pos = hashes[i].slot_pos(index);
                     self.replaced(key, pos, old, news[i], clock);
-                    // Copies above ours belong to inserts still in flight,
-                    // which remove them themselves.
                 }
                 Publish::Insert { index } if held(self, Slot::EMPTY) => {
                     let pos = hashes[i].slot_pos(index);
@@ -506,6 +459,183 @@ impl Client {
             }
         }
         Ok(n)
+    }
+
+    /// Deletes up to `BATCH_KEYS` keys: each key's windows in one batch (a
+    /// key with a settled hint: the CAS that empties its slot, which is
+    /// then all), the blocks found in a second, the CASes that empty every
+    /// copy a reader sees in a third (the extra copies before the lowest,
+    /// as a single DELETE orders them). `out[i]` says whether key `i` was
+    /// there; returns the keys the batch could not settle.
+    pub(crate) fn delete_batch(
+        &mut self,
+        keys: &[&[u8]],
+        out: &mut [bool],
+    ) -> Result<SmallVec<[usize; 4]>> {
+        let g = self.info.geometry;
+        let hashes: SmallVec<[KeyHash; BATCH_KEYS]> = keys
+            .iter()
+            .map(|k| KeyHash::new(k, g.bucket_count))
+            .collect();
+        let mut verbs: SmallVec<[Verb; MAX_BATCH_VERBS]> = SmallVec::new();
+        let mut blind: SmallVec<[Option<Hint>; BATCH_KEYS]> = SmallVec::new();
+        for (i, key) in keys.iter().enumerate() {
+            let hint = self.blind_hint(key);
+            self.cache.forget(key);
+            match hint {
+                Some(hint) => verbs.push(Verb::Cas {
+                    remote: g.slot_offset(hint.pos),
+                    local: self.layout.batch_word(i),
+                    expect: hint.slot.0,
+                    swap: Slot::EMPTY.0,
+                }),
+                None => {
+                    for w in 0..2 {
+                        verbs.push(Verb::Read {
+                            remote: g.bucket_offset(hashes[i].windows[w]),
+                            local: self.layout.batch_window(i, w),
+                            len: WINDOW_BYTES,
+                        });
+                    }
+                }
+            }
+            blind.push(hint);
+        }
+        let clock = self.timing.start();
+        self.conn.post(&verbs)?;
+        self.pause_if_slow();
+
+        let mut unsettled = SmallVec::new();
+        let mut located: SmallVec<[bool; BATCH_KEYS]> = SmallVec::new();
+        for (i, hint) in blind.iter().enumerate() {
+            if let Some(hint) = hint {
+                match read_u64(self.conn.local(), self.layout.batch_word(i)) == hint.slot.0 {
+                    true => out[i] = true,
+                    false => unsettled.push(i),
+                }
+            }
+            located.push(hint.is_none());
+        }
+        let copies = self.writer_copies(keys, &hashes, &located)?;
+
+        // Third batch: per key, the copies a reader sees (a counter that
+        // has not settled is left to its creator), highest first; each
+        // CAS's old value lands in a word of its own.
+        let mut verbs: SmallVec<[Verb; MAX_BATCH_VERBS]> = SmallVec::new();
+        let mut cases: SmallVec<[(usize, Slot); MAX_BATCH_VERBS]> = SmallVec::new();
+        for i in (0..keys.len()).filter(|&i| located[i]) {
+            let Some(copies) = &copies[i] else {
+                unsettled.push(i);
+                continue;
+            };
+            let readable = copies.iter().filter(|c| c.2.is_readable());
+            if readable.clone().count() + verbs.len() > MAX_BATCH_VERBS || !clock.in_time() {
+                unsettled.push(i);
+                continue;
+            }
+            for &(index, slot, _) in readable.rev() {
+                let local = self.layout.reads + 8 * verbs.len();
+                verbs.push(Verb::Cas {
+                    remote: g.slot_offset(hashes[i].slot_pos(index)),
+                    local,
+                    expect: slot.0,
+                    swap: Slot::EMPTY.0,
+                });
+                cases.push((i, slot));
+            }
+        }
+        if !verbs.is_empty() {
+            self.conn.post(&verbs)?;
+        }
+        let mut failed: SmallVec<[usize; 4]> = SmallVec::new();
+        for (j, &(i, slot)) in cases.iter().enumerate() {
+            if read_u64(self.conn.local(), self.layout.reads + 8 * j) == slot.0 {
+                // A copy a reader saw is gone: the key was there.
+                out[i] = true;
+            } else if !failed.contains(&i) {
+                failed.push(i);
+            }
+        }
+        unsettled.extend(failed);
+        Ok(unsettled)
+    }
+
+    /// Every copy of each `located` key, as a writer sees them (pending
+    /// counters included), lowest first, from the windows the last batch
+    /// read: the blocks of the matching slots are read in one batch. None
+    /// for a key that batch cannot settle: a resize under way, a block past
+    /// the region, failing validation, or not fitting.
+    fn writer_copies(
+        &mut self,
+        keys: &[&[u8]],
+        hashes: &[KeyHash],
+        located: &[bool],
+    ) -> Result<SmallVec<[Option<WriterCopies>; BATCH_KEYS]>> {
+        let g = self.info.geometry;
+        let mut candidates: SmallVec<[Candidate; BATCH_KEYS]> = SmallVec::new();
+        let mut settles: SmallVec<[bool; BATCH_KEYS]> = located.iter().copied().collect();
+        let mut at = self.layout.reads;
+        for i in (0..keys.len()).filter(|&i| located[i]) {
+            let slots = self.batch_slots(i);
+            if meets_resize(&slots) {
+                settles[i] = false;
+                continue;
+            }
+            for (index, &slot) in slots.iter().enumerate() {
+                if slot.is_empty() || slot.fingerprint() != hashes[i].fingerprint {
+                    continue;
+                }
+                let span = g.block_span(slot);
+                match span.filter(|&(_, len)| at + len <= self.layout.len) {
+                    Some((remote, len)) if candidates.len() < MAX_BATCH_VERBS => {
+                        let read = Verb::Read {
+                            remote,
+                            local: at,
+                            len,
+                        };
+                        candidates.push(Candidate {
+                            key: i,
+                            index,
+                            slot,
+                            read,
+                        });
+                        at += len;
+                    }
+                    _ => settles[i] = false,
+                }
+            }
+        }
+        let reads: SmallVec<[Verb; MAX_BATCH_VERBS]> = candidates.iter().map(|c| c.read).collect();
+        if !reads.is_empty() {
+            self.conn.post(&reads)?;
+        }
+        let mut copies: SmallVec<[Option<WriterCopies>; BATCH_KEYS]> = SmallVec::new();
+        for (i, key) in keys.iter().enumerate() {
+            let mut found = WriterCopies::new();
+            if !settles[i] {
+                copies.push(None);
+                continue;
+            }
+            for c in candidates.iter().filter(|c| c.key == i) {
+                let Verb::Read { local, len, .. } = c.read else {
+                    continue;
+                };
+                match decode_block(&self.conn.local()[local..local + len]) {
+                    Ok(view) if view.key == *key => {
+                        let kind = match view.payload {
+                            Payload::Bytes(_) => Kind::Bytes,
+                            Payload::Counter { value, state } => Kind::Counter { value, state },
+                        };
+                        found.push((c.index, c.slot, kind));
+                    }
+                    Ok(_) => {}
+                    // Damage or a race: the single path retries and reports.
+                    Err(_) => settles[i] = false,
+                }
+            }
+            copies.push(settles[i].then_some(found));
+        }
+        Ok(copies)
     }
 
     /// Key `k`'s candidate slots as its windows in a multi-key batch left

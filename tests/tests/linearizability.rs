@@ -320,13 +320,13 @@ fn check_histories(workload: Workload) -> ServerStats {
                         // Half the reads read a second key with it, in one
                         // get_many: each is a read of its key within the
                         // call.
-                        // Half the puts (where any client may write any key)
-                        // write a second key with it, in one put_many.
+                        // Half the puts and deletes (where any client may
+                        // write any key) write a second key with it, in one
+                        // put_many or delete_many.
                         let pair = (rng >> 20).is_multiple_of(2)
                             && match &op {
                                 RegisterOp::Read => true,
-                                RegisterOp::Write(Some(_)) => !owned_writes,
-                                RegisterOp::Write(None) => false,
+                                RegisterOp::Write(_) => !owned_writes,
                             };
                         let k2 = (k + 1) % KEYS;
                         let op2 = match &op {
@@ -340,7 +340,8 @@ fn check_histories(workload: Workload) -> ServerStats {
                                     pad,
                                 )))
                             }
-                            _ => RegisterOp::Read,
+                            RegisterOp::Write(None) => RegisterOp::Write(None),
+                            RegisterOp::Read => RegisterOp::Read,
                         };
                         if pair {
                             log.lock().unwrap().push(Event::Invoke(k2, t, op2.clone()));
@@ -380,6 +381,15 @@ fn check_histories(workload: Workload) -> ServerStats {
                             }
                             RegisterOp::Write(Some(v)) => {
                                 or_abort(kv.put(name.as_bytes(), &v), "put");
+                                RegisterRet::WriteOk
+                            }
+                            RegisterOp::Write(None) if pair => {
+                                or_abort(kv.delete_many(&[name.clone(), key(k2)]), "delete_many");
+                                log.lock().unwrap().push(Event::Return(
+                                    k2,
+                                    t,
+                                    RegisterRet::WriteOk,
+                                ));
                                 RegisterRet::WriteOk
                             }
                             RegisterOp::Write(None) => {

@@ -208,7 +208,7 @@ fn a_batch_of_gets_takes_two_round_trips_cold_and_one_warm() {
 }
 
 #[test]
-fn a_batch_of_puts_takes_three_round_trips_cold_and_one_warm() {
+fn batches_of_puts_and_deletes_take_three_round_trips_cold_and_one_warm() {
     let deadline = Duration::from_millis(600);
     let srv = TestServer::start(|c| c.op_deadline = deadline);
     let rt = |kv: &Client| kv.verb_stats().round_trips;
@@ -251,6 +251,18 @@ fn a_batch_of_puts_takes_three_round_trips_cold_and_one_warm() {
     assert_eq!(rt(&warm) - at, 1, "16 updates with settled hints");
     let values = cold.get_many(&keys).unwrap();
     assert!(values.iter().all(|v| v.as_deref() == Some(&[3u8; 900][..])));
+    // Deletes: windows, blocks, CASes; one batch with settled hints.
+    let at = rt(&cold);
+    let mut gone = keys[..8].to_vec();
+    gone.push("never-there".into());
+    let mut expected = vec![true; 8];
+    expected.push(false);
+    assert_eq!(cold.delete_many(&gone).unwrap(), expected);
+    assert_eq!(rt(&cold) - at, 3, "9 cold deletes: windows, blocks, CASes");
+    let at = rt(&warm);
+    assert_eq!(warm.delete_many(&keys[8..]).unwrap(), vec![true; 8]);
+    assert_eq!(rt(&warm) - at, 1, "8 deletes with settled hints");
+    assert!(cold.get_many(&keys).unwrap().iter().all(Option::is_none));
     // A key given twice ends with its last value.
     cold.put_many(&[("twice", "a"), ("other", "b"), ("twice", "c")])
         .unwrap();
