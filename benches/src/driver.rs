@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use hdrhistogram::Histogram;
 use kv_common::transport::VerbStats;
 
-use crate::generator::{key_name, Rng};
+use crate::generator::{write_key_name, Rng};
 use crate::store::{Store, StoreFactory};
 use crate::workload::{build_record, replace_field, Workload};
 
@@ -241,6 +241,9 @@ fn report_progress(
 }
 
 /// One thread's generators and measurements.
+/// Operations a worker does between updates of the shared progress count.
+const PROGRESS_STEP: u64 = 64;
+
 struct Worker {
     rng: Rng,
     chooser: crate::generator::KeyChooser,
@@ -249,6 +252,7 @@ struct Worker {
     first_error: Option<String>,
     record: Vec<u8>,
     read_buf: Vec<u8>,
+    key: String,
     finished: Instant,
 }
 
@@ -265,6 +269,7 @@ impl Worker {
             first_error: None,
             record: Vec::new(),
             read_buf: Vec::new(),
+            key: String::new(),
             finished: Instant::now(),
         }
     }
@@ -280,6 +285,7 @@ impl Worker {
     ) {
         let per_thread_rate = w.target.map(|t| t / threads as f64);
         let start = Instant::now();
+        let mut done = 0;
         for i in 0..share {
             if shared.stop.load(Ordering::Relaxed) {
                 break;
@@ -296,8 +302,16 @@ impl Worker {
                 Phase::Run => self.choose_op(w),
             };
             self.one(store, w, kind, shared);
-            shared.done.fetch_add(1, Ordering::Relaxed);
+            // Progress is shared by every thread: counted in steps, so the
+            // loop does not bounce a cache line between them on every op.
+            done += 1;
+            if done % PROGRESS_STEP == 0 {
+                shared.done.fetch_add(PROGRESS_STEP, Ordering::Relaxed);
+            }
         }
+        shared
+            .done
+            .fetch_add(done % PROGRESS_STEP, Ordering::Relaxed);
         self.finished = Instant::now();
     }
 
@@ -334,7 +348,8 @@ impl Worker {
             OpKind::Insert => shared.next_insert.fetch_add(1, Ordering::Relaxed),
             _ => self.existing_key(shared),
         };
-        let key = key_name(keynum, w.ordered_inserts);
+        let mut key = std::mem::take(&mut self.key);
+        write_key_name(keynum, w.ordered_inserts, &mut key);
         // Records are generated before the clock starts, as YCSB does.
         let whole_write = kind == OpKind::Insert || (kind != OpKind::Read && w.writeallfields);
         if whole_write {
@@ -377,6 +392,7 @@ impl Worker {
         if kind == OpKind::Insert {
             shared.acked.fetch_max(keynum, Ordering::Relaxed);
         }
+        self.key = key;
     }
 
     /// Read the record, then write it back with one field (or, with

@@ -49,9 +49,19 @@ pub fn fnvhash64(val: u64) -> u64 {
 
 /// YCSB's key name for a key number: "user" + the number, FNV-hashed when
 /// inserts are hashed (the default) rather than ordered.
+#[cfg(test)]
 pub fn key_name(keynum: u64, ordered: bool) -> String {
+    let mut name = String::new();
+    write_key_name(keynum, ordered, &mut name);
+    name
+}
+
+/// `key_name` into a reused buffer: the benchmark loop allocates nothing.
+pub fn write_key_name(keynum: u64, ordered: bool, out: &mut String) {
+    use std::fmt::Write;
     let n = if ordered { keynum } else { fnvhash64(keynum) };
-    format!("user{n}")
+    out.clear();
+    let _ = write!(out, "user{n}");
 }
 
 pub const ZIPFIAN_CONSTANT: f64 = 0.99;

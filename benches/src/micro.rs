@@ -3,6 +3,12 @@
 //! with the raw verbs they are built of as the baseline: one 1-KiB READ and
 //! one CAS per round trip. Only the timed operation counts towards the
 //! round trips and bytes per op (a warm DELETE's preceding GET does not).
+//!
+//! On shm, `GET-bound` is what memory allows: a GET that does only what it
+//! must (hash, read both windows, read the block, check its xxh3, copy the
+//! value) straight on the mapping, with the transport's copy. `GET-batchN`
+//! reads N keys per `get_many` (ops count keys; latency is per call).
+//! `INCR` has every thread add 1 to one counter and checks the sum.
 
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
@@ -10,9 +16,12 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use hdrhistogram::Histogram;
 use kv_client::Client;
-use kv_common::layout::EPOCH_OFFSET;
+use kv_common::layout::{
+    decode_block, Geometry, KeyHash, Payload, Slot, CANDIDATE_SLOTS, EPOCH_OFFSET,
+};
 use kv_common::protocol::{Request, Response, PROTOCOL_VERSION};
-use kv_common::transport::{self, Verb, VerbStats};
+use kv_common::transport::shm::SharedRegion;
+use kv_common::transport::{self, Connection, Verb, VerbStats};
 use kv_common::Address;
 
 use crate::target::Target;
@@ -46,29 +55,38 @@ pub struct MicroArgs {
     /// it grows as the keys are loaded).
     #[arg(long, value_parser = kv_common::size::parse_size)]
     memory: Option<u64>,
+    /// Keys per `get_many` in the GET-batch loop.
+    #[arg(long, default_value_t = 16)]
+    batch: usize,
 }
 
 #[derive(Clone, Copy, PartialEq)]
 enum Op {
     RawRead,
     RawCas,
+    GetBound,
     Get { warm: bool },
+    GetBatch,
     Update { warm: bool },
     Insert,
     Delete { warm: bool },
+    Incr,
 }
 
 impl Op {
-    const ALL: [Op; 9] = [
+    const ALL: [Op; 12] = [
         Op::RawRead,
         Op::RawCas,
+        Op::GetBound,
         Op::Get { warm: false },
         Op::Get { warm: true },
+        Op::GetBatch,
         Op::Update { warm: false },
         Op::Update { warm: true },
         Op::Insert,
         Op::Delete { warm: false },
         Op::Delete { warm: true },
+        Op::Incr,
     ];
 
     /// One word, so that scripts can pick a line by its first field.
@@ -76,23 +94,32 @@ impl Op {
         match self {
             Op::RawRead => "raw-READ-1KiB",
             Op::RawCas => "raw-CAS",
+            Op::GetBound => "GET-bound",
             Op::Get { warm: false } => "GET-cold",
             Op::Get { warm: true } => "GET-warm",
+            Op::GetBatch => "GET-batch",
             Op::Update { warm: false } => "UPDATE-cold",
             Op::Update { warm: true } => "UPDATE-warm",
             Op::Insert => "INSERT",
             Op::Delete { warm: false } => "DELETE-cold",
             Op::Delete { warm: true } => "DELETE-warm",
+            Op::Incr => "INCR",
         }
     }
 
     fn warm(self) -> bool {
         matches!(
             self,
-            Op::Get { warm: true } | Op::Update { warm: true } | Op::Delete { warm: true }
+            Op::Get { warm: true }
+                | Op::Update { warm: true }
+                | Op::Delete { warm: true }
+                | Op::Incr
         )
     }
 }
+
+/// The counter every thread of the INCR loop adds to.
+const COUNTER: &[u8] = b"micro-counter";
 
 struct LoopResult {
     ops: u64,
@@ -111,8 +138,15 @@ fn key(i: u64, size: usize) -> Vec<u8> {
 }
 
 pub fn run(args: MicroArgs) -> Result<(), String> {
-    if args.key_size == 0 || args.keys == 0 || args.warm_keys == 0 || args.threads.is_empty() {
-        return Err("--keys, --key-size, --warm-keys and --threads must be positive".into());
+    if args.key_size == 0
+        || args.keys == 0
+        || args.warm_keys == 0
+        || args.batch == 0
+        || args.threads.is_empty()
+    {
+        return Err(
+            "--keys, --key-size, --warm-keys, --batch and --threads must be positive".into(),
+        );
     }
     if !(args.seconds.is_finite() && args.seconds > 0.0) {
         return Err("--seconds must be a positive number".into());
@@ -142,19 +176,47 @@ pub fn run(args: MicroArgs) -> Result<(), String> {
         "write B/op"
     );
     let server_before = target.server.as_ref().map(|s| s.stats());
-    let mut baseline_p50 = [0u64; 2];
+    let mut baseline_p50 = [0u64; 3];
+    let on_shm = matches!(Address::parse(&target.address)?, Address::Shm { .. });
     for &threads in &args.threads {
         for op in Op::ALL {
+            if op == Op::GetBound && !on_shm {
+                continue;
+            }
+            if op == Op::Incr {
+                loader.delete(COUNTER).map_err(|e| e.to_string())?;
+            }
             let r = run_loop(&target.address, op, threads, &args)?;
+            let note = match op {
+                // Every increment acknowledged is in the sum.
+                Op::Incr => {
+                    let sum = loader.get_counter(COUNTER).map_err(|e| e.to_string())?;
+                    if sum != Some(r.ops as i64) {
+                        return Err(format!(
+                            "INCR: {} increments, the counter holds {sum:?}",
+                            r.ops
+                        ));
+                    }
+                    format!("  sum {} = increments", r.ops)
+                }
+                Op::GetBatch => format!("  {} keys per call; latency per call", args.batch),
+                _ => String::new(),
+            };
             let p50 = r.latency.value_at_quantile(0.5);
             match op {
                 Op::RawRead => baseline_p50[0] = p50,
                 Op::RawCas => baseline_p50[1] = p50,
+                Op::GetBound => baseline_p50[2] = p50,
                 _ => {}
             }
             let per = |v: u64| v as f64 / r.ops.max(1) as f64;
             let ratio = match op {
-                Op::RawRead | Op::RawCas => String::new(),
+                Op::RawRead | Op::RawCas | Op::GetBound => String::new(),
+                Op::Get { .. } if baseline_p50[2] > 0 => format!(
+                    "  p50 = {:.2}x GET-bound, {:.1}x raw READ",
+                    p50 as f64 / baseline_p50[2] as f64,
+                    p50 as f64 / baseline_p50[0].max(1) as f64
+                ),
                 _ if baseline_p50[0] > 0 => {
                     format!(
                         "  p50 = {:.1}x raw READ",
@@ -164,7 +226,7 @@ pub fn run(args: MicroArgs) -> Result<(), String> {
                 _ => String::new(),
             };
             println!(
-                "{:<14} {:>7} {:>11.0} {:>8.2} {:>8.2} {:>9.2} {:>8.2} {:>10.0} {:>10.0}{ratio}",
+                "{:<14} {:>7} {:>11.0} {:>8.2} {:>8.2} {:>9.2} {:>8.2} {:>10.0} {:>10.0}{ratio}{note}",
                 op.name(),
                 threads,
                 r.ops as f64 / r.elapsed.as_secs_f64(),
@@ -238,7 +300,12 @@ fn worker(
     };
     let mut ops = 0u64;
     let (elapsed, verbs) = match op {
-        Op::Get { .. } | Op::Update { .. } | Op::Insert | Op::Delete { .. } => {
+        Op::Get { .. }
+        | Op::GetBatch
+        | Op::Update { .. }
+        | Op::Insert
+        | Op::Delete { .. }
+        | Op::Incr => {
             let mut kv = KvLoop::connect(address, op, t, args)?;
             // Hints settle after every thread is ready, so none waits long
             // enough here for its hints to go stale.
@@ -247,26 +314,39 @@ fn worker(
             barrier.wait();
             let start = Instant::now();
             while start.elapsed() < duration {
-                kv.step(&mut next, &mut latency)?;
-                ops += 1;
+                ops += kv.step(&mut next, &mut latency)?;
             }
             // Throughput counts the timed operations' time only: a warm
             // DELETE's set-up waits for hints to settle.
             (kv.busy, kv.timed)
         }
-        Op::RawRead | Op::RawCas => {
-            let mut conn = transport::connect(&Address::parse(address)?, &Default::default())
-                .map_err(|e| e.to_string())?;
-            let info = match conn.call(&Request::Connect {
-                protocol_version: PROTOCOL_VERSION,
-                secret: vec![],
-            }) {
-                Ok(Response::Connected(info)) => info,
-                other => return Err(format!("connect for raw verbs: {other:?}")),
+        Op::GetBound => {
+            let (mut conn, g) = raw_connection(address)?;
+            let Address::Shm { region } = Address::parse(address)? else {
+                return Err("GET-bound runs on shm only".into());
             };
-            conn.attach(&info.region, 4096).map_err(|e| e.to_string())?;
-            let g = info.geometry;
-            g.validate().map_err(|e| e.to_string())?;
+            let region =
+                SharedRegion::for_client(&region, g.region_len).map_err(|e| e.to_string())?;
+            let mut bound = BoundGet::new(&g, args.value_size);
+            barrier.wait();
+            let start = Instant::now();
+            let mut missed = 0u64;
+            while start.elapsed() < duration {
+                let k = key(next() % args.keys, args.key_size);
+                let t0 = Instant::now();
+                missed += u64::from(!bound.get(&region, &k)?);
+                latency.saturating_record(t0.elapsed().as_nanos() as u64);
+                ops += 1;
+            }
+            if missed > 0 {
+                // Only a resize after the geometry was read does that.
+                return Err(format!("GET-bound missed {missed} of {ops} keys"));
+            }
+            let _ = conn.call(&Request::Disconnect);
+            (start.elapsed(), VerbStats::default())
+        }
+        Op::RawRead | Op::RawCas => {
+            let (mut conn, g) = raw_connection(address)?;
             let before = *conn.stats();
             barrier.wait();
             let start = Instant::now();
@@ -307,6 +387,77 @@ fn worker(
     })
 }
 
+/// A connection that posts verbs of its own, with a 4 KiB local buffer.
+fn raw_connection(address: &str) -> Result<(Box<dyn Connection>, Geometry), String> {
+    let mut conn = transport::connect(&Address::parse(address)?, &Default::default())
+        .map_err(|e| e.to_string())?;
+    let info = match conn.call(&Request::Connect {
+        protocol_version: PROTOCOL_VERSION,
+        secret: vec![],
+    }) {
+        Ok(Response::Connected(info)) => info,
+        other => return Err(format!("connect for raw verbs: {other:?}")),
+    };
+    conn.attach(&info.region, 4096).map_err(|e| e.to_string())?;
+    let g = info.geometry;
+    g.validate().map_err(|e| e.to_string())?;
+    Ok((conn, g))
+}
+
+/// A GET that does only what it must, on the mapping itself: hash the key,
+/// read both windows, read the first block whose fingerprint matches and
+/// holds the key, check its xxh3, copy the value out. No deadline, no
+/// retries, no transport: the floor a GET over shm can reach.
+struct BoundGet {
+    g: Geometry,
+    windows: Vec<u64>,
+    block: Vec<u64>,
+    out: Vec<u8>,
+}
+
+impl BoundGet {
+    fn new(g: &Geometry, value_size: usize) -> BoundGet {
+        BoundGet {
+            g: *g,
+            windows: vec![0; CANDIDATE_SLOTS],
+            block: vec![0; g.max_block() as usize / 8],
+            out: Vec::with_capacity(value_size),
+        }
+    }
+
+    fn get(&mut self, region: &SharedRegion, key: &[u8]) -> Result<bool, String> {
+        let kh = KeyHash::new(key, self.g.bucket_count);
+        let per_window = CANDIDATE_SLOTS / 2;
+        for w in 0..2 {
+            let dst = &mut self.windows[w * per_window..(w + 1) * per_window];
+            region
+                .read(self.g.bucket_offset(kh.windows[w]), dst)
+                .map_err(|e| e.to_string())?;
+        }
+        for &word in &self.windows {
+            let slot = Slot(word);
+            if slot.is_empty() || slot.fingerprint() != kh.fingerprint {
+                continue;
+            }
+            let Some((offset, len)) = self.g.block_span(slot) else {
+                continue;
+            };
+            let words = &mut self.block[..len / 8];
+            region.read(offset, words).map_err(|e| e.to_string())?;
+            // SAFETY: any u64 slice is a valid u8 slice of 8x the length.
+            let bytes = unsafe { std::slice::from_raw_parts(words.as_ptr() as *const u8, len) };
+            if let Ok(view) = decode_block(bytes) {
+                if let (true, Payload::Bytes(value)) = (view.key == key, view.payload) {
+                    self.out.clear();
+                    self.out.extend_from_slice(value);
+                    return Ok(true);
+                }
+            }
+        }
+        Ok(false)
+    }
+}
+
 /// One thread's loop of a key-value operation. Warm loops first make every
 /// key's hint settle (a sighting three deadlines after the first), so that
 /// each timed operation meets a fresh, settled hint, as a client revisiting
@@ -319,6 +470,8 @@ struct KvLoop<'a> {
     keys: Vec<Vec<u8>>,
     value: Vec<u8>,
     out: Vec<u8>,
+    /// The keys of one GET-batch call.
+    batch: Vec<Vec<u8>>,
     /// Names keys this loop creates.
     prefix: String,
     made: u64,
@@ -342,6 +495,7 @@ impl<'a> KvLoop<'a> {
             keys: Vec::new(),
             value: vec![t as u8; args.value_size],
             out: Vec::with_capacity(args.value_size),
+            batch: Vec::new(),
             prefix: format!("micro-{}-{t}-{}", op.name(), std::process::id()),
             made: 0,
             timed: VerbStats::default(),
@@ -382,12 +536,13 @@ impl<'a> KvLoop<'a> {
         format!("{}-{}", self.prefix, self.made).into_bytes()
     }
 
-    /// One timed operation, after whatever untimed set-up it needs.
+    /// One timed operation, after whatever untimed set-up it needs; says
+    /// how many keys it covered.
     fn step(
         &mut self,
         next: &mut impl FnMut() -> u64,
         latency: &mut Histogram<u64>,
-    ) -> Result<(), String> {
+    ) -> Result<u64, String> {
         let err = |e: kv_client::Error| e.to_string();
         let key = match self.op {
             Op::Get { warm: true } | Op::Update { warm: true } => {
@@ -402,6 +557,15 @@ impl<'a> KvLoop<'a> {
                 self.keys.pop().unwrap_or_default()
             }
             Op::Insert => self.fresh_key(),
+            Op::GetBatch => {
+                self.batch.clear();
+                for _ in 0..self.args.batch {
+                    self.batch
+                        .push(key(next() % self.args.keys, self.args.key_size));
+                }
+                Vec::new()
+            }
+            Op::Incr => COUNTER.to_vec(),
             _ => key(next() % self.args.keys, self.args.key_size),
         };
         let before = self.kv.verb_stats();
@@ -414,13 +578,22 @@ impl<'a> KvLoop<'a> {
             Op::Delete { .. } => {
                 self.kv.delete(&key).map_err(err)?;
             }
-            Op::RawRead | Op::RawCas => {}
+            Op::GetBatch => {
+                self.kv.get_many(&self.batch).map_err(err)?;
+            }
+            Op::Incr => {
+                self.kv.incr(&key, 1).map_err(err)?;
+            }
+            Op::RawRead | Op::RawCas | Op::GetBound => {}
         }
         let took = t0.elapsed();
         latency.saturating_record(took.as_nanos() as u64);
         self.busy += took;
         self.timed.add(&self.kv.verb_stats().since(&before));
-        Ok(())
+        Ok(match self.op {
+            Op::GetBatch => self.args.batch as u64,
+            _ => 1,
+        })
     }
 
     /// Inserts the next keys to delete (untimed); for warm deletes, lets

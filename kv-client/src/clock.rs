@@ -8,9 +8,12 @@
 //! - a batch posted executes within `D` of being posted. The grace period's
 //!   margin over the deadline covers it, and every bound below leans on it.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kv_common::protocol::GRACE_DEADLINES;
+// Two clock reads per operation: the TSC where it is invariant (calibrated
+// against the monotonic clock), the monotonic clock where it is not.
+use quanta::Instant;
 
 /// The client's time bounds, from the deadline the server announced.
 #[derive(Debug, Clone, Copy)]

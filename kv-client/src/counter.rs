@@ -31,7 +31,7 @@
 //! A plain GET of a counter returns its decimal text; PUT replaces it with
 //! plain bytes; DELETE removes it. `incr` on a plain value is an error.
 
-use std::time::Instant;
+use quanta::Instant;
 
 use crossbeam::utils::Backoff;
 use kv_common::layout::{

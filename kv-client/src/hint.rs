@@ -36,7 +36,7 @@
 //! write its block and CAS the slot in one batch, and a delete CAS the slot
 //! empty, with no read at all.
 
-use std::time::Instant;
+use quanta::Instant;
 
 use kv_common::layout::{Slot, SlotPos};
 
@@ -155,6 +155,9 @@ impl Client {
         clock: OpClock,
         exact: bool,
     ) {
+        if !self.cache.is_enabled() {
+            return;
+        }
         if slot.is_frozen() {
             self.cache.forget(key);
             return;
@@ -179,6 +182,9 @@ impl Client {
         new: Slot,
         clock: OpClock,
     ) {
+        if !self.cache.is_enabled() {
+            return;
+        }
         let hint = match self.cache.get(key) {
             Some(h) if h.pos == pos && h.slot == old => {
                 h.confirmed(new, clock.started(), false, &self.timing)

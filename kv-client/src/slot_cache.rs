@@ -18,6 +18,11 @@ impl SlotCache {
         }
     }
 
+    /// Whether hints are kept at all (on shm they are off by default).
+    pub fn is_enabled(&self) -> bool {
+        self.capacity > 0
+    }
+
     pub fn get(&self, key: &[u8]) -> Option<Hint> {
         self.entries.get(key).copied()
     }
@@ -48,7 +53,7 @@ impl SlotCache {
 
 #[cfg(test)]
 mod tests {
-    use std::time::Instant;
+    use quanta::Instant;
 
     use kv_common::layout::{Slot, SlotPos};
 

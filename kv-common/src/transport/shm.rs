@@ -63,6 +63,35 @@ impl SharedRegion {
         Self::map(file, path, 0)
     }
 
+    /// A client's mapping of the region file at `path`, at least `min_len`
+    /// bytes long: one per process and file, shared by its connections, so
+    /// that each page is faulted in once per process rather than once per
+    /// connection. A longer file (the region grew) or another file at the
+    /// same path (a new region) gets a new mapping.
+    pub fn for_client(path: &Path, min_len: u64) -> std::io::Result<Arc<Self>> {
+        static MAPPINGS: Mutex<Vec<std::sync::Weak<SharedRegion>>> = Mutex::new(Vec::new());
+        use std::os::unix::fs::MetadataExt;
+        let file = OpenOptions::new().read(true).write(true).open(path)?;
+        let meta = file.metadata()?;
+        let mut mappings = MAPPINGS.lock().unwrap_or_else(|e| e.into_inner());
+        mappings.retain(|m| m.strong_count() > 0);
+        let same = |r: &SharedRegion| {
+            r.file
+                .metadata()
+                .is_ok_and(|m| (m.dev(), m.ino()) == (meta.dev(), meta.ino()))
+        };
+        let found = mappings
+            .iter()
+            .filter_map(std::sync::Weak::upgrade)
+            .find(|r| r.len() >= min_len && same(r));
+        if let Some(region) = found {
+            return Ok(region);
+        }
+        let region = Arc::new(Self::map(file, path, 0)?);
+        mappings.push(Arc::downgrade(&region));
+        Ok(region)
+    }
+
     fn map(file: File, path: &Path, max_len: u64) -> std::io::Result<Self> {
         let len = file.metadata()?.len();
         if len < 4096 || len % 8 != 0 {
@@ -278,7 +307,7 @@ impl Drop for SharedRegion {
 pub struct ShmConnection {
     stream: UnixStream,
     region_path: PathBuf,
-    region: Option<(SharedRegion, RemoteRegion)>,
+    region: Option<(Arc<SharedRegion>, RemoteRegion)>,
     local: Vec<u64>,
     stats: VerbStats,
     /// Set once the control stream failed: a reply may still be in flight,
@@ -314,19 +343,20 @@ impl ShmConnection {
             read_order: options.read_order,
         })
     }
+}
 
-    fn local_words(&mut self, at: usize, len: usize) -> Result<&mut [u64], TransportError> {
-        let local_len = self.local.len() * 8;
-        if !at.is_multiple_of(8)
-            || !len.is_multiple_of(8)
-            || at.checked_add(len).is_none_or(|e| e > local_len)
-        {
-            return Err(TransportError::LocalAccess(format!(
-                "local range {at}+{len} outside the {local_len}-byte buffer or unaligned"
-            )));
-        }
-        Ok(&mut self.local[at / 8..(at + len) / 8])
+/// The words of a local buffer covering `[at, at + len)`.
+fn local_words(local: &mut [u64], at: usize, len: usize) -> Result<&mut [u64], TransportError> {
+    let local_len = local.len() * 8;
+    if !at.is_multiple_of(8)
+        || !len.is_multiple_of(8)
+        || at.checked_add(len).is_none_or(|e| e > local_len)
+    {
+        return Err(TransportError::LocalAccess(format!(
+            "local range {at}+{len} outside the {local_len}-byte buffer or unaligned"
+        )));
     }
+    Ok(&mut local[at / 8..(at + len) / 8])
 }
 
 impl Connection for ShmConnection {
@@ -358,7 +388,7 @@ impl Connection for ShmConnection {
     }
 
     fn attach(&mut self, remote: &RemoteRegion, local_len: usize) -> Result<(), TransportError> {
-        let region = SharedRegion::open(&self.region_path)?;
+        let region = SharedRegion::for_client(&self.region_path, remote.len)?;
         if region.len() < remote.len {
             return Err(TransportError::RemoteAccess(format!(
                 "{} is {} bytes, the server registered {}",
@@ -387,13 +417,14 @@ impl Connection for ShmConnection {
     }
 
     fn post(&mut self, verbs: &[Verb]) -> Result<(), TransportError> {
-        let (region, remote) = match self.region.take() {
-            Some(r) => r,
-            None => return Err(TransportError::NotAttached),
+        let Some((region, remote)) = &self.region else {
+            return Err(TransportError::NotAttached);
         };
-        let result = self.execute(&region, &remote, verbs);
-        self.region = Some((region, remote));
-        result
+        execute(region, remote, self.read_order, &mut self.local, verbs)?;
+        let mut stats = self.stats;
+        stats.record_batch(verbs, self.local());
+        self.stats = stats;
+        Ok(())
     }
 
     fn stats(&self) -> &VerbStats {
@@ -401,74 +432,80 @@ impl Connection for ShmConnection {
     }
 }
 
-impl ShmConnection {
-    fn execute(
-        &mut self,
-        region: &SharedRegion,
-        remote: &RemoteRegion,
-        verbs: &[Verb],
-    ) -> Result<(), TransportError> {
-        if verbs.len() > super::MAX_BATCH_VERBS {
-            return Err(TransportError::LocalAccess(format!(
-                "batch of {} verbs exceeds {}",
-                verbs.len(),
-                super::MAX_BATCH_VERBS
-            )));
-        }
-        // As a NIC checks the rkey and the queue pair's state: a client the
-        // server cut off, or one of an earlier registration, is refused.
-        let registered = region.load(key_word(remote.key_slot)?)?;
-        if registered != remote.rkey as u64 {
-            return Err(TransportError::RemoteAccess(format!(
-                "rkey {:#x} is not registered (the server restarted, shut down or cut this client off)",
-                remote.rkey
-            )));
-        }
-        for verb in verbs {
-            let (off, len) = match *verb {
-                Verb::Read { remote, len, .. } | Verb::Write { remote, len, .. } => (remote, len),
-                Verb::Cas { remote, .. } | Verb::FetchAdd { remote, .. } => (remote, 8),
-            };
-            if off.checked_add(len as u64).is_none_or(|e| e > remote.len) {
-                return Err(TransportError::RemoteAccess(format!(
-                    "range {off}+{len} outside the registered {} bytes",
-                    remote.len
-                )));
-            }
-        }
-        let mut reads = 0;
-        for verb in self.read_order.arrange(verbs).iter() {
-            if let Some(pause) = self.read_order.pause_before(verb, reads) {
-                std::thread::sleep(pause);
-            }
-            match *verb {
-                Verb::Read { remote, local, len } => {
-                    region.read(remote, self.local_words(local, len)?)?;
-                    reads += 1;
-                }
-                Verb::Write { remote, local, len } => {
-                    region.write(remote, self.local_words(local, len)?)?
-                }
-                Verb::Cas {
-                    remote,
-                    local,
-                    expect,
-                    swap,
-                } => {
-                    let dst = self.local_words(local, 8)?;
-                    dst[0] = region.cas(remote, expect, swap)?;
-                }
-                Verb::FetchAdd { remote, local, add } => {
-                    let dst = self.local_words(local, 8)?;
-                    dst[0] = region.fetch_add(remote, add)?;
-                }
-            }
-        }
-        let mut stats = self.stats;
-        stats.record_batch(verbs, self.local());
-        self.stats = stats;
-        Ok(())
+/// Executes a batch as a NIC would: the access key first, then each verb
+/// in turn, each checked against the registered range before it runs.
+fn execute(
+    region: &SharedRegion,
+    remote: &RemoteRegion,
+    read_order: ReadOrder,
+    local: &mut [u64],
+    verbs: &[Verb],
+) -> Result<(), TransportError> {
+    if verbs.len() > super::MAX_BATCH_VERBS {
+        return Err(TransportError::LocalAccess(format!(
+            "batch of {} verbs exceeds {}",
+            verbs.len(),
+            super::MAX_BATCH_VERBS
+        )));
     }
+    // As a NIC checks the rkey and the queue pair's state: a client the
+    // server cut off, or one of an earlier registration, is refused.
+    let registered = region.load(key_word(remote.key_slot)?)?;
+    if registered != remote.rkey as u64 {
+        return Err(TransportError::RemoteAccess(format!(
+            "rkey {:#x} is not registered (the server restarted, shut down or cut this client off)",
+            remote.rkey
+        )));
+    }
+    let mut reads = 0;
+    for verb in read_order.arrange(verbs).iter() {
+        if let Some(pause) = read_order.pause_before(verb, reads) {
+            std::thread::sleep(pause);
+        }
+        let (off, len) = match *verb {
+            Verb::Read { remote, len, .. } | Verb::Write { remote, len, .. } => (remote, len),
+            Verb::Cas { remote, .. } | Verb::FetchAdd { remote, .. } => (remote, 8),
+        };
+        if off.checked_add(len as u64).is_none_or(|e| e > remote.len) {
+            return Err(TransportError::RemoteAccess(format!(
+                "range {off}+{len} outside the registered {} bytes",
+                remote.len
+            )));
+        }
+        match *verb {
+            Verb::Read {
+                remote,
+                local: at,
+                len,
+            } => {
+                region.read(remote, local_words(local, at, len)?)?;
+                reads += 1;
+            }
+            Verb::Write {
+                remote,
+                local: at,
+                len,
+            } => region.write(remote, local_words(local, at, len)?)?,
+            Verb::Cas {
+                remote,
+                local: at,
+                expect,
+                swap,
+            } => {
+                let dst = local_words(local, at, 8)?;
+                dst[0] = region.cas(remote, expect, swap)?;
+            }
+            Verb::FetchAdd {
+                remote,
+                local: at,
+                add,
+            } => {
+                let dst = local_words(local, at, 8)?;
+                dst[0] = region.fetch_add(remote, add)?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Byte offset of key-table entry `slot`.
