@@ -253,6 +253,9 @@ struct Worker {
     record: Vec<u8>,
     read_buf: Vec<u8>,
     key: String,
+    /// A batch's keys and values (batchsize > 1).
+    batch_keys: Vec<String>,
+    batch_out: Vec<Vec<u8>>,
     finished: Instant,
 }
 
@@ -270,6 +273,8 @@ impl Worker {
             record: Vec::new(),
             read_buf: Vec::new(),
             key: String::new(),
+            batch_keys: Vec::new(),
+            batch_out: Vec::new(),
             finished: Instant::now(),
         }
     }
@@ -285,8 +290,9 @@ impl Worker {
     ) {
         let per_thread_rate = w.target.map(|t| t / threads as f64);
         let start = Instant::now();
-        let mut done = 0;
-        for i in 0..share {
+        let mut unreported = 0;
+        let mut i = 0;
+        while i < share {
             if shared.stop.load(Ordering::Relaxed) {
                 break;
             }
@@ -301,17 +307,27 @@ impl Worker {
                 Phase::Load => OpKind::Insert,
                 Phase::Run => self.choose_op(w),
             };
-            self.one(store, w, kind, shared);
+            let n = match kind {
+                OpKind::Read if w.batchsize > 1 => {
+                    let n = (w.batchsize as u64).min(share - i);
+                    self.read_batch(store, w, n as usize, shared);
+                    n
+                }
+                _ => {
+                    self.one(store, w, kind, shared);
+                    1
+                }
+            };
+            i += n;
             // Progress is shared by every thread: counted in steps, so the
             // loop does not bounce a cache line between them on every op.
-            done += 1;
-            if done % PROGRESS_STEP == 0 {
-                shared.done.fetch_add(PROGRESS_STEP, Ordering::Relaxed);
+            unreported += n;
+            if unreported >= PROGRESS_STEP {
+                shared.done.fetch_add(unreported, Ordering::Relaxed);
+                unreported = 0;
             }
         }
-        shared
-            .done
-            .fetch_add(done % PROGRESS_STEP, Ordering::Relaxed);
+        shared.done.fetch_add(unreported, Ordering::Relaxed);
         self.finished = Instant::now();
     }
 
@@ -393,6 +409,41 @@ impl Worker {
             shared.acked.fetch_max(keynum, Ordering::Relaxed);
         }
         self.key = key;
+    }
+
+    /// `n` reads issued as one multi-key read: each counts as a READ whose
+    /// latency is the whole call's.
+    fn read_batch(&mut self, store: &mut dyn Store, w: &Workload, n: usize, shared: &Shared) {
+        let verbs_before = store.verb_stats();
+        if self.batch_keys.len() < n {
+            self.batch_keys.resize_with(n, String::new);
+            self.batch_out.resize_with(n, Vec::new);
+        }
+        for k in 0..n {
+            let keynum = self.existing_key(shared);
+            write_key_name(keynum, w.ordered_inserts, &mut self.batch_keys[k]);
+        }
+        let keys: Vec<&[u8]> = self.batch_keys[..n].iter().map(|k| k.as_bytes()).collect();
+        let started = Instant::now();
+        let result = store.read_many(&keys, &mut self.batch_out[..n]);
+        let elapsed = started.elapsed();
+        let stats = self.ops.entry(OpKind::Read).or_insert_with(OpStats::new);
+        stats
+            .latency
+            .saturating_record_n(elapsed.as_nanos() as u64, n as u64);
+        match result {
+            Ok(found) => {
+                stats.ok += found as u64;
+                stats.not_found += (n - found) as u64;
+            }
+            Err(e) => {
+                stats.errors += n as u64;
+                self.first_error.get_or_insert(e);
+            }
+        }
+        if let (Some(before), Some(after)) = (verbs_before, store.verb_stats()) {
+            stats.verbs.add(&after.since(&before));
+        }
     }
 
     /// Read the record, then write it back with one field (or, with

@@ -12,6 +12,16 @@ pub trait Store {
     /// Reads `key` into `out`; false if it is absent.
     fn read(&mut self, key: &[u8], out: &mut Vec<u8>) -> Result<bool, String>;
     fn write(&mut self, key: &[u8], value: &[u8]) -> Result<(), String>;
+    /// Reads many keys, each into the matching `out` (which has at least as
+    /// many buffers); returns how many were present. By default one read
+    /// after another.
+    fn read_many(&mut self, keys: &[&[u8]], out: &mut [Vec<u8>]) -> Result<usize, String> {
+        let mut found = 0;
+        for (key, out) in keys.iter().zip(out) {
+            found += usize::from(self.read(key, out)?);
+        }
+        Ok(found)
+    }
     /// Verb counters, for stores that have them (onekv).
     fn verb_stats(&self) -> Option<VerbStats> {
         None
@@ -59,6 +69,18 @@ impl StoreFactory for Onekv {
 impl Store for kv_client::Client {
     fn read(&mut self, key: &[u8], out: &mut Vec<u8>) -> Result<bool, String> {
         self.get_into(key, out).map_err(|e| e.to_string())
+    }
+
+    fn read_many(&mut self, keys: &[&[u8]], out: &mut [Vec<u8>]) -> Result<usize, String> {
+        let values = self.get_many(keys).map_err(|e| e.to_string())?;
+        let mut found = 0;
+        for (value, out) in values.into_iter().zip(out) {
+            if let Some(value) = value {
+                *out = value;
+                found += 1;
+            }
+        }
+        Ok(found)
     }
 
     fn write(&mut self, key: &[u8], value: &[u8]) -> Result<(), String> {
@@ -187,6 +209,22 @@ impl StoreFactory for Redis {
 }
 
 impl Store for RedisHandle {
+    fn read_many(&mut self, keys: &[&[u8]], out: &mut [Vec<u8>]) -> Result<usize, String> {
+        self.flush()?;
+        let values: Vec<Option<Vec<u8>>> = redis::cmd("MGET")
+            .arg(keys)
+            .query(&mut self.conn)
+            .map_err(|e| e.to_string())?;
+        let mut found = 0;
+        for (value, out) in values.into_iter().zip(out) {
+            if let Some(value) = value {
+                *out = value;
+                found += 1;
+            }
+        }
+        Ok(found)
+    }
+
     fn read(&mut self, key: &[u8], out: &mut Vec<u8>) -> Result<bool, String> {
         self.flush()?;
         let v: Option<Vec<u8>> = redis::cmd("GET")
@@ -281,6 +319,20 @@ impl Store for LmdbHandle {
             }
             None => Ok(false),
         }
+    }
+
+    fn read_many(&mut self, keys: &[&[u8]], out: &mut [Vec<u8>]) -> Result<usize, String> {
+        // One read transaction for the lot.
+        let rtxn = self.env.read_txn().map_err(|e| e.to_string())?;
+        let mut found = 0;
+        for (key, out) in keys.iter().zip(out) {
+            if let Some(v) = self.db.get(&rtxn, key).map_err(|e| e.to_string())? {
+                out.clear();
+                out.extend_from_slice(v);
+                found += 1;
+            }
+        }
+        Ok(found)
     }
 
     fn write(&mut self, key: &[u8], value: &[u8]) -> Result<(), String> {

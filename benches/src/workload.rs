@@ -43,6 +43,9 @@ pub struct Workload {
     pub writeallfields: bool,
     pub maxexecutiontime: Option<Duration>,
     pub threadcount: usize,
+    /// Reads issued together, as one multi-key read (onekv's `get_many`,
+    /// Redis's MGET, one LMDB read transaction); 1: one at a time.
+    pub batchsize: usize,
     /// Target operations per second over all threads (None: as fast as possible).
     pub target: Option<f64>,
 }
@@ -70,10 +73,14 @@ const KNOWN: &[&str] = &[
     "writeallfields",
     "maxexecutiontime",
     "threadcount",
+    "batchsize",
     "target",
     // Names the Java workload class; this driver is that workload.
     "workload",
 ];
+
+/// Largest `batchsize`.
+const MAX_BATCH: usize = 4096;
 
 struct Reader<'a>(&'a Properties);
 
@@ -197,6 +204,7 @@ impl Workload {
                 s => Some(Duration::from_secs(s)),
             },
             threadcount: r.count("threadcount", 1)? as usize,
+            batchsize: r.count("batchsize", 1)? as usize,
             target: match p.get("target") {
                 None => None,
                 Some(v) => {
@@ -229,6 +237,9 @@ impl Workload {
         }
         if w.threadcount == 0 {
             return Err("threadcount: must be at least 1".into());
+        }
+        if !(1..=MAX_BATCH).contains(&w.batchsize) {
+            return Err(format!("batchsize: must be from 1 to {MAX_BATCH}"));
         }
         if w.operationcount > 0
             && w.insertcount == 0
