@@ -175,10 +175,15 @@ if wait $server; then ok "kv-server shutdown"; else bad "kv-server shutdown"; ca
 col() { awk -v op="$1" -v c="$2" '$1==op {print $c; exit}' /tmp/micro.log; }
 raw_us=$(col raw-READ-1KiB 4)
 if [ -n "$read_us" ] && [ -n "$raw_us" ]; then
-  for op in GET-warm UPDATE-warm DELETE-warm GET-cold UPDATE-cold INSERT; do
+  for op in GET-warm UPDATE-warm DELETE-warm INCR GET-cold UPDATE-cold INSERT; do
     us=$(col $op 4); rt=$(col $op 7)
     [ -n "$us" ] && echo "RXE-RATIO: $op p50 ${us} us = $(awk "BEGIN{printf \"%.2f\", $us/$read_us}")x ib_read_lat, $(awk "BEGIN{printf \"%.2f\", $us/$raw_us}")x raw READ (${rt} round trips)"
   done
+fi
+# Keys per second of one get_many of 16 keys against single cold GETs.
+single=$(col GET-cold 3); batched=$(col GET-batch 3)
+if [ -n "$single" ] && [ -n "$batched" ]; then
+  echo "RXE-BATCH: get_many of 16 keys: $batched keys/s ($(col GET-batch 7) round trips per key) vs single GETs $single keys/s ($(col GET-cold 7)): $(awk "BEGIN{printf \"%.2f\", $batched/$single}")x"
 fi
 echo "RXE-SUMMARY: $pass passed, $fail failed"
 GUEST
@@ -198,7 +203,7 @@ accel="tcg,thread=multi"
 # a stock kernel, so probe briefly and fall back to TCG.
 if [ -w /dev/kvm ] && boot kvm onekv.probe 30 2>&1 | grep -q RXE-PROBE-OK; then accel=kvm; fi
 log "booting ($accel)"
-boot "$accel" "" 2400 2>&1 | tee "$WORK/console.log" | grep -E '^(RXE-|rxe0|test result|onekv micro|operation|raw-|GET|UPDATE|INSERT|DELETE|p[0-9]:|server during)' || true
+boot "$accel" "" 2400 2>&1 | tee "$WORK/console.log" | grep -E '^(RXE-|rxe0|test result|onekv micro|operation|raw-|GET|UPDATE|INSERT|DELETE|INCR|p[0-9]:|server during)' || true
 
 summary=$(grep -a 'RXE-SUMMARY:' "$WORK/console.log" | tail -1 | sed 's/.*RXE-SUMMARY: //' | tr -d '\r')
 if [ -z "$summary" ]; then

@@ -12,7 +12,8 @@
 //! 21 keys, one warm.
 //!
 //! DELETE: the same three batches (one with settled hints), the last
-//! emptying every copy a reader sees.
+//! emptying each key's copy (a key with extra copies, left by concurrent
+//! inserts, goes to the single path).
 //!
 //! Each key is judged exactly as the single-key call judges it (the lowest
 //! copy, read within the deadline of the batch that read its windows, a
@@ -40,6 +41,15 @@ struct Candidate {
     index: usize,
     slot: Slot,
     read: Verb,
+}
+
+/// The batch with its READs after every other verb (stable otherwise). Each
+/// READ of a writer's batch only needs to follow its own key's WRITE or CAS;
+/// a WRITE or an atomic after a READ would make the rdma backend fence it,
+/// stalling the batch for nothing.
+fn reads_last(mut verbs: SmallVec<[Verb; MAX_BATCH_VERBS]>) -> SmallVec<[Verb; MAX_BATCH_VERBS]> {
+    verbs.sort_by_key(|v| matches!(v, Verb::Read { .. }));
+    verbs
 }
 
 /// A key's copies as a writer sees them: candidate index, slot, contents.
@@ -344,7 +354,7 @@ impl Client {
             }
         }
         let clock = self.timing.start();
-        self.conn.post(&verbs)?;
+        self.conn.post(&reads_last(verbs))?;
         self.pause_if_slow();
 
         // The blind ones are done; the others' copies are read in a second
@@ -430,23 +440,45 @@ impl Client {
             }
         }
         if !verbs.is_empty() {
-            self.conn.post(&verbs)?;
+            self.conn.post(&reads_last(verbs))?;
         }
-        for (i, (key, value)) in pairs.iter().enumerate() {
-            let held = |c: &Client, expect: Slot| {
-                read_u64(c.conn.local(), c.layout.batch_word(i)) == expect.0
-            };
+        // Every outcome is taken from the buffer before anything else is
+        // posted: a duplicate check or a single-path redo may follow a
+        // resize or growth, which replaces the buffer.
+        let held: SmallVec<[bool; BATCH_KEYS]> = (0..n)
+            .map(|i| {
+                let word = read_u64(self.conn.local(), self.layout.batch_word(i));
+                match plan[i] {
+                    Publish::Update { old, .. } => word == old.0,
+                    Publish::Insert { .. } => word == Slot::EMPTY.0,
+                    _ => false,
+                }
+            })
+            .collect();
+        for (i, (key, _)) in pairs.iter().enumerate() {
             match plan[i] {
-                Publish::Update { index, old } if held(self, old) => {
+                Publish::Update { index, old } if held[i] => {
                     let pos = hashes[i].slot_pos(index);
                     self.replaced(key, pos, old, news[i], clock);
+                    plan[i] = Publish::Done;
                 }
-                Publish::Insert { index } if held(self, Slot::EMPTY) => {
+                Publish::Insert { index } if held[i] => {
                     let pos = hashes[i].slot_pos(index);
                     self.cache
                         .remember(key, Hint::seen(pos, news[i], published));
+                    plan[i] = Publish::Done;
+                    let index_now = (
+                        self.info.geometry.index_offset,
+                        self.info.geometry.bucket_count,
+                    );
+                    if index_now != (g.index_offset, g.bucket_count) {
+                        // A resize since (met by an earlier key's check)
+                        // kept the lowest copy, as a duplicate check would.
+                        continue;
+                    }
                     // The duplicate check starts from the windows read with
-                    // the CAS, as a single insert's does.
+                    // the CAS, as a single insert's does (if the buffer was
+                    // replaced meanwhile, it reads them again).
                     let from = self.layout.batch_window(i, 0);
                     let to = self.layout.window(0);
                     self.conn
@@ -454,8 +486,12 @@ impl Client {
                         .copy_within(from..from + 2 * WINDOW_BYTES, to);
                     self.resolve_insert(key, &hashes[i], pos, news[i], published)?;
                 }
-                Publish::Done => {}
-                _ => self.put(key, value)?,
+                _ => {}
+            }
+        }
+        for (i, &(key, value)) in pairs.iter().enumerate() {
+            if !matches!(plan[i], Publish::Done) {
+                self.put(key, value)?;
             }
         }
         Ok(n)
@@ -463,10 +499,9 @@ impl Client {
 
     /// Deletes up to `BATCH_KEYS` keys: each key's windows in one batch (a
     /// key with a settled hint: the CAS that empties its slot, which is
-    /// then all), the blocks found in a second, the CASes that empty every
-    /// copy a reader sees in a third (the extra copies before the lowest,
-    /// as a single DELETE orders them). `out[i]` says whether key `i` was
-    /// there; returns the keys the batch could not settle.
+    /// then all), the blocks found in a second, the CASes that empty each
+    /// key's copy in a third. `out[i]` says whether key `i` was there;
+    /// returns the keys the batch could not settle.
     pub(crate) fn delete_batch(
         &mut self,
         keys: &[&[u8]],
@@ -502,7 +537,7 @@ impl Client {
             blind.push(hint);
         }
         let clock = self.timing.start();
-        self.conn.post(&verbs)?;
+        self.conn.post(&reads_last(verbs))?;
         self.pause_if_slow();
 
         let mut unsettled = SmallVec::new();
@@ -518,42 +553,42 @@ impl Client {
         }
         let copies = self.writer_copies(keys, &hashes, &located)?;
 
-        // Third batch: per key, the copies a reader sees (a counter that
-        // has not settled is left to its creator), highest first; each
-        // CAS's old value lands in a word of its own.
+        // Third batch: per key, a CAS that empties the one copy a reader
+        // sees (a counter that has not settled is left to its creator). A
+        // key with extra copies goes to the single path, which removes them
+        // before the lowest, only once each is gone (a copy left behind
+        // would become the lowest and bring back an older value).
         let mut verbs: SmallVec<[Verb; MAX_BATCH_VERBS]> = SmallVec::new();
-        let mut cases: SmallVec<[(usize, Slot); MAX_BATCH_VERBS]> = SmallVec::new();
+        let mut cases: SmallVec<[(usize, Slot); BATCH_KEYS]> = SmallVec::new();
+        let in_time = clock.in_time();
         for i in (0..keys.len()).filter(|&i| located[i]) {
             let Some(copies) = &copies[i] else {
                 unsettled.push(i);
                 continue;
             };
-            let readable = copies.iter().filter(|c| c.2.is_readable());
-            if readable.clone().count() + verbs.len() > MAX_BATCH_VERBS || !clock.in_time() {
-                unsettled.push(i);
-                continue;
-            }
-            for &(index, slot, _) in readable.rev() {
-                let local = self.layout.reads + 8 * verbs.len();
-                verbs.push(Verb::Cas {
-                    remote: g.slot_offset(hashes[i].slot_pos(index)),
-                    local,
-                    expect: slot.0,
-                    swap: Slot::EMPTY.0,
-                });
-                cases.push((i, slot));
+            let mut readable = copies.iter().filter(|c| c.2.is_readable());
+            match (readable.next(), readable.next()) {
+                (None, _) => out[i] = false,
+                (Some(&(index, slot, _)), None) if in_time => {
+                    verbs.push(Verb::Cas {
+                        remote: g.slot_offset(hashes[i].slot_pos(index)),
+                        local: self.layout.batch_word(i),
+                        expect: slot.0,
+                        swap: Slot::EMPTY.0,
+                    });
+                    cases.push((i, slot));
+                }
+                _ => unsettled.push(i),
             }
         }
         if !verbs.is_empty() {
             self.conn.post(&verbs)?;
         }
         let mut failed: SmallVec<[usize; 4]> = SmallVec::new();
-        for (j, &(i, slot)) in cases.iter().enumerate() {
-            if read_u64(self.conn.local(), self.layout.reads + 8 * j) == slot.0 {
-                // A copy a reader saw is gone: the key was there.
-                out[i] = true;
-            } else if !failed.contains(&i) {
-                failed.push(i);
+        for &(i, slot) in &cases {
+            match read_u64(self.conn.local(), self.layout.batch_word(i)) == slot.0 {
+                true => out[i] = true,
+                false => failed.push(i),
             }
         }
         unsettled.extend(failed);

@@ -16,8 +16,15 @@
 //! two settle periods) CASes its state to *abandoned*, so the two cannot
 //! both win, and empties its slot. PUT treats a pending copy as any copy
 //! (replacing one makes its creator start over), so that a settled counter
-//! really is the only copy; DELETE leaves it to its creator, so that deletes
-//! cannot starve creators (the counter then appears after the delete).
+//! really is the only copy, except that a PUT's new copy never loses to one
+//! (its duplicate check gives the pending copy up instead); DELETE leaves
+//! it to its creator, so that deletes cannot starve creators (the counter
+//! then appears after the delete). A resize drops abandoned copies and
+//! carries pending ones only where no copy readers see exists.
+//!
+//! **Lost connections.** Once an atomic that may take effect has been
+//! posted, a lost connection ends the call with `Error::OutcomeUnknown`
+//! rather than redoing it, which could apply it twice.
 //!
 //! **Why a late FETCH-AND-ADD changes no live data.** An atomic is posted
 //! only within the operation deadline of the read that saw the slot link
@@ -36,7 +43,7 @@ use quanta::Instant;
 use crossbeam::utils::Backoff;
 use kv_common::layout::{
     class_for, counter_block_len, counter_words, encode_counter_block, CounterState, KeyHash, Slot,
-    SlotPos, COUNTER_ABANDONED, COUNTER_PENDING, COUNTER_SETTLED,
+    SlotPos, COUNTER_ABANDONED, COUNTER_PENDING, COUNTER_SETTLED, EPOCH_OFFSET,
 };
 use kv_common::transport::{read_u64, Verb};
 
@@ -122,8 +129,10 @@ impl Client {
                 Some((_, Kind::Bytes | Kind::Known)) => return Err(Error::NotACounter),
                 Some(((pos, slot), Kind::Counter { .. })) => {
                     if clock.in_time() {
-                        let word = slot.offset() + counter_words(key.len()).1 as u64;
-                        self.conn.post(&[op.verb(word, self.layout.cas)])?;
+                        let word = slot.thawed().offset() + counter_words(key.len()).1 as u64;
+                        self.conn
+                            .post(&[op.verb(word, self.layout.cas)])
+                            .map_err(|e| outcome_unknown(e.into()))?;
                         let old = read_u64(self.conn.local(), self.layout.cas) as i64;
                         let alone = copies.exact && copies.slots.len() == 1;
                         self.saw(key, pos, slot, clock, alone);
@@ -156,23 +165,32 @@ impl Client {
         Err(Error::Contended(self.options.max_attempts))
     }
 
-    /// One round trip with a settled counter hint: the slot's word, then
-    /// the atomic (which executes after the READ). The old value if the
-    /// slot still linked the block when it was read (frozen or not: a
-    /// resize moves the slot, not the block); None if the atomic may have
-    /// landed on a dead block: redo it from the buckets.
+    /// One round trip with a settled counter hint: the slot's word and the
+    /// epoch word, then the atomic (which executes after both READs). The
+    /// old value if the slot still linked the block when it was read
+    /// (frozen or not, while no new index had been published: a resize moves
+    /// the slot, not the block); None if the atomic may have landed on a
+    /// dead block: redo it from the buckets.
     fn apply_hinted(&mut self, key: &[u8], hint: Hint, op: CounterOp) -> Result<Option<i64>> {
         let clock = self.timing.start();
+        let g = self.info.geometry;
         let slot_word = Verb::Read {
-            remote: self.info.geometry.slot_offset(hint.pos),
+            remote: g.slot_offset(hint.pos),
             local: self.layout.slot,
+            len: 8,
+        };
+        let epoch_word = Verb::Read {
+            remote: EPOCH_OFFSET,
+            local: self.layout.epoch,
             len: 8,
         };
         let word = hint.slot.offset() + counter_words(key.len()).1 as u64;
         self.conn
-            .post(&[slot_word, op.verb(word, self.layout.cas)])?;
+            .post(&[slot_word, epoch_word, op.verb(word, self.layout.cas)])
+            .map_err(|e| outcome_unknown(e.into()))?;
         let local = self.conn.local();
         let now = Slot(read_u64(local, self.layout.slot));
+        let epoch = read_u64(local, self.layout.epoch);
         let old = read_u64(local, self.layout.cas) as i64;
         if now == hint.slot {
             let seen = hint.confirmed(hint.slot, clock.started(), true, &self.timing);
@@ -180,7 +198,47 @@ impl Client {
             return Ok(Some(old));
         }
         self.cache.forget(key);
-        Ok((now == hint.slot.frozen()).then_some(old))
+        if now != hint.slot.frozen() {
+            return Ok(None);
+        }
+        if epoch == g.epoch {
+            // Being moved, not yet published: the block was the key's.
+            return Ok(Some(old));
+        }
+        // The old index was frozen for good: the key may have been deleted
+        // in the new one before this call. Counted if the new index still
+        // links the block (it was then linked throughout).
+        self.follow_geometry(false)?;
+        match self.still_linked(key, hint.slot)? {
+            true => Ok(Some(old)),
+            false => Err(Error::OutcomeUnknown(
+                "a resize moved the counter while it was updated, and it has changed since".into(),
+            )),
+        }
+    }
+
+    /// Whether the lowest copy of `key` a reader sees is the block `slot`
+    /// names.
+    fn still_linked(&mut self, key: &[u8], slot: Slot) -> Result<bool> {
+        let mut corrupt = CorruptSlot::default();
+        for _ in 0..self.options.max_attempts {
+            let kh = KeyHash::new(key, self.info.geometry.bucket_count);
+            let clock = self.read_windows(&kh, None)?;
+            let slots = self.slots();
+            match self.scan(key, &kh, &slots, clock, ScanMode::Readable)? {
+                Scan::Found(copies) => {
+                    return Ok(copies
+                        .slots
+                        .first()
+                        .is_some_and(|&(_, s)| s.thawed() == slot.thawed()))
+                }
+                Scan::Retry(suspect) => corrupt.saw(key, suspect)?,
+                Scan::Moved => {
+                    self.follow_geometry(false)?;
+                }
+            }
+        }
+        Err(Error::Contended(self.options.max_attempts))
     }
 
     /// Inserts a pending counter holding `delta` into an empty slot of the
@@ -253,36 +311,46 @@ impl Client {
         since: Instant,
     ) -> Result<Option<OpClock>> {
         let state_word = new.offset() + counter_words(key.len()).0 as u64;
+        let my_pos = kh.slot_pos(mine);
         let mut corrupt = CorruptSlot::default();
         for _ in 0..self.options.max_attempts {
             let wait = (since + self.timing.settle()).saturating_duration_since(Instant::now());
             std::thread::sleep(wait);
             let clock = self.read_windows(kh, None)?;
             let slots = self.slots();
-            if slots[mine] != new {
+            if slots[mine].thawed() != new {
                 // Replaced or removed by a writer, or given up by another
                 // client; it never settled (only this client settles it).
                 return Ok(None);
             }
-            if meets_resize(&slots) {
-                // The slot cannot be emptied while frozen: give the copy up
-                // through its state, and start over on the new index.
+            let copies = match meets_resize(&slots) {
+                // A frozen slot cannot be emptied: give the copy up through
+                // its state (a resize drops abandoned counters), and start
+                // over on the new index.
+                true => None,
+                false => match self.scan(
+                    key,
+                    kh,
+                    &slots,
+                    clock,
+                    ScanMode::AllCopies { known: Some(new) },
+                )? {
+                    Scan::Found(copies) => Some(copies),
+                    Scan::Retry(suspect) => {
+                        corrupt.saw(key, suspect)?;
+                        continue;
+                    }
+                    Scan::Moved => None,
+                },
+            };
+            if !clock.in_time() {
+                // Too slow to act on what was read: read again.
+                continue;
+            }
+            let Some(copies) = copies else {
                 self.set_state(state_word, COUNTER_ABANDONED)?;
                 return Ok(None);
-            }
-            let mode = ScanMode::AllCopies { known: Some(new) };
-            let copies = match self.scan(key, kh, &slots, clock, mode)? {
-                Scan::Found(copies) => copies,
-                Scan::Retry(suspect) => {
-                    corrupt.saw(key, suspect)?;
-                    continue;
-                }
-                Scan::Moved => {
-                    self.set_state(state_word, COUNTER_ABANDONED)?;
-                    return Ok(None);
-                }
             };
-            let my_pos = kh.slot_pos(mine);
             let beaten = copies
                 .slots
                 .iter()
@@ -292,28 +360,48 @@ impl Client {
                 });
             if beaten {
                 // Another copy is the key's (or will be): drop ours.
-                if clock.in_time() {
-                    self.cas(my_pos, new, Slot::EMPTY)?;
-                }
+                self.give_up_unsettled(key, my_pos, new, clock)?;
                 return Ok(None);
             }
-            if !clock.in_time() {
-                continue;
+            // The increment takes effect here: a lost connection now leaves
+            // its outcome unknown, and the call must not be redone.
+            let state = self
+                .set_state(state_word, COUNTER_SETTLED)
+                .map_err(outcome_unknown)?;
+            if state != COUNTER_PENDING {
+                // Given up by another client, which empties the slot.
+                let _ = self.cas(my_pos, new, Slot::EMPTY);
+                return Ok(None);
             }
-            return Ok(match self.set_state(state_word, COUNTER_SETTLED)? {
-                COUNTER_PENDING => {
-                    // Ours is the key's: the copies left are pending ones
-                    // above it, which can no longer settle, or abandoned.
-                    self.tend_unsettled(key, &copies, clock, None)?;
-                    Some(clock)
-                }
-                _ => {
-                    self.cas(my_pos, new, Slot::EMPTY)?;
-                    None
-                }
-            });
+            // Ours is the key's: the copies left are pending ones above it,
+            // which can no longer settle, or abandoned ones. Clearing them
+            // only helps; the increment is done whatever happens here.
+            let _ = self.tend_unsettled(key, &copies, clock, None);
+            return Ok(Some(clock));
         }
         Err(Error::Contended(self.options.max_attempts))
+    }
+
+    /// Gives up a counter copy that has not settled, found by the read
+    /// timed by `clock`, and empties its slot: through its state first, so
+    /// that its creator's settling CAS and this one cannot both succeed.
+    /// False if it settled meanwhile (it is then a copy like any other), its
+    /// slot changed, or the read is too old to act on.
+    pub(crate) fn give_up_unsettled(
+        &mut self,
+        key: &[u8],
+        pos: SlotPos,
+        slot: Slot,
+        clock: OpClock,
+    ) -> Result<bool> {
+        if !clock.in_time() {
+            return Ok(false);
+        }
+        let state_word = slot.thawed().offset() + counter_words(key.len()).0 as u64;
+        if self.set_state(state_word, COUNTER_ABANDONED)? == COUNTER_SETTLED {
+            return Ok(false);
+        }
+        self.cas(pos, slot, Slot::EMPTY)
     }
 
     /// CASes a counter's state word from pending to `to`; returns what it
@@ -342,7 +430,6 @@ impl Client {
         clock: OpClock,
         mut watch: Option<&mut Watch>,
     ) -> Result<()> {
-        let state_at = counter_words(key.len()).0 as u64;
         let mut lowest_pending = true;
         for (&(pos, slot), &kind) in copies.slots.iter().zip(&copies.kinds) {
             if !clock.in_time() {
@@ -372,15 +459,21 @@ impl Client {
                 }
                 (CounterState::Pending, Some(_)) => false,
             };
-            // Through the state first: its creator's settling CAS and this
-            // one cannot both succeed.
-            if give_up
-                && self.set_state(slot.offset() + state_at, COUNTER_ABANDONED)? == COUNTER_PENDING
-            {
-                self.cas(pos, slot, Slot::EMPTY)?;
+            if give_up {
+                self.give_up_unsettled(key, pos, slot, clock)?;
             }
         }
         Ok(())
+    }
+}
+
+/// What a failure to post an atomic means: if the connection was lost, the
+/// atomic may or may not have executed, and redoing the call could apply
+/// it twice.
+fn outcome_unknown(e: Error) -> Error {
+    match e.is_connection_lost() {
+        true => Error::OutcomeUnknown(format!("the connection was lost: {e}")),
+        false => e,
     }
 }
 

@@ -84,6 +84,18 @@ impl Client {
                     continue;
                 }
             };
+            // A counter readers cannot see yet never wins: it is given up
+            // (its creator starts over and finds this value).
+            let unseen_below = copies
+                .slots
+                .iter()
+                .zip(&copies.kinds)
+                .find(|(&(pos, _), kind)| pos < mine && !kind.is_readable());
+            if let Some((&(pos, slot), _)) = unseen_below {
+                self.give_up_unsettled(key, pos, slot, clock)?;
+                backoff.snooze();
+                continue;
+            }
             let ours_is_higher = slots[my_index] == new
                 && copies
                     .slots

@@ -38,8 +38,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kv_common::layout::{
-    decode_block, index_bytes, Geometry, KeyHash, Slot, BUCKET_BYTES, CANDIDATE_SLOTS,
-    SLOTS_PER_BUCKET,
+    decode_block, index_bytes, CounterState, Geometry, KeyHash, Payload, Slot, BUCKET_BYTES,
+    CANDIDATE_SLOTS, SLOTS_PER_BUCKET,
 };
 use kv_common::protocol::{Extent, Request, Response, PROTOCOL_VERSION};
 use kv_common::transport::{self, read_u64, Connection, TransportError, Verb};
@@ -396,34 +396,57 @@ fn copy(
     let at_slot =
         |pos: kv_common::layout::SlotPos| pos.bucket as usize * SLOTS_PER_BUCKET + pos.index;
     let mut blocks = KeyReader::new(region, old);
-    let mut key = Vec::new();
     let (mut copied, mut duplicates, mut damaged) = (0u64, 0u64, 0u64);
     let halfway = occupied.len() / 2;
-    for (n, slot) in occupied.into_iter().enumerate() {
-        if n == halfway {
-            fault_point("copying");
-        }
-        let Some(k) = blocks.key(slot) else {
+    // Counters that have not settled come last, so that a copy readers see
+    // wins over them (their creators start over); given-up ones are dropped.
+    let mut unsettled = Vec::new();
+    // Places one old slot; false if its key's buckets are full.
+    let mut place = |slot: Slot, pending_pass: bool, unsettled: &mut Vec<Slot>| -> bool {
+        let Some((k, state)) = blocks.key(slot) else {
             damaged += 1;
-            continue;
+            return true;
         };
-        key.clear();
-        key.extend_from_slice(k);
+        match state {
+            Some(CounterState::Abandoned) => return true,
+            Some(CounterState::Pending) if !pending_pass => {
+                unsettled.push(slot);
+                return true;
+            }
+            _ => {}
+        }
+        let key = k.to_vec();
         let h = KeyHash::new(&key, buckets);
         let candidates: [Slot; CANDIDATE_SLOTS] =
             std::array::from_fn(|i| Slot(slots[at_slot(h.slot_pos(i))]));
         let placed = candidates.iter().any(|&c| {
-            !c.is_empty() && c.fingerprint() == h.fingerprint && blocks.key(c) == Some(&key[..])
+            !c.is_empty()
+                && c.fingerprint() == h.fingerprint
+                && blocks.key(c).is_some_and(|(k, _)| k == &key[..])
         });
         if placed {
             duplicates += 1;
-            continue;
+            return true;
         }
         let Some(i) = KeyHash::insert_choice(&candidates) else {
-            return Ok(None);
+            return false;
         };
         slots[at_slot(h.slot_pos(i))] = slot.0;
         copied += 1;
+        true
+    };
+    for (n, slot) in occupied.into_iter().enumerate() {
+        if n == halfway {
+            fault_point("copying");
+        }
+        if !place(slot, false, &mut unsettled) {
+            return Ok(None);
+        }
+    }
+    for slot in std::mem::take(&mut unsettled) {
+        if !place(slot, true, &mut Vec::new()) {
+            return Ok(None);
+        }
     }
     if duplicates > 0 {
         tracing::info!(
@@ -459,15 +482,21 @@ impl<'a> KeyReader<'a> {
         }
     }
 
-    /// The key of the block `slot` points at, if it is a valid block.
-    fn key(&mut self, slot: Slot) -> Option<&[u8]> {
+    /// The key of the block `slot` points at, if it is a valid block, and
+    /// its state if it is a counter.
+    fn key(&mut self, slot: Slot) -> Option<(&[u8], Option<CounterState>)> {
         let (offset, len) = self.g.block_span(slot)?;
         self.words.resize(len / 8, 0);
         self.region.read(offset, &mut self.words).ok()?;
         self.bytes.clear();
         self.bytes
             .extend(self.words.iter().flat_map(|w| w.to_le_bytes()));
-        decode_block(&self.bytes).ok().map(|v| v.key)
+        let view = decode_block(&self.bytes).ok()?;
+        let state = match view.payload {
+            Payload::Counter { state, .. } => Some(state),
+            Payload::Bytes(_) => None,
+        };
+        Some((view.key, state))
     }
 }
 

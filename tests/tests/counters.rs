@@ -1,6 +1,6 @@
 //! Counters: FETCH-AND-ADD and CAS in place. Concurrent increments from many
-//! clients all count; with deletes and compare-and-sets mixed in, every
-//! history is linearizable; a late atomic never lands on reused space; and
+//! clients all count; with deletes, compare-and-sets and PUTs of the same
+//! keys mixed in, every history is linearizable; a late atomic never lands on reused space; and
 //! GET, PUT and DELETE of a counter key do what the API says.
 
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
@@ -71,9 +71,15 @@ fn concurrent_increments_all_count() {
     assert_eq!(returned, (1..=n).collect::<Vec<_>>());
 }
 
-/// A counter key's value, as the API defines it.
-#[derive(Clone, Debug, Default)]
-struct Counter(Option<i64>);
+/// A key's value, as the API defines it: absent, a counter, or bytes a
+/// PUT stored (counter calls on those fail with `NotACounter`).
+#[derive(Clone, Debug, Default, PartialEq)]
+enum Counter {
+    #[default]
+    Absent,
+    Value(i64),
+    Bytes,
+}
 
 #[derive(Clone, Debug)]
 enum Op {
@@ -81,14 +87,27 @@ enum Op {
     Get,
     Swap(i64, i64),
     Delete,
+    Put,
 }
 
+/// `Err(())`: the call failed with `NotACounter`.
 #[derive(Clone, Debug, PartialEq)]
 enum Ret {
-    Incr(i64),
-    Get(Option<i64>),
-    Swap(Option<i64>),
+    Incr(Result<i64, ()>),
+    Get(Result<Option<i64>, ()>),
+    Swap(Result<Option<i64>, ()>),
     Delete(bool),
+    Put,
+}
+
+impl Counter {
+    fn value(&self) -> Result<Option<i64>, ()> {
+        match *self {
+            Counter::Absent => Ok(None),
+            Counter::Value(v) => Ok(Some(v)),
+            Counter::Bytes => Err(()),
+        }
+    }
 }
 
 impl SequentialSpec for Counter {
@@ -96,21 +115,31 @@ impl SequentialSpec for Counter {
     type Ret = Ret;
     fn invoke(&mut self, op: &Op) -> Ret {
         match *op {
-            Op::Incr(d) => {
-                let v = self.0.unwrap_or(0) + d;
-                self.0 = Some(v);
-                Ret::Incr(v)
-            }
-            Op::Get => Ret::Get(self.0),
-            Op::Swap(expect, new) => {
-                let old = self.0;
+            Op::Incr(d) => Ret::Incr(self.value().map(|v| {
+                let v = v.unwrap_or(0) + d;
+                *self = Counter::Value(v);
+                v
+            })),
+            Op::Get => Ret::Get(self.value()),
+            Op::Swap(expect, new) => Ret::Swap(self.value().inspect(|&old| {
                 if old == Some(expect) {
-                    self.0 = Some(new);
+                    *self = Counter::Value(new);
                 }
-                Ret::Swap(old)
+            })),
+            Op::Delete => Ret::Delete(std::mem::take(self) != Counter::Absent),
+            Op::Put => {
+                *self = Counter::Bytes;
+                Ret::Put
             }
-            Op::Delete => Ret::Delete(self.0.take().is_some()),
         }
+    }
+}
+
+/// A counter call's result, with `NotACounter` as `Err(())`.
+fn counted<T>(result: Result<T, Error>, what: &str) -> Result<T, ()> {
+    match result {
+        Err(Error::NotACounter) => Err(()),
+        other => Ok(or_abort(other, what)),
     }
 }
 
@@ -120,7 +149,7 @@ enum Event {
 }
 
 #[test]
-fn counter_histories_with_deletes_are_linearizable_under_aggressive_reuse() {
+fn counter_histories_with_deletes_and_puts_are_linearizable_under_aggressive_reuse() {
     const THREADS: usize = 4;
     const KEYS: usize = 2;
     const OPS: usize = 5;
@@ -141,7 +170,7 @@ fn counter_histories_with_deletes_are_linearizable_under_aggressive_reuse() {
     let name = |k: usize| format!("ctr-{k}");
     let log = Mutex::new(Vec::new());
     let barrier = Barrier::new(THREADS);
-    let starts = Mutex::new(vec![[None; KEYS]]);
+    let starts = Mutex::new(vec![[Counter::Absent, Counter::Absent]]);
     std::thread::scope(|s| {
         for t in 0..THREADS {
             let (log, barrier, starts, address) = (&log, &barrier, &starts, &srv.address);
@@ -163,22 +192,27 @@ fn counter_histories_with_deletes_are_linearizable_under_aggressive_reuse() {
                         rng ^= rng << 17;
                         let k = (rng % KEYS as u64) as usize;
                         let key = name(k);
-                        let op = match (rng >> 8) % 10 {
-                            0..=5 => Op::Incr((rng >> 16) as i64 % 5 + 1),
-                            6 | 7 => Op::Get,
-                            8 => Op::Swap((rng >> 16) as i64 % 8, (rng >> 24) as i64 % 100),
-                            _ => Op::Delete,
+                        let op = match (rng >> 8) % 20 {
+                            0..=10 => Op::Incr((rng >> 16) as i64 % 5 + 1),
+                            11..=14 => Op::Get,
+                            15 | 16 => Op::Swap((rng >> 16) as i64 % 8, (rng >> 24) as i64 % 100),
+                            17 | 18 => Op::Delete,
+                            _ => Op::Put,
                         };
                         log.lock().unwrap().push(Event::Invoke(k, t, op.clone()));
                         let ret = match op {
-                            Op::Incr(d) => Ret::Incr(or_abort(kv.incr(key.as_bytes(), d), "incr")),
-                            Op::Get => Ret::Get(or_abort(kv.get_counter(key.as_bytes()), "get")),
-                            Op::Swap(e, n) => Ret::Swap(or_abort(
+                            Op::Incr(d) => Ret::Incr(counted(kv.incr(key.as_bytes(), d), "incr")),
+                            Op::Get => Ret::Get(counted(kv.get_counter(key.as_bytes()), "get")),
+                            Op::Swap(e, n) => Ret::Swap(counted(
                                 kv.compare_and_set(key.as_bytes(), e, n),
                                 "compare_and_set",
                             )),
                             Op::Delete => {
                                 Ret::Delete(or_abort(kv.delete(key.as_bytes()), "delete"))
+                            }
+                            Op::Put => {
+                                or_abort(kv.put(key.as_bytes(), b"bytes"), "put");
+                                Ret::Put
                             }
                         };
                         log.lock().unwrap().push(Event::Return(k, t, ret));
@@ -192,9 +226,13 @@ fn counter_histories_with_deletes_are_linearizable_under_aggressive_reuse() {
                     }
                     barrier.wait();
                     if t == 0 {
-                        let mut at = [None; KEYS];
+                        let mut at = [Counter::Absent, Counter::Absent];
                         for (k, v) in at.iter_mut().enumerate() {
-                            *v = or_abort(kv.get_counter(name(k).as_bytes()), "get");
+                            *v = match counted(kv.get_counter(name(k).as_bytes()), "get") {
+                                Ok(Some(n)) => Counter::Value(n),
+                                Ok(None) => Counter::Absent,
+                                Err(()) => Counter::Bytes,
+                            };
                         }
                         starts.lock().unwrap().push(at);
                         log.lock()
@@ -211,7 +249,7 @@ fn counter_histories_with_deletes_are_linearizable_under_aggressive_reuse() {
     let starts = starts.into_inner().unwrap();
     let mut round = 0;
     let mut testers: Vec<LinearizabilityTester<usize, Counter>> = (0..KEYS)
-        .map(|k| LinearizabilityTester::new(Counter(starts[0][k])))
+        .map(|k| LinearizabilityTester::new(starts[0][k].clone()))
         .collect();
     let mut checked = 0;
     for event in log.into_inner().unwrap() {
@@ -226,7 +264,7 @@ fn counter_histories_with_deletes_are_linearizable_under_aggressive_reuse() {
                 }
                 round += 1;
                 testers = (0..KEYS)
-                    .map(|k| LinearizabilityTester::new(Counter(starts[round][k])))
+                    .map(|k| LinearizabilityTester::new(starts[round][k].clone()))
                     .collect();
             }
             Event::Invoke(k, t, op) => {
@@ -375,4 +413,66 @@ fn a_warm_increment_takes_one_round_trip() {
     // After a delete the hinted slot changed: the atomic is redone.
     assert!(other.delete(b"n").unwrap());
     assert_eq!(kv.incr(b"n", 1).unwrap(), 1);
+}
+
+/// A new counter and a PUT of the same key racing to insert it: whichever
+/// goes first, the PUT's value is what stays (an increment after it fails,
+/// one before it is overwritten). A pending counter's copy must never win
+/// over the PUT's.
+#[test]
+fn a_put_racing_a_new_counter_is_never_lost() {
+    // A tiny index whose buckets other keys keep filling and emptying, so
+    // that the two inserts see different free slots and can both land.
+    let srv = TestServer::start(|c| {
+        c.op_deadline = deadline(3);
+        c.buckets = Some(8);
+    });
+    let barrier = Barrier::new(2);
+    let done = AtomicBool::new(false);
+    let rounds = if onekv_tests::rdma_host().is_some() {
+        40
+    } else {
+        300
+    };
+    std::thread::scope(|s| {
+        let (barrier, done, address) = (&barrier, &done, &srv.address);
+        s.spawn(move || {
+            let mut kv = or_abort(Client::connect(address), "connect");
+            let mut n = 0u64;
+            while !done.load(Ordering::SeqCst) {
+                let key = format!("other-{}", n % 40);
+                match n % 3 {
+                    2 => or_abort(kv.delete(key.as_bytes()), "delete"),
+                    _ => or_abort(kv.put(key.as_bytes(), b"x").map(|_| true), "put"),
+                };
+                n += 1;
+            }
+        });
+        s.spawn(move || {
+            let mut kv = or_abort(Client::connect(address), "connect");
+            for r in 0..rounds {
+                barrier.wait();
+                let key = format!("race-{r}");
+                let _ = counted(kv.incr(key.as_bytes(), 1), "incr");
+                barrier.wait();
+            }
+        });
+        let mut kv = or_abort(Client::connect(address), "connect");
+        for r in 0..rounds {
+            barrier.wait();
+            let key = format!("race-{r}");
+            or_abort(kv.put(key.as_bytes(), b"bytes"), "put");
+            barrier.wait();
+            let got = or_abort(kv.get(key.as_bytes()), "get");
+            if got.as_deref() != Some(&b"bytes"[..]) {
+                or_abort(
+                    Err(format!(
+                        "round {r}: {got:?} after the PUT and the increment returned"
+                    )),
+                    "get",
+                )
+            }
+        }
+        done.store(true, Ordering::SeqCst);
+    });
 }

@@ -30,9 +30,10 @@ pub struct RemoteRegion {
 /// offset inside the connection's local buffer.
 ///
 /// Order within a batch, as on an RC queue pair: a WRITE or an atomic
-/// executes after the verbs posted before it, and a READ sees the effect of
-/// the WRITEs and atomics posted before it. The READs of a batch among
-/// themselves may read memory in any order (see [`ReadOrder`]).
+/// executes after the verbs posted before it (after an earlier READ, the
+/// rdma backend sets the fence indicator for that), and a READ sees the
+/// effect of the WRITEs and atomics posted before it. The READs of a batch
+/// among themselves may read memory in any order (see [`ReadOrder`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verb {
     Read {

@@ -417,6 +417,10 @@ pub enum Op {
 pub struct SendWr {
     pub wr_id: u64,
     pub op: Op,
+    /// Waits for the READs and atomics posted before it to complete (the
+    /// fence indicator): without it, a WRITE or an atomic may execute
+    /// before an earlier READ of the same batch has read memory.
+    pub fence: bool,
     pub local_addr: u64,
     pub len: u32,
     pub lkey: u32,
@@ -602,6 +606,9 @@ impl Qp {
             wr.sg_list = &mut sges[i];
             wr.num_sge = 1;
             wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+            if w.fence {
+                wr.send_flags |= ibv_send_flags::IBV_SEND_FENCE.0;
+            }
             match w.op {
                 Op::Read { remote_addr, rkey } => {
                     wr.opcode = ibv_wr_opcode::IBV_WR_RDMA_READ;
