@@ -456,26 +456,31 @@ impl Client {
             })
             .collect();
         for (i, (key, _)) in pairs.iter().enumerate() {
+            if !held[i] {
+                continue;
+            }
+            // A resize since (met by an earlier key's duplicate check)
+            // carried the copy over, keeping the lowest as a duplicate check
+            // would; its position here is no hint.
+            let moved = (
+                self.info.geometry.index_offset,
+                self.info.geometry.bucket_count,
+            ) != (g.index_offset, g.bucket_count);
             match plan[i] {
-                Publish::Update { index, old } if held[i] => {
-                    let pos = hashes[i].slot_pos(index);
-                    self.replaced(key, pos, old, news[i], clock);
+                Publish::Update { index, old } => {
                     plan[i] = Publish::Done;
+                    if !moved {
+                        self.replaced(key, hashes[i].slot_pos(index), old, news[i], clock);
+                    }
                 }
-                Publish::Insert { index } if held[i] => {
+                Publish::Insert { index } => {
+                    plan[i] = Publish::Done;
+                    if moved {
+                        continue;
+                    }
                     let pos = hashes[i].slot_pos(index);
                     self.cache
                         .remember(key, Hint::seen(pos, news[i], published));
-                    plan[i] = Publish::Done;
-                    let index_now = (
-                        self.info.geometry.index_offset,
-                        self.info.geometry.bucket_count,
-                    );
-                    if index_now != (g.index_offset, g.bucket_count) {
-                        // A resize since (met by an earlier key's check)
-                        // kept the lowest copy, as a duplicate check would.
-                        continue;
-                    }
                     // The duplicate check starts from the windows read with
                     // the CAS, as a single insert's does (if the buffer was
                     // replaced meanwhile, it reads them again).
@@ -568,7 +573,8 @@ impl Client {
             };
             let mut readable = copies.iter().filter(|c| c.2.is_readable());
             match (readable.next(), readable.next()) {
-                (None, _) => out[i] = false,
+                // Read in time, no copy: the key was not there.
+                (None, _) if in_time => out[i] = false,
                 (Some(&(index, slot, _)), None) if in_time => {
                     verbs.push(Verb::Cas {
                         remote: g.slot_offset(hashes[i].slot_pos(index)),

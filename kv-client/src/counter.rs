@@ -185,9 +185,20 @@ impl Client {
             len: 8,
         };
         let word = hint.slot.offset() + counter_words(key.len()).1 as u64;
-        self.conn
+        if let Err(e) = self
+            .conn
             .post(&[slot_word, epoch_word, op.verb(word, self.layout.cas)])
-            .map_err(|e| outcome_unknown(e.into()))?;
+        {
+            // Often the connection was gone before anything ran (a server
+            // restart), but that cannot be told apart: a new connection
+            // spares the next calls the same doubt.
+            self.cache.forget(key);
+            let e = outcome_unknown(e.into());
+            if matches!(e, Error::OutcomeUnknown(_)) {
+                let _ = self.reconnect();
+            }
+            return Err(e);
+        }
         let local = self.conn.local();
         let now = Slot(read_u64(local, self.layout.slot));
         let epoch = read_u64(local, self.layout.epoch);
@@ -207,9 +218,13 @@ impl Client {
         }
         // The old index was frozen for good: the key may have been deleted
         // in the new one before this call. Counted if the new index still
-        // links the block (it was then linked throughout).
-        self.follow_geometry(false)?;
-        match self.still_linked(key, hint.slot)? {
+        // links the block (it was then linked throughout). The atomic has
+        // run: no failure from here on may lead to a redo.
+        let linked = self
+            .follow_geometry(false)
+            .and_then(|_| self.still_linked(key, hint.slot))
+            .map_err(|e| Error::OutcomeUnknown(format!("checking a moved counter: {e}")))?;
+        match linked {
             true => Ok(Some(old)),
             false => Err(Error::OutcomeUnknown(
                 "a resize moved the counter while it was updated, and it has changed since".into(),
@@ -359,8 +374,13 @@ impl Client {
                     pos != my_pos && (kind.is_readable() || (pos < my_pos && !abandoned(kind)))
                 });
             if beaten {
-                // Another copy is the key's (or will be): drop ours.
-                self.give_up_unsettled(key, my_pos, new, clock)?;
+                // Another copy is the key's (or will be): drop ours, through
+                // its state first (only this client settles it; the slot is
+                // emptied only while the read is in time).
+                self.set_state(state_word, COUNTER_ABANDONED)?;
+                if clock.in_time() {
+                    self.cas(my_pos, new, Slot::EMPTY)?;
+                }
                 return Ok(None);
             }
             // The increment takes effect here: a lost connection now leaves

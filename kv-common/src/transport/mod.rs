@@ -30,10 +30,12 @@ pub struct RemoteRegion {
 /// offset inside the connection's local buffer.
 ///
 /// Order within a batch, as on an RC queue pair: a WRITE or an atomic
-/// executes after the verbs posted before it (after an earlier READ, the
-/// rdma backend sets the fence indicator for that), and a READ sees the
-/// effect of the WRITEs and atomics posted before it. The READs of a batch
-/// among themselves may read memory in any order (see [`ReadOrder`]).
+/// executes after the WRITEs posted before it and after the READs posted
+/// before it (for which the rdma backend sets the fence indicator), and a
+/// READ sees the effect of the WRITEs and atomics posted before it. The
+/// READs of a batch among themselves may read memory in any order (see
+/// [`ReadOrder`]), and nothing may count on a WRITE or an atomic executing
+/// after an earlier atomic of the same batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verb {
     Read {
