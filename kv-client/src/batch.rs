@@ -107,13 +107,7 @@ impl Client {
                     firsts.push(First::Hinted(hint, block));
                 }
                 None => {
-                    for w in 0..2 {
-                        verbs.push(Verb::Read {
-                            remote: g.bucket_offset(hashes[i].windows[w]),
-                            local: self.layout.batch_window(i, w),
-                            len: WINDOW_BYTES,
-                        });
-                    }
+                    verbs.extend(self.batch_window_reads(i, &hashes[i]));
                     firsts.push(First::Windows);
                 }
             }
@@ -342,13 +336,7 @@ impl Client {
                     plan.push(Publish::Blind(hint));
                 }
                 None => {
-                    for w in 0..2 {
-                        verbs.push(Verb::Read {
-                            remote: g.bucket_offset(hashes[i].windows[w]),
-                            local: self.layout.batch_window(i, w),
-                            len: WINDOW_BYTES,
-                        });
-                    }
+                    verbs.extend(self.batch_window_reads(i, &hashes[i]));
                     plan.push(Publish::Located);
                 }
             }
@@ -430,13 +418,7 @@ impl Client {
                 swap: news[i].0,
             });
             if let Publish::Insert { .. } = plan[i] {
-                for w in 0..2 {
-                    verbs.push(Verb::Read {
-                        remote: g.bucket_offset(hashes[i].windows[w]),
-                        local: self.layout.batch_window(i, w),
-                        len: WINDOW_BYTES,
-                    });
-                }
+                verbs.extend(self.batch_window_reads(i, &hashes[i]));
             }
         }
         if !verbs.is_empty() {
@@ -530,13 +512,7 @@ impl Client {
                     swap: Slot::EMPTY.0,
                 }),
                 None => {
-                    for w in 0..2 {
-                        verbs.push(Verb::Read {
-                            remote: g.bucket_offset(hashes[i].windows[w]),
-                            local: self.layout.batch_window(i, w),
-                            len: WINDOW_BYTES,
-                        });
-                    }
+                    verbs.extend(self.batch_window_reads(i, &hashes[i]));
                 }
             }
             blind.push(hint);
@@ -677,6 +653,16 @@ impl Client {
             copies.push(settles[i].then_some(found));
         }
         Ok(copies)
+    }
+
+    /// The READs of key `k`'s two windows in a multi-key batch.
+    fn batch_window_reads(&self, k: usize, kh: &KeyHash) -> [Verb; 2] {
+        let g = &self.info.geometry;
+        std::array::from_fn(|w| Verb::Read {
+            remote: g.bucket_offset(kh.windows[w]),
+            local: self.layout.batch_window(k, w),
+            len: WINDOW_BYTES,
+        })
     }
 
     /// Key `k`'s candidate slots as its windows in a multi-key batch left

@@ -151,6 +151,20 @@ fn operations_take_the_promised_round_trips() {
     );
 }
 
+/// Reads the keys in batches a deadline apart until their copies are three
+/// deadlines old: their hints then allow one-round-trip batches.
+fn settle_batch(kv: &mut Client, keys: &[String], deadline: Duration) {
+    for pause in [
+        Duration::ZERO,
+        deadline,
+        deadline,
+        deadline + Duration::from_millis(100),
+    ] {
+        std::thread::sleep(pause);
+        kv.get_many(keys).unwrap();
+    }
+}
+
 #[test]
 fn a_batch_of_gets_takes_two_round_trips_cold_and_one_warm() {
     let deadline = Duration::from_millis(600);
@@ -183,15 +197,8 @@ fn a_batch_of_gets_takes_two_round_trips_cold_and_one_warm() {
     // With hints: sightings a deadline apart until the copies are three
     // deadlines old, then the batch reads slot words and blocks only.
     let mut warm = hinted(&srv.address, 64);
-    for pause in [
-        Duration::ZERO,
-        deadline,
-        deadline,
-        deadline + Duration::from_millis(100),
-    ] {
-        std::thread::sleep(pause);
-        assert_eq!(warm.get_many(&asked).unwrap(), expected);
-    }
+    settle_batch(&mut warm, &asked, deadline);
+    assert_eq!(warm.get_many(&asked).unwrap(), expected);
     let at = rt(&warm);
     assert_eq!(warm.get_many(&asked).unwrap(), expected);
     assert_eq!(rt(&warm) - at, 1, "18 keys with settled hints");
@@ -236,15 +243,7 @@ fn batches_of_puts_and_deletes_take_three_round_trips_cold_and_one_warm() {
 
     // Settled hints: WRITE and CAS of every key in one batch.
     let mut warm = hinted(&srv.address, 64);
-    for pause in [
-        Duration::ZERO,
-        deadline,
-        deadline,
-        deadline + Duration::from_millis(100),
-    ] {
-        std::thread::sleep(pause);
-        warm.get_many(&keys).unwrap();
-    }
+    settle_batch(&mut warm, &keys, deadline);
     warm.put(b"warm", b"up").unwrap();
     let at = rt(&warm);
     warm.put_many(&pairs(3)).unwrap();
