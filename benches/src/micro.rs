@@ -58,6 +58,10 @@ pub struct MicroArgs {
     /// Keys per `get_many` in the GET-batch loop.
     #[arg(long, default_value_t = 16)]
     batch: usize,
+    /// Run only these loops (names as in the first column, e.g.
+    /// GET-bound,GET-cold); default: all.
+    #[arg(long, value_delimiter = ',')]
+    ops: Vec<String>,
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -148,6 +152,17 @@ pub fn run(args: MicroArgs) -> Result<(), String> {
             "--keys, --key-size, --warm-keys, --batch and --threads must be positive".into(),
         );
     }
+    if let Some(unknown) = args
+        .ops
+        .iter()
+        .find(|o| Op::ALL.iter().all(|op| op.name() != *o))
+    {
+        let names: Vec<&str> = Op::ALL.iter().map(|op| op.name()).collect();
+        return Err(format!(
+            "--ops: no loop named {unknown}; the loops are {}",
+            names.join(", ")
+        ));
+    }
     if !(args.seconds.is_finite() && args.seconds > 0.0) {
         return Err("--seconds must be a positive number".into());
     }
@@ -180,7 +195,8 @@ pub fn run(args: MicroArgs) -> Result<(), String> {
     let on_shm = matches!(Address::parse(&target.address)?, Address::Shm { .. });
     for &threads in &args.threads {
         for op in Op::ALL {
-            if op == Op::GetBound && !on_shm {
+            let chosen = args.ops.is_empty() || args.ops.iter().any(|o| o == op.name());
+            if !chosen || (op == Op::GetBound && !on_shm) {
                 continue;
             }
             if op == Op::Incr {
