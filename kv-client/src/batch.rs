@@ -43,10 +43,10 @@ struct Candidate {
     read: Verb,
 }
 
-/// The batch with its READs after every other verb (stable otherwise). Each
-/// READ of a writer's batch only needs to follow its own key's WRITE or CAS;
-/// a WRITE or an atomic after a READ would make the rdma backend fence it,
-/// stalling the batch for nothing.
+/// The batch with its READs after every other verb (stable otherwise): each
+/// READ of a writer's batch must see its own key's WRITE or CAS, and no
+/// WRITE or atomic needs to follow a READ (see `Verb` for the order a batch
+/// keeps).
 fn reads_last(mut verbs: SmallVec<[Verb; MAX_BATCH_VERBS]>) -> SmallVec<[Verb; MAX_BATCH_VERBS]> {
     verbs.sort_by_key(|v| matches!(v, Verb::Read { .. }));
     verbs

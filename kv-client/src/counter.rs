@@ -1,6 +1,6 @@
 //! Counters: a key whose block holds an 8-byte value that FETCH-AND-ADD and
-//! CAS change in place, one verb once the counter is found (one round trip
-//! with a settled hint: the slot's word is read in the same batch).
+//! CAS change in place, one verb once the counter is found (two round trips
+//! with a settled hint: the slot's word, then the atomic).
 //!
 //! **Why a new counter starts pending.** Two clients may insert the same
 //! key at once; the lowest copy wins and the others are removed (`dedup`).
@@ -165,12 +165,14 @@ impl Client {
         Err(Error::Contended(self.options.max_attempts))
     }
 
-    /// One round trip with a settled counter hint: the slot's word and the
-    /// epoch word, then the atomic (which executes after both READs). The
-    /// old value if the slot still linked the block when it was read
-    /// (frozen or not, while no new index had been published: a resize moves
-    /// the slot, not the block); None if the atomic may have landed on a
-    /// dead block: redo it from the buckets.
+    /// Two round trips with a settled counter hint: the slot's word and the
+    /// epoch word, then (once they are known) the atomic. It is posted only
+    /// if the slot still linked the block when it was read (frozen or not,
+    /// while no new index had been published: a resize moves the slot, not
+    /// the block), so it takes effect before anything that unlinks the
+    /// block later; None if it was not posted: redo it from the buckets.
+    /// (One batch would need the NIC to hold the atomic until the READs
+    /// complete, the fence indicator, which Soft-RoCE was seen to hang on.)
     fn apply_hinted(&mut self, key: &[u8], hint: Hint, op: CounterOp) -> Result<Option<i64>> {
         let clock = self.timing.start();
         let g = self.info.geometry;
@@ -184,76 +186,27 @@ impl Client {
             local: self.layout.epoch,
             len: 8,
         };
-        let word = hint.slot.offset() + counter_words(key.len()).1 as u64;
-        if let Err(e) = self
-            .conn
-            .post(&[slot_word, epoch_word, op.verb(word, self.layout.cas)])
-        {
-            // Often the connection was gone before anything ran (a server
-            // restart), but that cannot be told apart: a new connection
-            // spares the next calls the same doubt.
-            self.cache.forget(key);
-            let e = outcome_unknown(e.into());
-            if matches!(e, Error::OutcomeUnknown(_)) {
-                let _ = self.reconnect();
-            }
-            return Err(e);
-        }
+        self.conn.post(&[slot_word, epoch_word])?;
         let local = self.conn.local();
         let now = Slot(read_u64(local, self.layout.slot));
         let epoch = read_u64(local, self.layout.epoch);
-        let old = read_u64(local, self.layout.cas) as i64;
+        let holds = now == hint.slot || (now == hint.slot.frozen() && epoch == g.epoch);
+        if !holds || !hint.is_fresh(&self.timing) {
+            self.cache.forget(key);
+            return Ok(None);
+        }
+        let word = hint.slot.offset() + counter_words(key.len()).1 as u64;
+        self.conn
+            .post(&[op.verb(word, self.layout.cas)])
+            .map_err(|e| outcome_unknown(e.into()))?;
+        let old = read_u64(self.conn.local(), self.layout.cas) as i64;
         if now == hint.slot {
             let seen = hint.confirmed(hint.slot, clock.started(), true, &self.timing);
             self.cache.remember(key, seen);
-            return Ok(Some(old));
+        } else {
+            self.cache.forget(key);
         }
-        self.cache.forget(key);
-        if now != hint.slot.frozen() {
-            return Ok(None);
-        }
-        if epoch == g.epoch {
-            // Being moved, not yet published: the block was the key's.
-            return Ok(Some(old));
-        }
-        // The old index was frozen for good: the key may have been deleted
-        // in the new one before this call. Counted if the new index still
-        // links the block (it was then linked throughout). The atomic has
-        // run: no failure from here on may lead to a redo.
-        let linked = self
-            .follow_geometry(false)
-            .and_then(|_| self.still_linked(key, hint.slot))
-            .map_err(|e| Error::OutcomeUnknown(format!("checking a moved counter: {e}")))?;
-        match linked {
-            true => Ok(Some(old)),
-            false => Err(Error::OutcomeUnknown(
-                "a resize moved the counter while it was updated, and it has changed since".into(),
-            )),
-        }
-    }
-
-    /// Whether the lowest copy of `key` a reader sees is the block `slot`
-    /// names.
-    fn still_linked(&mut self, key: &[u8], slot: Slot) -> Result<bool> {
-        let mut corrupt = CorruptSlot::default();
-        for _ in 0..self.options.max_attempts {
-            let kh = KeyHash::new(key, self.info.geometry.bucket_count);
-            let clock = self.read_windows(&kh, None)?;
-            let slots = self.slots();
-            match self.scan(key, &kh, &slots, clock, ScanMode::Readable)? {
-                Scan::Found(copies) => {
-                    return Ok(copies
-                        .slots
-                        .first()
-                        .is_some_and(|&(_, s)| s.thawed() == slot.thawed()))
-                }
-                Scan::Retry(suspect) => corrupt.saw(key, suspect)?,
-                Scan::Moved => {
-                    self.follow_geometry(false)?;
-                }
-            }
-        }
-        Err(Error::Contended(self.options.max_attempts))
+        Ok(Some(old))
     }
 
     /// Inserts a pending counter holding `delta` into an empty slot of the

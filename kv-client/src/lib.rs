@@ -325,7 +325,7 @@ impl Client {
     /// returns its new value. The NIC's FETCH-AND-ADD does the addition in
     /// place: concurrent increments from any number of clients all count.
     /// A new counter's first increment takes about three operation deadlines
-    /// (see the `counter` module); later ones one round trip with a hint,
+    /// (see the `counter` module); later ones two round trips with a hint,
     /// three without. Fails with [`Error::NotACounter`] if `key` holds a
     /// value PUT stored. A GET of a counter returns its decimal text.
     ///

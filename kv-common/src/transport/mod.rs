@@ -30,12 +30,11 @@ pub struct RemoteRegion {
 /// offset inside the connection's local buffer.
 ///
 /// Order within a batch, as on an RC queue pair: a WRITE or an atomic
-/// executes after the WRITEs posted before it and after the READs posted
-/// before it (for which the rdma backend sets the fence indicator), and a
-/// READ sees the effect of the WRITEs and atomics posted before it. The
-/// READs of a batch among themselves may read memory in any order (see
-/// [`ReadOrder`]), and nothing may count on a WRITE or an atomic executing
-/// after an earlier atomic of the same batch.
+/// executes after the WRITEs posted before it, and a READ sees the effect
+/// of the WRITEs and atomics posted before it. Nothing may count on a WRITE
+/// or an atomic executing after an earlier READ or atomic of the same batch
+/// (an RC queue pair orders that only with the fence indicator), nor on
+/// the order in which the READs of a batch read memory (see [`ReadOrder`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verb {
     Read {

@@ -171,7 +171,6 @@ impl Channel {
         let wr = SendWr {
             wr_id: SEND_WR_ID,
             op: Op::Send,
-            fence: false,
             local_addr: self.ctrl_send.addr(),
             len: bytes.len() as u32,
             lkey: self.ctrl_send.lkey(),
@@ -293,15 +292,9 @@ impl RdmaConnection {
                     add,
                 },
             };
-            // The order `Verb` promises: a WRITE or an atomic executes after
-            // the verbs before it, READs included (which an RC queue pair
-            // guarantees only with the fence indicator).
-            let fence = !matches!(v, Verb::Read { .. })
-                && verbs[..i].iter().any(|e| matches!(e, Verb::Read { .. }));
             wrs.push(SendWr {
                 wr_id: i as u64,
                 op,
-                fence,
                 local_addr: local.addr() + loc as u64,
                 len: len as u32,
                 lkey: local.lkey(),

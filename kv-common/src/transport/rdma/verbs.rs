@@ -417,10 +417,6 @@ pub enum Op {
 pub struct SendWr {
     pub wr_id: u64,
     pub op: Op,
-    /// Waits for the READs and atomics posted before it to complete (the
-    /// fence indicator): without it, a WRITE or an atomic may execute
-    /// before an earlier READ of the same batch has read memory.
-    pub fence: bool,
     pub local_addr: u64,
     pub len: u32,
     pub lkey: u32,
@@ -606,9 +602,6 @@ impl Qp {
             wr.sg_list = &mut sges[i];
             wr.num_sge = 1;
             wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
-            if w.fence {
-                wr.send_flags |= ibv_send_flags::IBV_SEND_FENCE.0;
-            }
             match w.op {
                 Op::Read { remote_addr, rkey } => {
                     wr.opcode = ibv_wr_opcode::IBV_WR_RDMA_READ;
