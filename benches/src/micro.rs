@@ -237,9 +237,8 @@ pub fn run(args: MicroArgs) -> Result<(), String> {
             let ratio = match op {
                 Op::RawRead | Op::RawCas | Op::GetBound => String::new(),
                 Op::Get { .. } if baseline_p50[2] > 0 => format!(
-                    "  p50 = {:.2}x GET-bound, {:.1}x raw READ",
-                    p50 as f64 / baseline_p50[2] as f64,
-                    p50 as f64 / baseline_p50[0].max(1) as f64
+                    "  p50 = {:.2}x GET-bound",
+                    p50 as f64 / baseline_p50[2] as f64
                 ),
                 _ if baseline_p50[0] > 0 => {
                     format!(
