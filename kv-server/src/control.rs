@@ -27,7 +27,8 @@ pub struct Counters {
     pub connected: AtomicU64,
     pub connections: AtomicU64,
     pub connects: AtomicU64,
-    pub rejected: AtomicU64,
+    /// Connects refused, by [`Refusal`].
+    pub refused: [AtomicU64; Refusal::ALL.len()],
     pub leases: AtomicU64,
     pub give_backs: AtomicU64,
     pub refused_give_backs: AtomicU64,
@@ -43,6 +44,52 @@ pub struct Counters {
     pub geometry_requests: AtomicU64,
     pub resizes: AtomicU64,
     pub growths: AtomicU64,
+}
+
+impl Counters {
+    pub fn refuse(&self, why: Refusal) {
+        self.refused[why as usize].fetch_add(1, Relaxed);
+    }
+
+    pub fn refused(&self, why: Refusal) -> u64 {
+        self.refused[why as usize].load(Relaxed)
+    }
+}
+
+/// Why a connection was refused (the metrics count each reason apart).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// The client speaks another protocol version.
+    Version,
+    /// A wrong or missing secret.
+    Secret,
+    /// `max_clients` are connected.
+    Clients,
+    /// Twice `max_clients` control connections are open.
+    Connections,
+    /// The transport could not admit it (no free access key or queue pair).
+    Admission,
+}
+
+impl Refusal {
+    pub const ALL: [Refusal; 5] = [
+        Refusal::Version,
+        Refusal::Secret,
+        Refusal::Clients,
+        Refusal::Connections,
+        Refusal::Admission,
+    ];
+
+    /// The metrics label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Refusal::Version => "version",
+            Refusal::Secret => "secret",
+            Refusal::Clients => "max_clients",
+            Refusal::Connections => "max_connections",
+            Refusal::Admission => "admission",
+        }
+    }
 }
 
 /// What the `kv-grow` thread is asked to do.
@@ -199,7 +246,7 @@ impl Shared {
             clients_connected: c.connected.load(Relaxed),
             connections: c.connections.load(Relaxed),
             connects: c.connects.load(Relaxed),
-            rejected_connects: c.rejected.load(Relaxed),
+            rejected_connects: Refusal::ALL.iter().map(|&r| c.refused(r)).sum(),
             leases: c.leases.load(Relaxed),
             give_backs: c.give_backs.load(Relaxed),
             refused_give_backs: c.refused_give_backs.load(Relaxed),
@@ -282,7 +329,7 @@ pub fn handle(
             None,
         ) => {
             if protocol_version != PROTOCOL_VERSION {
-                c.rejected.fetch_add(1, Relaxed);
+                c.refuse(Refusal::Version);
                 let m =
                     format!("client speaks protocol {protocol_version}, server {PROTOCOL_VERSION}");
                 return (error(ErrorKind::VersionMismatch, m), After::Close);
@@ -291,13 +338,13 @@ pub fn handle(
             let mover = same_secret(&shared.mover_token, &secret);
             if let Some(expected) = shared.secret.as_ref().filter(|_| !mover) {
                 if !same_secret(expected, &secret) {
-                    c.rejected.fetch_add(1, Relaxed);
+                    c.refuse(Refusal::Secret);
                     tracing::warn!("refused a client with a wrong secret");
                     return (error(ErrorKind::BadSecret, "wrong secret"), After::Close);
                 }
             }
             if !mover && c.connected.load(Relaxed) >= shared.max_clients {
-                c.rejected.fetch_add(1, Relaxed);
+                c.refuse(Refusal::Clients);
                 let m = format!("the server serves at most {} clients", shared.max_clients);
                 return (error(ErrorKind::TooManyClients, m), After::Close);
             }
@@ -309,7 +356,7 @@ pub fn handle(
                 Ok(r) => r,
                 Err(e) => {
                     shared.forget_client(id);
-                    c.rejected.fetch_add(1, Relaxed);
+                    c.refuse(Refusal::Admission);
                     return (
                         error(ErrorKind::TooManyClients, e.to_string()),
                         After::Close,

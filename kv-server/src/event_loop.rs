@@ -122,7 +122,7 @@ impl EventLoop {
         if self.channels.len() >= self.max_channels {
             // Say why before hanging up; the client reads it as the reply
             // to its Connect.
-            self.shared.counters.rejected.fetch_add(1, Relaxed);
+            self.shared.counters.refuse(control::Refusal::Connections);
             let m = format!(
                 "the server has {} control connections open, its limit",
                 self.max_channels

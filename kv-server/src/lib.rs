@@ -24,6 +24,7 @@ mod control;
 mod event_loop;
 mod grow;
 pub mod heap;
+mod metrics;
 mod reclaim;
 pub mod region;
 mod units;
@@ -31,6 +32,7 @@ mod units;
 pub use control::thread_cpu_us;
 use control::{Counters, GrowRequests, Limits, Shared};
 pub use event_loop::Timeouts;
+pub use metrics::MetricsEndpoint;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -76,6 +78,9 @@ pub struct ServerConfig {
     /// silent once connected. Open connections, connected or not, are capped
     /// at twice `max_clients`.
     pub timeouts: Timeouts,
+    /// Serve Prometheus metrics over HTTP here (`GET /metrics`); off when
+    /// None.
+    pub metrics_listen: Option<std::net::SocketAddr>,
 }
 
 /// A new region's size: small, since it grows.
@@ -103,6 +108,7 @@ impl ServerConfig {
                 handshake: Duration::from_secs(10),
                 idle: None,
             },
+            metrics_listen: None,
         }
     }
 
@@ -142,6 +148,7 @@ impl ServerConfig {
 /// A running server. Dropping it shuts it down.
 pub struct Server {
     shared: Arc<Shared>,
+    metrics: Option<MetricsEndpoint>,
     listener: Arc<dyn ControlListener>,
     poller: Arc<Poller>,
     address: Address,
@@ -255,6 +262,11 @@ impl Server {
             collecting: Mutex::new(()),
             stats_wanted: AtomicBool::new(false),
         });
+        // Bound before any thread starts, so a taken port fails the start.
+        let metrics = match config.metrics_listen {
+            Some(at) => Some(MetricsEndpoint::start(at, shared.clone())?),
+            None => None,
+        };
         let poller = Arc::new(Poller::new().map_err(TransportError::Io)?);
         let (to_loop, incoming) = mpsc::channel();
         let max_channels = (config.max_clients * CONNECTIONS_PER_CLIENT) as usize;
@@ -290,6 +302,7 @@ impl Server {
         }
         Ok(Server {
             shared,
+            metrics,
             listener,
             poller,
             address: config.address,
@@ -316,6 +329,11 @@ impl Server {
 
     pub fn stats(&self) -> ServerStats {
         self.shared.stats()
+    }
+
+    /// Where the Prometheus endpoint listens, if it was asked for.
+    pub fn metrics_address(&self) -> Option<std::net::SocketAddr> {
+        self.metrics.as_ref().map(MetricsEndpoint::address)
     }
 
     /// Scans the index and reclaims unreferenced space now (what the
@@ -348,6 +366,7 @@ impl Server {
         if self.threads.is_empty() {
             return;
         }
+        self.metrics = None;
         self.shared.stopping.store(true, Ordering::SeqCst);
         self.listener.wake();
         let _ = self.poller.notify();

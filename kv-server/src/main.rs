@@ -85,6 +85,11 @@ struct ServeArgs {
     /// at its next operation). 0: never.
     #[arg(long, default_value_t = 0)]
     idle_timeout: u64,
+    /// Serve Prometheus metrics at http://ADDR/metrics (e.g.
+    /// 127.0.0.1:9464): clients, connects and refusals by reason, leases,
+    /// heap and index use, resizes, control-plane CPU time. Off by default.
+    #[arg(long, value_name = "ADDR")]
+    metrics_listen: Option<std::net::SocketAddr>,
     /// Log the server's statistics this often, in seconds (0: only at exit).
     #[arg(long, default_value_t = 60)]
     stats_interval: u64,
@@ -189,6 +194,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     config.group_access = args.group_access;
     config.op_deadline = Duration::from_millis(args.op_deadline_ms);
     config.max_clients = args.max_clients;
+    config.metrics_listen = args.metrics_listen;
     config.timeouts.handshake = Duration::from_secs(args.handshake_timeout);
     config.timeouts.idle = (args.idle_timeout > 0).then(|| Duration::from_secs(args.idle_timeout));
     if let Some(path) = &args.secret_file {
@@ -203,6 +209,9 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     .map_err(|e| format!("cannot install signal handler: {e}"))?;
 
     let server = Server::start(config).map_err(|e| e.to_string())?;
+    if let Some(at) = server.metrics_address() {
+        tracing::info!("metrics at http://{at}/metrics");
+    }
     let interval = match args.stats_interval {
         0 => Duration::MAX,
         s => Duration::from_secs(s),

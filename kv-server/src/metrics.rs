@@ -1,0 +1,321 @@
+//! The Prometheus endpoint (`kv-server --metrics-listen ADDR`): `GET
+//! /metrics` answers in Prometheus' text format (0.0.4).
+//!
+//! Each scrape reads the counters the control plane keeps anyway (atomics)
+//! and the pool's two totals (one short lock, as a `Stats` request does):
+//! no metric is kept twice, and a slow or hostile scraper holds no lock of
+//! the control plane. It runs on its own thread, so the control thread
+//! never waits for HTTP.
+
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::registry::{Registry, Unit};
+
+use crate::control::{Refusal, Shared};
+use crate::ServerError;
+
+const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// A running endpoint; dropping it stops it.
+pub struct MetricsEndpoint {
+    http: Arc<tiny_http::Server>,
+    address: SocketAddr,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl MetricsEndpoint {
+    pub(crate) fn start(address: SocketAddr, shared: Arc<Shared>) -> Result<Self, ServerError> {
+        let http = tiny_http::Server::http(address)
+            .map_err(|e| ServerError::Config(format!("metrics endpoint on {address}: {e}")))?;
+        let http = Arc::new(http);
+        let address = http.server_addr().to_ip().unwrap_or(address);
+        let mut registry = Registry::with_prefix("onekv");
+        registry.register_collector(Box::new(ServerCollector(shared)));
+        let serving = http.clone();
+        let thread = std::thread::Builder::new()
+            .name("kv-metrics".into())
+            .spawn(move || serve(&serving, &registry))
+            .map_err(|e| ServerError::Config(format!("cannot start threads: {e}")))?;
+        Ok(MetricsEndpoint {
+            http,
+            address,
+            thread: Some(thread),
+        })
+    }
+
+    /// Where it listens (the port the system chose, for port 0).
+    pub fn address(&self) -> SocketAddr {
+        self.address
+    }
+}
+
+impl Drop for MetricsEndpoint {
+    fn drop(&mut self) {
+        self.http.unblock();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn serve(http: &tiny_http::Server, registry: &Registry) {
+    for request in http.incoming_requests() {
+        let path = request.url().split('?').next().unwrap_or_default();
+        let response = match (request.method(), path) {
+            (tiny_http::Method::Get, "/metrics") => {
+                let mut body = String::new();
+                match prometheus_client::encoding::prometheus_text::encode(&mut body, registry) {
+                    Ok(()) => tiny_http::Response::from_string(body).with_header(header()),
+                    Err(_) => {
+                        tiny_http::Response::from_string("encoding failed\n").with_status_code(500)
+                    }
+                }
+            }
+            (tiny_http::Method::Get, _) => {
+                tiny_http::Response::from_string("onekv: see /metrics\n").with_status_code(404)
+            }
+            _ => tiny_http::Response::from_string("only GET\n").with_status_code(405),
+        };
+        // A scraper that hung up is not the server's problem.
+        let _ = request.respond(response);
+    }
+}
+
+fn header() -> tiny_http::Header {
+    tiny_http::Header::from_bytes(&b"Content-Type"[..], CONTENT_TYPE.as_bytes())
+        .expect("a constant header is valid ASCII")
+}
+
+/// Reads the server's figures at each scrape.
+struct ServerCollector(Arc<Shared>);
+
+impl std::fmt::Debug for ServerCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ServerCollector")
+    }
+}
+
+impl Collector for ServerCollector {
+    fn encode(&self, mut out: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let shared = &self.0;
+        // Occupancy comes from the last index scan: ask for a fresh one
+        // (the reclaimer does it at most once a second).
+        shared.stats_wanted.store(true, Relaxed);
+        shared.wake_reclaimer();
+        let s = shared.stats();
+        let c = &shared.counters;
+        let bytes = Some(&Unit::Bytes);
+
+        gauge(
+            &mut out,
+            "clients_connected",
+            "Clients connected now.",
+            None,
+            s.clients_connected,
+        )?;
+        gauge(
+            &mut out,
+            "control_connections",
+            "Control channels open, connected or not yet.",
+            None,
+            s.connections,
+        )?;
+        counter(&mut out, "connects", "Clients admitted.", None, s.connects)?;
+        {
+            let family = ConstCounter::new(0u64);
+            let mut m = out.encode_descriptor(
+                "connects_refused",
+                "Connections refused, by reason.",
+                None,
+                family.metric_type(),
+            )?;
+            for why in Refusal::ALL {
+                let labels = [("reason", why.label())];
+                ConstCounter::new(c.refused(why)).encode(m.encode_family(&labels)?)?;
+            }
+        }
+        counter(
+            &mut out,
+            "disconnects",
+            "Clients that said goodbye.",
+            None,
+            s.disconnects,
+        )?;
+        counter(&mut out, "departures", "Clients that left without a goodbye (crashed, timed out, cut off); their space was reclaimed.", None, s.departures)?;
+        counter(
+            &mut out,
+            "leases",
+            "Heap chunks leased to clients.",
+            None,
+            s.leases,
+        )?;
+        counter(
+            &mut out,
+            "give_backs",
+            "Extents clients gave back.",
+            None,
+            s.give_backs,
+        )?;
+        counter(
+            &mut out,
+            "give_backs_refused",
+            "Give-backs refused: they named space the client did not hold.",
+            None,
+            s.refused_give_backs,
+        )?;
+        counter(
+            &mut out,
+            "malformed_messages",
+            "Control messages that could not be decoded or made no sense.",
+            None,
+            s.malformed,
+        )?;
+        gauge(
+            &mut out,
+            "heap_size",
+            "Heap bytes in the region.",
+            bytes,
+            s.heap_size,
+        )?;
+        gauge(
+            &mut out,
+            "heap_leased",
+            "Heap bytes leased to connected clients.",
+            bytes,
+            s.heap_leased,
+        )?;
+        gauge(
+            &mut out,
+            "heap_free",
+            "Heap bytes free, including those waiting out their grace period.",
+            bytes,
+            s.heap_free,
+        )?;
+        gauge(
+            &mut out,
+            "live",
+            "Bytes of the blocks the index references (last scan).",
+            bytes,
+            s.live_bytes,
+        )?;
+        gauge(
+            &mut out,
+            "region_size",
+            "Size of the region now.",
+            bytes,
+            s.region_bytes,
+        )?;
+        gauge(
+            &mut out,
+            "region_max_size",
+            "Size the region may grow to.",
+            bytes,
+            s.max_region_bytes,
+        )?;
+        counter(&mut out, "growths", "Times the heap grew.", None, s.growths)?;
+        gauge(
+            &mut out,
+            "index_slots",
+            "Slots of the index in force.",
+            None,
+            s.index_slots,
+        )?;
+        gauge(
+            &mut out,
+            "index_slots_used",
+            "Slots in use (last scan).",
+            None,
+            s.live_slots,
+        )?;
+        gauge_f64(
+            &mut out,
+            "index_occupancy_ratio",
+            "Fraction of the index's slots in use (last scan); it doubles at --resize-at.",
+            None,
+            s.occupancy(),
+        )?;
+        counter(
+            &mut out,
+            "index_scans",
+            "Scans of the index (reclamation, stats).",
+            None,
+            s.index_scans,
+        )?;
+        counter(
+            &mut out,
+            "resizes",
+            "Index resizes this server completed.",
+            None,
+            s.resizes,
+        )?;
+        gauge(
+            &mut out,
+            "resizing",
+            "1 while a resize migrates the index.",
+            None,
+            u64::from(s.resizing),
+        )?;
+        gauge(
+            &mut out,
+            "epoch",
+            "Changes of the geometry since the region was created.",
+            None,
+            s.epoch,
+        )?;
+        gauge(
+            &mut out,
+            "corrupt_slots",
+            "Slots pointing at space that cannot be a block, found by the scans.",
+            None,
+            s.corrupt_slots,
+        )?;
+        let cpu = ConstCounter::new(s.server_cpu_us as f64 / 1e6);
+        cpu.encode(out.encode_descriptor(
+            "control_cpu",
+            "CPU time of the control plane and the reclaimer.",
+            Some(&Unit::Seconds),
+            cpu.metric_type(),
+        )?)
+    }
+}
+
+fn counter(
+    out: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    unit: Option<&Unit>,
+    value: u64,
+) -> Result<(), std::fmt::Error> {
+    let m = ConstCounter::new(value);
+    m.encode(out.encode_descriptor(name, help, unit, m.metric_type())?)
+}
+
+fn gauge(
+    out: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    unit: Option<&Unit>,
+    value: u64,
+) -> Result<(), std::fmt::Error> {
+    // Byte counts fit an i64 (the region is at most 2^47 bytes).
+    let m = ConstGauge::new(i64::try_from(value).unwrap_or(i64::MAX));
+    m.encode(out.encode_descriptor(name, help, unit, m.metric_type())?)
+}
+
+fn gauge_f64(
+    out: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    unit: Option<&Unit>,
+    value: f64,
+) -> Result<(), std::fmt::Error> {
+    let m = ConstGauge::new(value);
+    m.encode(out.encode_descriptor(name, help, unit, m.metric_type())?)
+}
