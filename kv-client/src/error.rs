@@ -1,24 +1,48 @@
 use kv_common::protocol::ErrorKind;
 use kv_common::transport::TransportError;
 
+/// Why a call failed. [`Error::is_retryable`] tells the errors worth trying
+/// again from those about the request or the region.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// Keys are 1 to [`MAX_KEY`](crate::MAX_KEY) bytes.
     #[error("key is empty")]
     EmptyKey,
+    /// A key longer than [`MAX_KEY`](crate::MAX_KEY).
     #[error("key of {len} bytes exceeds the {max}-byte limit")]
-    KeyTooLarge { len: usize, max: usize },
+    KeyTooLarge {
+        /// The key's length.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// A value longer than [`Client::max_value`](crate::Client::max_value).
     #[error("value of {len} bytes exceeds this server's {max}-byte limit")]
-    ValueTooLarge { len: usize, max: usize },
+    ValueTooLarge {
+        /// The value's length.
+        len: usize,
+        /// This server's limit.
+        max: usize,
+    },
+    /// No server answers at the address (or the address is malformed).
     #[error("server unreachable: {0}")]
     Unreachable(String),
+    /// The server turned the connection down: a wrong secret, or too many
+    /// clients (the message says which).
     #[error("server refused the connection: {0}")]
     Refused(String),
+    /// The server speaks another protocol version.
     #[error("protocol or version mismatch: {0}")]
     VersionMismatch(String),
     /// The heap has no room and the region cannot grow (the server's
     /// message names its cap).
     #[error("region full: no free heap space for a {size}-byte block: {reason}")]
-    RegionFull { size: u64, reason: String },
+    RegionFull {
+        /// The block that found no room.
+        size: u64,
+        /// The server's explanation.
+        reason: String,
+    },
     /// A key's buckets are full and the index cannot grow.
     #[error("index full: no room for this key, and the index cannot grow: {0}")]
     IndexFull(String),
@@ -27,9 +51,13 @@ pub enum Error {
     /// there (`kv-server check` reports it, `--repair` unlinks it).
     #[error("corrupt data for key {key:?}: slot {slot} of bucket {bucket} points at an unreadable block at offset {offset}")]
     Corrupt {
+        /// The key (lossily as text).
         key: String,
+        /// The bucket holding the slot.
         bucket: u64,
+        /// The slot's index in its bucket.
         slot: usize,
+        /// Where the block it points at starts in the region.
         offset: u64,
     },
     /// The connection was lost (or the counter moved in a way that cannot
@@ -41,10 +69,16 @@ pub enum Error {
     /// A counter operation on a key that holds plain bytes.
     #[error("the key holds a value that is not a counter")]
     NotACounter,
+    /// The operation lost every one of
+    /// [`ClientOptions::max_attempts`](crate::ClientOptions::max_attempts)
+    /// races against other writers of the key.
     #[error("gave up after {0} attempts under contention")]
     Contended(u32),
+    /// The server answered something this client does not expect.
     #[error("unexpected reply from server: {0}")]
     Protocol(String),
+    /// The transport failed (a verb was refused, the device reported an
+    /// error) and reconnecting did not help.
     #[error("transport: {0}")]
     Transport(TransportError),
 }

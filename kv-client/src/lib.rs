@@ -1,7 +1,8 @@
+#![deny(missing_docs)]
 //! The onekv client. It reaches the server's region with one-sided verbs
 //! only. Each operation is a module that reads as its protocol:
 //!
-//! - [`get`](crate::get): the key's two windows of buckets in one batch, the
+//! - `get`: the key's two windows of buckets in one batch, the
 //!   matching block in a second; one batch for both with a fresh hint;
 //! - `put`: the block written out of place, published by a CAS on the slot
 //!   (`locate` → update in place or insert, then `dedup`); one batch for
@@ -19,14 +20,21 @@
 //! # Ok::<(), kv_client::Error>(())
 //! ```
 //!
-//! A `Client` is one connection; give each thread its own.
+//! A [`Client`] is one connection; give each thread its own, or share a
+//! [`ClientPool`] between threads.
+//!
+//! The types a caller meets are re-exported here: [`Address`],
+//! [`Geometry`], [`VerbStats`], [`ServerStats`], [`TransportError`]; the
+//! `examples/` folder holds complete programs.
 
 use std::time::{Duration, Instant};
 
-use kv_common::layout::{Geometry, MAX_KEY};
-use kv_common::protocol::{ConnectInfo, Request, Response, ServerStats, PROTOCOL_VERSION};
-use kv_common::transport::{self, ConnectOptions, Connection, ReadOrder, VerbStats};
-use kv_common::Address;
+pub use kv_common::layout::{Geometry, MAX_KEY};
+pub use kv_common::protocol::ServerStats;
+use kv_common::protocol::{ConnectInfo, Request, Response, PROTOCOL_VERSION};
+use kv_common::transport::{self, ConnectOptions, Connection, ReadOrder};
+pub use kv_common::transport::{TransportError, VerbStats};
+pub use kv_common::Address;
 
 mod alloc;
 mod batch;
@@ -43,6 +51,7 @@ mod index;
 mod lease;
 mod local;
 mod locate;
+mod pool;
 mod put;
 mod slot_cache;
 
@@ -52,8 +61,10 @@ use counter::CounterOp;
 pub use error::Error;
 use index::Value;
 use local::{LocalLayout, BATCH_KEYS};
+pub use pool::{ClientPool, PooledClient};
 use slot_cache::SlotCache;
 
+/// What every call returns.
 pub type Result<T> = std::result::Result<T, Error>;
 
 /// How long a writer waits for a resize to publish the new index (the
@@ -63,16 +74,27 @@ const RESIZE_WAIT: Duration = Duration::from_secs(600);
 /// How long a PUT waits for heap space while the server reclaims or grows.
 const SPACE_WAIT: Duration = Duration::from_secs(30);
 
+/// How a [`Client`] connects and behaves; `Default` suits most programs.
+///
+/// ```no_run
+/// let options = kv_client::ClientOptions {
+///     secret: Some(std::fs::read("/etc/onekv/secret")?),
+///     ..Default::default()
+/// };
+/// let kv = kv_client::Client::connect_with("shm:///dev/shm/onekv", options)?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone)]
 pub struct ClientOptions {
     /// Presented at connect when the server requires a secret.
     pub secret: Option<Vec<u8>>,
     /// Attempts of one operation under contention before giving up.
     pub max_attempts: u32,
-    /// Fault injection for tests: after reading the index, before reading the
-    /// blocks it points at (and so before any CAS based on it), sleep as a
-    /// client on a slow or preempted host would: one time in four this long,
-    /// otherwise up to a quarter of it.
+    /// Test hook (fault injection): after reading the index, before
+    /// reading the blocks it points at (and so before any CAS based on it),
+    /// sleep as a client on a slow or preempted host would: one time in four
+    /// this long, otherwise up to a quarter of it.
+    #[doc(hidden)]
     pub pause_after_index_read: Option<Duration>,
     /// Keys whose slot is remembered, so that an operation on a key seen
     /// recently takes one round trip: a GET reads the buckets and the block
@@ -103,6 +125,13 @@ impl Default for ClientOptions {
     }
 }
 
+/// One connection to a onekv server. Every call is a few one-sided verbs
+/// on the server's region; none involves the server's CPU. Operations on
+/// one key are linearizable across all clients.
+///
+/// A lost connection (the server restarted, or cut this client off) is
+/// replaced at the next call, which is then redone; dropping the client says
+/// goodbye, so the server reclaims its leased space at once.
 pub struct Client {
     address: Address,
     options: ClientOptions,
@@ -141,10 +170,13 @@ impl<T> Step<T> {
 }
 
 impl Client {
+    /// Connects to the server at `address` (`shm:///dev/shm/NAME` or
+    /// `rdma://HOST:PORT`) with default options.
     pub fn connect(address: &str) -> Result<Client> {
         Client::connect_with(address, ClientOptions::default())
     }
 
+    /// Connects with `options` (a secret, the slot hint cache, timeouts).
     pub fn connect_with(address: &str, options: ClientOptions) -> Result<Client> {
         let address = Address::parse(address).map_err(Error::Unreachable)?;
         let (conn, info, layout) = open(&address, &options)?;
@@ -168,10 +200,13 @@ impl Client {
         })
     }
 
+    /// The server's address.
     pub fn address(&self) -> &Address {
         &self.address
     }
 
+    /// The region's layout as this client last learned it (it follows
+    /// resizes and growth by itself).
     pub fn geometry(&self) -> &Geometry {
         &self.info.geometry
     }
@@ -188,6 +223,15 @@ impl Client {
     }
 
     /// Verbs, round trips and bytes this client has used so far.
+    ///
+    /// ```no_run
+    /// # let mut kv = kv_client::Client::connect("shm:///dev/shm/onekv")?;
+    /// let before = kv.verb_stats();
+    /// kv.get(b"user1")?;
+    /// let used = kv.verb_stats().since(&before);
+    /// println!("{} round trips, {} bytes read", used.round_trips, used.bytes_read);
+    /// # Ok::<(), kv_client::Error>(())
+    /// ```
     pub fn verb_stats(&self) -> VerbStats {
         let mut s = self.retired_stats;
         s.add(self.conn.stats());
@@ -208,14 +252,35 @@ impl Client {
         }
     }
 
-    /// The value of `key`, or None.
+    /// The value of `key`, or None: two round trips (the key's buckets,
+    /// then its block), one for a key with a fresh slot hint.
+    ///
+    /// ```no_run
+    /// # let mut kv = kv_client::Client::connect("shm:///dev/shm/onekv")?;
+    /// match kv.get(b"user1")? {
+    ///     Some(value) => println!("{}", String::from_utf8_lossy(&value)),
+    ///     None => println!("no such key"),
+    /// }
+    /// # Ok::<(), kv_client::Error>(())
+    /// ```
     pub fn get(&mut self, key: &[u8]) -> Result<Option<Vec<u8>>> {
         let mut out = Vec::new();
         Ok(self.get_into(key, &mut out)?.then_some(out))
     }
 
     /// Reads the value of `key` into `out` (reusing its allocation); false if
-    /// there is no such key.
+    /// there is no such key. The call for loops that read many values.
+    ///
+    /// ```no_run
+    /// # let mut kv = kv_client::Client::connect("shm:///dev/shm/onekv")?;
+    /// let mut value = Vec::new();
+    /// for key in [&b"user1"[..], b"user2"] {
+    ///     if kv.get_into(key, &mut value)? {
+    ///         assert!(!value.is_empty());
+    ///     }
+    /// }
+    /// # Ok::<(), kv_client::Error>(())
+    /// ```
     pub fn get_into(&mut self, key: &[u8], out: &mut Vec<u8>) -> Result<bool> {
         check_key(key)?;
         self.run(|c| {
@@ -265,6 +330,13 @@ impl Client {
     /// the blocks and the keys' windows of up to 21 pairs in one batch,
     /// the blocks found in a second, the CASes in a third (one batch when
     /// every key has a settled hint).
+    ///
+    /// ```no_run
+    /// # let mut kv = kv_client::Client::connect("shm:///dev/shm/onekv")?;
+    /// kv.put_many(&[("user1", "alice"), ("user2", "bob")])?;
+    /// assert_eq!(kv.delete_many(&["user1", "user3"])?, [true, false]);
+    /// # Ok::<(), kv_client::Error>(())
+    /// ```
     pub fn put_many<K: AsRef<[u8]>, V: AsRef<[u8]>>(&mut self, pairs: &[(K, V)]) -> Result<()> {
         let pairs: Vec<(&[u8], &[u8])> = pairs
             .iter()
@@ -358,6 +430,15 @@ impl Client {
     /// Sets the counter `key` to `new` if it holds `expected` (one CAS on
     /// its word). Returns the value it held, which equals `expected` if and
     /// only if it was swapped; None if there is no such counter.
+    ///
+    /// ```no_run
+    /// # let mut kv = kv_client::Client::connect("shm:///dev/shm/onekv")?;
+    /// kv.incr(b"stock", 3)?;
+    /// assert_eq!(kv.compare_and_set(b"stock", 3, 2)?, Some(3)); // swapped
+    /// assert_eq!(kv.compare_and_set(b"stock", 3, 1)?, Some(2)); // not: it held 2
+    /// assert_eq!(kv.get_counter(b"stock")?, Some(2));
+    /// # Ok::<(), kv_client::Error>(())
+    /// ```
     pub fn compare_and_set(&mut self, key: &[u8], expected: i64, new: i64) -> Result<Option<i64>> {
         check_key(key)?;
         self.run(|c| {
@@ -371,7 +452,10 @@ impl Client {
         })
     }
 
-    /// Stores `value` under `key`, replacing any earlier value.
+    /// Stores `value` under `key`, replacing any earlier value: the block
+    /// is written out of place and published by one CAS on the key's slot
+    /// (two round trips for a new key, three for an update, one with a
+    /// settled slot hint). Once it returns, every later GET sees it.
     pub fn put(&mut self, key: &[u8], value: &[u8]) -> Result<()> {
         check_key(key)?;
         if value.len() > self.max_value {

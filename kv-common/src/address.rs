@@ -8,12 +8,23 @@ use std::path::PathBuf;
 pub enum Address {
     /// `shm:///dev/shm/NAME`: the region is the file NAME, the control
     /// socket is NAME.sock beside it.
-    Shm { region: PathBuf },
-    /// `rdma://HOST:PORT`: RC queue pairs set up through librdmacm.
-    Rdma { host: String, port: u16 },
+    Shm {
+        /// The region file.
+        region: PathBuf,
+    },
+    /// `rdma://HOST:PORT`: RC queue pairs, set up over a TCP handshake on
+    /// that port.
+    Rdma {
+        /// A name or an address of the server's RDMA interface.
+        host: String,
+        /// The TCP port of the handshake.
+        port: u16,
+    },
 }
 
 impl Address {
+    /// Reads `shm:///PATH` or `rdma://HOST:PORT`; the error says what is
+    /// wrong with the text.
     pub fn parse(text: &str) -> Result<Self, String> {
         if let Some(path) = text.strip_prefix("shm://") {
             if !path.starts_with('/') || path.len() < 2 || path.ends_with('/') {

@@ -79,12 +79,20 @@ pub enum LayoutError {
 /// changes (index resizes, heap growth) since the region was created.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Geometry {
+    /// Bytes of the region (header, key table, heap).
     pub region_len: u64,
+    /// Where the index in force starts (it is a run of the heap).
     pub index_offset: u64,
+    /// Buckets of the index (eight slots each, a power of two).
     pub bucket_count: u64,
+    /// Where the heap starts.
     pub heap_offset: u64,
+    /// Bytes of the heap.
     pub heap_size: u64,
+    /// The unit the server leases heap space in; the largest value fits in
+    /// one chunk.
     pub chunk_size: u64,
+    /// Changes of the geometry (resizes, growth) since the region was made.
     pub epoch: u64,
 }
 

@@ -102,26 +102,36 @@ pub enum ErrorKind {
 /// Counters a server keeps about its control plane and heap.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ServerStats {
+    /// Clients connected now.
     pub clients_connected: u64,
     /// Open control channels, connected or not yet.
     pub connections: u64,
+    /// Clients admitted since the server started.
     pub connects: u64,
+    /// Connections refused (wrong secret or version, too many clients).
     pub rejected_connects: u64,
+    /// Heap chunks leased to clients.
     pub leases: u64,
+    /// Extents clients gave back.
     pub give_backs: u64,
     /// Give-backs refused because they named space the client does not hold.
     pub refused_give_backs: u64,
+    /// Stats requests answered.
     pub stats_requests: u64,
+    /// Clients that said goodbye.
     pub disconnects: u64,
     /// Clients that went away without saying goodbye (crashed, or cut off by
     /// a timeout or for misbehaving); their space was reclaimed.
     pub departures: u64,
+    /// Control messages that could not be decoded or made no sense.
     pub malformed: u64,
+    /// Bytes of the heap.
     pub heap_size: u64,
     /// Free heap bytes, counting those still waiting out their grace period.
     pub heap_free: u64,
     /// Bytes leased to connected clients (their unused space included).
     pub heap_leased: u64,
+    /// Buckets of the index in force.
     pub bucket_count: u64,
     /// Occupied slots as of the last index scan (`index_scans` so far; the
     /// server scans when it reclaims space, not on every stats request).
@@ -135,12 +145,15 @@ pub struct ServerStats {
     pub server_cpu_us: u64,
     /// Changes of the geometry since the region was created.
     pub epoch: u64,
-    /// Index resizes this server completed, and whether one is under way.
+    /// Index resizes this server completed.
     pub resizes: u64,
+    /// Whether one is under way.
     pub resizing: bool,
-    /// Times the heap grew, the region's size now and the cap it grows to.
+    /// Times the heap grew.
     pub growths: u64,
+    /// The region's size now.
     pub region_bytes: u64,
+    /// The size the region may grow to.
     pub max_region_bytes: u64,
     /// Slots of the current index (`live_slots` of them in use).
     pub index_slots: u64,

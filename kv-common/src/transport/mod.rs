@@ -61,15 +61,22 @@ pub enum Verb {
 /// What a connection has done on the data path.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VerbStats {
+    /// Batches posted and completed (one doorbell and one wait each).
     pub round_trips: u64,
+    /// READs, WRITEs and atomics.
     pub verbs: u64,
+    /// Bytes the READs fetched.
     pub bytes_read: u64,
+    /// Bytes the WRITEs stored.
     pub bytes_written: u64,
+    /// CASes and FETCH-AND-ADDs.
     pub atomics: u64,
+    /// CASes that found another value than expected.
     pub cas_failures: u64,
 }
 
 impl VerbStats {
+    /// What was done between `earlier` and `self`.
     pub fn since(&self, earlier: &VerbStats) -> VerbStats {
         VerbStats {
             round_trips: self.round_trips - earlier.round_trips,
