@@ -1,0 +1,224 @@
+//! `kv`: a command-line client for poking at a onekv server, one command
+//! per run or at an interactive prompt (`repl`).
+
+use std::ffi::OsString;
+use std::io::{Read, Write};
+use std::os::unix::ffi::OsStrExt;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use kv_client::{Client, ClientOptions, Geometry};
+
+mod quoting;
+mod repl;
+
+/// Reads and writes a onekv server with one-sided verbs, like any embedded
+/// client. Keys and values are taken as the bytes of the arguments; a value
+/// too large for a command line comes from a file or standard input.
+///
+/// With no command, opens a prompt that takes the same commands (plus
+/// `help` and `quit`), with history and line editing. There, as in
+/// redis-cli, values are shown in double quotes with other than printable
+/// ASCII escaped (\n, \xff), and typed the same way: "hello world",
+/// "\x00\x01". --raw shows them as they are.
+///
+/// Exit status: 0 on success, 1 when `get` or `del` finds no such key, 2 on
+/// errors (the prompt exits 0 at `quit` or end of input, 2 if it cannot
+/// connect).
+#[derive(Parser)]
+#[command(version, about, long_about)]
+struct Args {
+    /// Server address, e.g. shm:///dev/shm/onekv.
+    #[arg(long, env = "ONEKV_SERVER", default_value = "shm:///dev/shm/onekv")]
+    server: String,
+    /// File holding the server's shared secret, if it requires one.
+    #[arg(long)]
+    secret_file: Option<PathBuf>,
+    /// At the prompt, print values as they are instead of quoted.
+    #[arg(long)]
+    raw: bool,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand)]
+#[command(disable_help_subcommand = true)]
+enum Command {
+    /// Store VALUE under KEY. Without VALUE, the value is read from
+    /// --value-file, or else from standard input (all of it, byte for byte).
+    Put {
+        key: OsString,
+        value: Option<OsString>,
+        /// Read the value from this file instead.
+        #[arg(long, conflicts_with = "value")]
+        value_file: Option<PathBuf>,
+    },
+    /// Print the value of KEY; exits with status 1 if there is none.
+    Get { key: OsString },
+    /// Remove KEY; exits with status 1 if there was none.
+    Del { key: OsString },
+    /// Add N (default 1, may be negative) to the counter KEY, creating it at
+    /// 0 first, and print its new value. Fails if KEY holds a value `put`
+    /// stored; `get` prints a counter in decimal.
+    Incr {
+        key: OsString,
+        #[arg(default_value_t = 1, allow_negative_numbers = true)]
+        n: i64,
+    },
+    /// Print the server's statistics.
+    Stats,
+    /// Double the server's index now (it also doubles by itself when the
+    /// index fills) and print the new geometry once it is in force.
+    Resize,
+}
+
+/// What a command found, for the caller to print its own way.
+enum Outcome {
+    Stored,
+    Value(Option<Vec<u8>>),
+    Deleted(bool),
+    Counter(i64),
+    /// Lines of `name value`.
+    Report(Vec<String>),
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(args) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("kv: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn run(args: Args) -> Result<ExitCode, String> {
+    let mut options = ClientOptions::default();
+    if let Some(path) = &args.secret_file {
+        options.secret = Some(kv_common::secret::read_secret_file(path)?);
+    }
+    let mut kv = Client::connect_with(&args.server, options).map_err(|e| e.to_string())?;
+    let code = match args.command {
+        None => {
+            repl::run(&mut kv, &args.server, args.raw);
+            ExitCode::SUCCESS
+        }
+        Some(command) => {
+            let missing = command.key().map(|k| k.to_string_lossy().into_owned());
+            match execute(&mut kv, command)? {
+                Outcome::Value(None) | Outcome::Deleted(false) => {
+                    eprintln!("kv: key not found: {}", missing.unwrap_or_default());
+                    ExitCode::from(1)
+                }
+                Outcome::Value(Some(value)) => {
+                    let mut out = std::io::stdout().lock();
+                    out.write_all(&value)
+                        .and_then(|_| out.write_all(b"\n"))
+                        .map_err(|e| e.to_string())?;
+                    ExitCode::SUCCESS
+                }
+                Outcome::Counter(n) => {
+                    println!("{n}");
+                    ExitCode::SUCCESS
+                }
+                Outcome::Report(lines) => {
+                    lines.iter().for_each(|l| println!("{l}"));
+                    ExitCode::SUCCESS
+                }
+                Outcome::Stored | Outcome::Deleted(true) => ExitCode::SUCCESS,
+            }
+        }
+    };
+    kv.close().map_err(|e| e.to_string())?;
+    Ok(code)
+}
+
+impl Command {
+    fn key(&self) -> Option<&OsString> {
+        match self {
+            Command::Put { key, .. }
+            | Command::Get { key }
+            | Command::Del { key }
+            | Command::Incr { key, .. } => Some(key),
+            Command::Stats | Command::Resize => None,
+        }
+    }
+}
+
+/// Runs one command; errors are the client's, as text.
+fn execute(kv: &mut Client, command: Command) -> Result<Outcome, String> {
+    let e = |e: kv_client::Error| e.to_string();
+    Ok(match command {
+        Command::Put {
+            key,
+            value,
+            value_file,
+        } => {
+            let value = match (value, value_file) {
+                (Some(v), _) => v.into_encoded_bytes(),
+                (None, Some(path)) => std::fs::read(&path)
+                    .map_err(|e| format!("cannot read {}: {e}", path.display()))?,
+                (None, None) => {
+                    let mut v = Vec::new();
+                    std::io::stdin()
+                        .read_to_end(&mut v)
+                        .map_err(|e| format!("reading the value from standard input: {e}"))?;
+                    v
+                }
+            };
+            kv.put(key.as_bytes(), &value).map_err(e)?;
+            Outcome::Stored
+        }
+        Command::Get { key } => Outcome::Value(kv.get(key.as_bytes()).map_err(e)?),
+        Command::Del { key } => Outcome::Deleted(kv.delete(key.as_bytes()).map_err(e)?),
+        Command::Incr { key, n } => Outcome::Counter(kv.incr(key.as_bytes(), n).map_err(e)?),
+        Command::Stats => Outcome::Report(stats(kv)?),
+        Command::Resize => {
+            let before = kv.geometry().bucket_count;
+            let g: Geometry = kv.resize().map_err(e)?;
+            Outcome::Report(vec![format!(
+                "buckets {before} -> {} (epoch {}, region {} bytes)",
+                g.bucket_count, g.epoch, g.region_len
+            )])
+        }
+    })
+}
+
+fn stats(kv: &mut Client) -> Result<Vec<String>, String> {
+    let s = kv.server_stats().map_err(|e| e.to_string())?;
+    let g = kv.geometry();
+    Ok(vec![
+        format!("clients_connected {}", s.clients_connected),
+        format!("control_connections {}", s.connections),
+        format!("connects {}", s.connects),
+        format!("rejected_connects {}", s.rejected_connects),
+        format!("disconnects {}", s.disconnects),
+        format!("departures {}", s.departures),
+        format!("leases {}", s.leases),
+        format!("give_backs {}", s.give_backs),
+        format!("refused_give_backs {}", s.refused_give_backs),
+        format!("malformed_messages {}", s.malformed),
+        format!("epoch {}", s.epoch),
+        format!("resizes {}", s.resizes),
+        format!("resizing {}", s.resizing),
+        format!("buckets {} (slots {})", s.bucket_count, s.index_slots),
+        format!(
+            "live_slots {} (as of index scan {})",
+            s.live_slots, s.index_scans
+        ),
+        format!("occupancy {:.3}", s.occupancy()),
+        format!("region_bytes {}", s.region_bytes),
+        format!("max_region_bytes {}", s.max_region_bytes),
+        format!("growths {}", s.growths),
+        format!("live_bytes {}", s.live_bytes),
+        format!("corrupt_slots {}", s.corrupt_slots),
+        format!("heap_bytes {}", s.heap_size),
+        format!("heap_free_bytes {}", s.heap_free),
+        format!("heap_leased_bytes {}", s.heap_leased),
+        format!("chunk_bytes {}", g.chunk_size),
+        format!("max_value_bytes {}", kv.max_value()),
+        format!("server_cpu_us {}", s.server_cpu_us),
+    ])
+}

@@ -1,0 +1,89 @@
+//! The `kv` prompt driven through a pseudo-terminal, as a person at a
+//! terminal would use it: line editing on, values quoted and escaped the
+//! way redis-cli does, `--raw`, and the exit status at `quit`.
+
+use std::process::Command;
+use std::time::Duration;
+
+use expectrl::process::unix::WaitStatus;
+use expectrl::{Eof, Expect, Session};
+use onekv_tests::{workspace_bin, TestServer};
+
+fn prompt(t: &TestServer, extra: &[&str]) -> expectrl::session::OsSession {
+    let home = tempfile::tempdir().expect("home directory");
+    let mut cmd = Command::new(workspace_bin("kv"));
+    cmd.arg("--server").arg(&t.address).args(extra);
+    // History goes to a directory of its own, not the tester's home.
+    cmd.env("HOME", home.keep());
+    let mut p = Session::spawn(cmd).expect("kv starts on a pty");
+    p.set_expect_timeout(Some(Duration::from_secs(30)));
+    p.expect(format!("{}> ", t.address)).expect("prompt shows the server");
+    p
+}
+
+/// Types `line`, then waits for `answer` and the next prompt.
+fn says(p: &mut expectrl::session::OsSession, t: &TestServer, line: &str, answer: &str) {
+    p.send_line(line).expect("line sent");
+    // Between the answer and the prompt, the line editor redraws (escape
+    // sequences).
+    p.expect(format!("{answer}\r\n"))
+        .unwrap_or_else(|e| panic!("after {line:?}: no {answer:?}: {e}"));
+    p.expect(format!("{}> ", t.address))
+        .unwrap_or_else(|e| panic!("after {line:?}: no prompt: {e}"));
+}
+
+#[test]
+fn the_prompt_stores_reads_and_quotes_like_redis_cli() {
+    let t = TestServer::start(|_| {});
+    let mut p = prompt(&t, &[]);
+    says(&mut p, &t, r#"put greeting "hello world""#, "OK");
+    says(&mut p, &t, "GET greeting", r#""hello world""#);
+    // Binary bytes typed as escapes come back escaped.
+    says(&mut p, &t, r#"put bin "\x00\xff\ttab\"q""#, "OK");
+    says(&mut p, &t, "get bin", r#""\x00\xff\ttab\"q""#);
+    says(&mut p, &t, "get missing", "(nil)");
+    says(&mut p, &t, "incr visits 5", "(integer) 5");
+    says(&mut p, &t, "del visits", "(integer) 1");
+    says(&mut p, &t, "del visits", "(integer) 0");
+    says(
+        &mut p,
+        &t,
+        r#"get "unterminated"#,
+        "(error) Invalid argument(s): unbalanced quotes",
+    );
+    p.send_line("frobnicate x").expect("line sent");
+    p.expect("unrecognized subcommand 'frobnicate'")
+        .expect("unknown commands are named");
+    p.expect(format!("{}> ", t.address)).expect("prompt again");
+    p.send_line("quit").expect("line sent");
+    p.expect(Eof).expect("kv exits at quit");
+    assert!(matches!(
+        p.get_process().wait().expect("kv's status"),
+        WaitStatus::Exited(_, 0)
+    ));
+
+    // What the prompt stored is what the one-shot command line reads.
+    let out = Command::new(workspace_bin("kv"))
+        .args(["--server", &t.address, "get", "bin"])
+        .output()
+        .expect("kv get");
+    assert_eq!(out.stdout, b"\x00\xff\ttab\"q\n");
+}
+
+#[test]
+fn raw_prints_values_as_they_are_and_end_of_input_exits_0() {
+    let t = TestServer::start(|_| {});
+    let mut kv = kv_client::Client::connect(&t.address).expect("client");
+    kv.put(b"two lines", b"first\nsecond").expect("put");
+    let mut p = prompt(&t, &["--raw"]);
+    says(&mut p, &t, r#"get "two lines""#, "first\r\nsecond");
+    says(&mut p, &t, "incr n", "1");
+    // Ctrl-D on an empty line ends the session.
+    p.send(expectrl::ControlCode::EndOfTransmission)
+        .expect("Ctrl-D sent");
+    p.expect(Eof).expect("kv exits at end of input");
+    assert!(matches!(
+        p.get_process().wait().expect("kv's status"),
+        WaitStatus::Exited(_, 0)
+    ));
+}
