@@ -3,6 +3,7 @@
 use clap::Args;
 
 use crate::driver::{run_phase, OpKind, Phase, PhaseResult, RunOptions};
+use crate::plot;
 use crate::report;
 use crate::store::{Lmdb, Onekv, Redis, StoreFactory};
 use crate::target::Target;
@@ -94,6 +95,23 @@ pub fn run(args: CompareArgs) -> Result<(), String> {
         });
     }
     print_table(&rows);
+    if let Some(path) = &args.workload.plot {
+        let series: Vec<_> = rows
+            .iter()
+            .map(|r| plot::Series {
+                name: &r.name,
+                result: &r.run,
+            })
+            .collect();
+        let title = format!(
+            "YCSB {}: {} records, {} operations, threads {}",
+            args.workload.workload_name(),
+            w.recordcount,
+            w.operationcount,
+            w.threadcount
+        );
+        plot::compare(path, &title, &series)?;
+    }
     if let Some(path) = &args.workload.json {
         let phases: Vec<_> = rows
             .iter()

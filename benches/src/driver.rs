@@ -80,7 +80,13 @@ pub struct PhaseResult {
     pub ops: BTreeMap<OpKind, OpStats>,
     pub server_cpu_us: Option<u64>,
     pub first_error: Option<String>,
+    /// Operations completed by each moment of the phase (seconds since its
+    /// start), sampled every [`TIMELINE_STEP`].
+    pub timeline: Vec<(f64, u64)>,
 }
+
+/// How often the progress of a phase is sampled for its timeline.
+const TIMELINE_STEP: Duration = Duration::from_millis(100);
 
 impl PhaseResult {
     pub fn operations(&self) -> u64 {
@@ -149,7 +155,7 @@ pub fn run_phase(
     let threads = w.threadcount;
     let cpu_before = store.server_cpu_us();
     let start = Instant::now();
-    let results: Vec<Result<Worker, String>> = std::thread::scope(|s| {
+    let (results, mut timeline): (Vec<Result<Worker, String>>, _) = std::thread::scope(|s| {
         let handles: Vec<_> = (0..threads)
             .map(|t| {
                 let shared = &shared;
@@ -162,11 +168,12 @@ pub fn run_phase(
                 })
             })
             .collect();
-        report_progress(&shared, total, start, w, phase, options);
-        handles
+        let timeline = report_progress(&shared, total, start, w, phase, options);
+        let results: Vec<_> = handles
             .into_iter()
             .map(|h| h.join().unwrap_or_else(|_| Err("worker panicked".into())))
-            .collect()
+            .collect();
+        (results, timeline)
     });
     let mut runtime = Duration::ZERO;
     let mut ops: BTreeMap<OpKind, OpStats> = BTreeMap::new();
@@ -179,6 +186,7 @@ pub fn run_phase(
         }
         first_error = first_error.or(worker.first_error);
     }
+    timeline.push((runtime.as_secs_f64(), shared.done.load(Ordering::Relaxed)));
     let server_cpu_us = match (cpu_before, store.server_cpu_us()) {
         (Some(a), Some(b)) => Some(b.saturating_sub(a)),
         _ => None,
@@ -189,10 +197,12 @@ pub fn run_phase(
         ops,
         server_cpu_us,
         first_error,
+        timeline,
     })
 }
 
-/// Shows progress until the workers are done; ends the run at maxexecutiontime.
+/// Shows progress until the workers are done, and returns its timeline;
+/// ends the run at maxexecutiontime.
 fn report_progress(
     shared: &Shared,
     total: u64,
@@ -200,7 +210,9 @@ fn report_progress(
     w: &Workload,
     phase: Phase,
     o: &RunOptions,
-) {
+) -> Vec<(f64, u64)> {
+    let mut timeline = vec![(0.0, 0)];
+    let mut next_sample = start + TIMELINE_STEP;
     let bar = (o.progress_bar && !o.quiet).then(|| {
         let bar = indicatif::ProgressBar::new(total);
         bar.set_style(
@@ -217,6 +229,10 @@ fn report_progress(
         let done = shared.done.load(Ordering::Relaxed);
         if done >= total || shared.stop.load(Ordering::Relaxed) {
             break;
+        }
+        if Instant::now() >= next_sample {
+            timeline.push((start.elapsed().as_secs_f64(), done));
+            next_sample += TIMELINE_STEP;
         }
         if w.maxexecutiontime.is_some_and(|m| start.elapsed() >= m) {
             shared.stop.store(true, Ordering::Relaxed);
@@ -238,6 +254,7 @@ fn report_progress(
         bar.set_position(shared.done.load(Ordering::Relaxed));
         bar.finish();
     }
+    timeline
 }
 
 /// One thread's generators and measurements.

@@ -8,6 +8,7 @@ mod compare;
 mod driver;
 mod generator;
 mod micro;
+mod plot;
 mod properties;
 mod report;
 mod store;

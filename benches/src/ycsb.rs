@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use clap::Args;
 
 use crate::driver::{run_phase, Phase, RunOptions};
+use crate::plot;
 use crate::properties::Properties;
 use crate::report;
 use crate::store::Onekv;
@@ -29,6 +30,11 @@ pub struct WorkloadArgs {
     /// Also write the results as JSON to this file.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
+    /// Also draw the results as an SVG picture: throughput over time and
+    /// latency percentiles (run/load), or throughput per target and their
+    /// latency percentiles (compare).
+    #[arg(long, value_name = "FILE.svg")]
+    pub plot: Option<PathBuf>,
     /// onekv server address; by default an embedded server on a temporary
     /// shm region, which starts at the server's default size and grows.
     #[arg(long)]
@@ -124,7 +130,7 @@ pub fn run(args: WorkloadArgs, load: bool, run: bool) -> Result<(), String> {
         args.seed
     );
     let options = RunOptions::for_terminal(args.seed, args.status_interval()?);
-    let mut phases = Vec::new();
+    let mut results = Vec::new();
     let mut out = std::io::stdout().lock();
     for (wanted, phase) in [(load, Phase::Load), (run, Phase::Run)] {
         if !wanted {
@@ -132,8 +138,12 @@ pub fn run(args: WorkloadArgs, load: bool, run: bool) -> Result<(), String> {
         }
         let result = run_phase(&store, &w, phase, &options)?;
         report::print_ycsb(&mut out, &result).map_err(|e| e.to_string())?;
-        phases.push(report::phase_json("onekv", &result));
+        results.push(result);
     }
+    let phases: Vec<_> = results
+        .iter()
+        .map(|r| report::phase_json("onekv", r))
+        .collect();
     if let Some(lines) = target.growth_report() {
         std::io::Write::write_all(&mut out, format!("{lines}\n").as_bytes())
             .map_err(|e| e.to_string())?;
@@ -143,6 +153,22 @@ pub fn run(args: WorkloadArgs, load: bool, run: bool) -> Result<(), String> {
             path,
             &serde_json::json!({ "workload": args.workload_name(), "phases": phases }),
         )?;
+    }
+    if let Some(path) = &args.plot {
+        let series: Vec<_> = results
+            .iter()
+            .map(|r| plot::Series {
+                name: plot::phase_name(r.phase),
+                result: r,
+            })
+            .collect();
+        let title = format!(
+            "onekv, YCSB {}: {} records, threads {}",
+            args.workload_name(),
+            w.recordcount,
+            w.threadcount
+        );
+        plot::run(path, &title, &series)?;
     }
     Ok(())
 }

@@ -208,3 +208,91 @@ fn maxexecutiontime_ends_the_run_phase() {
     );
     assert!(started.elapsed() < std::time::Duration::from_secs(60));
 }
+
+/// The texts of an SVG file, which must be well-formed XML with an `svg`
+/// root, and how many polylines (plotted series) it draws.
+fn svg_texts(path: &std::path::Path) -> (Vec<String>, usize) {
+    let text = std::fs::read_to_string(path).expect("the plot was written");
+    let doc = roxmltree::Document::parse(&text).expect("the plot is well-formed XML");
+    assert_eq!(doc.root_element().tag_name().name(), "svg");
+    let texts = doc
+        .descendants()
+        .filter(|n| n.has_tag_name("text"))
+        .filter_map(|n| n.text().map(|t| t.trim().to_string()))
+        .collect();
+    let lines = doc
+        .descendants()
+        .filter(|n| n.has_tag_name("polyline"))
+        .count();
+    (texts, lines)
+}
+
+#[test]
+fn compare_and_run_draw_their_results_as_svg() {
+    let dir = tempfile::tempdir().expect("dir");
+    let compare_svg = dir.path().join("compare.svg");
+    let out = bench(&[
+        "compare",
+        "--workload",
+        "workloads/workloada",
+        "-p",
+        "recordcount=500",
+        "-p",
+        "operationcount=2000",
+        "--targets",
+        "onekv,lmdb",
+        "--plot",
+        compare_svg.to_str().expect("utf-8 path"),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (texts, lines) = svg_texts(&compare_svg);
+    for want in [
+        "run phase throughput",
+        "latency percentiles",
+        "onekv",
+        "lmdb",
+        "onekv READ",
+        "onekv UPDATE",
+        "lmdb READ",
+        "lmdb UPDATE",
+        "p99.9",
+    ] {
+        assert!(texts.iter().any(|t| t == want), "no {want:?} in {texts:?}");
+    }
+    // A line per target and operation (legend swatches are paths).
+    assert!(lines >= 4, "{lines} polylines");
+
+    let run_svg = dir.path().join("run.svg");
+    let out = bench(&[
+        "run",
+        "--workload",
+        "workloads/workloadb",
+        "-p",
+        "recordcount=500",
+        "-p",
+        "operationcount=5000",
+        "--plot",
+        run_svg.to_str().expect("utf-8 path"),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (texts, lines) = svg_texts(&run_svg);
+    for want in [
+        "throughput over time",
+        "load",
+        "run",
+        "load INSERT",
+        "run READ",
+        "run UPDATE",
+    ] {
+        assert!(texts.iter().any(|t| t == want), "no {want:?} in {texts:?}");
+    }
+    assert!(lines >= 5, "{lines} polylines");
+}

@@ -17,7 +17,8 @@ fn prompt(t: &TestServer, extra: &[&str]) -> expectrl::session::OsSession {
     cmd.env("HOME", home.keep());
     let mut p = Session::spawn(cmd).expect("kv starts on a pty");
     p.set_expect_timeout(Some(Duration::from_secs(30)));
-    p.expect(format!("{}> ", t.address)).expect("prompt shows the server");
+    p.expect(format!("{}> ", t.address))
+        .expect("prompt shows the server");
     p
 }
 
