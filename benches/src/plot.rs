@@ -172,11 +172,20 @@ fn throughput_over_time(area: &Area, phases: &[Series]) -> Result<(), String> {
     legend(&mut chart)
 }
 
+/// One operation's latency percentiles in one series.
+struct Line {
+    name: String,
+    series: usize,
+    op: usize,
+    /// (percentile index, µs).
+    points: Vec<(f64, f64)>,
+}
+
 fn latency_percentiles(area: &Area, series: &[Series]) -> Result<(), String> {
     // One line per (series, operation): its latency at each percentile, µs.
     // A series keeps its colour across both panels; the operation picks
     // the dash.
-    let lines: Vec<(String, usize, usize, Vec<(f64, f64)>)> = series
+    let lines: Vec<Line> = series
         .iter()
         .enumerate()
         .flat_map(|(i, s)| {
@@ -193,12 +202,16 @@ fn latency_percentiles(area: &Area, series: &[Series]) -> Result<(), String> {
                             (i as f64, (ns as f64 / 1000.0).max(0.01))
                         })
                         .collect();
-                    let name = format!("{} {}", s.name, kind.ycsb_name());
-                    (name, i, *kind as usize, points)
+                    Line {
+                        name: format!("{} {}", s.name, kind.ycsb_name()),
+                        series: i,
+                        op: *kind as usize,
+                        points,
+                    }
                 })
         })
         .collect();
-    let values = || lines.iter().flat_map(|(.., p)| p.iter().map(|&(_, v)| v));
+    let values = || lines.iter().flat_map(|l| l.points.iter().map(|&(_, v)| v));
     let low = values().fold(f64::MAX, f64::min).min(1.0);
     let high = values().fold(low * 10.0, f64::max);
     let mut chart = ChartBuilder::on(area)
@@ -229,7 +242,13 @@ fn latency_percentiles(area: &Area, series: &[Series]) -> Result<(), String> {
         })
         .draw()
         .map_err(err)?;
-    for (name, series, op, points) in lines {
+    for Line {
+        name,
+        series,
+        op,
+        points,
+    } in lines
+    {
         let style = color(series).stroke_width(2);
         let swatch = |(x, y): (i32, i32)| [(x, y), (x + 16, y)];
         match DASHES.get(op).copied().flatten() {
