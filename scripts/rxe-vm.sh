@@ -156,8 +156,13 @@ for t in /tests/*; do
   fi
 done
 
-# A daemon and several client processes.
-kv-server --listen rdma://$IP:7471 --memory 64MiB --stats-interval 0 > /tmp/server.log 2>&1 &
+# No GID is configured anywhere: every connection picks its device and GID
+# from the route to its peer (see kv-common/src/transport/gid.rs).
+unset ONEKV_RDMA_GID_INDEX ONEKV_RDMA_DEVICE
+echo "RXE-GIDS: $(for g in /sys/class/infiniband/rxe0/ports/1/gids/*; do i=${g##*/}; v=$(cat $g); case $v in 0000:0000:0000:0000:0000:0000:0000:0000) ;; *) echo -n "[$i $v $(cat /sys/class/infiniband/rxe0/ports/1/gid_attrs/types/$i 2>/dev/null)] ";; esac; done)"
+
+# A daemon on every interface and several client processes.
+kv-server --listen rdma://0.0.0.0:7471 --memory 64MiB --stats-interval 0 > /tmp/server.log 2>&1 &
 server=$!
 sleep 2
 kv-stress rdma://$IP:7471 p0 3000 p0,p1,p2 > /tmp/p0.log 2>&1 & a=$!

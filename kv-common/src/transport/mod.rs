@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 use crate::protocol::{CodecError, Request, Response};
 use crate::Address;
 
+pub mod gid;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 pub mod shm;

@@ -7,20 +7,27 @@
 //! it to learn that a client has gone (an RC queue pair only notices a dead
 //! peer when it next sends).
 //!
-//! Device and GID come from `ONEKV_RDMA_DEVICE` (default: the first device)
-//! and `ONEKV_RDMA_GID_INDEX` (default 1, the IPv4-mapped RoCEv2 GID on
-//! RoCE; use 0 on InfiniBand).
+//! Device and GID: the handshake's TCP socket is bound to the address the
+//! kernel's route to the peer starts from, and the device and GID holding
+//! that address carry the queue pair (see `transport::gid`), as rdma_cm
+//! would choose them. `ONEKV_RDMA_DEVICE` and `ONEKV_RDMA_GID_INDEX`
+//! override either. A server listening on an unspecified address
+//! (`rdma://0.0.0.0:PORT`) registers its region on every device, and
+//! serves each connection from the device its address belongs to.
 
 mod verbs;
 
 use std::io::Read;
-use std::net::{TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use verbs::{Completion, Cq, Device, Endpoint, Mr, Op, Pd, Qp, SendWr, LOCAL_ONLY, REMOTE_ALL};
+use verbs::{
+    Completion, Cq, Device, Endpoint, Gid, Mr, Op, Pd, Qp, SendWr, LOCAL_ONLY, REMOTE_ALL,
+};
 
+use super::gid::{self, GidEntry};
 use super::{
     read_frame, write_frame, ConnectOptions, Connection, ControlListener, ControlPeer, Fenced,
     ReadOrder, Received, RemoteRegion, TransportError, Verb, VerbStats,
@@ -39,15 +46,64 @@ const COMPLETION_TIMEOUT: Duration = Duration::from_secs(30);
 /// Longest the server waits for a client to take one reply.
 const PEER_SEND_TIMEOUT: Duration = Duration::from_secs(2);
 
-fn open_device() -> Result<Arc<Device>, TransportError> {
-    let name = std::env::var("ONEKV_RDMA_DEVICE").ok();
-    let gid_index = match std::env::var("ONEKV_RDMA_GID_INDEX") {
-        Ok(v) => v.parse().map_err(|_| {
-            TransportError::Unsupported(format!("ONEKV_RDMA_GID_INDEX={v} is not a number"))
-        })?,
-        Err(_) => 1,
+/// What the operator chose by hand; each wins over what the route picks.
+struct Overrides {
+    device: Option<String>,
+    gid_index: Option<u8>,
+}
+
+impl Overrides {
+    fn from_env() -> Result<Overrides, TransportError> {
+        let gid_index = match std::env::var("ONEKV_RDMA_GID_INDEX") {
+            Ok(v) if !v.is_empty() => Some(v.parse().map_err(|_| {
+                TransportError::Unsupported(format!(
+                    "ONEKV_RDMA_GID_INDEX={v} is not a GID index (0-255)"
+                ))
+            })?),
+            _ => None,
+        };
+        Ok(Overrides {
+            device: std::env::var("ONEKV_RDMA_DEVICE")
+                .ok()
+                .filter(|d| !d.is_empty()),
+            gid_index,
+        })
+    }
+}
+
+fn gid_table() -> Result<Vec<GidEntry>, TransportError> {
+    gid::table(std::path::Path::new(gid::SYSFS_ROOT)).map_err(|e| {
+        TransportError::Io(std::io::Error::new(
+            e.kind(),
+            format!("reading the GID tables in {}: {e}", gid::SYSFS_ROOT),
+        ))
+    })
+}
+
+/// The device that carries traffic from `local`.
+fn device_for(local: IpAddr, o: &Overrides) -> Result<Arc<Device>, TransportError> {
+    let name = match &o.device {
+        Some(d) => Some(d.clone()),
+        None => gid::choose(&gid_table()?, None, Some(local)).map(|e| e.device.clone()),
     };
-    Device::open(name.as_deref(), gid_index).map_err(TransportError::Io)
+    Device::open(name.as_deref()).map_err(TransportError::Io)
+}
+
+/// The GID on `device` that traffic from `local` leaves from.
+fn source_gid(device: &Device, local: IpAddr, o: &Overrides) -> Result<Gid, TransportError> {
+    let index = match o.gid_index {
+        Some(i) => i,
+        None => gid::choose(&gid_table()?, Some(&device.name), Some(local))
+            .map(|e| e.index)
+            .ok_or_else(|| {
+                TransportError::Unsupported(format!(
+                    "no GID of {} in {} carries {local}; set ONEKV_RDMA_GID_INDEX",
+                    device.name,
+                    gid::SYSFS_ROOT
+                ))
+            })?,
+    };
+    Ok(device.gid(index)?)
 }
 
 fn completion_error(c: &Completion) -> TransportError {
@@ -80,11 +136,21 @@ struct Channel {
 }
 
 impl Channel {
+    /// A queue pair on `pd`'s device, sending from the GID that holds the
+    /// handshake socket's local address.
     fn new(pd: &Arc<Pd>, tcp: TcpStream, wait_events: bool) -> Result<Channel, TransportError> {
         let device = &pd.device;
+        let source = source_gid(device, tcp.local_addr()?.ip(), &Overrides::from_env()?)?;
         let send_cq = Cq::new(device, MAX_BATCH as i32 * 2, false)?;
         let recv_cq = Cq::new(device, RECV_SLOTS as i32 * 2, wait_events)?;
-        let qp = Qp::new(pd, send_cq, recv_cq, MAX_BATCH as u32, RECV_SLOTS as u32)?;
+        let qp = Qp::new(
+            pd,
+            send_cq,
+            recv_cq,
+            MAX_BATCH as u32,
+            RECV_SLOTS as u32,
+            source,
+        )?;
         let ctrl_send = Mr::alloc(pd, MAX_MESSAGE, LOCAL_ONLY)?;
         let ctrl_recv = Mr::alloc(pd, MAX_MESSAGE * RECV_SLOTS, LOCAL_ONLY)?;
         // Receives go up before our endpoint is sent, so the peer can never
@@ -227,7 +293,7 @@ impl RdmaConnection {
             .ok_or_else(|| unreachable(std::io::Error::other("no address")))?;
         let tcp = TcpStream::connect_timeout(&addr, HANDSHAKE_TIMEOUT).map_err(unreachable)?;
         tcp.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
-        let device = open_device()?;
+        let device = device_for(tcp.local_addr()?.ip(), &Overrides::from_env()?)?;
         let pd = Pd::new(device)?;
         let mut channel = Channel::new(&pd, tcp, false)?;
         channel.exchange(true)?;
@@ -368,10 +434,16 @@ impl Connection for RdmaConnection {
     }
 }
 
-/// The server's listener: a TCP socket for handshakes, and the device on
-/// which the region is registered.
+/// The server's listener: a TCP socket for handshakes, and the devices on
+/// which the region is registered (one, or every device when it listens on
+/// an unspecified address).
 pub struct RdmaListener {
     tcp: TcpListener,
+    devices: Vec<Served>,
+}
+
+/// A device the region is registered on.
+struct Served {
     pd: Arc<Pd>,
     mr: Arc<Mutex<Option<Registration>>>,
 }
@@ -389,77 +461,118 @@ struct Registration {
 impl RdmaListener {
     pub fn bind(host: &str, port: u16) -> Result<RdmaListener, TransportError> {
         let tcp = TcpListener::bind((host, port))?;
-        let device = open_device()?;
-        if device.atomic_cap == 0 {
-            return Err(TransportError::Unsupported(format!(
-                "RDMA device {} does not support atomics; onekv needs CAS",
-                device.name
-            )));
+        let at = tcp.local_addr()?.ip();
+        let o = Overrides::from_env()?;
+        let every = at.is_unspecified() && o.device.is_none();
+        let opened = if every {
+            Device::names()?
+                .iter()
+                .map(|name| Device::open(Some(name)))
+                .collect::<Result<Vec<_>, _>>()?
+        } else {
+            vec![device_for(at, &o)?]
+        };
+        let mut devices = Vec::new();
+        for device in opened {
+            if device.atomic_cap == 0 {
+                if every {
+                    continue;
+                }
+                return Err(TransportError::Unsupported(format!(
+                    "RDMA device {} does not support atomics; onekv needs CAS",
+                    device.name
+                )));
+            }
+            devices.push(Served {
+                pd: Pd::new(device)?,
+                mr: Arc::new(Mutex::new(None)),
+            });
         }
-        let pd = Pd::new(device)?;
-        Ok(RdmaListener {
-            tcp,
-            pd,
-            mr: Arc::new(Mutex::new(None)),
-        })
+        if devices.is_empty() {
+            return Err(TransportError::Unsupported(
+                "no RDMA device with atomics on this host; onekv needs CAS".into(),
+            ));
+        }
+        Ok(RdmaListener { tcp, devices })
+    }
+
+    /// The device a connection arriving at `local` is served from: the one
+    /// holding that address, else the first.
+    fn serving(&self, local: IpAddr) -> Result<&Served, TransportError> {
+        let table = gid_table()?;
+        let name = gid::choose(&table, None, Some(local)).map(|e| e.device.as_str());
+        Ok(self
+            .devices
+            .iter()
+            .find(|s| Some(s.pd.device.name.as_str()) == name)
+            .unwrap_or(&self.devices[0]))
     }
 }
 
 impl ControlListener for RdmaListener {
     fn register(&mut self, region: Arc<SharedRegion>) -> Result<(), TransportError> {
-        let mr = Mr::region(&self.pd, region.clone(), REMOTE_ALL)?;
-        let remote = remote_of(&mr);
-        if let Ok(mut slot) = self.mr.lock() {
-            *slot = Some(Registration {
-                region,
-                mr,
-                remote,
-                earlier: Vec::new(),
-            });
+        for served in &self.devices {
+            let mr = Mr::region(&served.pd, region.clone(), REMOTE_ALL)?;
+            let remote = remote_of(&mr);
+            if let Ok(mut slot) = served.mr.lock() {
+                *slot = Some(Registration {
+                    region: region.clone(),
+                    mr,
+                    remote,
+                    earlier: Vec::new(),
+                });
+            }
         }
         Ok(())
     }
 
     fn extend(&self) -> Result<(), TransportError> {
-        let mut slot = self
-            .mr
-            .lock()
-            .map_err(|_| TransportError::Unsupported("registration poisoned".into()))?;
-        let Some(r) = slot.as_mut() else {
-            return Err(TransportError::NotAttached);
-        };
-        if r.region.len() > r.remote.len {
-            let mr = Mr::region(&self.pd, r.region.clone(), REMOTE_ALL)?;
-            r.remote = remote_of(&mr);
-            r.earlier.push(std::mem::replace(&mut r.mr, mr));
+        for served in &self.devices {
+            let mut slot = served
+                .mr
+                .lock()
+                .map_err(|_| TransportError::Unsupported("registration poisoned".into()))?;
+            let Some(r) = slot.as_mut() else {
+                return Err(TransportError::NotAttached);
+            };
+            if r.region.len() > r.remote.len {
+                let mr = Mr::region(&served.pd, r.region.clone(), REMOTE_ALL)?;
+                r.remote = remote_of(&mr);
+                r.earlier.push(std::mem::replace(&mut r.mr, mr));
+            }
         }
         Ok(())
     }
 
     fn forget_earlier(&self) {
-        if let Ok(mut slot) = self.mr.lock() {
-            if let Some(r) = slot.as_mut() {
-                r.earlier.clear();
+        for served in &self.devices {
+            if let Ok(mut slot) = served.mr.lock() {
+                if let Some(r) = slot.as_mut() {
+                    r.earlier.clear();
+                }
             }
         }
     }
 
     fn deregister(&self) {
-        if let Ok(mut slot) = self.mr.lock() {
-            slot.take();
+        for served in &self.devices {
+            if let Ok(mut slot) = served.mr.lock() {
+                slot.take();
+            }
         }
     }
 
     fn accept(&self) -> Result<Box<dyn ControlPeer>, TransportError> {
         let (tcp, _) = self.tcp.accept()?;
         tcp.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
-        let mut channel = Channel::new(&self.pd, tcp, true)?;
+        let served = self.serving(tcp.local_addr()?.ip())?;
+        let mut channel = Channel::new(&served.pd, tcp, true)?;
         channel.exchange(false)?;
         channel.tcp.set_nonblocking(true)?;
         channel.qp.recv_cq.arm()?;
         Ok(Box::new(RdmaPeer {
             channel,
-            registration: self.mr.clone(),
+            registration: served.mr.clone(),
         }))
     }
 

@@ -18,13 +18,11 @@ fn os_error(what: &str) -> io::Error {
     io::Error::new(e.kind(), format!("{what}: {e}"))
 }
 
-/// An opened RDMA device, its port 1, and the GID this endpoint uses.
+/// An opened RDMA device and its port 1.
 pub struct Device {
     ctx: *mut ibv_context,
     pub name: String,
     pub port: u8,
-    pub gid_index: u8,
-    pub gid: [u8; 16],
     pub lid: u16,
     pub mtu: ibv_mtu::Type,
     /// Outstanding RDMA READs/atomics per QP the device allows.
@@ -37,10 +35,29 @@ unsafe impl Send for Device {}
 unsafe impl Sync for Device {}
 
 impl Device {
-    /// Opens the device named `name` (or the first one) and reads GID
-    /// `gid_index` of port 1. On RoCE, index 1 is usually the IPv4-mapped
-    /// RoCEv2 GID; index 0 is the link-local one.
-    pub fn open(name: Option<&str>, gid_index: u8) -> io::Result<Arc<Device>> {
+    /// The names of this host's RDMA devices.
+    pub fn names() -> io::Result<Vec<String>> {
+        let mut n = 0;
+        // SAFETY: the list is freed below; only names are copied out.
+        let list = unsafe { ibv_get_device_list(&mut n) };
+        if list.is_null() {
+            return Err(os_error("ibv_get_device_list"));
+        }
+        let names = (0..n.max(0) as usize)
+            .map(|i| {
+                // SAFETY: i < n entries of the list returned above.
+                let dev = unsafe { *list.add(i) };
+                unsafe { CStr::from_ptr(ibv_get_device_name(dev)) }
+                    .to_string_lossy()
+                    .into_owned()
+            })
+            .collect();
+        unsafe { ibv_free_device_list(list) };
+        Ok(names)
+    }
+
+    /// Opens the device named `name` (or the first one) and its port 1.
+    pub fn open(name: Option<&str>) -> io::Result<Arc<Device>> {
         let mut n = 0;
         // SAFETY: the list is freed below; devices are used only before that.
         let list = unsafe { ibv_get_device_list(&mut n) };
@@ -82,8 +99,6 @@ impl Device {
             ctx,
             name: dev_name,
             port: 1,
-            gid_index,
-            gid: [0; 16],
             lid: 0,
             mtu: ibv_mtu::IBV_MTU_1024,
             max_rd_atomic: 1,
@@ -102,14 +117,33 @@ impl Device {
         }
         device.lid = pattr.lid;
         device.mtu = pattr.active_mtu;
-        let mut gid: ibv_gid = unsafe { std::mem::zeroed() };
-        if unsafe { ibv_query_gid(ctx, device.port, gid_index as i32, &mut gid) } != 0 {
-            return Err(os_error(&format!("ibv_query_gid index {gid_index}")));
-        }
-        // SAFETY: both union views are 16 plain bytes.
-        device.gid = unsafe { gid.raw };
         Ok(Arc::new(device))
     }
+
+    /// GID `index` of port 1.
+    pub fn gid(&self, index: u8) -> io::Result<Gid> {
+        // SAFETY: a plain-old-data out-parameter.
+        let mut gid: ibv_gid = unsafe { std::mem::zeroed() };
+        if unsafe { ibv_query_gid(self.ctx, self.port, index as i32, &mut gid) } != 0 {
+            return Err(os_error(&format!(
+                "ibv_query_gid {} port {} index {index}",
+                self.name, self.port
+            )));
+        }
+        // SAFETY: both union views are 16 plain bytes.
+        Ok(Gid {
+            index,
+            raw: unsafe { gid.raw },
+        })
+    }
+}
+
+/// The source GID of a queue pair: its index in the port's table, and its
+/// value (which the peer addresses).
+#[derive(Debug, Clone, Copy)]
+pub struct Gid {
+    pub index: u8,
+    pub raw: [u8; 16],
 }
 
 impl Drop for Device {
@@ -429,6 +463,8 @@ pub struct Qp {
     pub send_cq: Arc<Cq>,
     pub recv_cq: Arc<Cq>,
     psn: u32,
+    /// Where this queue pair's packets come from.
+    source: Gid,
 }
 
 unsafe impl Send for Qp {}
@@ -441,6 +477,7 @@ impl Qp {
         recv_cq: Arc<Cq>,
         max_send: u32,
         max_recv: u32,
+        source: Gid,
     ) -> io::Result<Qp> {
         // SAFETY: zeroed init attributes, then the fields RC needs.
         let mut init: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
@@ -465,6 +502,7 @@ impl Qp {
             send_cq,
             recv_cq,
             psn,
+            source,
         };
         qp.init()?;
         Ok(qp)
@@ -476,7 +514,7 @@ impl Qp {
             qpn: unsafe { (*self.qp).qp_num },
             psn: self.psn,
             lid: d.lid,
-            gid: d.gid,
+            gid: self.source.raw,
         }
     }
 
@@ -531,7 +569,7 @@ impl Qp {
         a.ah_attr.dlid = remote.lid;
         a.ah_attr.port_num = d.port;
         a.ah_attr.grh.dgid = ibv_gid { raw: remote.gid };
-        a.ah_attr.grh.sgid_index = d.gid_index;
+        a.ah_attr.grh.sgid_index = self.source.index;
         a.ah_attr.grh.hop_limit = 64;
         self.modify(
             &mut a,
