@@ -174,6 +174,17 @@ impl Server {
         }
         .min(MAX_REGION);
         let mut listener = transport::bind(&config.address)?;
+        if let Address::Shm { region } = &config.address {
+            // Connecting to a Unix socket takes write permission on it:
+            // the same users as may map the region.
+            use std::os::unix::fs::PermissionsExt;
+            let socket = Address::shm_socket(region);
+            let mode = std::fs::Permissions::from_mode(region::file_mode(config.group_access));
+            std::fs::set_permissions(&socket, mode).map_err(|e| ServerError::Region {
+                path: socket.clone(),
+                reason: format!("cannot set the control socket's permissions: {e}"),
+            })?;
+        }
         let opened = region::open_or_create(
             &path,
             &wanted,

@@ -20,8 +20,10 @@ use kv_server::{Server, ServerConfig};
 /// refused, never overwritten. The file is created readable by its owner
 /// only and locked while a server (or `check`) uses it.
 ///
-/// rdma: the device is ONEKV_RDMA_DEVICE (default: the first one) and the
-/// GID index ONEKV_RDMA_GID_INDEX (default 1, RoCEv2 over IPv4).
+/// rdma: each connection is served from the device and GID (RoCE v2 first)
+/// that hold the address it arrived at; rdma://0.0.0.0:PORT registers the
+/// region on every device. ONEKV_RDMA_DEVICE and ONEKV_RDMA_GID_INDEX
+/// override the choice.
 #[derive(Parser)]
 #[command(version, about, long_about, args_conflicts_with_subcommands = true)]
 struct Args {

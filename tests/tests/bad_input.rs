@@ -219,6 +219,11 @@ fn the_region_file_is_private_locked_and_allocated_up_front() {
     let srv = TestServer::start(|_| {});
     let meta = std::fs::metadata(srv.region_path()).unwrap();
     assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+    // The control socket admits the same users as the file does.
+    if let Address::Shm { region } = srv.server.address() {
+        let socket = std::fs::metadata(Address::shm_socket(region)).unwrap();
+        assert_eq!(socket.permissions().mode() & 0o777, 0o600);
+    }
     // Every page allocated now, not at first touch.
     assert!(
         meta.blocks() * 512 >= meta.len(),
@@ -247,9 +252,12 @@ fn the_region_file_is_private_locked_and_allocated_up_front() {
             region: shared.clone(),
         })
     };
-    drop(Server::start(config).unwrap());
+    let group_server = Server::start(config).unwrap();
     let mode = std::fs::metadata(&shared).unwrap().permissions().mode();
     assert_eq!(mode & 0o777, 0o660);
+    let socket = std::fs::metadata(Address::shm_socket(&shared)).unwrap();
+    assert_eq!(socket.permissions().mode() & 0o777, 0o660);
+    drop(group_server);
 
     // More memory than the file system has: refused at start, no file left.
     let huge = dir.path().join("huge");

@@ -5,29 +5,23 @@
 //! address is its IPv4-mapped IPv6 form (`::ffff:a.b.c.d`); onekv takes the
 //! RoCE v2 entry (routable UDP), as `perftest -R` and rdma_cm do.
 //!
-//! The table is read from sysfs (`/sys/class/infiniband/DEV/ports/1/gids/N`
-//! and `gid_attrs/types/N`), as rdma-core's `show_gids` reads it; that works
-//! without opening a device, so the client can pick its device before it
-//! opens one. Only port 1 is used (the transport opens port 1).
+//! The rdma transport reads each device's table with one verbs query
+//! (`ibv_query_gid_table`, what `show_gids` prints); the choice itself is
+//! here, free of verbs, so that it is tested on any machine.
 
-use std::io;
 use std::net::IpAddr;
-use std::path::Path;
-
-/// Where the kernel lists RDMA devices.
-pub const SYSFS_ROOT: &str = "/sys/class/infiniband";
 
 /// What kind of GID an entry is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GidKind {
     /// RoCE v2: carried in UDP/IP, routable.
     RoceV2,
-    /// InfiniBand, or RoCE v1 (Ethernet only): the table cannot tell them
-    /// apart, and neither is routed by IP.
+    /// InfiniBand, or RoCE v1 (Ethernet only): neither is routed by IP.
     IbOrRoceV1,
 }
 
-/// One used entry of a device's GID table.
+/// One valid entry of a device's GID table (port 1: the transport uses
+/// port 1).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GidEntry {
     pub device: String,
@@ -41,68 +35,6 @@ impl GidEntry {
     fn ipv4(&self) -> Option<std::net::Ipv4Addr> {
         std::net::Ipv6Addr::from(self.gid).to_ipv4_mapped()
     }
-}
-
-/// Every non-zero GID of port 1 of every device under `root`, by device
-/// name then index. A missing root (no RDMA in this kernel) is an empty
-/// table.
-pub fn table(root: &Path) -> io::Result<Vec<GidEntry>> {
-    let mut entries = Vec::new();
-    let devices = match std::fs::read_dir(root) {
-        Ok(d) => d,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(entries),
-        Err(e) => return Err(e),
-    };
-    let mut names: Vec<String> = devices
-        .filter_map(|d| d.ok()?.file_name().into_string().ok())
-        .collect();
-    names.sort();
-    for device in names {
-        let port = root.join(&device).join("ports/1");
-        let Ok(gids) = std::fs::read_dir(port.join("gids")) else {
-            continue;
-        };
-        let mut found: Vec<GidEntry> = gids
-            .filter_map(|g| {
-                let g = g.ok()?;
-                let index: u8 = g.file_name().to_str()?.parse().ok()?;
-                let gid = parse_gid(&std::fs::read_to_string(g.path()).ok()?)?;
-                if gid == [0; 16] {
-                    return None;
-                }
-                // IB devices refuse to read their types (EINVAL).
-                let kind = match std::fs::read_to_string(
-                    port.join("gid_attrs/types").join(index.to_string()),
-                ) {
-                    Ok(t) if t.trim().eq_ignore_ascii_case("RoCE v2") => GidKind::RoceV2,
-                    _ => GidKind::IbOrRoceV1,
-                };
-                Some(GidEntry {
-                    device: device.clone(),
-                    index,
-                    gid,
-                    kind,
-                })
-            })
-            .collect();
-        found.sort_by_key(|e| e.index);
-        entries.extend(found);
-    }
-    Ok(entries)
-}
-
-/// `fe80:0000:...:3456` (eight groups of four hex digits) as bytes.
-fn parse_gid(text: &str) -> Option<[u8; 16]> {
-    let mut gid = [0u8; 16];
-    let groups: Vec<&str> = text.trim().split(':').collect();
-    if groups.len() != 8 {
-        return None;
-    }
-    for (i, g) in groups.iter().enumerate() {
-        let v = u16::from_str_radix(g, 16).ok()?;
-        gid[2 * i..2 * i + 2].copy_from_slice(&v.to_be_bytes());
-    }
-    Some(gid)
 }
 
 /// The GID for traffic from `local` (the address the route to the peer
@@ -147,93 +79,70 @@ pub fn choose<'a>(
 mod tests {
     use super::*;
 
-    /// A sysfs tree: (device, index, gid text, type).
-    fn sysfs(entries: &[(&str, u8, &str, &str)]) -> tempfile::TempDir {
-        let root = tempfile::tempdir().expect("dir");
-        for (dev, index, gid, kind) in entries {
-            let port = root.path().join(dev).join("ports/1");
-            std::fs::create_dir_all(port.join("gids")).expect("gids");
-            std::fs::create_dir_all(port.join("gid_attrs/types")).expect("types");
-            std::fs::write(
-                port.join("gids").join(index.to_string()),
-                format!("{gid}\n"),
-            )
-            .expect("gid");
-            if !kind.is_empty() {
-                std::fs::write(
-                    port.join("gid_attrs/types").join(index.to_string()),
-                    format!("{kind}\n"),
-                )
-                .expect("type");
-            }
+    fn entry(device: &str, index: u8, gid: &str, kind: GidKind) -> GidEntry {
+        let gid: std::net::Ipv6Addr = gid.parse().expect("an IPv6 form");
+        GidEntry {
+            device: device.into(),
+            index,
+            gid: gid.octets(),
+            kind,
         }
-        root
     }
 
-    const ZERO: &str = "0000:0000:0000:0000:0000:0000:0000:0000";
-    const LINK_LOCAL: &str = "fe80:0000:0000:0000:5054:00ff:fe12:3456";
-    const V4_10_0_2_15: &str = "0000:0000:0000:0000:0000:ffff:0a00:020f";
-    const V4_192_168_1_7: &str = "0000:0000:0000:0000:0000:ffff:c0a8:0107";
+    const LINK_LOCAL: &str = "fe80::5054:ff:fe12:3456";
 
-    fn roce_two_devices() -> tempfile::TempDir {
-        sysfs(&[
-            ("mlx5_0", 0, LINK_LOCAL, "IB/RoCE v1"),
-            ("mlx5_0", 1, LINK_LOCAL, "RoCE v2"),
-            ("mlx5_0", 2, V4_192_168_1_7, "IB/RoCE v1"),
-            ("mlx5_0", 3, V4_192_168_1_7, "RoCE v2"),
-            ("rxe0", 0, LINK_LOCAL, "IB/RoCE v1"),
-            ("rxe0", 1, LINK_LOCAL, "RoCE v2"),
-            ("rxe0", 2, V4_10_0_2_15, "IB/RoCE v1"),
-            ("rxe0", 3, V4_10_0_2_15, "RoCE v2"),
-            ("rxe0", 4, ZERO, ""),
-        ])
+    /// Two RoCE devices as `show_gids` lists them: link-local and one IPv4
+    /// address each, in v1 and v2.
+    fn roce_two_devices() -> Vec<GidEntry> {
+        use GidKind::*;
+        vec![
+            entry("mlx5_0", 0, LINK_LOCAL, IbOrRoceV1),
+            entry("mlx5_0", 1, LINK_LOCAL, RoceV2),
+            entry("mlx5_0", 2, "::ffff:192.168.1.7", IbOrRoceV1),
+            entry("mlx5_0", 3, "::ffff:192.168.1.7", RoceV2),
+            entry("rxe0", 0, LINK_LOCAL, IbOrRoceV1),
+            entry("rxe0", 1, LINK_LOCAL, RoceV2),
+            entry("rxe0", 2, "::ffff:10.0.2.15", IbOrRoceV1),
+            entry("rxe0", 3, "::ffff:10.0.2.15", RoceV2),
+        ]
+    }
+
+    fn pick(t: &[GidEntry], device: Option<&str>, ip: &str) -> (String, u8) {
+        let e = choose(t, device, Some(ip.parse().expect("ip"))).expect("a GID");
+        (e.device.clone(), e.index)
     }
 
     #[test]
     fn the_route_s_source_address_picks_the_device_and_its_roce_v2_gid() {
-        let root = roce_two_devices();
-        let t = table(root.path()).expect("table");
-        assert_eq!(t.len(), 8, "the zero GID is not an entry");
-        let pick = |dev, ip: &str| choose(&t, dev, Some(ip.parse().expect("ip"))).cloned();
-        let e = pick(None, "10.0.2.15").expect("a GID");
-        assert_eq!((e.device.as_str(), e.index), ("rxe0", 3));
-        let e = pick(None, "192.168.1.7").expect("a GID");
-        assert_eq!((e.device.as_str(), e.index), ("mlx5_0", 3));
+        let t = roce_two_devices();
+        assert_eq!(pick(&t, None, "10.0.2.15"), ("rxe0".into(), 3));
+        assert_eq!(pick(&t, None, "192.168.1.7"), ("mlx5_0".into(), 3));
+        assert_eq!(
+            pick(&t, None, "fe80::5054:ff:fe12:3456"),
+            ("mlx5_0".into(), 1)
+        );
         // An operator's device choice narrows the search.
-        let e = pick(Some("rxe0"), "192.168.1.7").expect("a GID");
-        assert_eq!((e.device.as_str(), e.index), ("rxe0", 3));
+        assert_eq!(pick(&t, Some("rxe0"), "192.168.1.7"), ("rxe0".into(), 3));
     }
 
     #[test]
     fn loopback_and_unknown_addresses_take_the_first_device_s_ipv4_roce_v2_gid() {
-        let root = roce_two_devices();
-        let t = table(root.path()).expect("table");
-        for ip in ["127.0.0.1", "0.0.0.0", "172.16.0.1"] {
-            let e = choose(&t, None, Some(ip.parse().expect("ip"))).expect("a GID");
-            assert_eq!((e.device.as_str(), e.index), ("mlx5_0", 3), "{ip}");
+        let t = roce_two_devices();
+        for ip in ["127.0.0.1", "0.0.0.0", "::1", "172.16.0.1"] {
+            assert_eq!(pick(&t, None, ip), ("mlx5_0".into(), 3), "{ip}");
         }
     }
 
     #[test]
-    fn infiniband_takes_index_0_and_no_rdma_means_no_choice() {
-        let root = sysfs(&[
-            ("mlx4_0", 0, "fe80:0000:0000:0000:0002:c903:0031:7d61", ""),
-            ("mlx4_0", 1, ZERO, ""),
-        ]);
-        let t = table(root.path()).expect("table");
-        let e = choose(&t, None, Some("10.1.1.1".parse().expect("ip"))).expect("a GID");
-        assert_eq!((e.index, e.kind), (0, GidKind::IbOrRoceV1));
-        let none = table(&root.path().join("absent")).expect("empty table");
-        assert!(choose(&none, None, None).is_none());
-    }
-
-    #[test]
-    fn gids_parse_as_eight_groups_of_hex() {
-        assert_eq!(
-            parse_gid(V4_10_0_2_15).map(|g| std::net::Ipv6Addr::from(g).to_ipv4_mapped()),
-            Some(Some("10.0.2.15".parse().expect("ip")))
-        );
-        assert_eq!(parse_gid("fe80::1"), None);
-        assert_eq!(parse_gid("zz80:0:0:0:0:0:0:0"), None);
+    fn infiniband_takes_index_0_and_no_table_means_no_choice() {
+        let ib = vec![entry(
+            "mlx4_0",
+            0,
+            "fe80::2:c903:31:7d61",
+            GidKind::IbOrRoceV1,
+        )];
+        assert_eq!(pick(&ib, None, "10.1.1.1"), ("mlx4_0".into(), 0));
+        assert!(choose(&[], None, None).is_none());
+        assert!(choose(&ib, Some("mlx5_0"), None).is_none());
     }
 }

@@ -71,35 +71,53 @@ impl Overrides {
     }
 }
 
-fn gid_table() -> Result<Vec<GidEntry>, TransportError> {
-    gid::table(std::path::Path::new(gid::SYSFS_ROOT)).map_err(|e| {
-        TransportError::Io(std::io::Error::new(
-            e.kind(),
-            format!("reading the GID tables in {}: {e}", gid::SYSFS_ROOT),
-        ))
-    })
+/// The GID tables of `devices`, one after the other.
+fn gid_tables(devices: &[&Device]) -> Result<Vec<GidEntry>, TransportError> {
+    let mut all = Vec::new();
+    for d in devices {
+        all.extend(d.gid_table().map_err(|e| {
+            TransportError::Io(std::io::Error::new(
+                e.kind(),
+                format!("reading the GID table of {}: {e}", d.name),
+            ))
+        })?);
+    }
+    Ok(all)
 }
 
-/// The device that carries traffic from `local`.
+/// The device that carries traffic from `local`: the operator's, else the
+/// one whose GID table holds `local` (see `gid::choose`).
 fn device_for(local: IpAddr, o: &Overrides) -> Result<Arc<Device>, TransportError> {
-    let name = match &o.device {
-        Some(d) => Some(d.clone()),
-        None => gid::choose(&gid_table()?, None, Some(local)).map(|e| e.device.clone()),
+    let names = match &o.device {
+        Some(d) => vec![d.clone()],
+        None => Device::names()?,
     };
-    Device::open(name.as_deref()).map_err(TransportError::Io)
+    if names.len() <= 1 {
+        return Device::open(names.first().map(String::as_str)).map_err(TransportError::Io);
+    }
+    let mut opened = names
+        .iter()
+        .map(|n| Device::open(Some(n)))
+        .collect::<Result<Vec<_>, _>>()?;
+    let table = gid_tables(&opened.iter().map(|d| &**d).collect::<Vec<_>>())?;
+    let chosen = gid::choose(&table, None, Some(local)).map(|e| e.device.as_str());
+    let at = opened
+        .iter()
+        .position(|d| Some(d.name.as_str()) == chosen)
+        .unwrap_or(0);
+    Ok(opened.swap_remove(at))
 }
 
 /// The GID on `device` that traffic from `local` leaves from.
 fn source_gid(device: &Device, local: IpAddr, o: &Overrides) -> Result<Gid, TransportError> {
     let index = match o.gid_index {
         Some(i) => i,
-        None => gid::choose(&gid_table()?, Some(&device.name), Some(local))
+        None => gid::choose(&gid_tables(&[device])?, None, Some(local))
             .map(|e| e.index)
             .ok_or_else(|| {
                 TransportError::Unsupported(format!(
-                    "no GID of {} in {} carries {local}; set ONEKV_RDMA_GID_INDEX",
-                    device.name,
-                    gid::SYSFS_ROOT
+                    "the GID table of {} is empty; set ONEKV_RDMA_GID_INDEX",
+                    device.name
                 ))
             })?,
     };
@@ -499,7 +517,11 @@ impl RdmaListener {
     /// The device a connection arriving at `local` is served from: the one
     /// holding that address, else the first.
     fn serving(&self, local: IpAddr) -> Result<&Served, TransportError> {
-        let table = gid_table()?;
+        if self.devices.len() == 1 {
+            return Ok(&self.devices[0]);
+        }
+        let devices: Vec<&Device> = self.devices.iter().map(|s| &*s.pd.device).collect();
+        let table = gid_tables(&devices)?;
         let name = gid::choose(&table, None, Some(local)).map(|e| e.device.as_str());
         Ok(self
             .devices

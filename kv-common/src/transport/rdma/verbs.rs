@@ -11,7 +11,20 @@ use std::sync::Arc;
 use rdma_sys::*;
 use serde::{Deserialize, Serialize};
 
+use crate::transport::gid::{GidEntry, GidKind};
 use crate::transport::shm::SharedRegion;
+
+extern "C" {
+    // libibverbs (rdma-core 32 and later) behind the inline
+    // `ibv_query_gid_table`, which bindgen cannot bind.
+    fn _ibv_query_gid_table(
+        context: *mut ibv_context,
+        entries: *mut ibv_gid_entry,
+        max_entries: usize,
+        flags: u32,
+        entry_size: usize,
+    ) -> isize;
+}
 
 fn os_error(what: &str) -> io::Error {
     let e = io::Error::last_os_error();
@@ -24,6 +37,8 @@ pub struct Device {
     pub name: String,
     pub port: u8,
     pub lid: u16,
+    /// Entries the GID table of the port may hold.
+    gid_table_len: usize,
     pub mtu: ibv_mtu::Type,
     /// Outstanding RDMA READs/atomics per QP the device allows.
     pub max_rd_atomic: u8,
@@ -100,6 +115,7 @@ impl Device {
             name: dev_name,
             port: 1,
             lid: 0,
+            gid_table_len: 0,
             mtu: ibv_mtu::IBV_MTU_1024,
             max_rd_atomic: 1,
             atomic_cap: ibv_atomic_cap::IBV_ATOMIC_NONE,
@@ -117,7 +133,43 @@ impl Device {
         }
         device.lid = pattr.lid;
         device.mtu = pattr.active_mtu;
+        device.gid_table_len = pattr.gid_tbl_len.max(0) as usize;
         Ok(Arc::new(device))
+    }
+
+    /// The valid entries of port 1's GID table, in one query.
+    pub fn gid_table(&self) -> io::Result<Vec<GidEntry>> {
+        // SAFETY: zeroed entries are valid plain data; the call writes at
+        // most `len` of them and returns how many.
+        let len = self.gid_table_len.max(1);
+        let mut raw: Vec<ibv_gid_entry> = (0..len).map(|_| unsafe { std::mem::zeroed() }).collect();
+        let n = unsafe {
+            _ibv_query_gid_table(
+                self.ctx,
+                raw.as_mut_ptr(),
+                len,
+                0,
+                std::mem::size_of::<ibv_gid_entry>(),
+            )
+        };
+        if n < 0 {
+            return Err(io::Error::from_raw_os_error((-n) as i32));
+        }
+        raw.truncate(n as usize);
+        Ok(raw
+            .iter()
+            .filter(|e| u32::from(self.port) == e.port_num && e.gid_index <= u8::MAX.into())
+            .map(|e| GidEntry {
+                device: self.name.clone(),
+                index: e.gid_index as u8,
+                // SAFETY: both union views are 16 plain bytes.
+                gid: unsafe { e.gid.raw },
+                kind: match e.gid_type {
+                    IBV_GID_TYPE_ROCE_V2 => GidKind::RoceV2,
+                    _ => GidKind::IbOrRoceV1,
+                },
+            })
+            .collect())
     }
 
     /// GID `index` of port 1.
