@@ -95,6 +95,21 @@ pub fn run(args: CompareArgs) -> Result<(), String> {
         });
     }
     print_table(&rows);
+    if let Some(path) = &args.workload.json {
+        let phases: Vec<_> = rows
+            .iter()
+            .flat_map(|r| {
+                [
+                    report::phase_json(&r.name, &r.load),
+                    report::phase_json(&r.name, &r.run),
+                ]
+            })
+            .collect();
+        report::write_json(
+            path,
+            &serde_json::json!({ "workload": args.workload.workload_name(), "phases": phases }),
+        )?;
+    }
     if let Some(path) = &args.workload.plot {
         let series: Vec<_> = rows
             .iter()
@@ -111,21 +126,6 @@ pub fn run(args: CompareArgs) -> Result<(), String> {
             w.threadcount
         );
         plot::compare(path, &title, &series)?;
-    }
-    if let Some(path) = &args.workload.json {
-        let phases: Vec<_> = rows
-            .iter()
-            .flat_map(|r| {
-                [
-                    report::phase_json(&r.name, &r.load),
-                    report::phase_json(&r.name, &r.run),
-                ]
-            })
-            .collect();
-        report::write_json(
-            path,
-            &serde_json::json!({ "workload": args.workload.workload_name(), "phases": phases }),
-        )?;
     }
     Ok(())
 }

@@ -232,7 +232,9 @@ fn report_progress(
         }
         if Instant::now() >= next_sample {
             timeline.push((start.elapsed().as_secs_f64(), done));
-            next_sample += TIMELINE_STEP;
+            // After a stall, the next sample is a step away again, not
+            // bunched up to catch up.
+            next_sample = Instant::now() + TIMELINE_STEP;
         }
         if w.maxexecutiontime.is_some_and(|m| start.elapsed() >= m) {
             shared.stop.store(true, Ordering::Relaxed);

@@ -200,6 +200,12 @@ impl Client {
         })
     }
 
+    /// The number the server gave this connection (a new one after each
+    /// reconnect); the server's logs name clients by it.
+    pub fn client_id(&self) -> u64 {
+        self.info.client_id
+    }
+
     /// The server's address.
     pub fn address(&self) -> &Address {
         &self.address

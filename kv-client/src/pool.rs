@@ -97,8 +97,12 @@ impl DerefMut for PooledClient<'_> {
 impl Drop for PooledClient<'_> {
     fn drop(&mut self) {
         if let Some(client) = self.client.take() {
-            // A full pool closes the connection (Client's drop says goodbye).
-            let _ = self.pool.idle.push(client);
+            // A client dropped by a panic may be mid-way through anything:
+            // it is closed, not handed to the next thread. A full pool
+            // closes it too (Client's drop says goodbye).
+            if !std::thread::panicking() {
+                let _ = self.pool.idle.push(client);
+            }
         }
     }
 }

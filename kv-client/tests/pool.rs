@@ -26,9 +26,9 @@ fn threads_share_the_pools_connections_one_at_a_time() {
     const THREADS: usize = 6;
     const TASKS: usize = 40;
     let pool = ClientPool::new(&address, ClientOptions::default(), THREADS).expect("pool");
-    // Which client (by its address in memory) each running task holds: no
-    // two running tasks may hold the same one.
-    let in_use = Mutex::new(Vec::<usize>::new());
+    // Which connection (by the server's id for it) each running task
+    // holds: no two running tasks may hold the same one.
+    let in_use = Mutex::new(Vec::<u64>::new());
     let most_at_once = AtomicUsize::new(0);
     std::thread::scope(|s| {
         for t in 0..THREADS {
@@ -36,7 +36,7 @@ fn threads_share_the_pools_connections_one_at_a_time() {
             s.spawn(move || {
                 for i in 0..TASKS {
                     let mut kv = pool.get().expect("a pooled client");
-                    let me = &*kv as *const kv_client::Client as usize;
+                    let me = kv.client_id();
                     {
                         let mut held = in_use.lock().expect("lock");
                         assert!(!held.contains(&me), "one client handed to two threads");

@@ -3,14 +3,22 @@
 //!
 //! Each scrape reads the counters the control plane keeps anyway (atomics)
 //! and the pool's two totals (one short lock, as a `Stats` request does):
-//! no metric is kept twice, and a slow or hostile scraper holds no lock of
-//! the control plane. It runs on its own thread, so the control thread
-//! never waits for HTTP.
+//! no metric is kept twice, and the control thread never waits for HTTP.
+//!
+//! The HTTP side is a few lines on purpose: one thread answers one
+//! connection at a time, each with a read and a write timeout, and closes
+//! it. A scraper that connects and stalls, or never reads its answer, holds
+//! one descriptor for at most those timeouts and cannot stop the server
+//! from shutting down (tiny_http, tried first, has neither timeouts nor a
+//! bound on its threads per connection).
 
-use std::net::SocketAddr;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
@@ -22,30 +30,34 @@ use crate::control::{Refusal, Shared};
 use crate::ServerError;
 
 const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+/// Longest a scraper may take to send its request, or to take the answer.
+const IO_TIMEOUT: Duration = Duration::from_secs(2);
+/// Longest request head read; a GET needs a few hundred bytes.
+const MAX_REQUEST: usize = 8 << 10;
 
 /// A running endpoint; dropping it stops it.
 pub struct MetricsEndpoint {
-    http: Arc<tiny_http::Server>,
     address: SocketAddr,
+    stopping: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
 
 impl MetricsEndpoint {
     pub(crate) fn start(address: SocketAddr, shared: Arc<Shared>) -> Result<Self, ServerError> {
-        let http = tiny_http::Server::http(address)
+        let listener = TcpListener::bind(address)
             .map_err(|e| ServerError::Config(format!("metrics endpoint on {address}: {e}")))?;
-        let http = Arc::new(http);
-        let address = http.server_addr().to_ip().unwrap_or(address);
+        let address = listener.local_addr().unwrap_or(address);
         let mut registry = Registry::with_prefix("onekv");
         registry.register_collector(Box::new(ServerCollector(shared)));
-        let serving = http.clone();
+        let stopping = Arc::new(AtomicBool::new(false));
+        let stop = stopping.clone();
         let thread = std::thread::Builder::new()
             .name("kv-metrics".into())
-            .spawn(move || serve(&serving, &registry))
+            .spawn(move || serve(&listener, &registry, &stop))
             .map_err(|e| ServerError::Config(format!("cannot start threads: {e}")))?;
         Ok(MetricsEndpoint {
-            http,
             address,
+            stopping,
             thread: Some(thread),
         })
     }
@@ -58,39 +70,87 @@ impl MetricsEndpoint {
 
 impl Drop for MetricsEndpoint {
     fn drop(&mut self) {
-        self.http.unblock();
+        self.stopping.store(true, Ordering::SeqCst);
+        // Wake the accept; an unspecified address is reached on loopback.
+        let mut wake = self.address;
+        if wake.ip().is_unspecified() {
+            wake.set_ip(match wake {
+                SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
+                SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
+            });
+        }
+        let _ = TcpStream::connect_timeout(&wake, Duration::from_secs(1));
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
     }
 }
 
-fn serve(http: &tiny_http::Server, registry: &Registry) {
-    for request in http.incoming_requests() {
-        let path = request.url().split('?').next().unwrap_or_default();
-        let response = match (request.method(), path) {
-            (tiny_http::Method::Get, "/metrics") => {
-                let mut body = String::new();
-                match prometheus_client::encoding::prometheus_text::encode(&mut body, registry) {
-                    Ok(()) => tiny_http::Response::from_string(body).with_header(header()),
-                    Err(_) => {
-                        tiny_http::Response::from_string("encoding failed\n").with_status_code(500)
-                    }
-                }
+fn serve(listener: &TcpListener, registry: &Registry, stopping: &AtomicBool) {
+    for conn in listener.incoming() {
+        if stopping.load(Ordering::SeqCst) {
+            return;
+        }
+        match conn {
+            // A scraper that misbehaves only loses its own answer.
+            Ok(stream) => {
+                let _ = answer(stream, registry);
             }
-            (tiny_http::Method::Get, _) => {
-                tiny_http::Response::from_string("onekv: see /metrics\n").with_status_code(404)
+            Err(e) => {
+                // Out of descriptors, most likely: the control plane's
+                // timeouts free some; try again shortly.
+                tracing::warn!("metrics endpoint: accept failed: {e}");
+                std::thread::sleep(Duration::from_millis(100));
             }
-            _ => tiny_http::Response::from_string("only GET\n").with_status_code(405),
-        };
-        // A scraper that hung up is not the server's problem.
-        let _ = request.respond(response);
+        }
     }
 }
 
-fn header() -> tiny_http::Header {
-    tiny_http::Header::from_bytes(&b"Content-Type"[..], CONTENT_TYPE.as_bytes())
-        .expect("a constant header is valid ASCII")
+/// Reads one request head and answers it, then closes the connection.
+fn answer(mut stream: TcpStream, registry: &Registry) -> std::io::Result<()> {
+    stream.set_read_timeout(Some(IO_TIMEOUT))?;
+    stream.set_write_timeout(Some(IO_TIMEOUT))?;
+    let mut head = Vec::new();
+    let mut buf = [0u8; 1024];
+    // The whole head within the timeout, not each read: a scraper that
+    // trickles bytes is cut off too.
+    let started = std::time::Instant::now();
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < MAX_REQUEST {
+        if started.elapsed() > IO_TIMEOUT {
+            return Err(std::io::ErrorKind::TimedOut.into());
+        }
+        match stream.read(&mut buf)? {
+            0 => break,
+            n => head.extend_from_slice(&buf[..n]),
+        }
+    }
+    let line = head
+        .split(|&b| b == b'\r' || b == b'\n')
+        .next()
+        .unwrap_or_default();
+    let mut words = line.split(|&b| b == b' ');
+    let (method, target) = (
+        words.next().unwrap_or_default(),
+        words.next().unwrap_or_default(),
+    );
+    let path = target.split(|&b| b == b'?').next().unwrap_or_default();
+    let (status, body) = match (method, path) {
+        (b"GET", b"/metrics") => {
+            let mut body = String::new();
+            match prometheus_client::encoding::prometheus_text::encode(&mut body, registry) {
+                Ok(()) => ("200 OK", body),
+                Err(_) => ("500 Internal Server Error", "encoding failed\n".into()),
+            }
+        }
+        (b"GET", _) => ("404 Not Found", "onekv: see /metrics\n".into()),
+        _ => ("405 Method Not Allowed", "only GET\n".into()),
+    };
+    write!(
+        stream,
+        "HTTP/1.1 {status}\r\nContent-Type: {CONTENT_TYPE}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )?;
+    stream.flush()
 }
 
 /// Reads the server's figures at each scrape.

@@ -50,11 +50,13 @@ pub fn run(shared: Arc<Shared>) {
         let stats_due = shared.stats_wanted.swap(false, Relaxed);
         // Back-to-back scans would only burn CPU: leave a gap of a few
         // scans' time when space is wanted now, more when it merely runs
-        // low, and a second for fresh stats.
+        // low, and for fresh stats a second or eight scans' time, so that
+        // stats requests and scrapes, however many, cost at most a ninth of
+        // a core.
         let gap = match need {
             Need::Now => took * 4,
             Need::Soon => (took * 8).max(grace),
-            Need::No if stats_due => Duration::from_secs(1),
+            Need::No if stats_due => (took * 8).max(Duration::from_secs(1)),
             Need::No => {
                 control::account_cpu(&shared.counters, &mut cpu_mark);
                 continue;

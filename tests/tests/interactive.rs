@@ -43,6 +43,9 @@ fn the_prompt_stores_reads_and_quotes_like_redis_cli() {
     says(&mut p, &t, r#"put bin "\x00\xff\ttab\"q""#, "OK");
     says(&mut p, &t, "get bin", r#""\x00\xff\ttab\"q""#);
     says(&mut p, &t, "get missing", "(nil)");
+    // Words that start with a dash are keys and values, not options.
+    says(&mut p, &t, r#"put -k "-1""#, "OK");
+    says(&mut p, &t, "get -k", r#""-1""#);
     says(&mut p, &t, "incr visits 5", "(integer) 5");
     says(&mut p, &t, "del visits", "(integer) 1");
     says(&mut p, &t, "del visits", "(integer) 0");

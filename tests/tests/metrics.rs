@@ -123,6 +123,33 @@ fn the_metrics_follow_clients_leases_refusals_and_the_index() {
 }
 
 #[test]
+fn a_stalled_scraper_neither_blocks_other_scrapes_nor_the_shutdown() {
+    let t = TestServer::start(|c| {
+        c.metrics_listen = Some("127.0.0.1:0".parse().expect("address"));
+    });
+    let at = t.server.metrics_address().expect("metrics endpoint on");
+    // One connects and says nothing; another trickles a request and never
+    // finishes it.
+    let _silent = TcpStream::connect(at).expect("connects");
+    let mut trickle = TcpStream::connect(at).expect("connects");
+    trickle.write_all(b"GET /met").expect("partial request");
+    let m = scrape(at);
+    assert_eq!(sample(&m, "onekv_clients_connected"), 0.0);
+    // A request that is not a GET is refused, not served.
+    let mut post = TcpStream::connect(at).expect("connects");
+    post.set_read_timeout(Some(Duration::from_secs(30)))
+        .expect("read timeout");
+    post.write_all(b"POST /metrics HTTP/1.0\r\n\r\n")
+        .expect("sent");
+    let mut reply = String::new();
+    post.read_to_string(&mut reply).expect("reply");
+    assert!(reply.starts_with("HTTP/1.1 405"), "{reply}");
+    // The stalled connections are still open: the server stops anyway
+    // (with an endpoint that waited for them, this would hang).
+    drop(t);
+}
+
+#[test]
 fn the_daemon_serves_metrics_when_asked() {
     let dir = onekv_tests::region_dir();
     let region = dir.path().join("region");

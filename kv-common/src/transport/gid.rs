@@ -49,12 +49,12 @@ impl GidEntry {
 pub fn choose<'a>(
     table: &'a [GidEntry],
     device: Option<&str>,
-    local: Option<IpAddr>,
+    local: IpAddr,
 ) -> Option<&'a GidEntry> {
     let on_device = |e: &&GidEntry| device.is_none_or(|d| e.device == d);
     let candidates: Vec<&GidEntry> = table.iter().filter(on_device).collect();
-    if let Some(ip) = local.filter(|ip| !ip.is_loopback() && !ip.is_unspecified()) {
-        let want = match ip {
+    if !local.is_loopback() && !local.is_unspecified() {
+        let want = match local {
             IpAddr::V4(v4) => v4.to_ipv6_mapped().octets(),
             IpAddr::V6(v6) => v6.octets(),
         };
@@ -108,7 +108,7 @@ mod tests {
     }
 
     fn pick(t: &[GidEntry], device: Option<&str>, ip: &str) -> (String, u8) {
-        let e = choose(t, device, Some(ip.parse().expect("ip"))).expect("a GID");
+        let e = choose(t, device, ip.parse().expect("ip")).expect("a GID");
         (e.device.clone(), e.index)
     }
 
@@ -142,7 +142,8 @@ mod tests {
             GidKind::IbOrRoceV1,
         )];
         assert_eq!(pick(&ib, None, "10.1.1.1"), ("mlx4_0".into(), 0));
-        assert!(choose(&[], None, None).is_none());
-        assert!(choose(&ib, Some("mlx5_0"), None).is_none());
+        let any = "10.1.1.1".parse().expect("ip");
+        assert!(choose(&[], None, any).is_none());
+        assert!(choose(&ib, Some("mlx5_0"), any).is_none());
     }
 }

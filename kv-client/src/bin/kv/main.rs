@@ -48,20 +48,29 @@ enum Command {
     /// Store VALUE under KEY. Without VALUE, the value is read from
     /// --value-file, or else from standard input (all of it, byte for byte).
     Put {
+        #[arg(allow_hyphen_values = true)]
         key: OsString,
+        #[arg(allow_hyphen_values = true)]
         value: Option<OsString>,
         /// Read the value from this file instead.
         #[arg(long, conflicts_with = "value")]
         value_file: Option<PathBuf>,
     },
     /// Print the value of KEY; exits with status 1 if there is none.
-    Get { key: OsString },
+    Get {
+        #[arg(allow_hyphen_values = true)]
+        key: OsString,
+    },
     /// Remove KEY; exits with status 1 if there was none.
-    Del { key: OsString },
+    Del {
+        #[arg(allow_hyphen_values = true)]
+        key: OsString,
+    },
     /// Add N (default 1, may be negative) to the counter KEY, creating it at
     /// 0 first, and print its new value. Fails if KEY holds a value `put`
     /// stored; `get` prints a counter in decimal.
     Incr {
+        #[arg(allow_hyphen_values = true)]
         key: OsString,
         #[arg(default_value_t = 1, allow_negative_numbers = true)]
         n: i64,
@@ -102,7 +111,7 @@ fn run(args: Args) -> Result<ExitCode, String> {
     let mut kv = Client::connect_with(&args.server, options).map_err(|e| e.to_string())?;
     let code = match args.command {
         None => {
-            repl::run(&mut kv, &args.server, args.raw);
+            repl::run(&mut kv, &args.server, args.raw)?;
             ExitCode::SUCCESS
         }
         Some(command) => {

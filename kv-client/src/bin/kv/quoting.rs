@@ -25,7 +25,7 @@ pub fn split(line: &str) -> Result<Vec<Vec<u8>>, Unbalanced> {
     let mut words = Vec::new();
     let mut i = 0;
     loop {
-        while i < bytes.len() && bytes[i].is_ascii_whitespace() {
+        while i < bytes.len() && is_space(bytes[i]) {
             i += 1;
         }
         if i == bytes.len() {
@@ -34,8 +34,7 @@ pub fn split(line: &str) -> Result<Vec<Vec<u8>>, Unbalanced> {
         let mut word = Vec::new();
         loop {
             match bytes.get(i) {
-                None => break,
-                Some(c) if c.is_ascii_whitespace() => break,
+                None | Some(b' ' | b'\n' | b'\r' | b'\t' | 0) => break,
                 Some(b'"') => i = double_quoted(bytes, i + 1, &mut word)?,
                 Some(b'\'') => i = single_quoted(bytes, i + 1, &mut word)?,
                 Some(&c) => {
@@ -104,14 +103,23 @@ fn single_quoted(bytes: &[u8], mut i: usize, word: &mut Vec<u8>) -> Result<usize
 fn closed(bytes: &[u8], i: usize) -> Result<usize, Unbalanced> {
     match bytes.get(i) {
         None => Ok(i),
-        Some(c) if c.is_ascii_whitespace() => Ok(i),
+        Some(&c) if is_space(c) => Ok(i),
         Some(_) => Err(Unbalanced),
     }
 }
 
+/// C's `isspace`, which redis-cli skips between words with (a word itself
+/// ends only at a space, tab, CR, LF or NUL).
+fn is_space(c: u8) -> bool {
+    matches!(c, b' ' | b'\t' | b'\n' | 0x0b | 0x0c | b'\r')
+}
+
 fn hex_byte(two: &[u8]) -> Option<u8> {
-    let text = std::str::from_utf8(two).ok()?;
-    u8::from_str_radix(text, 16).ok()
+    let hex = |c: u8| char::from(c).to_digit(16);
+    match two {
+        [hi, lo] => Some((hex(*hi)? * 16 + hex(*lo)?) as u8),
+        _ => None,
+    }
 }
 
 /// `bytes` in double quotes, escaped so that [`split`] reads it back.
@@ -158,8 +166,9 @@ mod tests {
             words(r#"put k "a\"b\\c\n\t\x00\xff\x4A""#)[2],
             b"a\"b\\c\n\t\x00\xffJ"
         );
-        // Not a hex escape: the x stays.
+        // Not a hex escape: the x stays (a sign is not a digit).
         assert_eq!(words(r#""\xzz""#)[0], b"xzz");
+        assert_eq!(words(r#""\x+f""#)[0], b"x+f");
         assert_eq!(words(r#"'don\'t \n'"#)[0], b"don't \\n");
     }
 

@@ -29,15 +29,11 @@ enum Flow {
     Quit,
 }
 
-/// Runs the prompt until `quit`, end of input or Ctrl-C.
-pub fn run(kv: &mut Client, server: &str, raw: bool) {
-    let mut editor = match rustyline::DefaultEditor::new() {
-        Ok(e) => e,
-        Err(e) => {
-            eprintln!("kv: cannot open the prompt: {e}");
-            return;
-        }
-    };
+/// Runs the prompt until `quit`, end of input or Ctrl-C; fails only if
+/// there is no prompt to run.
+pub fn run(kv: &mut Client, server: &str, raw: bool) -> Result<(), String> {
+    let mut editor =
+        rustyline::DefaultEditor::new().map_err(|e| format!("cannot open the prompt: {e}"))?;
     let history = history_file();
     if let Some(path) = &history {
         // No history yet is the common case, not an error.
@@ -63,6 +59,13 @@ pub fn run(kv: &mut Client, server: &str, raw: bool) {
     if let Some(path) = &history {
         let _ = editor.save_history(path);
     }
+    Ok(())
+}
+
+/// Prints to standard output; a closed one ends the session at the next
+/// read anyway, so a failed write is not an error here.
+fn say(text: std::fmt::Arguments) {
+    let _ = std::io::stdout().lock().write_fmt(text);
 }
 
 fn history_file() -> Option<PathBuf> {
@@ -93,7 +96,7 @@ fn answer(kv: &mut Client, line: &str, raw: bool) -> Flow {
     let line = match Line::try_parse_from(words.into_iter().map(OsString::from_vec)) {
         Ok(l) => l,
         Err(e) => {
-            print!("{}", e.render());
+            say(format_args!("{}", e.render()));
             return Flow::Continue;
         }
     };
@@ -122,11 +125,11 @@ fn show_help(topic: &[Vec<u8>]) {
         Some(name) => {
             let name = String::from_utf8_lossy(name).to_lowercase();
             match help.find_subcommand_mut(&name) {
-                Some(sub) => print!("{}", sub.render_long_help()),
-                None => println!("(error) no command '{name}'; try help"),
+                Some(sub) => say(format_args!("{}", sub.render_long_help())),
+                None => say(format_args!("(error) no command '{name}'; try help\n")),
             }
         }
-        None => print!("{}", help.render_help()),
+        None => say(format_args!("{}", help.render_help())),
     }
 }
 
@@ -150,8 +153,8 @@ fn print_outcome(outcome: Outcome, raw: bool) {
 
 fn print_error(message: &str, raw: bool) {
     if raw {
-        println!("{message}");
+        say(format_args!("{message}\n"));
     } else {
-        println!("(error) {message}");
+        say(format_args!("(error) {message}\n"));
     }
 }

@@ -27,6 +27,8 @@ use verbs::{
     Completion, Cq, Device, Endpoint, Gid, Mr, Op, Pd, Qp, SendWr, LOCAL_ONLY, REMOTE_ALL,
 };
 
+use rdma_sys::ibv_atomic_cap;
+
 use super::gid::{self, GidEntry};
 use super::{
     read_frame, write_frame, ConnectOptions, Connection, ControlListener, ControlPeer, Fenced,
@@ -95,12 +97,16 @@ fn device_for(local: IpAddr, o: &Overrides) -> Result<Arc<Device>, TransportErro
     if names.len() <= 1 {
         return Device::open(names.first().map(String::as_str)).map_err(TransportError::Io);
     }
-    let mut opened = names
+    // A device that cannot be opened carries nothing.
+    let mut opened: Vec<Arc<Device>> = names
         .iter()
-        .map(|n| Device::open(Some(n)))
-        .collect::<Result<Vec<_>, _>>()?;
+        .filter_map(|n| Device::open(Some(n)).ok())
+        .collect();
+    if opened.is_empty() {
+        return Device::open(None).map_err(TransportError::Io);
+    }
     let table = gid_tables(&opened.iter().map(|d| &**d).collect::<Vec<_>>())?;
-    let chosen = gid::choose(&table, None, Some(local)).map(|e| e.device.as_str());
+    let chosen = gid::choose(&table, None, local).map(|e| e.device.as_str());
     let at = opened
         .iter()
         .position(|d| Some(d.name.as_str()) == chosen)
@@ -112,7 +118,7 @@ fn device_for(local: IpAddr, o: &Overrides) -> Result<Arc<Device>, TransportErro
 fn source_gid(device: &Device, local: IpAddr, o: &Overrides) -> Result<Gid, TransportError> {
     let index = match o.gid_index {
         Some(i) => i,
-        None => gid::choose(&gid_tables(&[device])?, None, Some(local))
+        None => gid::choose(&gid_tables(&[device])?, None, local)
             .map(|e| e.index)
             .ok_or_else(|| {
                 TransportError::Unsupported(format!(
@@ -481,36 +487,57 @@ impl RdmaListener {
         let tcp = TcpListener::bind((host, port))?;
         let at = tcp.local_addr()?.ip();
         let o = Overrides::from_env()?;
-        let every = at.is_unspecified() && o.device.is_none();
-        let opened = if every {
-            Device::names()?
+        let opened = if at.is_unspecified() && o.device.is_none() {
+            // Devices that cannot be opened serve nothing; the others do.
+            let all: Vec<Arc<Device>> = Device::names()?
                 .iter()
-                .map(|name| Device::open(Some(name)))
-                .collect::<Result<Vec<_>, _>>()?
+                .filter_map(|name| Device::open(Some(name)).ok())
+                .collect();
+            if all.is_empty() {
+                return Err(TransportError::Unsupported(
+                    "no RDMA device could be opened".into(),
+                ));
+            }
+            all
         } else {
             vec![device_for(at, &o)?]
         };
-        let mut devices = Vec::new();
-        for device in opened {
-            if device.atomic_cap == 0 {
-                if every {
-                    continue;
-                }
-                return Err(TransportError::Unsupported(format!(
-                    "RDMA device {} does not support atomics; onekv needs CAS",
-                    device.name
-                )));
-            }
-            devices.push(Served {
-                pd: Pd::new(device)?,
-                mr: Arc::new(Mutex::new(None)),
-            });
+        if let Some(d) = opened
+            .iter()
+            .find(|d| d.atomic_cap == ibv_atomic_cap::IBV_ATOMIC_NONE)
+        {
+            return Err(TransportError::Unsupported(format!(
+                "RDMA device {} does not support atomics; onekv needs CAS \
+                 (name another with ONEKV_RDMA_DEVICE or listen on its address)",
+                d.name
+            )));
         }
-        if devices.is_empty() {
-            return Err(TransportError::Unsupported(
-                "no RDMA device with atomics on this host; onekv needs CAS".into(),
-            ));
+        // Atomics are atomic against each other only within one adapter
+        // unless it says they are global: a CAS through one device and a
+        // CAS through another on the same slot could both succeed.
+        if opened.len() > 1
+            && opened
+                .iter()
+                .any(|d| d.atomic_cap != ibv_atomic_cap::IBV_ATOMIC_GLOB)
+        {
+            let names: Vec<&str> = opened.iter().map(|d| d.name.as_str()).collect();
+            return Err(TransportError::Unsupported(format!(
+                "{} RDMA devices ({}) whose atomics are atomic only within one \
+                 adapter: clients on different ones could race on a slot. \
+                 Serve one: listen on its address, or set ONEKV_RDMA_DEVICE",
+                names.len(),
+                names.join(", ")
+            )));
         }
+        let devices = opened
+            .into_iter()
+            .map(|device| {
+                Ok(Served {
+                    pd: Pd::new(device)?,
+                    mr: Arc::new(Mutex::new(None)),
+                })
+            })
+            .collect::<Result<Vec<_>, TransportError>>()?;
         Ok(RdmaListener { tcp, devices })
     }
 
@@ -522,7 +549,7 @@ impl RdmaListener {
         }
         let devices: Vec<&Device> = self.devices.iter().map(|s| &*s.pd.device).collect();
         let table = gid_tables(&devices)?;
-        let name = gid::choose(&table, None, Some(local)).map(|e| e.device.as_str());
+        let name = gid::choose(&table, None, local).map(|e| e.device.as_str());
         Ok(self
             .devices
             .iter()

@@ -37,7 +37,8 @@ pub struct Device {
     pub name: String,
     pub port: u8,
     pub lid: u16,
-    /// Entries the GID table of the port may hold.
+    /// Entries the GID tables of all its ports may hold (the table query
+    /// returns every port's, and fails if they do not fit).
     gid_table_len: usize,
     pub mtu: ibv_mtu::Type,
     /// Outstanding RDMA READs/atomics per QP the device allows.
@@ -60,13 +61,15 @@ impl Device {
         }
         let names = (0..n.max(0) as usize)
             .map(|i| {
-                // SAFETY: i < n entries of the list returned above.
+                // SAFETY: i < n entries of the list returned above, each
+                // with a NUL-terminated name that lives as long as the list.
                 let dev = unsafe { *list.add(i) };
                 unsafe { CStr::from_ptr(ibv_get_device_name(dev)) }
                     .to_string_lossy()
                     .into_owned()
             })
             .collect();
+        // SAFETY: returned by ibv_get_device_list; nothing points into it.
         unsafe { ibv_free_device_list(list) };
         Ok(names)
     }
@@ -133,7 +136,8 @@ impl Device {
         }
         device.lid = pattr.lid;
         device.mtu = pattr.active_mtu;
-        device.gid_table_len = pattr.gid_tbl_len.max(0) as usize;
+        device.gid_table_len =
+            pattr.gid_tbl_len.max(0) as usize * usize::from(dattr.phys_port_cnt.max(1));
         Ok(Arc::new(device))
     }
 
