@@ -294,12 +294,12 @@ impl Collector for ServerCollector {
             None,
             s.live_slots,
         )?;
-        gauge_f64(
+        emit(
             &mut out,
             "index_occupancy_ratio",
             "Fraction of the index's slots in use (last scan); it doubles at --resize-at.",
             None,
-            s.occupancy(),
+            ConstGauge::new(s.occupancy()),
         )?;
         counter(
             &mut out,
@@ -336,14 +336,24 @@ impl Collector for ServerCollector {
             None,
             s.corrupt_slots,
         )?;
-        let cpu = ConstCounter::new(s.server_cpu_us as f64 / 1e6);
-        cpu.encode(out.encode_descriptor(
+        emit(
+            &mut out,
             "control_cpu",
             "CPU time of the control plane and the reclaimer.",
             Some(&Unit::Seconds),
-            cpu.metric_type(),
-        )?)
+            ConstCounter::new(s.server_cpu_us as f64 / 1e6),
+        )
     }
+}
+
+fn emit(
+    out: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    unit: Option<&Unit>,
+    metric: impl EncodeMetric,
+) -> Result<(), std::fmt::Error> {
+    metric.encode(out.encode_descriptor(name, help, unit, metric.metric_type())?)
 }
 
 fn counter(
@@ -353,8 +363,7 @@ fn counter(
     unit: Option<&Unit>,
     value: u64,
 ) -> Result<(), std::fmt::Error> {
-    let m = ConstCounter::new(value);
-    m.encode(out.encode_descriptor(name, help, unit, m.metric_type())?)
+    emit(out, name, help, unit, ConstCounter::new(value))
 }
 
 fn gauge(
@@ -365,17 +374,6 @@ fn gauge(
     value: u64,
 ) -> Result<(), std::fmt::Error> {
     // Byte counts fit an i64 (the region is at most 2^47 bytes).
-    let m = ConstGauge::new(i64::try_from(value).unwrap_or(i64::MAX));
-    m.encode(out.encode_descriptor(name, help, unit, m.metric_type())?)
-}
-
-fn gauge_f64(
-    out: &mut DescriptorEncoder,
-    name: &str,
-    help: &str,
-    unit: Option<&Unit>,
-    value: f64,
-) -> Result<(), std::fmt::Error> {
-    let m = ConstGauge::new(value);
-    m.encode(out.encode_descriptor(name, help, unit, m.metric_type())?)
+    let value = i64::try_from(value).unwrap_or(i64::MAX);
+    emit(out, name, help, unit, ConstGauge::new(value))
 }
