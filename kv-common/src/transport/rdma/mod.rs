@@ -7,13 +7,14 @@
 //! it to learn that a client has gone (an RC queue pair only notices a dead
 //! peer when it next sends).
 //!
-//! Device and GID: the handshake's TCP socket is bound to the address the
-//! kernel's route to the peer starts from, and the device and GID holding
-//! that address carry the queue pair (see `transport::gid`), as rdma_cm
-//! would choose them. `ONEKV_RDMA_DEVICE` and `ONEKV_RDMA_GID_INDEX`
-//! override either. A server listening on an unspecified address
-//! (`rdma://0.0.0.0:PORT`) registers its region on every device, and
-//! serves each connection from the device its address belongs to.
+//! Device and GID: the handshake's TCP connection gets its local address
+//! from the kernel's route to the peer, and the device and GID holding that
+//! address carry the queue pair (see `transport::gid`), as rdma_cm would
+//! choose them. `ONEKV_RDMA_DEVICE` and `ONEKV_RDMA_GID_INDEX` override
+//! either. A server listening on an unspecified address
+//! (`rdma://0.0.0.0:PORT`) serves every device if there is one, or if all
+//! of them have global atomics (see `RdmaListener::bind`), and serves each
+//! connection from the device its address belongs to.
 
 mod verbs;
 
