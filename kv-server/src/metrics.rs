@@ -14,6 +14,7 @@
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -39,6 +40,8 @@ const MAX_REQUEST: usize = 8 << 10;
 pub struct MetricsEndpoint {
     address: SocketAddr,
     stopping: Arc<AtomicBool>,
+    /// The listening socket, to shut down from `Drop`.
+    waker: TcpListener,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -47,6 +50,9 @@ impl MetricsEndpoint {
         let listener = TcpListener::bind(address)
             .map_err(|e| ServerError::Config(format!("metrics endpoint on {address}: {e}")))?;
         let address = listener.local_addr().unwrap_or(address);
+        let waker = listener
+            .try_clone()
+            .map_err(|e| ServerError::Config(format!("metrics endpoint on {address}: {e}")))?;
         let mut registry = Registry::with_prefix("onekv");
         registry.register_collector(Box::new(ServerCollector(shared)));
         let stopping = Arc::new(AtomicBool::new(false));
@@ -58,6 +64,7 @@ impl MetricsEndpoint {
         Ok(MetricsEndpoint {
             address,
             stopping,
+            waker,
             thread: Some(thread),
         })
     }
@@ -71,15 +78,12 @@ impl MetricsEndpoint {
 impl Drop for MetricsEndpoint {
     fn drop(&mut self) {
         self.stopping.store(true, Ordering::SeqCst);
-        // Wake the accept; an unspecified address is reached on loopback.
-        let mut wake = self.address;
-        if wake.ip().is_unspecified() {
-            wake.set_ip(match wake {
-                SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
-                SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
-            });
-        }
-        let _ = TcpStream::connect_timeout(&wake, Duration::from_secs(1));
+        // Wake the blocked accept: on Linux, shutting a listening socket
+        // down makes accept fail at once (connecting to it could fail, on
+        // a host without IPv6 loopback or behind a firewall).
+        // SAFETY: shutdown on a descriptor this struct owns; it is closed
+        // only when `waker` drops, after this.
+        unsafe { libc::shutdown(self.waker.as_raw_fd(), libc::SHUT_RDWR) };
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -97,6 +101,9 @@ fn serve(listener: &TcpListener, registry: &Registry, stopping: &AtomicBool) {
                 let _ = answer(stream, registry);
             }
             Err(e) => {
+                if stopping.load(Ordering::SeqCst) {
+                    return;
+                }
                 // Out of descriptors, most likely: the control plane's
                 // timeouts free some; try again shortly.
                 tracing::warn!("metrics endpoint: accept failed: {e}");
@@ -116,9 +123,11 @@ fn answer(mut stream: TcpStream, registry: &Registry) -> std::io::Result<()> {
     // trickles bytes is cut off too.
     let started = std::time::Instant::now();
     while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < MAX_REQUEST {
-        if started.elapsed() > IO_TIMEOUT {
+        let left = IO_TIMEOUT.saturating_sub(started.elapsed());
+        if left.is_zero() {
             return Err(std::io::ErrorKind::TimedOut.into());
         }
+        stream.set_read_timeout(Some(left))?;
         match stream.read(&mut buf)? {
             0 => break,
             n => head.extend_from_slice(&buf[..n]),
@@ -145,11 +154,12 @@ fn answer(mut stream: TcpStream, registry: &Registry) -> std::io::Result<()> {
         (b"GET", _) => ("404 Not Found", "onekv: see /metrics\n".into()),
         _ => ("405 Method Not Allowed", "only GET\n".into()),
     };
-    write!(
-        stream,
+    // One write: the head and body in one segment.
+    let reply = format!(
         "HTTP/1.1 {status}\r\nContent-Type: {CONTENT_TYPE}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
-    )?;
+    );
+    stream.write_all(reply.as_bytes())?;
     stream.flush()
 }
 

@@ -50,9 +50,9 @@ pub fn run(shared: Arc<Shared>) {
         let stats_due = shared.stats_wanted.swap(false, Relaxed);
         // Back-to-back scans would only burn CPU: leave a gap of a few
         // scans' time when space is wanted now, more when it merely runs
-        // low, and for fresh stats a second or eight scans' time, so that
-        // stats requests and scrapes, however many, cost at most a ninth of
-        // a core.
+        // low, and for fresh stats a second or eight scans' time (start to
+        // start), so that stats requests and scrapes, however many, cost at
+        // most an eighth of a core.
         let gap = match need {
             Need::Now => took * 4,
             Need::Soon => (took * 8).max(grace),

@@ -122,19 +122,11 @@ fn run(args: Args) -> Result<ExitCode, String> {
                     ExitCode::from(1)
                 }
                 Outcome::Value(Some(value)) => {
-                    let mut out = std::io::stdout().lock();
-                    out.write_all(&value)
-                        .and_then(|_| out.write_all(b"\n"))
-                        .map_err(|e| e.to_string())?;
-                    ExitCode::SUCCESS
+                    print_out(|out| out.write_all(&value).and_then(|_| out.write_all(b"\n")))?
                 }
-                Outcome::Counter(n) => {
-                    println!("{n}");
-                    ExitCode::SUCCESS
-                }
+                Outcome::Counter(n) => print_out(|out| writeln!(out, "{n}"))?,
                 Outcome::Report(lines) => {
-                    lines.iter().for_each(|l| println!("{l}"));
-                    ExitCode::SUCCESS
+                    print_out(|out| lines.iter().try_for_each(|l| writeln!(out, "{l}")))?
                 }
                 Outcome::Stored | Outcome::Deleted(true) => ExitCode::SUCCESS,
             }
@@ -142,6 +134,18 @@ fn run(args: Args) -> Result<ExitCode, String> {
     };
     kv.close().map_err(|e| e.to_string())?;
     Ok(code)
+}
+
+/// Writes a one-shot result to standard output; a closed pipe (`kv stats
+/// | head -1`) is an error message and status 2, not a panic.
+fn print_out(
+    write: impl FnOnce(&mut std::io::StdoutLock) -> std::io::Result<()>,
+) -> Result<ExitCode, String> {
+    let mut out = std::io::stdout().lock();
+    write(&mut out)
+        .and_then(|()| out.flush())
+        .map_err(|e| format!("writing the result: {e}"))?;
+    Ok(ExitCode::SUCCESS)
 }
 
 impl Command {

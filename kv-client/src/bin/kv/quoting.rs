@@ -21,7 +21,9 @@ impl std::fmt::Display for Unbalanced {
 
 /// The words of `line`, as bytes.
 pub fn split(line: &str) -> Result<Vec<Vec<u8>>, Unbalanced> {
+    // redis-cli reads a C string: a NUL ends the line.
     let bytes = line.as_bytes();
+    let bytes = &bytes[..bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len())];
     let mut words = Vec::new();
     let mut i = 0;
     loop {
@@ -34,9 +36,16 @@ pub fn split(line: &str) -> Result<Vec<Vec<u8>>, Unbalanced> {
         let mut word = Vec::new();
         loop {
             match bytes.get(i) {
-                None | Some(b' ' | b'\n' | b'\r' | b'\t' | 0) => break,
-                Some(b'"') => i = double_quoted(bytes, i + 1, &mut word)?,
-                Some(b'\'') => i = single_quoted(bytes, i + 1, &mut word)?,
+                None | Some(b' ' | b'\n' | b'\r' | b'\t') => break,
+                // A closing quote ends the word.
+                Some(b'"') => {
+                    i = double_quoted(bytes, i + 1, &mut word)?;
+                    break;
+                }
+                Some(b'\'') => {
+                    i = single_quoted(bytes, i + 1, &mut word)?;
+                    break;
+                }
                 Some(&c) => {
                     word.push(c);
                     i += 1;
@@ -170,6 +179,15 @@ mod tests {
         assert_eq!(words(r#""\xzz""#)[0], b"xzz");
         assert_eq!(words(r#""\x+f""#)[0], b"x+f");
         assert_eq!(words(r#"'don\'t \n'"#)[0], b"don't \\n");
+    }
+
+    #[test]
+    fn a_nul_ends_the_line_and_a_closing_quote_ends_the_word() {
+        assert_eq!(words("get a\0b c"), [&b"get"[..], b"a"]);
+        assert_eq!(words("\0"), Vec::<Vec<u8>>::new());
+        // A vertical tab after a closing quote separates, and is not kept.
+        assert_eq!(words("\"a\"\x0bb"), [&b"a"[..], b"b"]);
+        assert_eq!(words("ab\"c d\""), [&b"abc d"[..]]);
     }
 
     #[test]
