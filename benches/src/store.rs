@@ -36,7 +36,15 @@ pub trait StoreFactory: Sync {
     fn server_cpu_us(&self) -> Option<u64> {
         None
     }
+    /// Waits for background work the last phase set off (onekv: an index
+    /// resize), so that a phase's figures are its own; says how long.
+    fn settle(&self) -> Result<Duration, String> {
+        Ok(Duration::ZERO)
+    }
 }
+
+/// How long a phase waits for the store to settle before it gives up.
+const SETTLE_LIMIT: Duration = Duration::from_secs(300);
 
 pub struct Onekv {
     pub address: String,
@@ -63,6 +71,25 @@ impl StoreFactory for Onekv {
         };
         let mut client = kv_client::Client::connect_with(&self.address, options).ok()?;
         client.server_stats().ok().map(|s| s.server_cpu_us)
+    }
+
+    fn settle(&self) -> Result<Duration, String> {
+        let options = kv_client::ClientOptions {
+            secret: self.secret.clone(),
+            ..Default::default()
+        };
+        let mut client =
+            kv_client::Client::connect_with(&self.address, options).map_err(|e| e.to_string())?;
+        let start = Instant::now();
+        while client.server_stats().map_err(|e| e.to_string())?.resizing {
+            if start.elapsed() > SETTLE_LIMIT {
+                return Err(format!(
+                    "the server's index resize is still under way after {SETTLE_LIMIT:?}"
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(start.elapsed())
     }
 }
 

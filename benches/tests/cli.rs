@@ -56,8 +56,12 @@ fn runs_workload_a_and_reports_in_ycsb_format() {
     assert_eq!(reads + updates, 2000.0);
     assert!((reads - 1000.0).abs() < 150.0, "read share off: {reads}");
     assert_eq!(field(&stdout, "[READ]", "Return=OK"), Some(reads));
-    // Over shm slot hints are off by default: every GET reads buckets, block.
-    assert_eq!(field(&stdout, "[READ]", "RoundTripsPerOp"), Some(2.0));
+    // Over shm slot hints are off by default: every GET reads buckets, then
+    // the block; one whose fingerprint another key shares in a slot before
+    // it (a few in a hundred) reads that key's block first (shm reads
+    // candidates one at a time: a batch costs nothing there).
+    let round_trips = field(&stdout, "[READ]", "RoundTripsPerOp").unwrap();
+    assert!((2.0..2.1).contains(&round_trips), "{round_trips}");
     assert!(field(&stdout, "[OVERALL]", "Throughput(ops/sec)").unwrap() > 0.0);
     assert!(field(&stdout, "[OVERALL]", "ServerCpuTime(ms)").is_some());
 

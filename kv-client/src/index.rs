@@ -6,7 +6,8 @@ use std::ops::Range;
 use std::time::Duration;
 
 use kv_common::layout::{
-    decode_block, CounterState, KeyHash, Payload, Slot, SlotPos, CANDIDATE_SLOTS, EPOCH_OFFSET,
+    decode_block, set_bits, CounterState, KeyHash, Payload, Slot, SlotPos, CANDIDATE_SLOTS,
+    EPOCH_OFFSET,
 };
 use kv_common::transport::{read_u64, Verb};
 use smallvec::SmallVec;
@@ -105,17 +106,16 @@ impl Copies {
 
 /// Whether the index read of an operation shows a resize under way.
 pub fn meets_resize(slots: &Slots) -> bool {
-    slots.iter().any(|s| s.is_frozen())
+    // One OR over all slots (no early exit): it compiles to vector ORs.
+    Slot(slots.iter().fold(0, |all, s| all | s.0)).is_frozen()
 }
 
 /// Whether any candidate other than `at` has the key's fingerprint (and so
 /// could hold the key); only those before `at` with `lower_only`.
 pub fn others_match(kh: &KeyHash, slots: &Slots, at: usize, lower_only: bool) -> bool {
-    let end = if lower_only { at } else { slots.len() };
-    slots[..end].iter().enumerate().any(|(i, s)| {
-        let live = s.thawed();
-        i != at && !live.is_empty() && live.fingerprint() == kh.fingerprint
-    })
+    let others = kh.matches(slots) & !(1 << at);
+    let below = if lower_only { (1 << at) - 1 } else { u64::MAX };
+    others & below != 0
 }
 
 impl Client {
@@ -143,8 +143,13 @@ impl Client {
 
     /// The key's candidate slots as the last READ of its windows left them.
     pub(crate) fn slots(&self) -> Slots {
-        let local = self.conn.local();
-        std::array::from_fn(|i| Slot(read_u64(local, self.layout.windows + i * 8)))
+        let at = self.layout.windows;
+        let words = &self.conn.local()[at..at + CANDIDATE_SLOTS * 8];
+        let mut slots = [Slot::EMPTY; CANDIDATE_SLOTS];
+        for (slot, word) in slots.iter_mut().zip(words.chunks_exact(8)) {
+            *slot = Slot(u64::from_le_bytes(word.try_into().unwrap_or_default()));
+        }
+        slots
     }
 
     pub(crate) fn cas_verb(&self, pos: SlotPos, expect: Slot, swap: Slot) -> Verb {
@@ -201,11 +206,9 @@ impl Client {
         let mut suspect: Option<(SlotPos, Slot)> = None;
         let mut candidates: SmallVec<[(usize, Slot, u64, usize); 4]> = SmallVec::new();
         let mut check_epoch = meets_resize(slots);
-        for (i, &s) in slots.iter().enumerate() {
+        for i in set_bits(kh.matches(slots)) {
+            let s = slots[i];
             let live = s.thawed();
-            if live.is_empty() || live.fingerprint() != kh.fingerprint {
-                continue;
-            }
             if Some(s) == known {
                 copies.slots.push((kh.slot_pos(i), s));
                 copies.kinds.push(Kind::Known);
@@ -235,6 +238,9 @@ impl Client {
                 return Ok(Scan::Moved);
             }
         }
+        // A GET needs only the lowest copy: where batches are free, the next
+        // candidate's block is read only if this one's did not hold the key.
+        let one_at_a_time = mode == ScanMode::Lowest && !self.conn.batches_cost_round_trips();
         let mut next = 0;
         while next < candidates.len() {
             let mut verbs: SmallVec<[Verb; 8]> = SmallVec::new();
@@ -244,7 +250,7 @@ impl Client {
             let first = verbs.len();
             let mut at = reads_at;
             while let Some(&(_, _, remote, len)) = candidates.get(next) {
-                if verbs.len() > first && at + len > reads_at + room {
+                if verbs.len() > first && (one_at_a_time || at + len > reads_at + room) {
                     break;
                 }
                 verbs.push(Verb::Read {

@@ -64,8 +64,7 @@ pub fn open_or_create(
     if len == 0 || unfinished_create(&file) {
         return create(file, path, geometry, mode, max_len);
     }
-    let region =
-        SharedRegion::from_file(&file, path, max_len).map_err(|e| region_error(path, e))?;
+    let region = map(&file, path, max_len)?;
     let found = read_geometry(&region).map_err(|e| {
         region_error(
             path,
@@ -90,6 +89,21 @@ pub fn open_or_create(
         created: false,
         lock: file,
     })
+}
+
+/// Maps the region file for the server, on huge pages where the kernel
+/// can make them.
+fn map(file: &File, path: &Path, max_len: u64) -> Result<SharedRegion, ServerError> {
+    let region = SharedRegion::from_file(file, path, max_len).map_err(|e| region_error(path, e))?;
+    match region.make_huge(0, region.len()) {
+        Ok(()) => tracing::debug!(path = %path.display(), "region on huge pages"),
+        Err(e) => tracing::info!(
+            path = %path.display(),
+            error = %e,
+            "region kept small pages (huge pages need Linux 6.1 and a file system that has them)"
+        ),
+    }
+    Ok(region)
 }
 
 /// A file that holds nothing but zeros where a region keeps its header, key
@@ -139,8 +153,7 @@ fn create(
             format!("cannot allocate {len} bytes for the region: {e}"),
         ));
     }
-    let region =
-        SharedRegion::from_file(&file, path, max_len).map_err(|e| region_error(path, e))?;
+    let region = map(&file, path, max_len)?;
     write_geometry(&region, geometry).map_err(|e| region_error(path, e))?;
     Ok(OpenedRegion {
         region,

@@ -267,3 +267,47 @@ fn batches_of_puts_and_deletes_take_three_round_trips_cold_and_one_warm() {
         .unwrap();
     assert_eq!(cold.get(b"twice").unwrap().as_deref(), Some(&b"c"[..]));
 }
+
+/// Two keys with the same windows and fingerprint: each GET of one must
+/// also consider the other's slot.
+fn keys_sharing_a_fingerprint(bucket_count: u64) -> (Vec<u8>, Vec<u8>) {
+    use kv_common::layout::KeyHash;
+    let mut seen = std::collections::HashMap::new();
+    for i in 0u64.. {
+        let key = format!("twin-{i}").into_bytes();
+        let kh = KeyHash::new(&key, bucket_count);
+        if let Some(other) = seen.insert((kh.windows, kh.fingerprint), key.clone()) {
+            return (other, key);
+        }
+    }
+    unreachable!("the search ends once two keys collide")
+}
+
+#[test]
+fn a_get_reads_only_the_blocks_it_needs() {
+    let srv = TestServer::start(|_| {});
+    let mut kv = Client::connect(&srv.address).unwrap();
+    let (first, second) = keys_sharing_a_fingerprint(kv.geometry().bucket_count);
+    // In an empty index the first insert takes the first slot of the lower
+    // window and the second the next bucket's: the first is the lower slot.
+    kv.put(&first, &[1; 1000]).unwrap();
+    kv.put(&second, &[2; 1000]).unwrap();
+    let block = 1280; // the size class of a 1000-byte value with its key
+    let windows = 2 * 192;
+    let read = |kv: &mut Client, key: &[u8]| {
+        let before = kv.verb_stats();
+        kv.get(key).unwrap().unwrap();
+        let after = kv.verb_stats().since(&before);
+        (after.round_trips, after.bytes_read)
+    };
+    if srv.address.starts_with("shm://") {
+        // A batch costs nothing over shm: the second block is not read
+        // when the first holds the key, and read after it when not.
+        assert_eq!(read(&mut kv, &first), (2, windows + block));
+        assert_eq!(read(&mut kv, &second), (3, windows + 2 * block));
+    } else {
+        // A round trip is the cost over rdma: both blocks in one.
+        assert_eq!(read(&mut kv, &first), (2, windows + 2 * block));
+        assert_eq!(read(&mut kv, &second), (2, windows + 2 * block));
+    }
+}

@@ -174,6 +174,13 @@ pub trait Connection: Send {
     /// Posts the verbs with one doorbell and returns when all completed.
     fn post(&mut self, verbs: &[Verb]) -> Result<(), TransportError>;
     fn stats(&self) -> &VerbStats;
+    /// Whether a batch costs a round trip of its own (a network's), so
+    /// that reads which may prove unneeded are worth posting together. Over
+    /// shm a batch costs only what its verbs copy, and such reads are best
+    /// posted one at a time.
+    fn batches_cost_round_trips(&self) -> bool {
+        true
+    }
 }
 
 /// What cutting a client off established.

@@ -40,6 +40,9 @@ pub struct SharedRegion {
     len: AtomicU64,
     /// Bytes of address space reserved at `base`.
     reserved: u64,
+    /// The reservation as made, to unmap it: `base` is its first huge-page
+    /// boundary.
+    reservation: (*mut libc::c_void, usize),
     file: File,
     path: PathBuf,
     /// One growth at a time.
@@ -102,9 +105,15 @@ impl SharedRegion {
         }
         let reserved = max_len.max(len).next_multiple_of(4096);
         let too_big = || std::io::Error::other(format!("{reserved} bytes cannot be mapped"));
-        let reserved_len = usize::try_from(reserved).map_err(|_| too_big())?;
+        // One huge page more than needed, so that the mapping can start on
+        // a huge-page boundary: only then can the kernel map the file's huge
+        // pages whole (one TLB entry per 2 MiB instead of 512).
+        let reserved_len = usize::try_from(reserved)
+            .ok()
+            .and_then(|r| r.checked_add(HUGE_PAGE))
+            .ok_or_else(too_big)?;
         // SAFETY: a fresh anonymous reservation; nothing else refers to it.
-        let base = unsafe {
+        let reservation = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
                 reserved_len,
@@ -114,13 +123,16 @@ impl SharedRegion {
                 0,
             )
         };
-        if base == libc::MAP_FAILED {
+        if reservation == libc::MAP_FAILED {
             return Err(std::io::Error::last_os_error());
         }
+        let skip = (reservation as usize).next_multiple_of(HUGE_PAGE) - reservation as usize;
         let region = SharedRegion {
-            base: base as *mut u8,
+            // SAFETY: `skip` < HUGE_PAGE, inside the reservation.
+            base: unsafe { (reservation as *mut u8).add(skip) },
             len: AtomicU64::new(0),
             reserved,
+            reservation: (reservation, reserved_len),
             file,
             path: path.to_path_buf(),
             growing: Mutex::new(()),
@@ -180,7 +192,40 @@ impl SharedRegion {
             return Err(std::io::Error::from_raw_os_error(rc));
         }
         self.map_part(len, new_len)?;
+        // Whether the kernel can was reported when the region was opened.
+        let _ = self.make_huge(len, new_len);
         self.len.store(new_len, Ordering::Release);
+        Ok(())
+    }
+
+    /// Asks the kernel to back the whole huge pages of file bytes
+    /// `[from, to)` with huge pages (MADV_COLLAPSE, Linux ≥ 6.1), which cuts
+    /// a TLB miss on every random access to a large region. It works on
+    /// tmpfs whatever its `huge=` option (unless `shmem_enabled` is
+    /// `deny`); where it cannot, the region keeps small pages, which is
+    /// only slower. Only the server calls it, before any client or device
+    /// sees those bytes: clients map the same huge pages.
+    pub fn make_huge(&self, from: u64, to: u64) -> std::io::Result<()> {
+        let huge = HUGE_PAGE as u64;
+        let (start, end) = (
+            from.next_multiple_of(huge),
+            to.min(self.len()) / huge * huge,
+        );
+        if start >= end {
+            return Ok(());
+        }
+        // SAFETY: advice on mapped bytes of our own mapping; MADV_COLLAPSE
+        // keeps their contents.
+        let rc = unsafe {
+            libc::madvise(
+                self.base.add(start as usize) as *mut libc::c_void,
+                (end - start) as usize,
+                libc::MADV_COLLAPSE,
+            )
+        };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
         Ok(())
     }
 
@@ -246,11 +291,21 @@ impl SharedRegion {
 
     pub fn read(&self, offset: u64, dst: &mut [u64]) -> Result<(), TransportError> {
         let src = self.span(offset, dst.len() * 8)?;
+        prefetch_lines(src);
         for (d, s) in dst.iter_mut().zip(src) {
             *d = s.load(Ordering::Relaxed);
         }
         fence(Ordering::Acquire);
         Ok(())
+    }
+
+    /// Starts fetching `[offset, offset + len)` into the cache, so that
+    /// the READs of one batch wait for their misses together rather than
+    /// one READ after another. Nothing for a range it cannot access.
+    pub fn prefetch(&self, offset: u64, len: usize) {
+        if let Ok(words) = self.span(offset & !7, len.next_multiple_of(8)) {
+            prefetch_lines(words);
+        }
     }
 
     pub fn write(&self, offset: u64, src: &[u64]) -> Result<(), TransportError> {
@@ -293,15 +348,40 @@ impl SharedRegion {
     }
 }
 
+/// Asks for every cache line of `words` at once, so that a copy out of
+/// memory waits for one round of misses rather than for the few lines its
+/// loads have in flight at a time (a block is up to tens of lines).
+#[inline]
+fn prefetch_lines(words: &[AtomicU64]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let start = words.as_ptr() as usize;
+        let end = start + std::mem::size_of_val(words);
+        let mut line = start & !63;
+        while line < end {
+            // SAFETY: a prefetch is a hint, never an access: it neither
+            // faults nor takes part in the memory model.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(line as *const i8) };
+            line += 64;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = words;
+}
+
 impl Drop for SharedRegion {
     fn drop(&mut self) {
         // SAFETY: unmaps exactly the reservation made in `map`; nothing
         // borrowed from it outlives self.
         unsafe {
-            libc::munmap(self.base as *mut libc::c_void, self.reserved as usize);
+            libc::munmap(self.reservation.0, self.reservation.1);
         }
     }
 }
+
+/// The huge-page size a mapping is aligned to (x86-64's and arm64's PMD).
+const HUGE_PAGE: usize = 2 << 20;
 
 /// A client connection over shm.
 pub struct ShmConnection {
@@ -430,6 +510,10 @@ impl Connection for ShmConnection {
     fn stats(&self) -> &VerbStats {
         &self.stats
     }
+
+    fn batches_cost_round_trips(&self) -> bool {
+        false
+    }
 }
 
 /// Executes a batch as a NIC would: the access key first, then each verb
@@ -456,6 +540,13 @@ fn execute(
             "rkey {:#x} is not registered (the server restarted, shut down or cut this client off)",
             remote.rkey
         )));
+    }
+    if read_order == ReadOrder::Posted {
+        for verb in verbs {
+            if let Verb::Read { remote, len, .. } = *verb {
+                region.prefetch(remote, len);
+            }
+        }
     }
     let mut reads = 0;
     for verb in read_order.arrange(verbs).iter() {
@@ -790,6 +881,66 @@ mod tests {
         let file = File::create_new(&path).unwrap();
         file.set_len(1 << 16).unwrap();
         SharedRegion::from_file(&file, &path, 0).unwrap()
+    }
+
+    /// Bytes of `region`'s mapping that the kernel maps with huge pages.
+    fn huge_mapped_bytes(region: &SharedRegion) -> u64 {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let start = format!("{:x}-", region.base as usize);
+        let mut lines = smaps.lines().skip_while(|l| !l.starts_with(&start));
+        lines.next().expect("the mapping is in smaps");
+        let is_header = |l: &str| {
+            l.split_whitespace()
+                .next()
+                .is_some_and(|range| range.contains('-') && !range.ends_with(':'))
+        };
+        lines
+            .take_while(|l| !is_header(l))
+            .filter(|l| l.starts_with("ShmemPmdMapped:") || l.starts_with("FilePmdMapped:"))
+            .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+            .sum::<u64>()
+            * 1024
+    }
+
+    #[test]
+    fn a_region_on_huge_pages_keeps_its_bytes_and_is_mapped_huge() {
+        // On tmpfs, where the region lives in production.
+        let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+        let path = dir.path().join("r");
+        let file = File::create_new(&path).unwrap();
+        file.set_len(8 << 20).unwrap();
+        let region = SharedRegion::from_file(&file, &path, 16 << 20).unwrap();
+        assert_eq!(
+            region.base as usize % HUGE_PAGE,
+            0,
+            "aligned for huge pages"
+        );
+        for at in (0..8 << 20).step_by(4096) {
+            region.store(at, at ^ 0x5a5a).unwrap();
+        }
+        match region.make_huge(0, region.len()) {
+            Ok(()) => {
+                // Every whole huge page of the file: all four.
+                assert_eq!(huge_mapped_bytes(&region), 8 << 20);
+                // A client's mapping of the same file maps them whole too.
+                let client = SharedRegion::open(&path).unwrap();
+                assert_eq!(client.base as usize % HUGE_PAGE, 0);
+                for at in (0..8 << 20).step_by(4096) {
+                    assert_eq!(client.load(at).unwrap(), at ^ 0x5a5a);
+                }
+                assert_eq!(huge_mapped_bytes(&client), 8 << 20);
+            }
+            // A kernel before 6.1, or one told to deny them.
+            Err(e) => eprintln!("no huge pages here: {e}"),
+        }
+        for at in (0..8 << 20).step_by(4096) {
+            assert_eq!(region.load(at).unwrap(), at ^ 0x5a5a);
+        }
+        // Growth makes the new whole huge pages huge as well.
+        region.grow(12 << 20).unwrap();
+        if region.make_huge(0, region.len()).is_ok() {
+            assert_eq!(huge_mapped_bytes(&region), 12 << 20);
+        }
     }
 
     #[test]
