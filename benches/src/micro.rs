@@ -362,8 +362,8 @@ fn worker(
             barrier.wait();
             let start = Instant::now();
             let mut missed = 0u64;
-            // Like the key-value loops, throughput counts the timed
-            // operations' time only, so that the two compare.
+            // Throughput counts the timed operations' time only, in every
+            // loop, so that they compare.
             let mut busy = Duration::ZERO;
             while start.elapsed() < duration {
                 let k = key(next() % args.keys, args.key_size);
@@ -386,6 +386,7 @@ fn worker(
             let before = *conn.stats();
             barrier.wait();
             let start = Instant::now();
+            let mut busy = Duration::ZERO;
             while start.elapsed() < duration {
                 let verb = if op == Op::RawRead {
                     let bucket = next() % g.bucket_count;
@@ -408,11 +409,13 @@ fn worker(
                 };
                 let t0 = Instant::now();
                 conn.post(&[verb]).map_err(|e| e.to_string())?;
-                latency.saturating_record(t0.elapsed().as_nanos() as u64);
+                let took = t0.elapsed();
+                latency.saturating_record(took.as_nanos() as u64);
+                busy += took;
                 ops += 1;
             }
             let _ = conn.call(&Request::Disconnect);
-            (start.elapsed(), conn.stats().since(&before))
+            (busy, conn.stats().since(&before))
         }
     };
     Ok(LoopResult {

@@ -45,6 +45,8 @@ pub trait StoreFactory: Sync {
 
 /// How long a phase waits for the store to settle before it gives up.
 const SETTLE_LIMIT: Duration = Duration::from_secs(300);
+/// How long a settled onekv server must stay without a resize.
+const QUIET: Duration = Duration::from_secs(1);
 
 pub struct Onekv {
     pub address: String,
@@ -81,7 +83,19 @@ impl StoreFactory for Onekv {
         let mut client =
             kv_client::Client::connect_with(&self.address, options).map_err(|e| e.to_string())?;
         let start = Instant::now();
-        while client.server_stats().map_err(|e| e.to_string())?.resizing {
+        let mut stats = || client.server_stats().map_err(|e| e.to_string());
+        // The server looks at its occupancy twice a second, so a resize the
+        // load made due may start up to then: settled is no resize under
+        // way at two looks a second apart, and none in between.
+        loop {
+            let before = stats()?;
+            if !before.resizing {
+                std::thread::sleep(QUIET);
+                let after = stats()?;
+                if !after.resizing && after.resizes == before.resizes {
+                    return Ok(start.elapsed().saturating_sub(QUIET));
+                }
+            }
             if start.elapsed() > SETTLE_LIMIT {
                 return Err(format!(
                     "the server's index resize is still under way after {SETTLE_LIMIT:?}"
@@ -89,7 +103,6 @@ impl StoreFactory for Onekv {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        Ok(start.elapsed())
     }
 }
 

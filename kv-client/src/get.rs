@@ -1,6 +1,9 @@
 //! GET: read the key's two windows of buckets in one batch, then the
 //! blocks of the slots whose fingerprint matches; the lowest slot holding
-//! the key is its value. With a fresh hint, the windows and the remembered
+//! the key is its value. Over rdma those blocks are one batch (a round trip
+//! each would cost more than the bytes); over shm, where a batch costs
+//! only its copies, they are read one at a time, lowest first, until one
+//! holds the key. With a fresh hint, the windows and the remembered
 //! block are read in one batch (see `hint` for why their order does not
 //! matter); if the slot changed, the windows just read go on to the scan,
 //! so a stale hint costs nothing. A sole hint needs no other slot: the

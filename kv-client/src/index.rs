@@ -172,7 +172,9 @@ impl Client {
     }
 
     /// Reads the blocks of the slots whose fingerprint matches and keeps
-    /// those that pass the checksum and hold `key`.
+    /// those that pass the checksum and hold `key` (in one batch where
+    /// batches cost round trips; for `Lowest` over shm, one block at a
+    /// time until one holds the key).
     ///
     /// A slot that cannot point at a block, or whose block fails validation,
     /// is skipped; if the key is not found elsewhere the scan asks for a

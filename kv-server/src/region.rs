@@ -100,7 +100,7 @@ fn map(file: &File, path: &Path, max_len: u64) -> Result<SharedRegion, ServerErr
         Err(e) => tracing::info!(
             path = %path.display(),
             error = %e,
-            "region kept small pages (huge pages need Linux 6.1 and a file system that has them)"
+            "region kept small pages (huge pages need Linux 6.1 or later, free 2 MiB blocks of memory, and shmem_enabled other than deny)"
         ),
     }
     Ok(region)

@@ -8,6 +8,11 @@
 //! CAS/FETCH-AND-ADD are SeqCst read-modify-writes. So a block written before
 //! the CAS that publishes its slot is visible to any reader that saw the slot.
 //!
+//! Speed: a READ is a copy out of memory, so what it costs is cache and TLB
+//! misses. A batch's READs fetch all their cache lines at once before any
+//! copy, and the server backs the region with huge pages where the kernel
+//! can, in mappings aligned to take them whole.
+//!
 //! Access keys: each admitted client gets a word of the region's key table
 //! holding a key of its own, and every batch checks that word first (as a NIC
 //! checks the rkey and the queue pair's state). Fencing a client zeroes its
@@ -193,7 +198,7 @@ impl SharedRegion {
         }
         self.map_part(len, new_len)?;
         // Whether the kernel can was reported when the region was opened.
-        let _ = self.make_huge(len, new_len);
+        let _ = self.collapse(len, new_len);
         self.len.store(new_len, Ordering::Release);
         Ok(())
     }
@@ -203,14 +208,19 @@ impl SharedRegion {
     /// a TLB miss on every random access to a large region. It works on
     /// tmpfs whatever its `huge=` option (unless `shmem_enabled` is
     /// `deny`); where it cannot, the region keeps small pages, which is
-    /// only slower. Only the server calls it, before any client or device
-    /// sees those bytes: clients map the same huge pages.
+    /// only slower. Only the server calls it, before a device registers
+    /// those bytes (pinned pages cannot move); clients map the same huge
+    /// pages, and any still mapping the small ones (an earlier server's)
+    /// just fault them in again. It copies the bytes it collapses: a
+    /// second or so per few GiB at start.
     pub fn make_huge(&self, from: u64, to: u64) -> std::io::Result<()> {
+        self.collapse(from, to.min(self.len()))
+    }
+
+    /// `make_huge` of mapped bytes `[from, to)`.
+    fn collapse(&self, from: u64, to: u64) -> std::io::Result<()> {
         let huge = HUGE_PAGE as u64;
-        let (start, end) = (
-            from.next_multiple_of(huge),
-            to.min(self.len()) / huge * huge,
-        );
+        let (start, end) = (from.next_multiple_of(huge), to / huge * huge);
         if start >= end {
             return Ok(());
         }
@@ -303,7 +313,10 @@ impl SharedRegion {
     /// the READs of one batch wait for their misses together rather than
     /// one READ after another. Nothing for a range it cannot access.
     pub fn prefetch(&self, offset: u64, len: usize) {
-        if let Ok(words) = self.span(offset & !7, len.next_multiple_of(8)) {
+        let Some(len) = len.checked_next_multiple_of(8) else {
+            return;
+        };
+        if let Ok(words) = self.span(offset & !7, len) {
             prefetch_lines(words);
         }
     }
@@ -541,7 +554,12 @@ fn execute(
             remote.rkey
         )));
     }
-    if read_order == ReadOrder::Posted {
+    // A lone READ prefetches its own lines as it starts.
+    let batch_reads = verbs
+        .iter()
+        .filter(|v| matches!(v, Verb::Read { .. }))
+        .count();
+    if read_order == ReadOrder::Posted && batch_reads > 1 {
         for verb in verbs {
             if let Verb::Read { remote, len, .. } = *verb {
                 region.prefetch(remote, len);
@@ -937,8 +955,9 @@ mod tests {
             assert_eq!(region.load(at).unwrap(), at ^ 0x5a5a);
         }
         // Growth makes the new whole huge pages huge as well.
+        let huge = region.make_huge(0, region.len()).is_ok();
         region.grow(12 << 20).unwrap();
-        if region.make_huge(0, region.len()).is_ok() {
+        if huge {
             assert_eq!(huge_mapped_bytes(&region), 12 << 20);
         }
     }
