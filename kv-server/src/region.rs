@@ -95,6 +95,13 @@ pub fn open_or_create(
 /// can make them.
 fn map(file: &File, path: &Path, max_len: u64) -> Result<SharedRegion, ServerError> {
     let region = SharedRegion::from_file(file, path, max_len).map_err(|e| region_error(path, e))?;
+    on_huge_pages(&region, path);
+    Ok(region)
+}
+
+/// Puts the region on huge pages where the kernel can (nothing to do for
+/// one created on them), and says whether it is.
+fn on_huge_pages(region: &SharedRegion, path: &Path) {
     match region.make_huge(0, region.len()) {
         Ok(()) => tracing::debug!(path = %path.display(), "region on huge pages"),
         Err(e) => tracing::info!(
@@ -103,7 +110,6 @@ fn map(file: &File, path: &Path, max_len: u64) -> Result<SharedRegion, ServerErr
             "region kept small pages (huge pages need Linux 6.1 or later, free 2 MiB blocks of memory, and shmem_enabled other than deny)"
         ),
     }
-    Ok(region)
 }
 
 /// A file that holds nothing but zeros where a region keeps its header, key
@@ -140,20 +146,26 @@ fn create(
     file.set_permissions(std::fs::Permissions::from_mode(mode))
         .map_err(|e| region_error(path, e))?;
     let len = geometry.region_len;
-    // Allocate every page now: a region larger than its file system fails
-    // here with a clear error, not later with SIGBUS in a client.
-    file.set_len(0).map_err(|e| region_error(path, e))?;
-    let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) };
-    if rc != 0 {
-        // Ours to remove: it was empty (or an unfinished create) and we hold its lock.
-        let _ = std::fs::remove_file(path);
-        let e = std::io::Error::from_raw_os_error(rc);
-        return Err(region_error(
-            path,
-            format!("cannot allocate {len} bytes for the region: {e}"),
-        ));
-    }
-    let region = map(&file, path, max_len)?;
+    // Allocate every page now (on huge pages where the kernel can): a
+    // region larger than its file system fails here with a clear error,
+    // not later with SIGBUS in a client.
+    let allocated = file
+        .set_len(0)
+        .and_then(|()| file.set_len(len))
+        .and_then(|()| SharedRegion::from_file(&file, path, max_len))
+        .and_then(|region| region.allocate(0, len).map(|()| region));
+    let region = match allocated {
+        Ok(region) => region,
+        Err(e) => {
+            // Ours to remove: it was empty (or an unfinished create) and we hold its lock.
+            let _ = std::fs::remove_file(path);
+            return Err(region_error(
+                path,
+                format!("cannot allocate {len} bytes for the region: {e}"),
+            ));
+        }
+    };
+    on_huge_pages(&region, path);
     write_geometry(&region, geometry).map_err(|e| region_error(path, e))?;
     Ok(OpenedRegion {
         region,

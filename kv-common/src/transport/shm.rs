@@ -167,9 +167,9 @@ impl SharedRegion {
         Ok(())
     }
 
-    /// Grows the file to `new_len` bytes (allocating them, so a full file
-    /// system fails here rather than with SIGBUS later) and maps the new
-    /// part in place. Readers see the new length only once it is mapped.
+    /// Grows the file to `new_len` bytes, maps the new part in place and
+    /// allocates it (see `allocate`). Readers see the new length only once
+    /// it is mapped.
     pub fn grow(&self, new_len: u64) -> std::io::Result<()> {
         let _one = self
             .growing
@@ -185,21 +185,51 @@ impl SharedRegion {
                 self.reserved
             )));
         }
+        self.file.set_len(new_len)?;
+        let mapped = self
+            .map_part(len, new_len)
+            .and_then(|()| self.allocate(len, new_len));
+        if let Err(e) = mapped {
+            // Nothing refers to the new part yet: give it back.
+            let _ = self.file.set_len(len);
+            return Err(e);
+        }
+        self.len.store(new_len, Ordering::Release);
+        Ok(())
+    }
+
+    /// Allocates file bytes `[from, to)`, new (never allocated) and mapped,
+    /// so that a file system too small fails here with an error rather
+    /// than later with SIGBUS in a client. Where the kernel can, they come
+    /// on huge pages at the cost of clearing them: one small page of each
+    /// huge page is allocated first, and collapsing a huge page from it
+    /// (see `make_huge`) clears the rest instead of copying 511 pages (a
+    /// collapse needs a page to start from).
+    pub fn allocate(&self, from: u64, to: u64) -> std::io::Result<()> {
+        let huge = HUGE_PAGE as u64;
+        let mut at = from.next_multiple_of(huge);
+        while at + huge <= to {
+            // SAFETY: [at, at + 8) is mapped (the caller mapped [from, to)),
+            // aligned, and accessed atomically; adding zero allocates the
+            // page without changing a byte.
+            unsafe {
+                (*(self.base.add(at as usize) as *const AtomicU64)).fetch_add(0, Ordering::Relaxed)
+            };
+            at += huge;
+        }
+        // Small pages where it cannot, which is only slower.
+        let _ = self.collapse(from, to);
         // SAFETY: posix_fallocate on a descriptor we own.
         let rc = unsafe {
             libc::posix_fallocate(
                 self.file.as_raw_fd(),
-                len as libc::off_t,
-                (new_len - len) as libc::off_t,
+                from as libc::off_t,
+                (to - from) as libc::off_t,
             )
         };
         if rc != 0 {
             return Err(std::io::Error::from_raw_os_error(rc));
         }
-        self.map_part(len, new_len)?;
-        // Whether the kernel can was reported when the region was opened.
-        let _ = self.collapse(len, new_len);
-        self.len.store(new_len, Ordering::Release);
         Ok(())
     }
 
@@ -208,11 +238,12 @@ impl SharedRegion {
     /// a TLB miss on every random access to a large region. It works on
     /// tmpfs whatever its `huge=` option (unless `shmem_enabled` is
     /// `deny`); where it cannot, the region keeps small pages, which is
-    /// only slower. Only the server calls it, before a device registers
-    /// those bytes (pinned pages cannot move); clients map the same huge
-    /// pages, and any still mapping the small ones (an earlier server's)
-    /// just fault them in again. It copies the bytes it collapses: a
-    /// second or so per few GiB at start.
+    /// only slower. Only the server calls it, when it opens the region and
+    /// before a device registers it (pinned pages cannot move); clients map
+    /// the same huge pages, and any still mapping the small ones (an
+    /// earlier server's) just fault them in again. It copies the small
+    /// pages it collapses (about 0.4 s per GiB; a region `allocate`d on huge
+    /// pages costs nothing here, as after a restart).
     pub fn make_huge(&self, from: u64, to: u64) -> std::io::Result<()> {
         self.collapse(from, to.min(self.len()))
     }
@@ -261,15 +292,6 @@ impl SharedRegion {
         self.len() == 0
     }
 
-    fn words(&self) -> &[AtomicU64] {
-        // SAFETY: the first `len` bytes are mapped (the length is published
-        // only after its pages are), page-aligned, live as long as self, and
-        // only ever accessed atomically, by this and every other process.
-        unsafe {
-            std::slice::from_raw_parts(self.base as *const AtomicU64, (self.len() / 8) as usize)
-        }
-    }
-
     /// The words covering `[offset, offset + len)`, or why that range is not
     /// accessible (the checks a NIC does against a memory region).
     pub fn span(&self, offset: u64, len: usize) -> Result<&[AtomicU64], TransportError> {
@@ -278,16 +300,22 @@ impl SharedRegion {
                 "offset {offset} length {len}: shm verbs need 8-byte alignment"
             )));
         }
-        let end = offset
+        let mapped = self.len();
+        if offset
             .checked_add(len as u64)
-            .filter(|&e| e <= self.len())
-            .ok_or_else(|| {
-                TransportError::RemoteAccess(format!(
-                    "range {offset}+{len} outside the {}-byte region",
-                    self.len()
-                ))
-            })?;
-        Ok(&self.words()[(offset / 8) as usize..(end / 8) as usize])
+            .is_none_or(|end| end > mapped)
+        {
+            return Err(TransportError::RemoteAccess(format!(
+                "range {offset}+{len} outside the {mapped}-byte region"
+            )));
+        }
+        // SAFETY: [offset, offset + len) lies within the first `mapped`
+        // bytes, which are mapped (the length is published only after its
+        // pages are) for as long as self lives, 8-byte aligned, and only
+        // ever accessed atomically, by this and every other process.
+        Ok(unsafe {
+            std::slice::from_raw_parts(self.base.add(offset as usize) as *const AtomicU64, len / 8)
+        })
     }
 
     pub fn load(&self, offset: u64) -> Result<u64, TransportError> {
@@ -302,10 +330,7 @@ impl SharedRegion {
     pub fn read(&self, offset: u64, dst: &mut [u64]) -> Result<(), TransportError> {
         let src = self.span(offset, dst.len() * 8)?;
         prefetch_lines(src);
-        for (d, s) in dst.iter_mut().zip(src) {
-            *d = s.load(Ordering::Relaxed);
-        }
-        fence(Ordering::Acquire);
+        copy_out(src, dst);
         Ok(())
     }
 
@@ -359,6 +384,16 @@ impl SharedRegion {
         }
         Ok(())
     }
+}
+
+/// A READ's copy: relaxed loads, then an Acquire fence, so that what a
+/// slot published (the block written before its CAS) is seen whole.
+#[inline]
+fn copy_out(src: &[AtomicU64], dst: &mut [u64]) {
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = s.load(Ordering::Relaxed);
+    }
+    fence(Ordering::Acquire);
 }
 
 /// Asks for every cache line of `words` at once, so that a copy out of
@@ -554,16 +589,10 @@ fn execute(
             remote.rkey
         )));
     }
-    // A lone READ prefetches its own lines as it starts.
-    let batch_reads = verbs
-        .iter()
-        .filter(|v| matches!(v, Verb::Read { .. }))
-        .count();
-    if read_order == ReadOrder::Posted && batch_reads > 1 {
-        for verb in verbs {
-            if let Verb::Read { remote, len, .. } = *verb {
-                region.prefetch(remote, len);
-            }
+    // Every line the batch reads in flight before the first copy waits.
+    for verb in verbs {
+        if let Verb::Read { remote, len, .. } = *verb {
+            region.prefetch(remote, len);
         }
     }
     let mut reads = 0;
@@ -587,7 +616,8 @@ fn execute(
                 local: at,
                 len,
             } => {
-                region.read(remote, local_words(local, at, len)?)?;
+                let dst = local_words(local, at, len)?;
+                copy_out(region.span(remote, len)?, dst);
                 reads += 1;
             }
             Verb::Write {
@@ -954,9 +984,12 @@ mod tests {
         for at in (0..8 << 20).step_by(4096) {
             assert_eq!(region.load(at).unwrap(), at ^ 0x5a5a);
         }
-        // Growth makes the new whole huge pages huge as well.
+        // A grown part is allocated on huge pages too, and its bytes are
+        // there to write.
         let huge = region.make_huge(0, region.len()).is_ok();
         region.grow(12 << 20).unwrap();
+        region.store((12 << 20) - 8, 7).unwrap();
+        assert_eq!(region.load((12 << 20) - 8).unwrap(), 7);
         if huge {
             assert_eq!(huge_mapped_bytes(&region), 12 << 20);
         }
