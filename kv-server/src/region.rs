@@ -64,7 +64,8 @@ pub fn open_or_create(
     if len == 0 || unfinished_create(&file) {
         return create(file, path, geometry, mode, max_len);
     }
-    let region = map(&file, path, max_len)?;
+    let region =
+        SharedRegion::from_file(&file, path, max_len).map_err(|e| region_error(path, e))?;
     let found = read_geometry(&region).map_err(|e| {
         region_error(
             path,
@@ -91,16 +92,9 @@ pub fn open_or_create(
     })
 }
 
-/// Maps the region file for the server, on huge pages where the kernel
-/// can make them.
-fn map(file: &File, path: &Path, max_len: u64) -> Result<SharedRegion, ServerError> {
-    let region = SharedRegion::from_file(file, path, max_len).map_err(|e| region_error(path, e))?;
-    on_huge_pages(&region, path);
-    Ok(region)
-}
-
-/// Puts the region on huge pages where the kernel can (nothing to do for
-/// one created on them), and says whether it is.
+/// Puts a region just created on huge pages where the kernel can, and says
+/// whether it is. Only then: on a region in use it would copy gigabytes
+/// while clients wait for the server to come back.
 fn on_huge_pages(region: &SharedRegion, path: &Path) {
     match region.make_huge(0, region.len()) {
         Ok(()) => tracing::debug!(path = %path.display(), "region on huge pages"),
@@ -146,25 +140,21 @@ fn create(
     file.set_permissions(std::fs::Permissions::from_mode(mode))
         .map_err(|e| region_error(path, e))?;
     let len = geometry.region_len;
-    // Allocate every page now (on huge pages where the kernel can): a
-    // region larger than its file system fails here with a clear error,
-    // not later with SIGBUS in a client.
-    let allocated = file
-        .set_len(0)
-        .and_then(|()| file.set_len(len))
-        .and_then(|()| SharedRegion::from_file(&file, path, max_len))
-        .and_then(|region| region.allocate(0, len).map(|()| region));
-    let region = match allocated {
-        Ok(region) => region,
-        Err(e) => {
-            // Ours to remove: it was empty (or an unfinished create) and we hold its lock.
-            let _ = std::fs::remove_file(path);
-            return Err(region_error(
-                path,
-                format!("cannot allocate {len} bytes for the region: {e}"),
-            ));
-        }
-    };
+    // Allocate every page now: a region larger than its file system fails
+    // here with a clear error, not later with SIGBUS in a client.
+    file.set_len(0).map_err(|e| region_error(path, e))?;
+    let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) };
+    if rc != 0 {
+        // Ours to remove: it was empty (or an unfinished create) and we hold its lock.
+        let _ = std::fs::remove_file(path);
+        let e = std::io::Error::from_raw_os_error(rc);
+        return Err(region_error(
+            path,
+            format!("cannot allocate {len} bytes for the region: {e}"),
+        ));
+    }
+    let region =
+        SharedRegion::from_file(&file, path, max_len).map_err(|e| region_error(path, e))?;
     on_huge_pages(&region, path);
     write_geometry(&region, geometry).map_err(|e| region_error(path, e))?;
     Ok(OpenedRegion {

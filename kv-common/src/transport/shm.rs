@@ -167,9 +167,12 @@ impl SharedRegion {
         Ok(())
     }
 
-    /// Grows the file to `new_len` bytes, maps the new part in place and
-    /// allocates it (see `allocate`). Readers see the new length only once
-    /// it is mapped.
+    /// Grows the file to `new_len` bytes (allocating them, so a full file
+    /// system fails here rather than with SIGBUS later) and maps the new
+    /// part in place. Readers see the new length only once it is mapped.
+    /// The new part keeps small pages: collapsing it would copy it while
+    /// clients are served, and a restart that collapsed grown parts would
+    /// keep clients waiting (see `make_huge`).
     pub fn grow(&self, new_len: u64) -> std::io::Result<()> {
         let _one = self
             .growing
@@ -185,51 +188,19 @@ impl SharedRegion {
                 self.reserved
             )));
         }
-        self.file.set_len(new_len)?;
-        let mapped = self
-            .map_part(len, new_len)
-            .and_then(|()| self.allocate(len, new_len));
-        if let Err(e) = mapped {
-            // Nothing refers to the new part yet: give it back.
-            let _ = self.file.set_len(len);
-            return Err(e);
-        }
-        self.len.store(new_len, Ordering::Release);
-        Ok(())
-    }
-
-    /// Allocates file bytes `[from, to)`, new (never allocated) and mapped,
-    /// so that a file system too small fails here with an error rather
-    /// than later with SIGBUS in a client. Where the kernel can, they come
-    /// on huge pages at the cost of clearing them: one small page of each
-    /// huge page is allocated first, and collapsing a huge page from it
-    /// (see `make_huge`) clears the rest instead of copying 511 pages (a
-    /// collapse needs a page to start from).
-    pub fn allocate(&self, from: u64, to: u64) -> std::io::Result<()> {
-        let huge = HUGE_PAGE as u64;
-        let mut at = from.next_multiple_of(huge);
-        while at + huge <= to {
-            // SAFETY: [at, at + 8) is mapped (the caller mapped [from, to)),
-            // aligned, and accessed atomically; adding zero allocates the
-            // page without changing a byte.
-            unsafe {
-                (*(self.base.add(at as usize) as *const AtomicU64)).fetch_add(0, Ordering::Relaxed)
-            };
-            at += huge;
-        }
-        // Small pages where it cannot, which is only slower.
-        let _ = self.collapse(from, to);
         // SAFETY: posix_fallocate on a descriptor we own.
         let rc = unsafe {
             libc::posix_fallocate(
                 self.file.as_raw_fd(),
-                from as libc::off_t,
-                (to - from) as libc::off_t,
+                len as libc::off_t,
+                (new_len - len) as libc::off_t,
             )
         };
         if rc != 0 {
             return Err(std::io::Error::from_raw_os_error(rc));
         }
+        self.map_part(len, new_len)?;
+        self.len.store(new_len, Ordering::Release);
         Ok(())
     }
 
@@ -238,20 +209,16 @@ impl SharedRegion {
     /// a TLB miss on every random access to a large region. It works on
     /// tmpfs whatever its `huge=` option (unless `shmem_enabled` is
     /// `deny`); where it cannot, the region keeps small pages, which is
-    /// only slower. Only the server calls it, when it opens the region and
-    /// before a device registers it (pinned pages cannot move); clients map
-    /// the same huge pages, and any still mapping the small ones (an
-    /// earlier server's) just fault them in again. It copies the small
-    /// pages it collapses (about 0.4 s per GiB; a region `allocate`d on huge
-    /// pages costs nothing here, as after a restart).
+    /// only slower. It copies the bytes (0.4 s to several seconds per GiB,
+    /// depending on how much memory the kernel must compact), so the server
+    /// calls it once, on a region it has just created, before any client
+    /// or device sees it; clients map the same huge pages.
     pub fn make_huge(&self, from: u64, to: u64) -> std::io::Result<()> {
-        self.collapse(from, to.min(self.len()))
-    }
-
-    /// `make_huge` of mapped bytes `[from, to)`.
-    fn collapse(&self, from: u64, to: u64) -> std::io::Result<()> {
         let huge = HUGE_PAGE as u64;
-        let (start, end) = (from.next_multiple_of(huge), to / huge * huge);
+        let (start, end) = (
+            from.next_multiple_of(huge),
+            to.min(self.len()) / huge * huge,
+        );
         if start >= end {
             return Ok(());
         }
@@ -984,14 +951,16 @@ mod tests {
         for at in (0..8 << 20).step_by(4096) {
             assert_eq!(region.load(at).unwrap(), at ^ 0x5a5a);
         }
-        // A grown part is allocated on huge pages too, and its bytes are
-        // there to write.
-        let huge = region.make_huge(0, region.len()).is_ok();
+        // A grown part keeps small pages (no copy while serving); the
+        // huge ones keep their bytes.
+        let huge = huge_mapped_bytes(&region);
         region.grow(12 << 20).unwrap();
+        assert_eq!(region.load((12 << 20) - 8).unwrap(), 0);
         region.store((12 << 20) - 8, 7).unwrap();
         assert_eq!(region.load((12 << 20) - 8).unwrap(), 7);
-        if huge {
-            assert_eq!(huge_mapped_bytes(&region), 12 << 20);
+        assert_eq!(huge_mapped_bytes(&region), huge);
+        for at in (0..8 << 20).step_by(4096) {
+            assert_eq!(region.load(at).unwrap(), at ^ 0x5a5a);
         }
     }
 
