@@ -12,6 +12,7 @@ pub mod gid;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 pub mod shm;
+mod words;
 
 /// A region registered by the server, as a client names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -3,15 +3,18 @@
 //! mapping; the control channel is a Unix-domain socket beside the file.
 //!
 //! Accesses to the mapping never form data races in Rust's memory model:
-//! every word is an `AtomicU64`. A WRITE is a Release fence followed by
-//! relaxed stores, a READ relaxed loads followed by an Acquire fence, and
-//! CAS/FETCH-AND-ADD are SeqCst read-modify-writes. So a block written before
-//! the CAS that publishes its slot is visible to any reader that saw the slot.
+//! every word is an `AtomicU64`, read and written whole (see `words`). A
+//! WRITE is a Release fence followed by relaxed stores, a READ word loads
+//! followed by an Acquire fence, and CAS/FETCH-AND-ADD are SeqCst
+//! read-modify-writes. So a block written before the CAS that publishes its
+//! slot is visible to any reader that saw the slot. (DESIGN.md has READs as
+//! relaxed atomic loads; on x86-64 they are aligned vector loads, which read
+//! each word just as whole and take half the instructions.)
 //!
 //! Speed: a READ is a copy out of memory, so what it costs is cache and TLB
-//! misses. A batch's READs fetch all their cache lines at once before any
-//! copy, and the server backs the region with huge pages where the kernel
-//! can, in mappings aligned to take them whole.
+//! misses. A batch's READs (16 at a time) fetch all their cache lines at once
+//! before any copy, and the server backs the region with huge pages where the
+//! kernel can, in mappings aligned to take them whole.
 //!
 //! Access keys: each admitted client gets a word of the region's key table
 //! holding a key of its own, and every batch checks that word first (as a NIC
@@ -23,7 +26,7 @@ use std::fs::{File, OpenOptions};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -32,6 +35,8 @@ use super::{
     FrameReader, ReadOrder, Received, RemoteRegion, TransportError, Verb, VerbStats,
 };
 use crate::layout::{KEY_TABLE_ENTRIES, KEY_TABLE_OFFSET};
+
+use super::words::{compare_and_swap, copy_in, copy_out, prefetch_lines};
 use crate::protocol::{Request, Response};
 use crate::Address;
 
@@ -314,22 +319,13 @@ impl SharedRegion {
     }
 
     pub fn write(&self, offset: u64, src: &[u64]) -> Result<(), TransportError> {
-        let dst = self.span(offset, src.len() * 8)?;
-        fence(Ordering::Release);
-        for (d, s) in dst.iter().zip(src) {
-            d.store(*s, Ordering::Relaxed);
-        }
+        copy_in(src, self.span(offset, src.len() * 8)?);
         Ok(())
     }
 
     /// Returns the old value; the swap happened iff it equals `expect`.
     pub fn cas(&self, offset: u64, expect: u64, swap: u64) -> Result<u64, TransportError> {
-        let w = &self.span(offset, 8)?[0];
-        Ok(
-            match w.compare_exchange(expect, swap, Ordering::SeqCst, Ordering::SeqCst) {
-                Ok(old) | Err(old) => old,
-            },
-        )
+        Ok(compare_and_swap(&self.span(offset, 8)?[0], expect, swap))
     }
 
     pub fn fetch_add(&self, offset: u64, add: u64) -> Result<u64, TransportError> {
@@ -351,38 +347,6 @@ impl SharedRegion {
         }
         Ok(())
     }
-}
-
-/// A READ's copy: relaxed loads, then an Acquire fence, so that what a
-/// slot published (the block written before its CAS) is seen whole.
-#[inline]
-fn copy_out(src: &[AtomicU64], dst: &mut [u64]) {
-    for (d, s) in dst.iter_mut().zip(src) {
-        *d = s.load(Ordering::Relaxed);
-    }
-    fence(Ordering::Acquire);
-}
-
-/// Asks for every cache line of `words` at once, so that a copy out of
-/// memory waits for one round of misses rather than for the few lines its
-/// loads have in flight at a time (a block is up to tens of lines).
-#[inline]
-fn prefetch_lines(words: &[AtomicU64]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        let start = words.as_ptr() as usize;
-        let end = start + std::mem::size_of_val(words);
-        let mut line = start & !63;
-        while line < end {
-            // SAFETY: a prefetch is a hint, never an access: it neither
-            // faults nor takes part in the memory model.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(line as *const i8) };
-            line += 64;
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = words;
 }
 
 impl Drop for SharedRegion {
@@ -438,6 +402,12 @@ impl ShmConnection {
             read_order: options.read_order,
         })
     }
+}
+
+/// A local buffer's bytes.
+fn as_bytes(words: &[u64]) -> &[u8] {
+    // SAFETY: any u64 slice is a valid, aligned u8 slice of 8× the length.
+    unsafe { std::slice::from_raw_parts(words.as_ptr() as *const u8, words.len() * 8) }
 }
 
 /// The words of a local buffer covering `[at, at + len)`.
@@ -498,10 +468,7 @@ impl Connection for ShmConnection {
     }
 
     fn local(&self) -> &[u8] {
-        // SAFETY: any u64 slice is a valid, aligned u8 slice of 8× the length.
-        unsafe {
-            std::slice::from_raw_parts(self.local.as_ptr() as *const u8, self.local.len() * 8)
-        }
+        as_bytes(&self.local)
     }
 
     fn local_mut(&mut self) -> &mut [u8] {
@@ -516,9 +483,7 @@ impl Connection for ShmConnection {
             return Err(TransportError::NotAttached);
         };
         execute(region, remote, self.read_order, &mut self.local, verbs)?;
-        let mut stats = self.stats;
-        stats.record_batch(verbs, self.local());
-        self.stats = stats;
+        self.stats.record_batch(verbs, as_bytes(&self.local));
         Ok(())
     }
 
@@ -556,62 +521,87 @@ fn execute(
             remote.rkey
         )));
     }
-    // Every line the batch reads in flight before the first copy waits.
-    for verb in verbs {
-        if let Verb::Read { remote, len, .. } = *verb {
-            region.prefetch(remote, len);
-        }
-    }
+    let verbs = read_order.arrange(verbs);
     let mut reads = 0;
-    for verb in read_order.arrange(verbs).iter() {
-        if let Some(pause) = read_order.pause_before(verb, reads) {
-            std::thread::sleep(pause);
+    for chunk in verbs.chunks(PREFETCH_VERBS) {
+        // Each verb's range is checked, and its words found, once. A verb
+        // out of range fails the batch where it stands: those before it
+        // have run, as on a NIC.
+        let mut spans: [&[AtomicU64]; PREFETCH_VERBS] = [&[]; PREFETCH_VERBS];
+        let mut checked = 0;
+        let mut refused = None;
+        for (verb, span) in chunk.iter().zip(&mut spans) {
+            match verb_span(region, remote, verb) {
+                Ok(words) => *span = words,
+                Err(e) => {
+                    refused = Some(e);
+                    break;
+                }
+            }
+            // Every line these verbs read in flight before the first copy
+            // waits.
+            if let Verb::Read { .. } = verb {
+                prefetch_lines(span);
+            }
+            checked += 1;
         }
-        let (off, len) = match *verb {
-            Verb::Read { remote, len, .. } | Verb::Write { remote, len, .. } => (remote, len),
-            Verb::Cas { remote, .. } | Verb::FetchAdd { remote, .. } => (remote, 8),
-        };
-        if off.checked_add(len as u64).is_none_or(|e| e > remote.len) {
-            return Err(TransportError::RemoteAccess(format!(
-                "range {off}+{len} outside the registered {} bytes",
-                remote.len
-            )));
+        for (verb, &span) in chunk[..checked].iter().zip(&spans) {
+            if let Some(pause) = read_order.pause_before(verb, reads) {
+                std::thread::sleep(pause);
+            }
+            match *verb {
+                Verb::Read { local: at, len, .. } => {
+                    copy_out(span, local_words(local, at, len)?);
+                    reads += 1;
+                }
+                Verb::Write { local: at, len, .. } => copy_in(local_words(local, at, len)?, span),
+                Verb::Cas {
+                    local: at,
+                    expect,
+                    swap,
+                    ..
+                } => {
+                    // The local word first: a verb that cannot complete
+                    // must not change the region.
+                    let old = local_words(local, at, 8)?;
+                    old[0] = compare_and_swap(&span[0], expect, swap);
+                }
+                Verb::FetchAdd { local: at, add, .. } => {
+                    let old = local_words(local, at, 8)?;
+                    old[0] = span[0].fetch_add(add, Ordering::SeqCst);
+                }
+            }
         }
-        match *verb {
-            Verb::Read {
-                remote,
-                local: at,
-                len,
-            } => {
-                let dst = local_words(local, at, len)?;
-                copy_out(region.span(remote, len)?, dst);
-                reads += 1;
-            }
-            Verb::Write {
-                remote,
-                local: at,
-                len,
-            } => region.write(remote, local_words(local, at, len)?)?,
-            Verb::Cas {
-                remote,
-                local: at,
-                expect,
-                swap,
-            } => {
-                let dst = local_words(local, at, 8)?;
-                dst[0] = region.cas(remote, expect, swap)?;
-            }
-            Verb::FetchAdd {
-                remote,
-                local: at,
-                add,
-            } => {
-                let dst = local_words(local, at, 8)?;
-                dst[0] = region.fetch_add(remote, add)?;
-            }
+        if let Some(e) = refused {
+            return Err(e);
         }
     }
     Ok(())
+}
+
+/// Verbs whose lines are prefetched together. 16 READs (a multi-key
+/// batch's windows are three lines each, a block up to tens) are more
+/// lines than a core has misses in flight, so a longer batch loses nothing
+/// by waiting for them chunk by chunk.
+const PREFETCH_VERBS: usize = 16;
+
+/// The words a verb touches, if they lie within the registered range.
+fn verb_span<'r>(
+    region: &'r SharedRegion,
+    remote: &RemoteRegion,
+    verb: &Verb,
+) -> Result<&'r [AtomicU64], TransportError> {
+    let (off, len) = match *verb {
+        Verb::Read { remote, len, .. } | Verb::Write { remote, len, .. } => (remote, len),
+        Verb::Cas { remote, .. } | Verb::FetchAdd { remote, .. } => (remote, 8),
+    };
+    if off.checked_add(len as u64).is_none_or(|e| e > remote.len) {
+        return Err(TransportError::RemoteAccess(format!(
+            "range {off}+{len} outside the registered {} bytes",
+            remote.len
+        )));
+    }
+    region.span(off, len)
 }
 
 /// Byte offset of key-table entry `slot`.
@@ -980,6 +970,74 @@ mod tests {
         assert_eq!(r.cas(4096, 1, 10).unwrap(), 9);
         assert_eq!(r.fetch_add(4104, 5).unwrap(), 2);
         assert_eq!(r.load(4104).unwrap(), 7);
+    }
+
+    /// A registration of all of `r` under key 77, as `admit` would make.
+    fn registered(r: &SharedRegion) -> RemoteRegion {
+        r.store(key_word(0).unwrap(), 77).unwrap();
+        RemoteRegion {
+            base: 0,
+            len: r.len(),
+            rkey: 77,
+            key_slot: 0,
+        }
+    }
+
+    #[test]
+    fn a_batch_stops_at_the_verb_out_of_range_having_run_those_before_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let r = region(&dir);
+        let remote = registered(&r);
+        let data = 40_960u64;
+        let mut local = vec![0u64; 64];
+        // More verbs than are checked and prefetched at a time, the bad one
+        // in the second group.
+        let mut verbs: Vec<Verb> = (0..20u64)
+            .map(|i| Verb::FetchAdd {
+                remote: data + 8 * i,
+                local: 8 * i as usize,
+                add: 1,
+            })
+            .collect();
+        verbs[18] = Verb::Read {
+            remote: r.len() - 8,
+            local: 0,
+            len: 16,
+        };
+        let e = execute(&r, &remote, ReadOrder::Posted, &mut local, &verbs).unwrap_err();
+        assert!(matches!(e, TransportError::RemoteAccess(_)), "{e}");
+        for i in 0..20u64 {
+            let want = u64::from(i < 18);
+            assert_eq!(r.load(data + 8 * i).unwrap(), want, "verb {i}");
+        }
+    }
+
+    #[test]
+    fn an_atomic_with_no_room_for_its_result_leaves_the_region_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let r = region(&dir);
+        let remote = registered(&r);
+        let word = 40_960u64;
+        r.store(word, 5).unwrap();
+        let mut local = vec![0u64; 4];
+        let beyond = 8 * local.len();
+        for verb in [
+            Verb::Cas {
+                remote: word,
+                local: beyond,
+                expect: 5,
+                swap: 6,
+            },
+            Verb::FetchAdd {
+                remote: word,
+                local: beyond,
+                add: 1,
+            },
+        ] {
+            let e = execute(&r, &remote, ReadOrder::Posted, &mut local, &[verb]).unwrap_err();
+            assert!(matches!(e, TransportError::LocalAccess(_)), "{e}");
+            assert_eq!(r.load(word).unwrap(), 5);
+        }
     }
 
     #[test]

@@ -1,0 +1,218 @@
+//! Word-level access to memory that other processes change at the same
+//! time: the copies and atomics of the shm verbs. Each 8-byte word is read
+//! or written whole (no concurrent store can tear it) and ordered as the
+//! verbs need: a READ is its loads and then an Acquire fence, a WRITE a
+//! Release fence and then its stores, so a block written before the CAS that
+//! publishes its slot is seen whole by any reader that saw the slot.
+
+use std::sync::atomic::{fence, AtomicU64, Ordering};
+
+/// A READ's copy of `min(src.len(), dst.len())` words, then an Acquire
+/// fence.
+///
+/// The compiler does not combine relaxed atomic loads into vector ones, and
+/// the copy is most of a READ's work; so where 16-byte loads are documented
+/// to be atomic (x86-64 with AVX: Intel SDM vol. 3A §9.1.1, AMD APM vol. 2
+/// §7.3.2, for MOVDQA on 16-byte-aligned addresses) the copy is made of
+/// those, which halves its instructions. Elsewhere, relaxed word loads.
+#[inline]
+pub(crate) fn copy_out(src: &[AtomicU64], dst: &mut [u64]) {
+    let words = src.len().min(dst.len());
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx") {
+        // SAFETY: both slices hold at least `words` words, `dst` is not
+        // shared, and the CPU has AVX.
+        unsafe { copy_out_aligned(src.as_ptr(), dst.as_mut_ptr(), words) };
+        fence(Ordering::Acquire);
+        return;
+    }
+    for (d, s) in dst[..words].iter_mut().zip(src) {
+        *d = s.load(Ordering::Relaxed);
+    }
+    fence(Ordering::Acquire);
+}
+
+/// Copies `words` words with aligned 16-byte loads (a leading word first
+/// when `src` is not on a 16-byte boundary, a tail of word loads).
+///
+/// # Safety
+///
+/// `src` and `dst` must be valid for `words` 8-byte-aligned words, `dst`
+/// not shared, and the CPU must have AVX: then every load is an aligned
+/// 8-byte MOV or an aligned 16-byte MOVDQA, each atomic, as the atomic
+/// loads other processes pair with their atomic stores.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+unsafe fn copy_out_aligned(src: *const AtomicU64, dst: *mut u64, words: usize) {
+    // SAFETY: as the caller promises.
+    unsafe {
+        std::arch::asm!(
+            // A start between 16-byte boundaries: one word to reach one.
+            "test {src}, 8",
+            "jz 2f",
+            "test {n}, {n}",
+            "jz 6f",
+            "mov {t}, [{src}]",
+            "mov [{dst}], {t}",
+            "add {src}, 8",
+            "add {dst}, 8",
+            "dec {n}",
+            "2:",
+            "cmp {n}, 8",
+            "jb 4f",
+            "3:",
+            "movdqa {a}, [{src}]",
+            "movdqa {b}, [{src} + 16]",
+            "movdqa {c}, [{src} + 32]",
+            "movdqa {d}, [{src} + 48]",
+            "movdqu [{dst}], {a}",
+            "movdqu [{dst} + 16], {b}",
+            "movdqu [{dst} + 32], {c}",
+            "movdqu [{dst} + 48], {d}",
+            "add {src}, 64",
+            "add {dst}, 64",
+            "sub {n}, 8",
+            "cmp {n}, 8",
+            "jae 3b",
+            "4:",
+            "test {n}, {n}",
+            "jz 6f",
+            "5:",
+            "mov {t}, [{src}]",
+            "mov [{dst}], {t}",
+            "add {src}, 8",
+            "add {dst}, 8",
+            "dec {n}",
+            "jnz 5b",
+            "6:",
+            src = inout(reg) src => _,
+            dst = inout(reg) dst => _,
+            n = inout(reg) words => _,
+            t = out(reg) _,
+            a = out(xmm_reg) _,
+            b = out(xmm_reg) _,
+            c = out(xmm_reg) _,
+            d = out(xmm_reg) _,
+            options(nostack),
+        );
+    }
+}
+
+/// A WRITE's copy: a Release fence, then relaxed stores, so that a CAS
+/// publishing the words is seen after them.
+#[inline]
+pub(crate) fn copy_in(src: &[u64], dst: &[AtomicU64]) {
+    fence(Ordering::Release);
+    for (d, s) in dst.iter().zip(src) {
+        d.store(*s, Ordering::Relaxed);
+    }
+}
+
+/// A CAS as the verb returns it: the old value, whether or not it swapped.
+#[inline]
+pub(crate) fn compare_and_swap(word: &AtomicU64, expect: u64, swap: u64) -> u64 {
+    match word.compare_exchange(expect, swap, Ordering::SeqCst, Ordering::SeqCst) {
+        Ok(old) | Err(old) => old,
+    }
+}
+
+/// Asks for every cache line of `words` at once, so that a copy out of
+/// memory waits for one round of misses rather than for the few lines its
+/// loads have in flight at a time (a block is up to tens of lines).
+#[inline]
+pub(crate) fn prefetch_lines(words: &[AtomicU64]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let start = words.as_ptr() as usize;
+        let end = start + std::mem::size_of_val(words);
+        let mut line = start & !63;
+        while line < end {
+            // SAFETY: a prefetch is a hint, never an access: it neither
+            // faults nor takes part in the memory model.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(line as *const i8) };
+            line += 64;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = words;
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicBool;
+
+    use super::*;
+
+    /// Words on a 64-byte boundary, so that tests choose how far off a
+    /// 16-byte one they start.
+    #[repr(align(64))]
+    struct Line([AtomicU64; 48]);
+
+    fn line() -> Line {
+        Line(std::array::from_fn(|i| {
+            AtomicU64::new(i as u64 * 0x0101_0101_0101_0101 + 7)
+        }))
+    }
+
+    #[test]
+    fn a_copy_takes_every_word_of_any_length_and_start() {
+        let src = line();
+        // Starts on and off a 16-byte boundary, lengths across the 8-word
+        // steps of the vector copy and its word tail.
+        for start in 0..3usize {
+            for len in 0..=40usize {
+                let mut dst = vec![u64::MAX; len + 1];
+                copy_out(&src.0[start..start + len], &mut dst[..len]);
+                let want: Vec<u64> = src.0[start..start + len]
+                    .iter()
+                    .map(|w| w.load(Ordering::Relaxed))
+                    .collect();
+                assert_eq!(dst[..len], want, "start {start} len {len}");
+                assert_eq!(dst[len], u64::MAX, "start {start} len {len}: past the end");
+            }
+        }
+    }
+
+    /// Sets `stop` when dropped, so that a failed assertion ends the
+    /// writer too instead of leaving the scope waiting for it.
+    struct StopOnDrop<'a>(&'a AtomicBool);
+
+    impl Drop for StopOnDrop<'_> {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::Relaxed);
+        }
+    }
+
+    #[test]
+    fn a_copy_never_tears_a_word_being_stored() {
+        let src = Line(std::array::from_fn(|_| AtomicU64::new(0)));
+        let stop = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                // Whole words, each all zeros or all ones, stored while the
+                // other thread copies them.
+                let mut flip = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    flip = !flip;
+                    for (i, w) in src.0.iter().enumerate() {
+                        w.store(flip ^ (i as u64 & 1).wrapping_neg(), Ordering::Relaxed);
+                    }
+                }
+            });
+            let _stop = StopOnDrop(&stop);
+            // Until the copies have seen the words change many times (an
+            // unaligned start, so both the word and the vector loads run).
+            let mut dst = [0u64; 45];
+            let (mut changes, mut last) = (0, 0);
+            while changes < 2_000 {
+                copy_out(&src.0[1..46], &mut dst);
+                for &w in &dst {
+                    assert!(w == 0 || w == u64::MAX, "torn word {w:#x}");
+                }
+                changes += usize::from(dst[0] != last);
+                last = dst[0];
+            }
+        });
+    }
+}
