@@ -8,11 +8,11 @@
 //! followed by an Acquire fence, and CAS/FETCH-AND-ADD are SeqCst
 //! read-modify-writes. So a block written before the CAS that publishes its
 //! slot is visible to any reader that saw the slot. (DESIGN.md has READs as
-//! relaxed atomic loads; on x86-64 they are aligned vector loads, which read
-//! each word just as whole and take half the instructions.)
+//! relaxed atomic loads; on x86-64 with AVX they are aligned 16-byte loads,
+//! which read each word just as whole with half the instructions.)
 //!
 //! Speed: a READ is a copy out of memory, so what it costs is cache and TLB
-//! misses. A batch's READs (16 at a time) fetch all their cache lines at once
+//! misses. A batch's READs (16 verbs at a time) fetch all their cache lines at once
 //! before any copy, and the server backs the region with huge pages where the
 //! kernel can, in mappings aligned to take them whole.
 //!
@@ -30,13 +30,12 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use super::words::{compare_and_swap, fetch_and_add, load_words, prefetch_lines, store_words};
 use super::{
     frame_call, write_frame, ConnectOptions, Connection, ControlListener, ControlPeer, Fenced,
     FrameReader, ReadOrder, Received, RemoteRegion, TransportError, Verb, VerbStats,
 };
 use crate::layout::{KEY_TABLE_ENTRIES, KEY_TABLE_OFFSET};
-
-use super::words::{compare_and_swap, copy_in, copy_out, prefetch_lines};
 use crate::protocol::{Request, Response};
 use crate::Address;
 
@@ -302,7 +301,7 @@ impl SharedRegion {
     pub fn read(&self, offset: u64, dst: &mut [u64]) -> Result<(), TransportError> {
         let src = self.span(offset, dst.len() * 8)?;
         prefetch_lines(src);
-        copy_out(src, dst);
+        load_words(src, dst);
         Ok(())
     }
 
@@ -319,7 +318,7 @@ impl SharedRegion {
     }
 
     pub fn write(&self, offset: u64, src: &[u64]) -> Result<(), TransportError> {
-        copy_in(src, self.span(offset, src.len() * 8)?);
+        store_words(src, self.span(offset, src.len() * 8)?);
         Ok(())
     }
 
@@ -329,7 +328,7 @@ impl SharedRegion {
     }
 
     pub fn fetch_add(&self, offset: u64, add: u64) -> Result<u64, TransportError> {
-        Ok(self.span(offset, 8)?[0].fetch_add(add, Ordering::SeqCst))
+        Ok(fetch_and_add(&self.span(offset, 8)?[0], add))
     }
 
     /// Writes dirty pages back to the file (meaningful for on-disk regions).
@@ -410,6 +409,12 @@ fn as_bytes(words: &[u64]) -> &[u8] {
     unsafe { std::slice::from_raw_parts(words.as_ptr() as *const u8, words.len() * 8) }
 }
 
+/// A local buffer's bytes, to write.
+fn as_bytes_mut(words: &mut [u64]) -> &mut [u8] {
+    // SAFETY: as in `as_bytes`; every byte pattern is a valid u64.
+    unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr() as *mut u8, words.len() * 8) }
+}
+
 /// The words of a local buffer covering `[at, at + len)`.
 fn local_words(local: &mut [u64], at: usize, len: usize) -> Result<&mut [u64], TransportError> {
     let local_len = local.len() * 8;
@@ -472,10 +477,7 @@ impl Connection for ShmConnection {
     }
 
     fn local_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as in `local`; every byte pattern is a valid u64.
-        unsafe {
-            std::slice::from_raw_parts_mut(self.local.as_mut_ptr() as *mut u8, self.local.len() * 8)
-        }
+        as_bytes_mut(&mut self.local)
     }
 
     fn post(&mut self, verbs: &[Verb]) -> Result<(), TransportError> {
@@ -540,7 +542,7 @@ fn execute(
             }
             // Every line these verbs read in flight before the first copy
             // waits.
-            if let Verb::Read { .. } = verb {
+            if matches!(verb, Verb::Read { .. }) {
                 prefetch_lines(span);
             }
             checked += 1;
@@ -551,10 +553,12 @@ fn execute(
             }
             match *verb {
                 Verb::Read { local: at, len, .. } => {
-                    copy_out(span, local_words(local, at, len)?);
+                    load_words(span, local_words(local, at, len)?);
                     reads += 1;
                 }
-                Verb::Write { local: at, len, .. } => copy_in(local_words(local, at, len)?, span),
+                Verb::Write { local: at, len, .. } => {
+                    store_words(local_words(local, at, len)?, span)
+                }
                 Verb::Cas {
                     local: at,
                     expect,
@@ -568,7 +572,7 @@ fn execute(
                 }
                 Verb::FetchAdd { local: at, add, .. } => {
                     let old = local_words(local, at, 8)?;
-                    old[0] = span[0].fetch_add(add, Ordering::SeqCst);
+                    old[0] = fetch_and_add(&span[0], add);
                 }
             }
         }
@@ -579,10 +583,11 @@ fn execute(
     Ok(())
 }
 
-/// Verbs whose lines are prefetched together. 16 READs (a multi-key
-/// batch's windows are three lines each, a block up to tens) are more
-/// lines than a core has misses in flight, so a longer batch loses nothing
-/// by waiting for them chunk by chunk.
+/// Verbs checked, and their READs' lines prefetched, before any of them
+/// runs: a chunk's words are kept in an array on the stack. 16 READs (a
+/// multi-key batch's windows are three lines each, a block up to tens) are
+/// more lines than a core has misses in flight, so a longer batch waits for
+/// its misses a chunk at a time without waiting longer.
 const PREFETCH_VERBS: usize = 16;
 
 /// The words a verb touches, if they lie within the registered range.
@@ -972,6 +977,22 @@ mod tests {
         assert_eq!(r.load(4104).unwrap(), 7);
     }
 
+    #[test]
+    fn a_read_up_to_the_end_of_the_region_stays_inside_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let r = region(&dir);
+        let words: Vec<u64> = (1..=24).collect();
+        let end = r.len();
+        r.write(end - 8 * 24, &words).unwrap();
+        // What lies past the mapped length is not mapped: a copy that read
+        // beyond its range would fault here.
+        for n in 1..=24usize {
+            let mut dst = vec![0u64; n];
+            r.read(end - 8 * n as u64, &mut dst).unwrap();
+            assert_eq!(dst, words[24 - n..], "last {n} words");
+        }
+    }
+
     /// A registration of all of `r` under key 77, as `admit` would make.
     fn registered(r: &SharedRegion) -> RemoteRegion {
         r.store(key_word(0).unwrap(), 77).unwrap();
@@ -991,23 +1012,24 @@ mod tests {
         let data = 40_960u64;
         let mut local = vec![0u64; 64];
         // More verbs than are checked and prefetched at a time, the bad one
-        // in the second group.
-        let mut verbs: Vec<Verb> = (0..20u64)
+        // in the second chunk.
+        let (count, bad) = (PREFETCH_VERBS as u64 + 4, PREFETCH_VERBS + 2);
+        let mut verbs: Vec<Verb> = (0..count)
             .map(|i| Verb::FetchAdd {
                 remote: data + 8 * i,
                 local: 8 * i as usize,
                 add: 1,
             })
             .collect();
-        verbs[18] = Verb::Read {
+        verbs[bad] = Verb::Read {
             remote: r.len() - 8,
             local: 0,
             len: 16,
         };
         let e = execute(&r, &remote, ReadOrder::Posted, &mut local, &verbs).unwrap_err();
         assert!(matches!(e, TransportError::RemoteAccess(_)), "{e}");
-        for i in 0..20u64 {
-            let want = u64::from(i < 18);
+        for i in 0..count {
+            let want = u64::from(i < bad as u64);
             assert_eq!(r.load(data + 8 * i).unwrap(), want, "verb {i}");
         }
     }

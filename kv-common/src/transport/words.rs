@@ -14,19 +14,25 @@ use std::sync::atomic::{fence, AtomicU64, Ordering};
 /// the copy is most of a READ's work; so where 16-byte loads are documented
 /// to be atomic (x86-64 with AVX: Intel SDM vol. 3A §9.1.1, AMD APM vol. 2
 /// §7.3.2, for MOVDQA on 16-byte-aligned addresses) the copy is made of
-/// those, which halves its instructions. Elsewhere, relaxed word loads.
+/// those, which halves its loads. Elsewhere, relaxed word loads.
 #[inline]
-pub(crate) fn copy_out(src: &[AtomicU64], dst: &mut [u64]) {
+pub(crate) fn load_words(src: &[AtomicU64], dst: &mut [u64]) {
     let words = src.len().min(dst.len());
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx") {
-        // SAFETY: both slices hold at least `words` words, `dst` is not
-        // shared, and the CPU has AVX.
-        unsafe { copy_out_aligned(src.as_ptr(), dst.as_mut_ptr(), words) };
+        // SAFETY: both slices hold at least `words` words, 8-byte aligned
+        // as every `[AtomicU64]` and `[u64]` is; `dst` is not shared; the
+        // CPU has AVX.
+        unsafe { load_words_aligned(src.as_ptr(), dst.as_mut_ptr(), words) };
         fence(Ordering::Acquire);
         return;
     }
-    for (d, s) in dst[..words].iter_mut().zip(src) {
+    load_words_relaxed(src, dst);
+}
+
+/// `load_words` where 16-byte loads are not known to be atomic.
+fn load_words_relaxed(src: &[AtomicU64], dst: &mut [u64]) {
+    for (d, s) in dst.iter_mut().zip(src) {
         *d = s.load(Ordering::Relaxed);
     }
     fence(Ordering::Acquire);
@@ -43,7 +49,7 @@ pub(crate) fn copy_out(src: &[AtomicU64], dst: &mut [u64]) {
 /// loads other processes pair with their atomic stores.
 #[cfg(target_arch = "x86_64")]
 #[inline]
-unsafe fn copy_out_aligned(src: *const AtomicU64, dst: *mut u64, words: usize) {
+unsafe fn load_words_aligned(src: *const AtomicU64, dst: *mut u64, words: usize) {
     // SAFETY: as the caller promises.
     unsafe {
         std::arch::asm!(
@@ -101,11 +107,17 @@ unsafe fn copy_out_aligned(src: *const AtomicU64, dst: *mut u64, words: usize) {
 /// A WRITE's copy: a Release fence, then relaxed stores, so that a CAS
 /// publishing the words is seen after them.
 #[inline]
-pub(crate) fn copy_in(src: &[u64], dst: &[AtomicU64]) {
+pub(crate) fn store_words(src: &[u64], dst: &[AtomicU64]) {
     fence(Ordering::Release);
     for (d, s) in dst.iter().zip(src) {
         d.store(*s, Ordering::Relaxed);
     }
+}
+
+/// A FETCH-AND-ADD as the verb returns it: the old value.
+#[inline]
+pub(crate) fn fetch_and_add(word: &AtomicU64, add: u64) -> u64 {
+    word.fetch_add(add, Ordering::SeqCst)
 }
 
 /// A CAS as the verb returns it: the old value, whether or not it swapped.
@@ -155,21 +167,44 @@ mod tests {
         }))
     }
 
+    type WordCopy = fn(&[AtomicU64], &mut [u64]);
+
+    /// Each way `load_words` copies on this machine: the relaxed loads,
+    /// and the aligned vector loads where the CPU has them.
+    fn copies() -> Vec<(&'static str, WordCopy)> {
+        let mut ways: Vec<(&str, WordCopy)> = vec![("relaxed", load_words_relaxed)];
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx") {
+            ways.push(("aligned", |src, dst| {
+                let words = src.len().min(dst.len());
+                // SAFETY: as in `load_words`, on a CPU with AVX.
+                unsafe { load_words_aligned(src.as_ptr(), dst.as_mut_ptr(), words) }
+            }));
+        }
+        ways
+    }
+
     #[test]
     fn a_copy_takes_every_word_of_any_length_and_start() {
         let src = line();
-        // Starts on and off a 16-byte boundary, lengths across the 8-word
-        // steps of the vector copy and its word tail.
-        for start in 0..3usize {
-            for len in 0..=40usize {
-                let mut dst = vec![u64::MAX; len + 1];
-                copy_out(&src.0[start..start + len], &mut dst[..len]);
-                let want: Vec<u64> = src.0[start..start + len]
-                    .iter()
-                    .map(|w| w.load(Ordering::Relaxed))
-                    .collect();
-                assert_eq!(dst[..len], want, "start {start} len {len}");
-                assert_eq!(dst[len], u64::MAX, "start {start} len {len}: past the end");
+        for (way, copy) in copies() {
+            // Starts on and off a 16-byte boundary, lengths across the
+            // 8-word steps of the vector copy and its word tail.
+            for start in 0..3usize {
+                for len in 0..=40usize {
+                    let mut dst = vec![u64::MAX; len + 1];
+                    copy(&src.0[start..start + len], &mut dst[..len]);
+                    let want: Vec<u64> = src.0[start..start + len]
+                        .iter()
+                        .map(|w| w.load(Ordering::Relaxed))
+                        .collect();
+                    assert_eq!(dst[..len], want, "{way}: start {start} len {len}");
+                    assert_eq!(
+                        dst[len],
+                        u64::MAX,
+                        "{way}: start {start} len {len}: past the end"
+                    );
+                }
             }
         }
     }
@@ -201,18 +236,24 @@ mod tests {
                 }
             });
             let _stop = StopOnDrop(&stop);
-            // Until the copies have seen the words change many times (an
-            // unaligned start, so both the word and the vector loads run).
+            // Until the copies have seen the words change many times, or
+            // for a bounded number of copies on a machine too busy to run
+            // both threads at once (an unaligned start, so both the word
+            // and the vector loads run).
             let mut dst = [0u64; 45];
             let (mut changes, mut last) = (0, 0);
-            while changes < 2_000 {
-                copy_out(&src.0[1..46], &mut dst);
+            for _ in 0..20_000_000 {
+                load_words(&src.0[1..46], &mut dst);
                 for &w in &dst {
                     assert!(w == 0 || w == u64::MAX, "torn word {w:#x}");
                 }
                 changes += usize::from(dst[0] != last);
                 last = dst[0];
+                if changes >= 2_000 {
+                    break;
+                }
             }
+            assert!(changes > 0, "the copies never overlapped a store");
         });
     }
 }
