@@ -12,9 +12,9 @@
 //! which read each word just as whole with half the instructions.)
 //!
 //! Speed: a READ is a copy out of memory, so what it costs is cache and TLB
-//! misses. A batch's READs (16 verbs at a time) fetch all their cache lines at once
-//! before any copy, and the server backs the region with huge pages where the
-//! kernel can, in mappings aligned to take them whole.
+//! misses. A batch's READs (16 verbs at a time) fetch all their cache lines
+//! at once before any copy, and the server backs the region with huge pages
+//! where the kernel can, in mappings aligned to take them whole.
 //!
 //! Access keys: each admitted client gets a word of the region's key table
 //! holding a key of its own, and every batch checks that word first (as a NIC
@@ -586,8 +586,9 @@ fn execute(
 /// Verbs checked, and their READs' lines prefetched, before any of them
 /// runs: a chunk's words are kept in an array on the stack. 16 READs (a
 /// multi-key batch's windows are three lines each, a block up to tens) are
-/// more lines than a core has misses in flight, so a longer batch waits for
-/// its misses a chunk at a time without waiting longer.
+/// already more lines than a core has misses in flight, so a longer batch
+/// waiting for its misses a chunk at a time should lose little; GET's
+/// batches fit in one chunk.
 const PREFETCH_VERBS: usize = 16;
 
 /// The words a verb touches, if they lie within the registered range.
