@@ -31,7 +31,7 @@ fi
 
 # --- onekv built with the rdma backend -------------------------------------
 log "building with --features rdma"
-cargo build --release --features rdma -p kv-server -p kv-bench -p onekv-tests --bins
+cargo build --release --features rdma -p kv-server -p kv-client -p kv-bench -p onekv-tests --bins
 test_bins=$(cargo test --release --features rdma -p onekv-tests --no-run --message-format=json 2>/dev/null |
   python3 -c '
 import json, sys
@@ -89,7 +89,7 @@ prov=$(ls /usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav*.so | head -1)
 copy_with_libs "$prov" "$prov"
 mkdir -p "$R/etc/libibverbs.d"
 cp /etc/libibverbs.d/rxe.driver "$R/etc/libibverbs.d/"
-for b in kv-server kv-bench kv-stress kv-churn; do copy_with_libs "$ROOT/target/release/$b" "/bin/$b"; done
+for b in kv-server kv kv-bench kv-stress kv-churn; do copy_with_libs "$ROOT/target/release/$b" "/bin/$b"; done
 while read -r name exe; do copy_with_libs "$exe" "/tests/$name"; done <<< "$test_bins"
 
 cat > "$R/init" <<'INIT'

@@ -220,9 +220,16 @@ impl Client {
                         let start = local + (v.as_ptr() as usize - bytes.as_ptr() as usize);
                         Value::Bytes(start..start + v.len())
                     }
+                    Payload::Counter { sealed: true, .. } => {
+                        // Being unlinked: the single path waits on it.
+                        found = None;
+                        suspect = true;
+                        break;
+                    }
                     Payload::Counter {
                         value,
                         state: CounterState::Settled,
+                        ..
                     } => Value::Counter(value),
                     Payload::Counter { .. } => continue,
                 };
@@ -231,9 +238,14 @@ impl Client {
             }
             match found {
                 Some((index, slot, value)) => {
+                    let counter = match value {
+                        Value::Counter(n) => Some(n),
+                        Value::Bytes(_) => None,
+                    };
                     copy_out(self.conn.local(), value, out[i].insert(Vec::new()));
                     let alone = matching[i] == 1;
-                    self.saw(key, hashes[i].slot_pos(index), slot, clock, alone);
+                    let pos = hashes[i].slot_pos(index);
+                    self.saw(key, pos, slot, clock, alone, counter);
                 }
                 // A block that failed validation may have been the key's:
                 // the single path retries and reports damage.
@@ -641,8 +653,22 @@ impl Client {
                     Ok(view) if view.key == *key => {
                         let kind = match view.payload {
                             Payload::Bytes(_) => Kind::Bytes,
-                            Payload::Counter { value, state } => Kind::Counter { value, state },
+                            Payload::Counter {
+                                value,
+                                state,
+                                state_word,
+                                ..
+                            } => Kind::Counter {
+                                value,
+                                state,
+                                state_word,
+                            },
                         };
+                        // A counter is unlinked under its lock (or, not
+                        // settled, given up first): the single path does.
+                        if let Kind::Counter { .. } = kind {
+                            settles[i] = false;
+                        }
                         found.push((c.index, c.slot, kind));
                     }
                     Ok(_) => {}

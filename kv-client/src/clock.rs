@@ -30,6 +30,11 @@ impl Timing {
         }
     }
 
+    /// The server's operation deadline `D`.
+    pub fn deadline(&self) -> Duration {
+        self.deadline
+    }
+
     /// Starts the clock of one attempt, just before its first batch.
     pub fn start(&self) -> OpClock {
         OpClock {
@@ -57,6 +62,17 @@ impl Timing {
     /// `hint_life`.
     pub fn settle(&self) -> Duration {
         self.deadline * 3
+    }
+
+    /// How long a counter's lock must be seen unchanged before it is taken
+    /// for a dead writer's. Its writer's steps execute within `3D` of the
+    /// read that started them (a deadline to check, one of preemption, one
+    /// to execute), and an increment that found the seal is taken back
+    /// within `4D` of it (see `counter`); the waiter may first see the lock
+    /// up to `3D` before the seal. Two settle periods and two deadlines
+    /// leave a deadline of margin.
+    pub fn lock_timeout(&self) -> Duration {
+        self.settle() * 2 + self.deadline * 2
     }
 
     /// A pause that lets the server's reclaimer make progress.

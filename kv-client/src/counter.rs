@@ -1,6 +1,7 @@
 //! Counters: a key whose block holds an 8-byte value that FETCH-AND-ADD and
-//! CAS change in place, one verb once the counter is found (two round trips
-//! with a settled hint: the slot's word, then the atomic).
+//! CAS change in place: one round trip with a fresh hint (the atomic, and
+//! a READ of the slot that keeps the hint fresh), three without. PUT and
+//! DELETE of a counter take two round trips more (its lock and its seal).
 //!
 //! **Why a new counter starts pending.** Two clients may insert the same
 //! key at once; the lowest copy wins and the others are removed (`dedup`).
@@ -22,18 +23,46 @@
 //! then appears after the delete). A resize drops abandoned copies and
 //! carries pending ones only where no copy readers see exists.
 //!
+//! **Why an atomic's own result tells whether it took effect.** A writer
+//! unlinks a settled counter (a PUT over it, a DELETE) only under its
+//! *lock*: it CASes the state word to locked (`COUNTER_LOCKED`; one writer
+//! at a time), *seals* the value word by adding its top bit
+//! (`COUNTER_SEAL`), and CASes the slot; the dead block stays sealed. So an
+//! atomic that returns an open word landed on a live counter: it took
+//! effect, whatever the slot shows. One that returns a sealed word did
+//! not: a FETCH-AND-ADD is taken back at once (within the deadline of its
+//! batch) and the call starts over from the buckets, where readers and
+//! writers wait while a sealed counter is still linked. The slot's CAS is
+//! the PUT's or DELETE's moment. If it fails (a resize froze the slot),
+//! the writer unseals the word (by a CAS of its exact sealed value) and
+//! unlocks it, stepping the lock's generation. The writer takes each step
+//! only within the deadline of its read, so a lock seen unchanged for two
+//! settle periods is a dead (or hopelessly late) writer's: a client that
+//! waits on it takes it over, unseals and unlocks it (`wait_on_lock`). By
+//! then every late increment has been taken back (they come from hints
+//! with a deadline of life to spare, or from reads within a deadline), so
+//! the value is the counter's again.
+//!
+//! **Why values stay within ±2^61.** The seal is the word's top bit, so an
+//! open word's value must never reach ±2^62 by itself. An increment is a
+//! blind FETCH-AND-ADD only for a delta of at most 2^32 on a counter last
+//! seen within ±2^60 (`FAA_ZONE`); otherwise it is a CAS of the value read,
+//! refused with `Error::CounterOverflow` if the result lies beyond ±2^61,
+//! as is a compare-and-set to such a value. A client sees the value its
+//! increment returns, so it lands at most one blind increment beyond 2^60
+//! before it reads the counter again: the value stays within ±2^61 plus
+//! 2^32 per connected client.
+//!
 //! **Lost connections.** Once an atomic that may take effect has been
 //! posted, a lost connection ends the call with `Error::OutcomeUnknown`
 //! rather than redoing it, which could apply it twice.
 //!
-//! **Why a late FETCH-AND-ADD changes no live data.** An atomic is posted
-//! only within the operation deadline of the read that saw the slot link
-//! the counter's block (the clock is checked before posting, or the batch
-//! reads the slot before the atomic with a fresh hint). A block unlinked
-//! after that read is not reused before a grace period has passed, so the
-//! atomic lands on the counter or on its dead block; in the latter case the
-//! operation is ordered just before the write that unlinked it, which was
-//! still in flight. A hinted atomic whose slot changed is redone.
+//! **Why a late atomic changes no live data.** An atomic is posted only
+//! within the operation deadline of the read that saw the slot link the
+//! counter's block, or while a hint that names it is fresh with a deadline
+//! to spare (so that its undo is too, see `hint`).
+//! A block unlinked after that is not reused before a grace period has
+//! passed, so the atomic lands on the counter or on its dead, sealed block.
 //!
 //! A plain GET of a counter returns its decimal text; PUT replaces it with
 //! plain bytes; DELETE removes it. `incr` on a plain value is an error.
@@ -42,8 +71,10 @@ use quanta::Instant;
 
 use crossbeam::utils::Backoff;
 use kv_common::layout::{
-    class_for, counter_block_len, counter_words, encode_counter_block, CounterState, KeyHash, Slot,
-    SlotPos, COUNTER_ABANDONED, COUNTER_PENDING, COUNTER_SETTLED, EPOCH_OFFSET,
+    class_for, counter_block_len, counter_sealed, counter_settled, counter_words,
+    encode_counter_block, CounterState, KeyHash, Slot, SlotPos, COUNTER_ABANDONED,
+    COUNTER_GENERATION, COUNTER_LOCKED, COUNTER_MAX, COUNTER_PENDING, COUNTER_SEAL,
+    COUNTER_SETTLED,
 };
 use kv_common::transport::{read_u64, Verb};
 
@@ -53,22 +84,80 @@ use crate::hint::Hint;
 use crate::index::{meets_resize, Copies, Kind, Scan, ScanMode};
 use crate::{Client, Error, Result, Step};
 
-/// What a counter operation does to a settled counter's value word.
+/// An increment is a blind FETCH-AND-ADD only on a counter last seen
+/// within this magnitude (see "Why values stay within ±2^61")...
+const FAA_ZONE: u64 = 1 << 60;
+/// ...and only for a delta at most this large.
+const FAA_MAX_DELTA: u64 = 1 << 32;
+
+/// Whether an increment of a counter last seen holding `value` may be a
+/// FETCH-AND-ADD (given a small enough delta).
+pub(crate) fn far_from_limits(value: i64) -> bool {
+    value.unsigned_abs() < FAA_ZONE
+}
+
+/// A value a counter may be set to.
+fn in_range(value: i128) -> Result<i64> {
+    match value.unsigned_abs() <= COUNTER_MAX as u128 {
+        true => Ok(value as i64),
+        false => Err(Error::CounterOverflow(value)),
+    }
+}
+
+/// What a counter call does.
 #[derive(Debug, Clone, Copy)]
 pub enum CounterOp {
     Add(i64),
     Swap { expect: i64, new: i64 },
 }
 
-impl CounterOp {
+/// The atomic that carries out a counter call on a settled counter.
+#[derive(Debug, Clone, Copy)]
+enum Atomic {
+    FetchAdd(i64),
+    Cas { expect: i64, new: i64 },
+}
+
+impl Atomic {
+    /// The atomic for `op` on a counter last seen holding `known`, or
+    /// blind (None: only a small increment has one).
+    fn plan(op: CounterOp, known: Option<i64>) -> Result<Option<Atomic>> {
+        Ok(match op {
+            CounterOp::Add(delta) => {
+                let small = delta.unsigned_abs() <= FAA_MAX_DELTA;
+                match known {
+                    None if small => Some(Atomic::FetchAdd(delta)),
+                    None => None,
+                    Some(v) if small && far_from_limits(v) => Some(Atomic::FetchAdd(delta)),
+                    Some(v) => {
+                        let new = v as i128 + delta as i128;
+                        // (A value left beyond the range by racing blind
+                        // increments may still move back towards zero.)
+                        Some(Atomic::Cas {
+                            expect: v,
+                            new: match new.abs() > (v as i128).abs() {
+                                true => in_range(new)?,
+                                false => new as i64,
+                            },
+                        })
+                    }
+                }
+            }
+            CounterOp::Swap { expect, new } => Some(Atomic::Cas {
+                expect,
+                new: in_range(new as i128)?,
+            }),
+        })
+    }
+
     fn verb(self, remote: u64, local: usize) -> Verb {
         match self {
-            CounterOp::Add(delta) => Verb::FetchAdd {
+            Atomic::FetchAdd(delta) => Verb::FetchAdd {
                 remote,
                 local,
                 add: delta as u64,
             },
-            CounterOp::Swap { expect, new } => Verb::Cas {
+            Atomic::Cas { expect, new } => Verb::Cas {
                 remote,
                 local,
                 expect: expect as u64,
@@ -77,14 +166,31 @@ impl CounterOp {
         }
     }
 
-    /// What the operation returns, given the word's old value: the new
-    /// value of an increment, the old value of a compare-and-set.
-    fn result(self, old: i64) -> i64 {
-        match self {
-            CounterOp::Add(delta) => old.wrapping_add(delta),
-            CounterOp::Swap { .. } => old,
+    /// What `op` returns, and the counter's value after it, given the open
+    /// word this atomic found; None if an increment made by CAS found the
+    /// value changed (it took no effect).
+    fn outcome(self, op: CounterOp, found: i64) -> Option<(i64, i64)> {
+        match (self, op) {
+            (Atomic::FetchAdd(delta), _) => {
+                let now = found.wrapping_add(delta);
+                Some((now, now))
+            }
+            (Atomic::Cas { expect, new }, CounterOp::Swap { .. }) => {
+                Some((found, if found == expect { new } else { found }))
+            }
+            (Atomic::Cas { expect, new }, CounterOp::Add(_)) => {
+                (found == expect).then_some((new, new))
+            }
         }
     }
+}
+
+/// What an atomic found in the value word.
+enum Landed {
+    /// Sealed: it took no effect (an increment was undone).
+    Sealed,
+    /// Open: it landed on the live counter, which held this.
+    Open(i64),
 }
 
 /// How a counter this client inserted ended.
@@ -101,9 +207,9 @@ type Watch = Option<(SlotPos, Slot, Instant)>;
 
 impl Client {
     pub(crate) fn counter_once(&mut self, key: &[u8], op: CounterOp) -> Result<Step<Option<i64>>> {
-        if let Some(hint) = self.blind_hint(key).filter(Hint::is_counter) {
-            if let Some(old) = self.apply_hinted(key, hint, op)? {
-                return Ok(Step::Done(Some(op.result(old))));
+        if let Some(hint) = self.fresh_hint(key).filter(Hint::is_counter) {
+            if let Some(result) = self.apply_hinted(key, hint, op)? {
+                return Ok(Step::Done(Some(result)));
             }
         }
         let mut corrupt = CorruptSlot::default();
@@ -127,19 +233,28 @@ impl Client {
             let visible = (0..copies.slots.len()).find(|&i| copies.kinds[i].is_readable());
             match visible.map(|i| (copies.slots[i], copies.kinds[i])) {
                 Some((_, Kind::Bytes | Kind::Known)) => return Err(Error::NotACounter),
-                Some(((pos, slot), Kind::Counter { .. })) => {
-                    if clock.in_time() {
-                        let word = slot.thawed().offset() + counter_words(key.len()).1 as u64;
-                        self.conn
-                            .post(&[op.verb(word, self.layout.cas)])
-                            .map_err(|e| outcome_unknown(e.into()))?;
-                        let old = read_u64(self.conn.local(), self.layout.cas) as i64;
-                        let alone = copies.exact && copies.slots.len() == 1;
-                        self.saw(key, pos, slot, clock, alone);
-                        if let Some(h) = self.cache.get(key) {
-                            self.cache.remember(key, h.of_counter());
+                Some(((pos, slot), Kind::Counter { value, .. })) => {
+                    let word = word_offsets(key, slot).1;
+                    let mut known = value;
+                    // Within the read's deadline the block is this counter
+                    // (live, or sealed and dead): a CAS that lost to another
+                    // change goes again with the value it returned.
+                    while clock.in_time() {
+                        let Some(atomic) = Atomic::plan(op, Some(known))? else {
+                            break;
+                        };
+                        let Landed::Open(found) = self.apply(atomic, word, (clock, None), None)?
+                        else {
+                            break;
+                        };
+                        match atomic.outcome(op, found) {
+                            Some((result, now)) => {
+                                let alone = copies.exact && copies.slots.len() == 1;
+                                self.saw(key, pos, slot, clock, alone, Some(now));
+                                return Ok(Step::Done(Some(result)));
+                            }
+                            None => known = found,
                         }
-                        return Ok(Step::Done(Some(op.result(old))));
                     }
                 }
                 None => {
@@ -147,6 +262,7 @@ impl Client {
                         return Ok(Step::Done(None));
                     };
                     if copies.slots.is_empty() {
+                        in_range(delta as i128)?;
                         match self.create_counter(key, &kh, delta, clock)? {
                             Created::Settled => return Ok(Step::Done(Some(delta))),
                             Created::Full => return Ok(Step::Full),
@@ -165,48 +281,97 @@ impl Client {
         Err(Error::Contended(self.options.max_attempts))
     }
 
-    /// Two round trips with a settled counter hint: the slot's word and the
-    /// epoch word, then (once they are known) the atomic. It is posted only
-    /// if the slot still linked the block when it was read (frozen or not,
-    /// while no new index had been published: a resize moves the slot, not
-    /// the block), so it takes effect before anything that unlinks the
-    /// block later; None if it was not posted: redo it from the buckets.
-    /// (One batch would need the NIC to hold the atomic until the READs
-    /// complete, the fence indicator, which Soft-RoCE was seen to hang on.)
+    /// One round trip with a fresh hint naming a settled counter: the
+    /// atomic on its value word, and a READ of its slot, which keeps the
+    /// hint fresh if it still holds the same value. The atomic's result
+    /// alone says whether it took effect (see the module doc). None if the
+    /// call must go through the buckets: it took no effect, or an
+    /// increment needs the counter's value first (a large delta, or a value
+    /// near the limits).
     fn apply_hinted(&mut self, key: &[u8], hint: Hint, op: CounterOp) -> Result<Option<i64>> {
-        let clock = self.timing.start();
-        let g = self.info.geometry;
+        self.pause_if_slow();
+        // An increment that finds the seal is taken back up to a deadline
+        // after it was posted: the hint must still be fresh then.
+        if !hint.is_fresh_after_a_deadline(&self.timing) {
+            return Ok(None);
+        }
+        let atomic = match op {
+            CounterOp::Add(_) if !hint.allows_blind_add() => return Ok(None),
+            op => match Atomic::plan(op, None)? {
+                Some(atomic) => atomic,
+                None => return Ok(None),
+            },
+        };
+        let word = word_offsets(key, hint.slot).1;
         let slot_word = Verb::Read {
-            remote: g.slot_offset(hint.pos),
+            remote: self.info.geometry.slot_offset(hint.pos),
             local: self.layout.slot,
             len: 8,
         };
-        let epoch_word = Verb::Read {
-            remote: EPOCH_OFFSET,
-            local: self.layout.epoch,
-            len: 8,
+        let clock = self.timing.start();
+        let landed = self.apply(atomic, word, (clock, Some(hint)), Some(slot_word))?;
+        let now = Slot(read_u64(self.conn.local(), self.layout.slot));
+        let outcome = match landed {
+            Landed::Open(found) => atomic.outcome(op, found),
+            Landed::Sealed => None,
         };
-        self.conn.post(&[slot_word, epoch_word])?;
-        let local = self.conn.local();
-        let now = Slot(read_u64(local, self.layout.slot));
-        let epoch = read_u64(local, self.layout.epoch);
-        let holds = now == hint.slot || (now == hint.slot.frozen() && epoch == g.epoch);
-        if !holds || !hint.is_fresh(&self.timing) {
+        // (A blind atomic is a FETCH-AND-ADD or a compare-and-set: it is
+        // done unless it found the word sealed.)
+        let Some((result, value)) = outcome else {
             self.cache.forget(key);
             return Ok(None);
-        }
-        let word = hint.slot.offset() + counter_words(key.len()).1 as u64;
-        self.conn
-            .post(&[op.verb(word, self.layout.cas)])
-            .map_err(|e| outcome_unknown(e.into()))?;
-        let old = read_u64(self.conn.local(), self.layout.cas) as i64;
+        };
         if now == hint.slot {
             let seen = hint.confirmed(hint.slot, clock.started(), true, &self.timing);
-            self.cache.remember(key, seen);
+            self.cache.remember(key, seen.of_counter(value));
         } else {
             self.cache.forget(key);
         }
-        Ok(Some(old))
+        Ok(Some(result))
+    }
+
+    /// Posts `atomic` on the value word at `word` (with `read` in the same
+    /// batch), within the deadline of the read timed by `clock` or while
+    /// `hint` is fresh, and tells what it found; an increment that found the
+    /// word sealed is taken back, within the same bounds.
+    fn apply(
+        &mut self,
+        atomic: Atomic,
+        word: u64,
+        (clock, hint): (OpClock, Option<Hint>),
+        read: Option<Verb>,
+    ) -> Result<Landed> {
+        let verb = atomic.verb(word, self.layout.cas);
+        match read {
+            Some(read) => self.conn.post(&[verb, read]),
+            None => self.conn.post(&[verb]),
+        }
+        .map_err(|e| outcome_unknown(e.into()))?;
+        let found = read_u64(self.conn.local(), self.layout.cas);
+        if counter_sealed(found) {
+            if let Atomic::FetchAdd(delta) = atomic {
+                // Landed on a sealed word: take it back before anyone may
+                // lift the seal (`Timing::lock_timeout`).
+                let fresh = hint.is_none_or(|h| h.is_fresh(&self.timing));
+                if !(clock.in_time() && fresh) {
+                    return Err(Error::OutcomeUnknown(
+                        "an increment landed on a counter being replaced or deleted and could \
+                         not be taken back within the operation deadline"
+                            .into(),
+                    ));
+                }
+                let undo = Verb::FetchAdd {
+                    remote: word,
+                    local: self.layout.cas,
+                    add: delta.wrapping_neg() as u64,
+                };
+                self.conn
+                    .post(&[undo])
+                    .map_err(|e| outcome_unknown(e.into()))?;
+            }
+            return Ok(Landed::Sealed);
+        }
+        Ok(Landed::Open(found as i64))
     }
 
     /// Inserts a pending counter holding `delta` into an empty slot of the
@@ -260,7 +425,7 @@ impl Client {
             // The check that settled it saw it alone, late enough.
             let hint = Hint::held_since(pos, new, since, published);
             let hint = hint.confirmed(new, check.started(), true, &self.timing);
-            self.cache.remember(key, hint.of_counter());
+            self.cache.remember(key, hint.of_counter(delta));
             return Ok(Created::Settled);
         }
         Ok(Created::Lost)
@@ -278,7 +443,7 @@ impl Client {
         new: Slot,
         since: Instant,
     ) -> Result<Option<OpClock>> {
-        let state_word = new.offset() + counter_words(key.len()).0 as u64;
+        let state_word = word_offsets(key, new).0;
         let my_pos = kh.slot_pos(mine);
         let mut corrupt = CorruptSlot::default();
         for _ in 0..self.options.max_attempts {
@@ -338,8 +503,11 @@ impl Client {
             }
             // The increment takes effect here: a lost connection now leaves
             // its outcome unknown, and the call must not be redone.
+            // A generation of its own: a lock watched on a dead counter is
+            // not taken for one on a new counter in the same space.
+            let settled = COUNTER_SETTLED | (self.random() & !(COUNTER_GENERATION - 1));
             let state = self
-                .set_state(state_word, COUNTER_SETTLED)
+                .set_state(state_word, settled)
                 .map_err(outcome_unknown)?;
             if state != COUNTER_PENDING {
                 // Given up by another client, which empties the slot.
@@ -367,24 +535,199 @@ impl Client {
         slot: Slot,
         clock: OpClock,
     ) -> Result<bool> {
+        self.unlink_unsettled(key, (pos, slot), Slot::EMPTY, clock)
+    }
+
+    /// Unlinks a copy of `key` that a writer found at `pos` as `slot`
+    /// (holding `kind`, by the read timed by `clock`) by a CAS of its slot
+    /// to `to`: a settled counter under its lock, a pending one given up
+    /// first (so that it cannot settle meanwhile and then be unlinked
+    /// unsealed). False if that could not be done: read again.
+    pub(crate) fn unlink(
+        &mut self,
+        key: &[u8],
+        (pos, slot): (SlotPos, Slot),
+        kind: Kind,
+        to: Slot,
+        clock: OpClock,
+    ) -> Result<bool> {
         if !clock.in_time() {
             return Ok(false);
         }
-        let state_word = slot.thawed().offset() + counter_words(key.len()).0 as u64;
-        if self.set_state(state_word, COUNTER_ABANDONED)? == COUNTER_SETTLED {
+        match kind {
+            Kind::Counter {
+                state: CounterState::Settled,
+                state_word,
+                ..
+            } => self.unlink_settled(key, (pos, slot), state_word, to, clock),
+            Kind::Counter {
+                state: CounterState::Pending,
+                ..
+            } => self.unlink_unsettled(key, (pos, slot), to, clock),
+            _ => self.cas(pos, slot, to),
+        }
+    }
+
+    fn unlink_unsettled(
+        &mut self,
+        key: &[u8],
+        (pos, slot): (SlotPos, Slot),
+        to: Slot,
+        clock: OpClock,
+    ) -> Result<bool> {
+        if !clock.in_time() {
             return Ok(false);
         }
-        self.cas(pos, slot, Slot::EMPTY)
+        let state_at = word_offsets(key, slot).0;
+        if counter_settled(self.set_state(state_at, COUNTER_ABANDONED)?) {
+            return Ok(false);
+        }
+        Ok(clock.in_time() && self.cas(pos, slot, to)?)
+    }
+
+    /// Unlinks the settled counter that the read timed by `clock` found at
+    /// `pos` as `slot`, its state word `state`, by a CAS of the slot to
+    /// `to`, under the counter's lock: lock it (its state word), seal its
+    /// value word, CAS the slot. Each step is taken only within the read's
+    /// deadline, so a lock held longer is a dead writer's (`wait_on_lock`).
+    /// If the slot changed (a resize froze it), the seal and the lock are
+    /// lifted. False if the counter was not unlinked: read again.
+    fn unlink_settled(
+        &mut self,
+        key: &[u8],
+        (pos, slot): (SlotPos, Slot),
+        state: u64,
+        to: Slot,
+        clock: OpClock,
+    ) -> Result<bool> {
+        let (state_at, value_at) = word_offsets(key, slot);
+        if state & COUNTER_LOCKED != 0 {
+            self.wait_on_lock(key, slot, state, clock)?;
+            return Ok(false);
+        }
+        if !clock.in_time() {
+            return Ok(false);
+        }
+        let locked = state | COUNTER_LOCKED;
+        let found = self.cas_word(state_at, state, locked)?;
+        if found != state {
+            // Another writer's lock, or one let go since the read.
+            if found & COUNTER_LOCKED != 0 {
+                self.wait_on_lock(key, slot, found, clock)?;
+            }
+            return Ok(false);
+        }
+        fault_point("counter-locked");
+        let unlock = next_generation(locked);
+        if !clock.in_time() {
+            // Nothing sealed yet: letting go is safe at any time.
+            self.cas_word(state_at, locked, unlock)?;
+            return Ok(false);
+        }
+        // Unlocked, the word was open (a seal is lifted before its lock
+        // is): adding the top bit seals it, whatever increments land.
+        let open = self.fetch_add_word(value_at, COUNTER_SEAL)?;
+        if counter_sealed(open) {
+            // Sealed but not locked: only a writer far past its deadline
+            // leaves that. Put the seal back and let go; waiters lift it.
+            self.fetch_add_word(value_at, COUNTER_SEAL)?;
+            self.cas_word(state_at, locked, unlock)?;
+            return Ok(false);
+        }
+        fault_point("counter-sealed");
+        if !clock.in_time() {
+            return Ok(false);
+        }
+        if self.cas(pos, slot, to)? {
+            return Ok(true);
+        }
+        // The slot changed under the lock: a resize froze it. The unseal
+        // fails while an increment that found the seal is still to be
+        // taken back (within its deadline): try until this read's.
+        while clock.in_time() {
+            if self.cas_word(value_at, open ^ COUNTER_SEAL, open)? == open ^ COUNTER_SEAL {
+                self.cas_word(state_at, locked, unlock)?;
+                break;
+            }
+            std::thread::yield_now();
+        }
+        Ok(false)
+    }
+
+    /// Waits a little for the writer that holds the lock on the counter
+    /// `slot` links (its state word read as `state` by the read timed by
+    /// `clock`) to unlink it or let it go, which takes that writer a round
+    /// trip or two. A writer acts only within a deadline of its read (each
+    /// step executing within three of it), so a lock seen unchanged for
+    /// `lock_timeout` (the generation steps on at every unlock and
+    /// takeover) is a dead writer's: this client takes it over (stepping the
+    /// generation, so that only one client does), lifts the seal if there
+    /// is one (every late increment has been taken back by then, see the
+    /// module doc), and unlocks it. A seal left without a lock (by a writer
+    /// far past its deadline) is lifted the same way.
+    pub(crate) fn wait_on_lock(
+        &mut self,
+        key: &[u8],
+        slot: Slot,
+        state: u64,
+        clock: OpClock,
+    ) -> Result<()> {
+        let (state_at, value_at) = word_offsets(key, slot);
+        let watched = (state_at, state, slot.thawed());
+        let since = match self.lock_watch {
+            Some((seen, since)) if seen == watched => since,
+            _ => {
+                let now = Instant::now();
+                self.lock_watch = Some((watched, now));
+                now
+            }
+        };
+        let waited = since.elapsed();
+        if waited >= self.timing.lock_timeout() && clock.in_time() {
+            self.lock_watch = None;
+            let taken = (state | COUNTER_LOCKED).wrapping_add(COUNTER_GENERATION);
+            if self.cas_word(state_at, state, taken)? != state {
+                return Ok(());
+            }
+            let word = self.fetch_add_word(value_at, 0)?;
+            let open = !counter_sealed(word)
+                || (clock.in_time() && self.cas_word(value_at, word, word ^ COUNTER_SEAL)? == word);
+            if open && clock.in_time() {
+                self.cas_word(state_at, taken, next_generation(taken))?;
+            }
+            return Ok(());
+        }
+        // A lock is normally held for a round trip or two; a long wait
+        // polls more slowly (and so within `max_attempts`).
+        let settle = self.timing.settle();
+        std::thread::sleep((waited / 4).clamp(settle / 1000, self.timing.deadline() / 2));
+        Ok(())
     }
 
     /// CASes a counter's state word from pending to `to`; returns what it
     /// held.
     fn set_state(&mut self, state_word: u64, to: u64) -> Result<u64> {
+        self.cas_word(state_word, COUNTER_PENDING, to)
+    }
+
+    /// CASes the word at `remote` from `expect` to `swap`; returns what it
+    /// held.
+    fn cas_word(&mut self, remote: u64, expect: u64, swap: u64) -> Result<u64> {
         self.conn.post(&[Verb::Cas {
-            remote: state_word,
+            remote,
             local: self.layout.cas,
-            expect: COUNTER_PENDING,
-            swap: to,
+            expect,
+            swap,
+        }])?;
+        Ok(read_u64(self.conn.local(), self.layout.cas))
+    }
+
+    /// Adds `add` to the word at `remote`; returns what it held.
+    fn fetch_add_word(&mut self, remote: u64, add: u64) -> Result<u64> {
+        self.conn.post(&[Verb::FetchAdd {
+            remote,
+            local: self.layout.cas,
+            add,
         }])?;
         Ok(read_u64(self.conn.local(), self.layout.cas))
     }
@@ -437,6 +780,28 @@ impl Client {
             }
         }
         Ok(())
+    }
+}
+
+/// Where the counter block `slot` links keeps its state and value words.
+fn word_offsets(key: &[u8], slot: Slot) -> (u64, u64) {
+    let (state, value) = counter_words(key.len());
+    let at = slot.thawed().offset();
+    (at + state as u64, at + value as u64)
+}
+
+/// A locked settled state word, unlocked in the next generation.
+fn next_generation(locked: u64) -> u64 {
+    (locked & !COUNTER_LOCKED).wrapping_add(COUNTER_GENERATION)
+}
+
+/// Test hook (fault injection): aborts the process at `step` when the
+/// environment variable `ONEKV_CLIENT_FAULT` names it, as a client killed
+/// there would stop.
+fn fault_point(step: &str) {
+    if std::env::var("ONEKV_CLIENT_FAULT").is_ok_and(|s| s == step) {
+        eprintln!("ONEKV_CLIENT_FAULT: aborting at {step}");
+        std::process::abort();
     }
 }
 

@@ -33,7 +33,7 @@ use kv_common::layout::{KeyHash, Slot, SlotPos};
 
 use crate::clock::OpClock;
 use crate::corrupt::CorruptSlot;
-use crate::index::{meets_resize, Scan, ScanMode};
+use crate::index::{meets_resize, Copies, Scan, ScanMode};
 use crate::{Client, Error, Result};
 
 impl Client {
@@ -106,7 +106,7 @@ impl Client {
                     self.cache.forget(key);
                     return Ok(());
                 }
-            } else if self.remove_duplicates(copies.slots.get(1..).unwrap_or(&[]), clock)? {
+            } else if self.remove_duplicates(key, &copies, 1..copies.slots.len(), clock)? {
                 return Ok(());
             }
             backoff.snooze();
@@ -114,16 +114,20 @@ impl Client {
         Err(Error::Contended(self.options.max_attempts))
     }
 
-    /// Empties slots that hold extra copies of a key (found by the attempt
-    /// timed by `clock`), highest first. False if any could not be removed:
+    /// Empties the slots of `copies` at `which` (extra copies of `key`,
+    /// found by the attempt timed by `clock`), highest first, each as its
+    /// kind requires (`Client::unlink`). False if any could not be removed:
     /// it changed since it was read, or the reads are too old to act on.
     pub(crate) fn remove_duplicates(
         &mut self,
-        dups: &[(SlotPos, Slot)],
+        key: &[u8],
+        copies: &Copies,
+        which: impl DoubleEndedIterator<Item = usize>,
         clock: OpClock,
     ) -> Result<bool> {
-        for &(pos, slot) in dups.iter().rev() {
-            if !clock.in_time() || !self.cas(pos, slot, Slot::EMPTY)? {
+        for i in which.rev() {
+            let (copy, kind) = (copies.slots[i], copies.kinds[i]);
+            if !self.unlink(key, copy, kind, Slot::EMPTY, clock)? {
                 return Ok(false);
             }
         }

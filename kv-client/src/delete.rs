@@ -5,7 +5,7 @@
 //! that have not settled stay (see `counter`).
 
 use crossbeam::utils::Backoff;
-use kv_common::layout::{KeyHash, Slot, SlotPos};
+use kv_common::layout::{KeyHash, Slot};
 use smallvec::SmallVec;
 
 use crate::corrupt::CorruptSlot;
@@ -35,19 +35,15 @@ impl Client {
                     // delete), or it was given up and counter calls clear
                     // it away. Left alone, creators are not starved by
                     // deletes.
-                    let targets: SmallVec<[(SlotPos, Slot); 2]> = copies
-                        .slots
-                        .iter()
-                        .zip(&copies.kinds)
-                        .filter(|(_, kind)| kind.is_readable())
-                        .map(|(&copy, _)| copy)
-                        .collect();
+                    let readable = |i: &usize| copies.kinds[*i].is_readable();
+                    let targets: SmallVec<[usize; 2]> =
+                        (0..copies.slots.len()).filter(readable).collect();
                     let Some((&lowest, extra)) = targets.split_first() else {
                         return Ok(Step::Done(*unlinked));
                     };
-                    if self.remove_duplicates(extra, clock)?
-                        && clock.in_time()
-                        && self.cas(lowest.0, lowest.1, Slot::EMPTY)?
+                    let (copy, kind) = (copies.slots[lowest], copies.kinds[lowest]);
+                    if self.remove_duplicates(key, &copies, extra.iter().copied(), clock)?
+                        && self.unlink(key, copy, kind, Slot::EMPTY, clock)?
                     {
                         *unlinked = true;
                         return Ok(Step::Done(true));

@@ -69,6 +69,11 @@ pub enum Error {
     /// A counter operation on a key that holds plain bytes.
     #[error("the key holds a value that is not a counter")]
     NotACounter,
+    /// An increment whose result, or a compare-and-set whose new value,
+    /// lies beyond ±2^61 ([`COUNTER_MAX`](crate::COUNTER_MAX)); the counter
+    /// is unchanged.
+    #[error("counter out of range: {0} is beyond ±2^61")]
+    CounterOverflow(i128),
     /// The operation lost every one of
     /// [`ClientOptions::max_attempts`](crate::ClientOptions::max_attempts)
     /// races against other writers of the key.

@@ -65,7 +65,8 @@ impl Client {
                         return Ok(Step::Done(None));
                     };
                     let alone = copies.exact && copies.slots.len() == 1;
-                    self.saw(key, pos, slot, clock, alone);
+                    let counter = copies.kinds[0].settled_counter().map(|(value, _)| value);
+                    self.saw(key, pos, slot, clock, alone, counter);
                     return Ok(Step::Done(copies.value));
                 }
                 Scan::Retry(suspect) => corrupt.saw(key, suspect)?,
@@ -136,7 +137,8 @@ impl Client {
             }),
             None => {
                 // A fresh hint's block is the key's: this is damage, which
-                // the scan reports.
+                // the scan reports, or a counter being unlinked, which it
+                // waits on.
                 self.cache.forget(key);
                 Ok(Sighting::WindowsOnly(clock))
             }
@@ -185,7 +187,8 @@ impl Client {
     }
 
     /// The value a reader sees in the block `read` brought back, if it is
-    /// valid and holds `key` (a pending counter is not there yet).
+    /// valid and holds `key` (a pending counter is not there yet, a sealed
+    /// one may be gone).
     pub(crate) fn value_in(&self, key: &[u8], read: Verb) -> Option<Value> {
         let Verb::Read { local, len, .. } = read else {
             return None;
@@ -197,9 +200,13 @@ impl Client {
                 let start = local + (value.as_ptr() as usize - bytes.as_ptr() as usize);
                 Some(Value::Bytes(start..start + value.len()))
             }
-            Payload::Counter { value, state } => {
-                (state == CounterState::Settled).then_some(Value::Counter(value))
-            }
+            // A sealed counter's value is not the key's: the scan waits.
+            Payload::Counter {
+                value,
+                state,
+                sealed,
+                ..
+            } => (state == CounterState::Settled && !sealed).then_some(Value::Counter(value)),
         }
     }
 }

@@ -34,7 +34,12 @@
 //! of the key therefore proves that none exists or can appear while `pos`
 //! holds the key: the hint is `sole`. A sole, fresh hint lets an update
 //! write its block and CAS the slot in one batch, and a delete CAS the slot
-//! empty, with no read at all.
+//! empty, with no read at all, unless it names a counter: a counter's
+//! writers seal it before they unlink it (see `counter`), so they read it.
+//! A hint that names a settled counter (its key's only copy readers see)
+//! lets an increment or a compare-and-set post its atomic with no read
+//! while it is fresh with a deadline to spare: an increment that finds the
+//! counter sealed is taken back in a second batch (see `counter`).
 
 use quanta::Instant;
 
@@ -53,8 +58,13 @@ pub struct Hint {
     /// No other copy of the key exists, nor can one appear while `pos`
     /// holds the key.
     sole: bool,
-    /// `slot` names a settled counter (which stays one while linked).
+    /// `slot` names a settled counter (which stays one while linked), and
+    /// not plain bytes. Only a counter's writers may unlink it (they seal
+    /// it first, see `counter`), so a blind CAS on its slot is not allowed.
     counter: bool,
+    /// The counter's value was last seen far from the limits: an increment
+    /// may be a blind FETCH-AND-ADD (see `counter::FAA_ZONE`).
+    far_from_limits: bool,
 }
 
 impl Hint {
@@ -75,13 +85,16 @@ impl Hint {
             confirmed: sighting.started(),
             sole: false,
             counter: false,
+            far_from_limits: false,
         }
     }
 
-    /// The hinted block was read and is a settled counter.
-    pub fn of_counter(self) -> Hint {
+    /// The hinted block is a settled counter, whose value was last seen as
+    /// `value`.
+    pub fn of_counter(self, value: i64) -> Hint {
         Hint {
             counter: true,
+            far_from_limits: crate::counter::far_from_limits(value),
             ..self
         }
     }
@@ -90,14 +103,25 @@ impl Hint {
         self.counter
     }
 
+    /// A counter whose value was last seen far from the limits.
+    pub fn allows_blind_add(&self) -> bool {
+        self.counter && self.far_from_limits
+    }
+
     /// A batch posted now may use the hint in place of reading the buckets.
     pub fn is_fresh(&self, timing: &Timing) -> bool {
         self.confirmed.elapsed() < timing.hint_life()
     }
 
-    /// A CAS on the hinted slot needs no read of the buckets.
+    /// A batch posted up to a deadline from now may use the hint.
+    pub fn is_fresh_after_a_deadline(&self, timing: &Timing) -> bool {
+        self.confirmed.elapsed() + timing.deadline() < timing.hint_life()
+    }
+
+    /// A CAS on the hinted slot needs no read of the buckets (not for a
+    /// counter: its writers seal it first).
     pub fn allows_blind_cas(&self, timing: &Timing) -> bool {
-        self.sole && self.is_fresh(timing)
+        self.sole && !self.counter && self.is_fresh(timing)
     }
 
     /// A lone sighting now would make the hint sole.
@@ -145,8 +169,9 @@ impl Client {
     }
 
     /// Remembers that the batch timed by `clock` saw `pos` hold the key as
-    /// `slot`; `exact`: that scan proved no other slot holds the key. A hint
-    /// still fresh for the same slot value is the same copy seen again.
+    /// `slot`; `exact`: that scan proved no other slot holds the key;
+    /// `counter`: the value, if the block is a counter. A hint still fresh
+    /// for the same slot value is the same copy seen again.
     pub(crate) fn saw(
         &mut self,
         key: &[u8],
@@ -154,6 +179,7 @@ impl Client {
         slot: Slot,
         clock: OpClock,
         exact: bool,
+        counter: Option<i64>,
     ) {
         if !self.cache.is_enabled() {
             return;
@@ -167,6 +193,10 @@ impl Client {
                 h.confirmed(slot, clock.started(), exact, &self.timing)
             }
             _ => Hint::seen(pos, slot, clock),
+        };
+        let hint = match counter {
+            Some(value) => hint.of_counter(value),
+            None => hint,
         };
         self.cache.remember(key, hint);
     }

@@ -55,6 +55,8 @@ pub enum Kind {
     Counter {
         value: i64,
         state: CounterState,
+        /// The state word as read (a settled counter's lock and generation).
+        state_word: u64,
     },
     /// The writer's own copy, taken as the key's without reading it (or
     /// a hinted one: hints name only copies a reader sees).
@@ -65,6 +67,19 @@ impl Kind {
     /// Whether a reader sees this copy.
     pub fn is_readable(self) -> bool {
         !matches!(self, Kind::Counter { state, .. } if state != CounterState::Settled)
+    }
+
+    /// A settled counter's value and state word: a copy that only the
+    /// writer holding its lock may unlink (see `counter`).
+    pub fn settled_counter(self) -> Option<(i64, u64)> {
+        match self {
+            Kind::Counter {
+                value,
+                state: CounterState::Settled,
+                state_word,
+            } => Some((value, state_word)),
+            _ => None,
+        }
     }
 }
 
@@ -276,6 +291,7 @@ impl Client {
             let local = self.conn.local();
             let mut at = reads_at;
             let batch = verbs.len() - first;
+            let mut sealed = None;
             for &(i, slot, _, len) in &candidates[next - batch..next] {
                 let block = &local[at..at + len];
                 let block_at = at;
@@ -291,13 +307,33 @@ impl Client {
                     continue;
                 }
                 let (kind, value) = match view.payload {
-                    Payload::Counter { value, state } => {
+                    Payload::Counter {
+                        sealed: true,
+                        state_word,
+                        ..
+                    } => {
+                        // A writer is unlinking it: neither its value nor
+                        // its absence is the key's yet.
+                        sealed = Some((slot, state_word));
+                        break;
+                    }
+                    Payload::Counter {
+                        value,
+                        state,
+                        state_word,
+                        ..
+                    } => {
                         if state != CounterState::Settled && mode.skips_pending() {
                             // Not there for a reader, but it may yet be.
                             copies.exact = false;
                             continue;
                         }
-                        (Kind::Counter { value, state }, Value::Counter(value))
+                        let kind = Kind::Counter {
+                            value,
+                            state,
+                            state_word,
+                        };
+                        (kind, Value::Counter(value))
                     }
                     Payload::Bytes(bytes) => {
                         let start = block_at + (bytes.as_ptr() as usize - block.as_ptr() as usize);
@@ -313,6 +349,10 @@ impl Client {
                     copies.exact = false;
                     return Ok(Scan::Found(copies));
                 }
+            }
+            if let Some((slot, state_word)) = sealed {
+                self.wait_on_lock(key, slot, state_word, clock)?;
+                return Ok(Scan::Retry(None));
             }
         }
         if suspect.is_some() {
@@ -330,14 +370,20 @@ impl Client {
     /// up to a quarter of it.
     pub(crate) fn pause_if_slow(&mut self) {
         if let Some(max) = self.options.pause_after_index_read {
-            self.jitter ^= self.jitter << 13;
-            self.jitter ^= self.jitter >> 7;
-            self.jitter ^= self.jitter << 17;
-            let pause = match self.jitter % 4 {
+            let r = self.random();
+            let pause = match r % 4 {
                 0 => max,
-                _ => Duration::from_micros(self.jitter % (max.as_micros() as u64 / 4 + 1)),
+                _ => Duration::from_micros(r % (max.as_micros() as u64 / 4 + 1)),
             };
             std::thread::sleep(pause);
         }
+    }
+
+    /// A pseudo-random number (xorshift; not for secrets).
+    pub(crate) fn random(&mut self) -> u64 {
+        self.jitter ^= self.jitter << 13;
+        self.jitter ^= self.jitter >> 7;
+        self.jitter ^= self.jitter << 17;
+        self.jitter
     }
 }

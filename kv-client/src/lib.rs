@@ -29,7 +29,7 @@
 
 use std::time::{Duration, Instant};
 
-pub use kv_common::layout::{Geometry, MAX_KEY};
+pub use kv_common::layout::{Geometry, COUNTER_MAX, MAX_KEY};
 pub use kv_common::protocol::ServerStats;
 use kv_common::protocol::{ConnectInfo, Request, Response, PROTOCOL_VERSION};
 use kv_common::transport::{self, ConnectOptions, Connection, ReadOrder};
@@ -64,6 +64,13 @@ use local::{LocalLayout, BATCH_KEYS};
 pub use pool::{ClientPool, PooledClient};
 use slot_cache::SlotCache;
 
+/// A seed for the client's pseudo-random numbers, apart in every client.
+fn seed() -> u64 {
+    use std::hash::BuildHasher;
+    // RandomState is seeded from the OS's randomness.
+    std::collections::hash_map::RandomState::new().hash_one(std::process::id()) | 1
+}
+
 /// What every call returns.
 pub type Result<T> = std::result::Result<T, Error>;
 
@@ -92,14 +99,16 @@ pub struct ClientOptions {
     pub max_attempts: u32,
     /// Test hook (fault injection): after reading the index, before
     /// reading the blocks it points at (and so before any CAS based on it),
-    /// sleep as a client on a slow or preempted host would: one time in four
-    /// this long, otherwise up to a quarter of it.
+    /// and before a counter's atomic through a remembered slot, sleep as a
+    /// client on a slow or preempted host would: one time in four this
+    /// long, otherwise up to a quarter of it.
     #[doc(hidden)]
     pub pause_after_index_read: Option<Duration>,
     /// Keys whose slot is remembered, so that an operation on a key seen
     /// recently takes one round trip: a GET reads the buckets and the block
     /// in one batch, an update writes and publishes in one, a delete is one
-    /// CAS (0 turns it off). None: 65 536 over rdma, where a round trip
+    /// CAS, an increment one atomic (0 turns it off; PUT and DELETE over a
+    /// counter read it first). None: 65 536 over rdma, where a round trip
     /// costs microseconds; off over shm, where it costs about what the
     /// lookup does (measured with `kv-bench micro --slot-cache-entries`).
     pub slot_cache_entries: Option<usize>,
@@ -146,6 +155,10 @@ pub struct Client {
     jitter: u64,
     cache: SlotCache,
     reconnects: u64,
+    /// A counter lock this client waits on (its state word's offset, the
+    /// state word, the slot that links it) and since when (see
+    /// `Client::wait_on_lock`).
+    lock_watch: Option<((u64, u64, kv_common::layout::Slot), quanta::Instant)>,
 }
 
 /// How one attempt at an operation ended.
@@ -194,9 +207,12 @@ impl Client {
             layout,
             alloc: BlockAllocator::default(),
             retired_stats: VerbStats::default(),
-            jitter: 0x853c_49e6_748f_ea9b,
+            // Seeded apart in every client: settled counters take their
+            // lock generations from it.
+            jitter: seed(),
             cache: SlotCache::new(cache_entries),
             reconnects: 0,
+            lock_watch: None,
         })
     }
 
@@ -259,7 +275,9 @@ impl Client {
     }
 
     /// The value of `key`, or None: two round trips (the key's buckets,
-    /// then its block), one for a key with a fresh slot hint.
+    /// then its block), one for a key with a fresh slot hint. (A counter
+    /// that a PUT or DELETE has sealed is waited on: a round trip or two,
+    /// or two settle periods if that writer died.)
     ///
     /// ```no_run
     /// # let mut kv = kv_client::Client::connect("shm:///dev/shm/onekv")?;
@@ -403,9 +421,13 @@ impl Client {
     /// returns its new value. The NIC's FETCH-AND-ADD does the addition in
     /// place: concurrent increments from any number of clients all count.
     /// A new counter's first increment takes about three operation deadlines
-    /// (see the `counter` module); later ones two round trips with a hint,
-    /// three without. Fails with [`Error::NotACounter`] if `key` holds a
-    /// value PUT stored. A GET of a counter returns its decimal text.
+    /// (see the `counter` module); later ones one round trip with a slot
+    /// hint seen within a deadline (hints are the default over rdma), three
+    /// without or for a delta beyond 2^32. Fails with
+    /// [`Error::NotACounter`] if `key` holds a value PUT stored, and with
+    /// [`Error::CounterOverflow`] (changing nothing) if the result would lie
+    /// beyond ±[`COUNTER_MAX`] (2^61). A GET of a counter returns its
+    /// decimal text.
     ///
     /// ```no_run
     /// # let mut kv = kv_client::Client::connect("shm:///dev/shm/onekv")?;
@@ -435,7 +457,8 @@ impl Client {
 
     /// Sets the counter `key` to `new` if it holds `expected` (one CAS on
     /// its word). Returns the value it held, which equals `expected` if and
-    /// only if it was swapped; None if there is no such counter.
+    /// only if it was swapped; None if there is no such counter. A `new`
+    /// beyond ±[`COUNTER_MAX`] fails with [`Error::CounterOverflow`].
     ///
     /// ```no_run
     /// # let mut kv = kv_client::Client::connect("shm:///dev/shm/onekv")?;
@@ -447,6 +470,14 @@ impl Client {
     /// ```
     pub fn compare_and_set(&mut self, key: &[u8], expected: i64, new: i64) -> Result<Option<i64>> {
         check_key(key)?;
+        if kv_common::layout::counter_sealed(expected as u64) {
+            // Beyond ±2^62: no counter holds it (a CAS expecting it could
+            // match a sealed word), so nothing is swapped.
+            if new.unsigned_abs() > COUNTER_MAX as u64 {
+                return Err(Error::CounterOverflow(new.into()));
+            }
+            return self.get_counter(key);
+        }
         self.run(|c| {
             c.counter_once(
                 key,
@@ -461,7 +492,8 @@ impl Client {
     /// Stores `value` under `key`, replacing any earlier value: the block
     /// is written out of place and published by one CAS on the key's slot
     /// (two round trips for a new key, three for an update, one with a
-    /// settled slot hint). Once it returns, every later GET sees it.
+    /// settled slot hint, five over a counter: its lock and seal). Once it
+    /// returns, every later GET sees it.
     pub fn put(&mut self, key: &[u8], value: &[u8]) -> Result<()> {
         check_key(key)?;
         if value.len() > self.max_value {
@@ -499,6 +531,8 @@ impl Client {
     /// published is garbage, and a PUT published before the failure is found
     /// and updated (or deduplicated).
     fn run<T>(&mut self, mut op: impl FnMut(&mut Self) -> Result<Step<T>>) -> Result<T> {
+        // A lock seen in an earlier call may have been let go since.
+        self.lock_watch = None;
         let mut reconnected = false;
         let mut stalled: Option<Instant> = None;
         loop {

@@ -46,7 +46,8 @@ impl Client {
         need: Need,
     ) -> Result<Located> {
         let mut held = None;
-        let clock = match self.fresh_hint(key) {
+        // A counter's block must be read: its writers seal it first.
+        let clock = match self.fresh_hint(key).filter(|h| !h.is_counter()) {
             Some(hint) => match self.read_hinted(key, kh, hint, first)? {
                 Sighting::Held { clock, alone, .. } => {
                     held = Some((hint, alone));
@@ -84,7 +85,8 @@ impl Client {
                     // Hints name only copies a reader sees.
                     if copies.kinds[0].is_readable() {
                         let alone = copies.exact && copies.slots.len() == 1;
-                        self.saw(key, pos, slot, clock, alone);
+                        let counter = copies.kinds[0].settled_counter().map(|(value, _)| value);
+                        self.saw(key, pos, slot, clock, alone, counter);
                     } else {
                         self.cache.forget(key);
                     }

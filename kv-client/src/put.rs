@@ -83,23 +83,31 @@ impl Client {
         Ok(false)
     }
 
-    /// Publishes `new` over the lowest copy. False if it changed meanwhile
+    /// Publishes `new` over the copy readers see (the lowest readable one,
+    /// else the lowest), after clearing away the copies below it, which no
+    /// reader sees (counters not settled). False if one changed meanwhile
     /// or the reads are too old to act on: locate again.
     fn update(&mut self, key: &[u8], copies: &Copies, new: Slot, clock: OpClock) -> Result<bool> {
-        let Some(&(pos, old)) = copies.slots.first() else {
-            return Ok(false);
-        };
-        if !clock.in_time() {
+        if copies.slots.is_empty() {
             return Ok(false);
         }
-        if !self.cas(pos, old, new)? {
+        let target = copies
+            .kinds
+            .iter()
+            .position(|k| k.is_readable())
+            .unwrap_or(0);
+        let (pos, old) = copies.slots[target];
+        let swapped = self.remove_duplicates(key, copies, 0..target, clock)?
+            && self.unlink(key, (pos, old), copies.kinds[target], new, clock)?;
+        if !swapped {
             self.cache.forget(key);
             return Ok(false);
         }
         self.replaced(key, pos, old, new, clock);
         // Copies above ours belong to inserts still in flight, which remove
         // them themselves; trying here only helps.
-        self.remove_duplicates(&copies.slots[1..], clock)?;
+        let above = target + 1..copies.slots.len();
+        self.remove_duplicates(key, copies, above, clock)?;
         Ok(true)
     }
 

@@ -568,11 +568,47 @@ const COUNTER_FLAG: u64 = 1 << 63;
 /// of the key: readers do not see it, and nothing adds to it.
 pub const COUNTER_PENDING: u64 = u64::from_le_bytes(*b"pending\0");
 /// A counter's state word once no other copy of its key can appear (only
-/// its creator stores it, by CAS from pending).
+/// its creator stores it, by CAS from pending). A settled state word keeps
+/// this low byte; above it, `COUNTER_LOCKED` and a generation.
 pub const COUNTER_SETTLED: u64 = 1;
+/// Set in a settled counter's state word by the one writer that may seal
+/// and unlink it (a PUT over it, a DELETE), by CAS; cleared (with the
+/// generation stepped on) only once the value word is open again, so a
+/// sealed word is always a locked counter's.
+pub const COUNTER_LOCKED: u64 = 1 << 8;
+/// One step of a settled counter's lock generation: every unlock and every
+/// takeover of a dead writer's lock steps it, so a state word seen twice
+/// is the same lock, held all along.
+pub const COUNTER_GENERATION: u64 = 1 << 16;
+
+/// Whether a state word is a settled counter's (locked or not).
+pub fn counter_settled(state: u64) -> bool {
+    state & (COUNTER_GENERATION - 1) & !COUNTER_LOCKED == COUNTER_SETTLED
+}
 /// A pending counter given up for dead by another client (by CAS from
 /// pending): it never settles, and its slot may be emptied.
 pub const COUNTER_ABANDONED: u64 = u64::from_le_bytes(*b"deadctr\0");
+
+/// A counter's value word is *open* while its two top bits agree: it holds
+/// the value, and FETCH-AND-ADD and CAS change it. A writer about to unlink
+/// a settled counter (a PUT over it, a DELETE) first locks it
+/// (`COUNTER_LOCKED`), then *seals* it by a FETCH-AND-ADD of this bit,
+/// which flips the top bit, and the word stays sealed after the unlink.
+/// The word an atomic returns thus tells whether it landed on a live
+/// counter: no atomic changes a sealed word's value as readers see it (a
+/// FETCH-AND-ADD that finds it sealed is undone by its client, and no CAS
+/// expecting an open value matches it). Clients keep values within
+/// `±COUNTER_MAX` (see `kv-client`'s counter module), far from where the
+/// bits would disagree by themselves.
+pub const COUNTER_SEAL: u64 = 1 << 63;
+
+/// The largest magnitude an increment or a compare-and-set may store.
+pub const COUNTER_MAX: i64 = 1 << 61;
+
+/// Whether a counter's value word is sealed (see `COUNTER_SEAL`).
+pub fn counter_sealed(word: u64) -> bool {
+    ((word >> 63) ^ (word >> 62)) & 1 == 1
+}
 
 /// Where a counter is in its life (see the state words).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -615,10 +651,13 @@ pub fn encode_counter_block(key: &[u8], value: i64, out: &mut [u8]) -> usize {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Payload<'a> {
     Bytes(&'a [u8]),
-    /// A counter: its value and state as read.
+    /// A counter: its value word and state as read (`state_word` raw). A
+    /// sealed word's value is not the counter's (see `COUNTER_SEAL`).
     Counter {
         value: i64,
         state: CounterState,
+        state_word: u64,
+        sealed: bool,
     },
 }
 
@@ -645,10 +684,11 @@ pub fn decode_block(bytes: &[u8]) -> Result<BlockView<'_>, BlockError> {
         if xxh3_64(&bytes[8..16 + key_len]) != word(0) {
             return Err(BlockError::BadChecksum);
         }
-        let state = match word(state) {
-            COUNTER_SETTLED => CounterState::Settled,
+        let state_word = word(state);
+        let state = match state_word {
             COUNTER_PENDING => CounterState::Pending,
             COUNTER_ABANDONED => CounterState::Abandoned,
+            w if counter_settled(w) => CounterState::Settled,
             _ => return Err(BlockError::BadChecksum),
         };
         return Ok(BlockView {
@@ -656,6 +696,8 @@ pub fn decode_block(bytes: &[u8]) -> Result<BlockView<'_>, BlockError> {
             payload: Payload::Counter {
                 value: word(value) as i64,
                 state,
+                state_word,
+                sealed: counter_sealed(word(value)),
             },
         });
     }
@@ -903,6 +945,26 @@ mod tests {
     }
 
     #[test]
+    fn a_counter_word_is_sealed_exactly_when_its_top_bits_differ() {
+        for v in [
+            0,
+            1,
+            -1,
+            COUNTER_MAX,
+            -COUNTER_MAX,
+            (1 << 62) - 1,
+            -(1 << 62),
+        ] {
+            assert!(!counter_sealed(v as u64), "{v}");
+            assert!(counter_sealed(v as u64 ^ COUNTER_SEAL), "{v}");
+            // Increments that land on a sealed word keep it sealed.
+            let late = (v as u64 ^ COUNTER_SEAL).wrapping_add((1u64 << 40).wrapping_neg());
+            assert!(v.abs() > COUNTER_MAX || counter_sealed(late), "{v}");
+        }
+        assert!(counter_sealed(1 << 62) && counter_sealed((-(1i64 << 62) - 1) as u64));
+    }
+
+    #[test]
     fn counter_blocks_keep_aligned_words_outside_the_checksum() {
         for key in [&b"k"[..], b"counter-7", &[9u8; 16]] {
             let mut buf = vec![0u8; 128];
@@ -915,6 +977,8 @@ mod tests {
             let pending = Payload::Counter {
                 value: -5,
                 state: CounterState::Pending,
+                state_word: COUNTER_PENDING,
+                sealed: false,
             };
             assert_eq!(v.payload, pending);
             // The words change in place (FETCH-AND-ADD, CAS) and stay valid.
@@ -923,8 +987,25 @@ mod tests {
             let settled = Payload::Counter {
                 value: 40,
                 state: CounterState::Settled,
+                state_word: COUNTER_SETTLED,
+                sealed: false,
             };
             assert_eq!(decode_block(&buf).unwrap().payload, settled);
+            // Locked, and in any generation, it is still settled.
+            let locked = COUNTER_SETTLED | COUNTER_LOCKED | (7 * COUNTER_GENERATION);
+            buf[state..value].copy_from_slice(&locked.to_le_bytes());
+            assert!(matches!(
+                decode_block(&buf).unwrap().payload,
+                Payload::Counter { state: CounterState::Settled, state_word, .. } if state_word == locked
+            ));
+            // Sealed by flipping the top bit, the word decodes as sealed.
+            let sealed = (40 ^ COUNTER_SEAL).to_le_bytes();
+            buf[value..used].copy_from_slice(&sealed);
+            assert!(matches!(
+                decode_block(&buf).unwrap().payload,
+                Payload::Counter { sealed: true, .. }
+            ));
+            buf[value..used].copy_from_slice(&40i64.to_le_bytes());
             // The key and lengths are covered; a state word no writer
             // stores is damage; a block cut short is refused.
             for i in 8..16 + key.len() {

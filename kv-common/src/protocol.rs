@@ -10,8 +10,10 @@ use crate::transport::RemoteRegion;
 /// Bumped when a message changes shape, or what clients must do on the
 /// data path does (4: an insert CASes within the operation deadline of the
 /// read that found no copy, which clients' settled hints rely on; 5:
-/// counter blocks, which older clients would take for damage).
-pub const PROTOCOL_VERSION: u32 = 5;
+/// counter blocks, which older clients would take for damage; 6: a settled
+/// counter is sealed before it is unlinked, which one-round-trip atomics
+/// rely on).
+pub const PROTOCOL_VERSION: u32 = 6;
 /// Largest encoded message either side accepts.
 pub const MAX_MESSAGE: usize = 64 * 1024;
 

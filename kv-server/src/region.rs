@@ -9,8 +9,8 @@ use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::Path;
 
 use kv_common::layout::{
-    decode_block, Geometry, KeyHash, Slot, SlotPos, BUCKET_BYTES, EPOCH_OFFSET, HEADER_READ_WORDS,
-    KEY_TABLE_ENTRIES, KEY_TABLE_OFFSET, SLOTS_PER_BUCKET,
+    decode_block, CounterState, Geometry, KeyHash, Payload, Slot, SlotPos, BUCKET_BYTES,
+    EPOCH_OFFSET, HEADER_READ_WORDS, KEY_TABLE_ENTRIES, KEY_TABLE_OFFSET, SLOTS_PER_BUCKET,
 };
 use kv_common::transport::shm::SharedRegion;
 use kv_common::transport::TransportError;
@@ -307,16 +307,21 @@ pub fn thaw_index(region: &SharedRegion, g: &Geometry) -> Result<u64, TransportE
     Ok(frozen.len() as u64 + empty)
 }
 
-/// Empties every slot holding a key that a lower slot holds too. Inserts
-/// that the freeze caught before they had resolved their duplicates left
-/// them for the resize's copy to drop; a thawed index keeps them otherwise.
-/// Only for a server that has not admitted anyone.
+/// Empties every slot holding a copy of a key other than the one readers
+/// get: the lowest copy they see (bytes, a settled counter), or where there
+/// is none, the lowest pending counter; counters given up go too (the
+/// rules a resize's copy keeps). Inserts that the freeze caught before they
+/// had resolved their duplicates left them for the resize's copy to drop;
+/// a thawed index keeps them otherwise. Only for a server that has not
+/// admitted anyone.
 fn remove_duplicates(region: &SharedRegion, g: &Geometry) -> Result<u64, TransportError> {
     let mut slots = Vec::new();
     for_each_slot(region, g, |pos, slot| slots.push((pos, slot)))?;
-    let mut seen = std::collections::HashSet::new();
-    let mut removed = 0;
-    // Position order: the first copy met is the lowest, the one readers get.
+    // Per copy, its key and rank (0: readers see it, 1: pending, 2:
+    // abandoned); per key, the copy kept: the first of the best rank in
+    // position order, which is the lowest.
+    let mut copies = Vec::new();
+    let mut kept: std::collections::HashMap<Vec<u8>, (u8, SlotPos)> = Default::default();
     for (pos, slot) in slots {
         let Some(block) = read_block(region, g, slot) else {
             continue;
@@ -324,7 +329,26 @@ fn remove_duplicates(region: &SharedRegion, g: &Geometry) -> Result<u64, Transpo
         let Ok(view) = decode_block(&block) else {
             continue;
         };
-        if !seen.insert(view.key.to_vec()) {
+        let rank = match view.payload {
+            Payload::Counter {
+                state: CounterState::Pending,
+                ..
+            } => 1,
+            Payload::Counter {
+                state: CounterState::Abandoned,
+                ..
+            } => 2,
+            _ => 0,
+        };
+        let best = kept.entry(view.key.to_vec()).or_insert((rank, pos));
+        if rank < best.0 {
+            *best = (rank, pos);
+        }
+        copies.push((pos, view.key.to_vec(), rank));
+    }
+    let mut removed = 0;
+    for (pos, key, rank) in copies {
+        if rank == 2 || kept.get(&key).is_some_and(|&(_, at)| at != pos) {
             region.store(g.slot_offset(pos), 0)?;
             removed += 1;
         }
@@ -498,4 +522,67 @@ pub fn check(path: &Path, mode: CheckMode) -> Result<CheckReport, ServerError> {
         region.flush().map_err(|e| region_error(path, e))?;
     }
     Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use kv_common::layout::{
+        class_for, counter_words, encode_block, encode_counter_block, COUNTER_ABANDONED,
+        COUNTER_SETTLED, MIN_BUCKETS,
+    };
+
+    use super::*;
+
+    /// What a thawed index keeps of a key's copies: the one readers get.
+    #[test]
+    fn a_thawed_index_keeps_the_copy_readers_get() {
+        let dir = tempfile::tempdir().unwrap();
+        // Enough buckets that the keys' candidates do not overlap.
+        let g = Geometry::for_memory(4 << 20, Some(MIN_BUCKETS << 7)).unwrap();
+        let opened = open_or_create(&dir.path().join("r"), &g, 0o600, 4 << 20).unwrap();
+        let (region, g) = (&opened.region, &opened.geometry);
+        let mut next = g.heap_offset + g.index_bytes();
+        // Writes a block (bytes, or a counter in `state`) for `key` and
+        // links it at the key's candidate `i`.
+        let mut put = |key: &[u8], i: usize, counter: Option<u64>| {
+            let mut block = vec![0u8; 256];
+            let used = match counter {
+                Some(state) => {
+                    let used = encode_counter_block(key, 7, &mut block);
+                    let at = counter_words(key.len()).0;
+                    block[at..at + 8].copy_from_slice(&state.to_le_bytes());
+                    used
+                }
+                None => encode_block(key, b"bytes", &mut block),
+            };
+            for (n, word) in block[..used.next_multiple_of(8)].chunks(8).enumerate() {
+                let word = u64::from_le_bytes(word.try_into().unwrap());
+                region.store(next + 8 * n as u64, word).unwrap();
+            }
+            let kh = KeyHash::new(key, g.bucket_count);
+            let slot = Slot::new(kh.fingerprint, class_for(used as u64).unwrap(), next);
+            region.store(g.slot_offset(kh.slot_pos(i)), slot.0).unwrap();
+            next += 256;
+            kh.slot_pos(i)
+        };
+        let pending = Some(kv_common::layout::COUNTER_PENDING);
+        // Below the copy readers see: a counter given up, a pending one.
+        let a = [put(b"a", 0, Some(COUNTER_ABANDONED)), put(b"a", 1, None)];
+        let b = [put(b"b", 0, pending), put(b"b", 1, Some(COUNTER_SETTLED))];
+        // No copy readers see: the lowest pending one.
+        let c = [put(b"c", 0, pending), put(b"c", 1, pending)];
+        // Plain duplicates: the lowest.
+        let d = [put(b"d", 0, None), put(b"d", 1, None)];
+        let mut all: Vec<SlotPos> = [a, b, c, d].concat();
+        all.sort_unstable();
+        all.dedup();
+        assert_eq!(all.len(), 8, "the keys' candidates overlap");
+        assert_eq!(remove_duplicates(region, g).unwrap(), 4);
+        let linked = |pos: SlotPos| region.load(g.slot_offset(pos)).unwrap() != 0;
+        for (copies, kept) in [(a, 1), (b, 1), (c, 0), (d, 0)] {
+            for (i, &pos) in copies.iter().enumerate() {
+                assert_eq!(linked(pos), i == kept, "{pos:?}");
+            }
+        }
+    }
 }

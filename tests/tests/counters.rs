@@ -1,14 +1,19 @@
 //! Counters: FETCH-AND-ADD and CAS in place. Concurrent increments from many
 //! clients all count; with deletes, compare-and-sets and PUTs of the same
-//! keys mixed in, every history is linearizable; a late atomic never lands on reused space; and
-//! GET, PUT and DELETE of a counter key do what the API says.
+//! keys mixed in, every history is linearizable; a late atomic never lands
+//! on reused space; a writer killed while it holds a counter's seal loses
+//! nothing; values stay within their range; and GET, PUT and DELETE of a
+//! counter key do what the API says.
 
+use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Barrier, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use kv_client::{Client, ClientOptions, Error};
-use onekv_tests::{aggressive_reuse, or_abort, parse_tagged, tagged_value, TestServer};
+use kv_client::{Client, ClientOptions, Error, COUNTER_MAX};
+use onekv_tests::{
+    aggressive_reuse, or_abort, parse_tagged, tagged_value, workspace_bin, TestServer,
+};
 use stateright::semantics::{ConsistencyTester, LinearizabilityTester, SequentialSpec};
 
 /// An operation deadline of `shm_ms` on shm; over emulated rdma (the
@@ -41,8 +46,8 @@ fn concurrent_increments_all_count() {
         for t in 0..THREADS {
             let (returned, sum, barrier, address) = (&returned, &sum, &barrier, &srv.address);
             s.spawn(move || {
-                // Half the clients go through hints (two round trips once
-                // settled), half read the buckets every time.
+                // Half the clients go through hints (one round trip), half
+                // read the buckets every time.
                 let mut kv = hinted(address, if t % 2 == 0 { 1024 } else { 0 });
                 barrier.wait();
                 let mut mine = Vec::new();
@@ -367,10 +372,23 @@ fn get_put_and_delete_of_a_counter_key_do_what_the_api_says() {
     assert_eq!(kv.compare_and_set(b"c", 3, 9).unwrap(), Some(-2));
     assert_eq!(kv.compare_and_set(b"c", -2, 9).unwrap(), Some(-2));
     assert_eq!(kv.get_counter(b"c").unwrap(), Some(9));
-    assert_eq!(
-        kv.incr(b"c", i64::MAX).unwrap(),
-        9i64.wrapping_add(i64::MAX)
-    );
+    // Values stay within ±2^61: an increment or a compare-and-set beyond
+    // fails and changes nothing; large deltas within it are fine.
+    fn overflow<T>(r: Result<T, Error>) -> bool {
+        matches!(r, Err(Error::CounterOverflow(_)))
+    }
+    assert!(overflow(kv.incr(b"c", i64::MAX)));
+    assert!(overflow(kv.incr(b"c", COUNTER_MAX - 8)));
+    assert_eq!(kv.incr(b"c", COUNTER_MAX - 9).unwrap(), COUNTER_MAX);
+    assert!(overflow(kv.incr(b"c", 1)));
+    assert_eq!(kv.incr(b"c", -COUNTER_MAX - 1).unwrap(), -1);
+    assert!(overflow(kv.compare_and_set(b"c", -1, COUNTER_MAX + 1)));
+    assert!(overflow(kv.incr(b"new", i64::MIN)));
+    assert_eq!(kv.get_counter(b"new").unwrap(), None);
+    // No counter holds a value beyond ±2^62: nothing to swap.
+    assert_eq!(kv.compare_and_set(b"c", i64::MIN, 5).unwrap(), Some(-1));
+    assert_eq!(kv.compare_and_set(b"c", -1, 9).unwrap(), Some(-1));
+    assert_eq!(kv.get_counter(b"c").unwrap(), Some(9));
     // PUT replaces the counter with bytes; counter calls then refuse it.
     kv.put(b"c", b"12").unwrap();
     assert!(matches!(kv.incr(b"c", 1), Err(Error::NotACounter)));
@@ -387,38 +405,93 @@ fn get_put_and_delete_of_a_counter_key_do_what_the_api_says() {
 }
 
 #[test]
-fn a_warm_increment_takes_two_round_trips() {
+fn a_warm_increment_takes_one_round_trip() {
     let deadline = Duration::from_millis(600);
     let srv = TestServer::start(|c| c.op_deadline = deadline);
     let mut kv = hinted(&srv.address, 64);
     let rt = |kv: &Client| kv.verb_stats().round_trips;
     kv.put(b"warm", b"up").unwrap(); // takes the first lease
-                                     // The creator's copy is settled alone: its hint allows blind atomics.
+                                     // The creator's hint names the settled counter.
     assert_eq!(kv.incr(b"n", 1).unwrap(), 1);
     let at = rt(&kv);
     assert_eq!(kv.incr(b"n", 1).unwrap(), 2);
     assert_eq!(
         rt(&kv) - at,
-        2,
-        "warm increment: slot and epoch words, then FETCH-AND-ADD"
+        1,
+        "warm increment: FETCH-AND-ADD and slot word"
     );
     let at = rt(&kv);
     assert_eq!(kv.compare_and_set(b"n", 2, 10).unwrap(), Some(2));
-    assert_eq!(rt(&kv) - at, 2, "warm compare-and-set");
+    assert_eq!(kv.compare_and_set(b"n", 2, 20).unwrap(), Some(10));
+    assert_eq!(rt(&kv) - at, 2, "warm compare-and-sets");
     // Another client: buckets, block, then the atomic.
     let mut other = hinted(&srv.address, 64);
     let at = rt(&other);
     assert_eq!(other.incr(b"n", 1).unwrap(), 11);
     assert_eq!(rt(&other) - at, 3, "cold increment");
-    // After a delete the hinted slot changed: the atomic is redone.
+    // A delta beyond 2^32 is a CAS of the value read: no blind atomic.
+    let at = rt(&other);
+    assert_eq!(other.incr(b"n", 1 << 40).unwrap(), 11 + (1 << 40));
+    assert_eq!(rt(&other) - at, 3, "large increment");
+    // A delete seals the counter before it unlinks it: the hinted client's
+    // blind increment finds it sealed, is taken back, and is redone on a
+    // new counter.
     assert!(other.delete(b"n").unwrap());
     assert_eq!(kv.incr(b"n", 1).unwrap(), 1);
+    assert_eq!(other.get_counter(b"n").unwrap(), Some(1));
+}
+
+/// A writer killed while it holds a counter's lock (a DELETE, then a PUT,
+/// by the `kv` command with the client's fault hook): after sealing it,
+/// and before. Sealed, the counter is out of reach: a client with a fresh
+/// hint increments it meanwhile, and its atomic finds the seal and is taken
+/// back. Clients wait on the lock, and after two settle periods one takes
+/// it over and lets it go: the counter is as it was, with that increment
+/// counted once. Locked but not sealed, readers and increments go on; the
+/// next writer waits out the lock.
+#[test]
+fn a_writer_killed_holding_a_counters_lock_loses_nothing() {
+    let deadline = deadline(300);
+    let srv = TestServer::start(|c| c.op_deadline = deadline);
+    let mut kv = hinted(&srv.address, 64);
+    let mut other = Client::connect(&srv.address).unwrap();
+    let rounds = [
+        ("counter-sealed", &["del", "c"][..]),
+        ("counter-sealed", &["put", "c", "bytes"]),
+        ("counter-locked", &["put", "c", "bytes"]),
+    ];
+    for (fault, command) in rounds {
+        assert_eq!(kv.incr(b"c", 41).unwrap(), 41);
+        let out = Command::new(workspace_bin("kv"))
+            .arg("--server")
+            .arg(&srv.address)
+            .args(command)
+            .env("ONEKV_CLIENT_FAULT", fault)
+            .output()
+            .expect("run kv");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && stderr.contains("ONEKV_CLIENT_FAULT"),
+            "{command:?}: {:?} {stderr}",
+            out.status
+        );
+        let killed_at = Instant::now();
+        assert_eq!(kv.incr(b"c", 1).unwrap(), 42, "{fault} {command:?}");
+        if fault == "counter-sealed" {
+            // Nobody could act on the counter until the lock was let go
+            // (`Timing::lock_timeout`: two settle periods, two deadlines).
+            assert!(killed_at.elapsed() >= deadline * 8, "{command:?}");
+        }
+        assert_eq!(other.get_counter(b"c").unwrap(), Some(42));
+        assert!(other.delete(b"c").unwrap());
+        assert_eq!(kv.get_counter(b"c").unwrap(), None);
+    }
 }
 
 /// A new counter and a PUT of the same key racing to insert it: whichever
 /// goes first, the PUT's value is what stays (an increment after it fails,
 /// one before it is overwritten). A pending counter's copy must never win
-/// over the PUT's.
+/// over the PUT's, nor settle under it.
 #[test]
 fn a_put_racing_a_new_counter_is_never_lost() {
     // A tiny index whose buckets other keys keep filling and emptying, so
@@ -449,12 +522,20 @@ fn a_put_racing_a_new_counter_is_never_lost() {
             }
         });
         s.spawn(move || {
-            let mut kv = or_abort(Client::connect(address), "connect");
+            let mut kv = hinted(address, 64);
             for r in 0..rounds {
                 barrier.wait();
                 let key = format!("race-{r}");
                 let _ = counted(kv.incr(key.as_bytes(), 1), "incr");
                 barrier.wait();
+                // The PUT's value stays: no later increment (a hinted one
+                // least of all) may land on a counter it replaced.
+                if let Ok(n) = counted(kv.incr(key.as_bytes(), 1), "incr") {
+                    or_abort(
+                        Err(format!("round {r}: an increment after the PUT gave {n}")),
+                        "incr",
+                    )
+                }
             }
         });
         let mut kv = or_abort(Client::connect(address), "connect");

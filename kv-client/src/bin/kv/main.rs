@@ -68,7 +68,8 @@ enum Command {
     },
     /// Add N (default 1, may be negative) to the counter KEY, creating it at
     /// 0 first, and print its new value. Fails if KEY holds a value `put`
-    /// stored; `get` prints a counter in decimal.
+    /// stored, or if the result would lie beyond ±2^61 (the counter is then
+    /// unchanged); `get` prints a counter in decimal.
     Incr {
         #[arg(allow_hyphen_values = true)]
         key: OsString,
