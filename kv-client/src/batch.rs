@@ -589,11 +589,12 @@ impl Client {
         Ok(unsettled)
     }
 
-    /// Every copy of each `located` key, as a writer sees them (pending
-    /// counters included), lowest first, from the windows the last batch
-    /// read: the blocks of the matching slots are read in one batch. None
-    /// for a key that batch cannot settle: a resize under way, a block past
-    /// the region, failing validation, or not fitting.
+    /// Every copy of each `located` key, as a writer sees them, lowest
+    /// first, from the windows the last batch read: the blocks of the
+    /// matching slots are read in one batch. None for a key that batch
+    /// cannot settle: a resize under way, a block past the region, failing
+    /// validation, not fitting, or a counter copy (the single path locks a
+    /// settled counter, and gives up a pending one, before unlinking it).
     fn writer_copies(
         &mut self,
         keys: &[&[u8]],
@@ -651,19 +652,7 @@ impl Client {
                 };
                 match decode_block(&self.conn.local()[local..local + len]) {
                     Ok(view) if view.key == *key => {
-                        let kind = match view.payload {
-                            Payload::Bytes(_) => Kind::Bytes,
-                            Payload::Counter {
-                                value,
-                                state,
-                                state_word,
-                                ..
-                            } => Kind::Counter {
-                                value,
-                                state,
-                                state_word,
-                            },
-                        };
+                        let kind = Kind::of(&view.payload);
                         // A counter is unlinked under its lock (or, not
                         // settled, given up first): the single path does.
                         if let Kind::Counter { .. } = kind {

@@ -68,7 +68,7 @@ impl Timing {
     /// for a dead writer's. Its writer's steps execute within `3D` of the
     /// read that started them (a deadline to check, one of preemption, one
     /// to execute), and an increment that found the seal is taken back
-    /// within `4D` of it (see `counter`); the waiter may first see the lock
+    /// within `4D` of the seal (see `counter`); the waiter may first see the lock
     /// up to `3D` before the seal. Two settle periods and two deadlines
     /// leave a deadline of margin.
     pub fn lock_timeout(&self) -> Duration {

@@ -36,12 +36,16 @@
 //! the PUT's or DELETE's moment. If it fails (a resize froze the slot),
 //! the writer unseals the word (by a CAS of its exact sealed value) and
 //! unlocks it, stepping the lock's generation. The writer takes each step
-//! only within the deadline of its read, so a lock seen unchanged for two
-//! settle periods is a dead (or hopelessly late) writer's: a client that
-//! waits on it takes it over, unseals and unlocks it (`wait_on_lock`). By
-//! then every late increment has been taken back (they come from hints
-//! with a deadline of life to spare, or from reads within a deadline), so
-//! the value is the counter's again.
+//! only within the deadline of its read, so a lock seen unchanged for
+//! `Timing::lock_timeout` (two settle periods and two deadlines) is a dead
+//! writer's, or one so late that it gave up (one that runs out of time
+//! after sealing, or loses its connection, leaves the key locked that
+//! long): a client that waits on it takes it over, unseals and unlocks it
+//! (`lock::wait_on_lock`). By then every late increment that found the
+//! seal has been taken back (they come from hints seen within a deadline,
+//! or from reads within one), so the value is the counter's again; one
+//! whose client could not take it back in time ended with
+//! `Error::OutcomeUnknown`, and counts from then on.
 //!
 //! **Why values stay within ±2^61.** The seal is the word's top bit, so an
 //! open word's value must never reach ±2^62 by itself. An increment is a
@@ -67,13 +71,14 @@
 //! A plain GET of a counter returns its decimal text; PUT replaces it with
 //! plain bytes; DELETE removes it. `incr` on a plain value is an error.
 
+mod lock;
+
 use quanta::Instant;
 
 use crossbeam::utils::Backoff;
 use kv_common::layout::{
-    class_for, counter_block_len, counter_sealed, counter_settled, counter_words,
-    encode_counter_block, CounterState, KeyHash, Slot, SlotPos, COUNTER_ABANDONED,
-    COUNTER_GENERATION, COUNTER_LOCKED, COUNTER_MAX, COUNTER_PENDING, COUNTER_SEAL,
+    class_for, counter_block_len, counter_sealed, encode_counter_block, CounterState, KeyHash,
+    Slot, SlotPos, COUNTER_ABANDONED, COUNTER_GENERATION, COUNTER_MAX, COUNTER_PENDING,
     COUNTER_SETTLED,
 };
 use kv_common::transport::{read_u64, Verb};
@@ -83,6 +88,8 @@ use crate::corrupt::CorruptSlot;
 use crate::hint::Hint;
 use crate::index::{meets_resize, Copies, Kind, Scan, ScanMode};
 use crate::{Client, Error, Result, Step};
+use lock::word_offsets;
+pub use lock::LockWatch;
 
 /// An increment is a blind FETCH-AND-ADD only on a counter last seen
 /// within this magnitude (see "Why values stay within ±2^61")...
@@ -229,9 +236,7 @@ impl Client {
                 }
                 Scan::Moved => return Ok(Step::Moved),
             };
-            // The lowest copy a reader sees is the key's value.
-            let visible = (0..copies.slots.len()).find(|&i| copies.kinds[i].is_readable());
-            match visible.map(|i| (copies.slots[i], copies.kinds[i])) {
+            match copies.visible().map(|i| (copies.slots[i], copies.kinds[i])) {
                 Some((_, Kind::Bytes | Kind::Known)) => return Err(Error::NotACounter),
                 Some(((pos, slot), Kind::Counter { value, .. })) => {
                     let word = word_offsets(key, slot).1;
@@ -331,9 +336,9 @@ impl Client {
     }
 
     /// Posts `atomic` on the value word at `word` (with `read` in the same
-    /// batch), within the deadline of the read timed by `clock` or while
-    /// `hint` is fresh, and tells what it found; an increment that found the
-    /// word sealed is taken back, within the same bounds.
+    /// batch), within the deadline of the read timed by `clock` (and while
+    /// `hint`, if any, is fresh), and tells what it found; an increment
+    /// that found the word sealed is taken back, within the same bounds.
     fn apply(
         &mut self,
         atomic: Atomic,
@@ -360,14 +365,8 @@ impl Client {
                             .into(),
                     ));
                 }
-                let undo = Verb::FetchAdd {
-                    remote: word,
-                    local: self.layout.cas,
-                    add: delta.wrapping_neg() as u64,
-                };
-                self.conn
-                    .post(&[undo])
-                    .map_err(|e| outcome_unknown(e.into()))?;
+                self.fetch_add_word(word, delta.wrapping_neg() as u64)
+                    .map_err(outcome_unknown)?;
             }
             return Ok(Landed::Sealed);
         }
@@ -523,213 +522,10 @@ impl Client {
         Err(Error::Contended(self.options.max_attempts))
     }
 
-    /// Gives up a counter copy that has not settled, found by the read
-    /// timed by `clock`, and empties its slot: through its state first, so
-    /// that its creator's settling CAS and this one cannot both succeed.
-    /// False if it settled meanwhile (it is then a copy like any other), its
-    /// slot changed, or the read is too old to act on.
-    pub(crate) fn give_up_unsettled(
-        &mut self,
-        key: &[u8],
-        pos: SlotPos,
-        slot: Slot,
-        clock: OpClock,
-    ) -> Result<bool> {
-        self.unlink_unsettled(key, (pos, slot), Slot::EMPTY, clock)
-    }
-
-    /// Unlinks a copy of `key` that a writer found at `pos` as `slot`
-    /// (holding `kind`, by the read timed by `clock`) by a CAS of its slot
-    /// to `to`: a settled counter under its lock, a pending one given up
-    /// first (so that it cannot settle meanwhile and then be unlinked
-    /// unsealed). False if that could not be done: read again.
-    pub(crate) fn unlink(
-        &mut self,
-        key: &[u8],
-        (pos, slot): (SlotPos, Slot),
-        kind: Kind,
-        to: Slot,
-        clock: OpClock,
-    ) -> Result<bool> {
-        if !clock.in_time() {
-            return Ok(false);
-        }
-        match kind {
-            Kind::Counter {
-                state: CounterState::Settled,
-                state_word,
-                ..
-            } => self.unlink_settled(key, (pos, slot), state_word, to, clock),
-            Kind::Counter {
-                state: CounterState::Pending,
-                ..
-            } => self.unlink_unsettled(key, (pos, slot), to, clock),
-            _ => self.cas(pos, slot, to),
-        }
-    }
-
-    fn unlink_unsettled(
-        &mut self,
-        key: &[u8],
-        (pos, slot): (SlotPos, Slot),
-        to: Slot,
-        clock: OpClock,
-    ) -> Result<bool> {
-        if !clock.in_time() {
-            return Ok(false);
-        }
-        let state_at = word_offsets(key, slot).0;
-        if counter_settled(self.set_state(state_at, COUNTER_ABANDONED)?) {
-            return Ok(false);
-        }
-        Ok(clock.in_time() && self.cas(pos, slot, to)?)
-    }
-
-    /// Unlinks the settled counter that the read timed by `clock` found at
-    /// `pos` as `slot`, its state word `state`, by a CAS of the slot to
-    /// `to`, under the counter's lock: lock it (its state word), seal its
-    /// value word, CAS the slot. Each step is taken only within the read's
-    /// deadline, so a lock held longer is a dead writer's (`wait_on_lock`).
-    /// If the slot changed (a resize froze it), the seal and the lock are
-    /// lifted. False if the counter was not unlinked: read again.
-    fn unlink_settled(
-        &mut self,
-        key: &[u8],
-        (pos, slot): (SlotPos, Slot),
-        state: u64,
-        to: Slot,
-        clock: OpClock,
-    ) -> Result<bool> {
-        let (state_at, value_at) = word_offsets(key, slot);
-        if state & COUNTER_LOCKED != 0 {
-            self.wait_on_lock(key, slot, state, clock)?;
-            return Ok(false);
-        }
-        if !clock.in_time() {
-            return Ok(false);
-        }
-        let locked = state | COUNTER_LOCKED;
-        let found = self.cas_word(state_at, state, locked)?;
-        if found != state {
-            // Another writer's lock, or one let go since the read.
-            if found & COUNTER_LOCKED != 0 {
-                self.wait_on_lock(key, slot, found, clock)?;
-            }
-            return Ok(false);
-        }
-        fault_point("counter-locked");
-        let unlock = next_generation(locked);
-        if !clock.in_time() {
-            // Nothing sealed yet: letting go is safe at any time.
-            self.cas_word(state_at, locked, unlock)?;
-            return Ok(false);
-        }
-        // Unlocked, the word was open (a seal is lifted before its lock
-        // is): adding the top bit seals it, whatever increments land.
-        let open = self.fetch_add_word(value_at, COUNTER_SEAL)?;
-        if counter_sealed(open) {
-            // Sealed but not locked: only a writer far past its deadline
-            // leaves that. Put the seal back and let go; waiters lift it.
-            self.fetch_add_word(value_at, COUNTER_SEAL)?;
-            self.cas_word(state_at, locked, unlock)?;
-            return Ok(false);
-        }
-        fault_point("counter-sealed");
-        if !clock.in_time() {
-            return Ok(false);
-        }
-        if self.cas(pos, slot, to)? {
-            return Ok(true);
-        }
-        // The slot changed under the lock: a resize froze it. The unseal
-        // fails while an increment that found the seal is still to be
-        // taken back (within its deadline): try until this read's.
-        while clock.in_time() {
-            if self.cas_word(value_at, open ^ COUNTER_SEAL, open)? == open ^ COUNTER_SEAL {
-                self.cas_word(state_at, locked, unlock)?;
-                break;
-            }
-            std::thread::yield_now();
-        }
-        Ok(false)
-    }
-
-    /// Waits a little for the writer that holds the lock on the counter
-    /// `slot` links (its state word read as `state` by the read timed by
-    /// `clock`) to unlink it or let it go, which takes that writer a round
-    /// trip or two. A writer acts only within a deadline of its read (each
-    /// step executing within three of it), so a lock seen unchanged for
-    /// `lock_timeout` (the generation steps on at every unlock and
-    /// takeover) is a dead writer's: this client takes it over (stepping the
-    /// generation, so that only one client does), lifts the seal if there
-    /// is one (every late increment has been taken back by then, see the
-    /// module doc), and unlocks it. A seal left without a lock (by a writer
-    /// far past its deadline) is lifted the same way.
-    pub(crate) fn wait_on_lock(
-        &mut self,
-        key: &[u8],
-        slot: Slot,
-        state: u64,
-        clock: OpClock,
-    ) -> Result<()> {
-        let (state_at, value_at) = word_offsets(key, slot);
-        let watched = (state_at, state, slot.thawed());
-        let since = match self.lock_watch {
-            Some((seen, since)) if seen == watched => since,
-            _ => {
-                let now = Instant::now();
-                self.lock_watch = Some((watched, now));
-                now
-            }
-        };
-        let waited = since.elapsed();
-        if waited >= self.timing.lock_timeout() && clock.in_time() {
-            self.lock_watch = None;
-            let taken = (state | COUNTER_LOCKED).wrapping_add(COUNTER_GENERATION);
-            if self.cas_word(state_at, state, taken)? != state {
-                return Ok(());
-            }
-            let word = self.fetch_add_word(value_at, 0)?;
-            let open = !counter_sealed(word)
-                || (clock.in_time() && self.cas_word(value_at, word, word ^ COUNTER_SEAL)? == word);
-            if open && clock.in_time() {
-                self.cas_word(state_at, taken, next_generation(taken))?;
-            }
-            return Ok(());
-        }
-        // A lock is normally held for a round trip or two; a long wait
-        // polls more slowly (and so within `max_attempts`).
-        let settle = self.timing.settle();
-        std::thread::sleep((waited / 4).clamp(settle / 1000, self.timing.deadline() / 2));
-        Ok(())
-    }
-
     /// CASes a counter's state word from pending to `to`; returns what it
     /// held.
     fn set_state(&mut self, state_word: u64, to: u64) -> Result<u64> {
         self.cas_word(state_word, COUNTER_PENDING, to)
-    }
-
-    /// CASes the word at `remote` from `expect` to `swap`; returns what it
-    /// held.
-    fn cas_word(&mut self, remote: u64, expect: u64, swap: u64) -> Result<u64> {
-        self.conn.post(&[Verb::Cas {
-            remote,
-            local: self.layout.cas,
-            expect,
-            swap,
-        }])?;
-        Ok(read_u64(self.conn.local(), self.layout.cas))
-    }
-
-    /// Adds `add` to the word at `remote`; returns what it held.
-    fn fetch_add_word(&mut self, remote: u64, add: u64) -> Result<u64> {
-        self.conn.post(&[Verb::FetchAdd {
-            remote,
-            local: self.layout.cas,
-            add,
-        }])?;
-        Ok(read_u64(self.conn.local(), self.layout.cas))
     }
 
     /// Clears away copies no reader sees, found by the read timed by
@@ -776,32 +572,10 @@ impl Client {
                 (CounterState::Pending, Some(_)) => false,
             };
             if give_up {
-                self.give_up_unsettled(key, pos, slot, clock)?;
+                self.unlink_unsettled(key, (pos, slot), Slot::EMPTY, clock)?;
             }
         }
         Ok(())
-    }
-}
-
-/// Where the counter block `slot` links keeps its state and value words.
-fn word_offsets(key: &[u8], slot: Slot) -> (u64, u64) {
-    let (state, value) = counter_words(key.len());
-    let at = slot.thawed().offset();
-    (at + state as u64, at + value as u64)
-}
-
-/// A locked settled state word, unlocked in the next generation.
-fn next_generation(locked: u64) -> u64 {
-    (locked & !COUNTER_LOCKED).wrapping_add(COUNTER_GENERATION)
-}
-
-/// Test hook (fault injection): aborts the process at `step` when the
-/// environment variable `ONEKV_CLIENT_FAULT` names it, as a client killed
-/// there would stop.
-fn fault_point(step: &str) {
-    if std::env::var("ONEKV_CLIENT_FAULT").is_ok_and(|s| s == step) {
-        eprintln!("ONEKV_CLIENT_FAULT: aborting at {step}");
-        std::process::abort();
     }
 }
 

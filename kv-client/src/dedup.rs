@@ -92,7 +92,7 @@ impl Client {
                 .zip(&copies.kinds)
                 .find(|(&(pos, _), kind)| pos < mine && !kind.is_readable());
             if let Some((&(pos, slot), _)) = unseen_below {
-                self.give_up_unsettled(key, pos, slot, clock)?;
+                self.unlink_unsettled(key, (pos, slot), Slot::EMPTY, clock)?;
                 backoff.snooze();
                 continue;
             }

@@ -2,7 +2,8 @@
 //! `hint`) that is the whole operation. Otherwise locate every copy and
 //! remove the extra ones, highest first, before the lowest: a copy left
 //! behind would become the lowest and bring back an older value. Counters
-//! that have not settled stay (see `counter`).
+//! that have not settled stay; a settled one goes under its lock (see
+//! `counter`).
 
 use crossbeam::utils::Backoff;
 use kv_common::layout::{KeyHash, Slot};

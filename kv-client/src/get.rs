@@ -65,7 +65,7 @@ impl Client {
                         return Ok(Step::Done(None));
                     };
                     let alone = copies.exact && copies.slots.len() == 1;
-                    let counter = copies.kinds[0].settled_counter().map(|(value, _)| value);
+                    let counter = copies.kinds[0].settled_counter();
                     self.saw(key, pos, slot, clock, alone, counter);
                     return Ok(Step::Done(copies.value));
                 }
@@ -111,6 +111,12 @@ impl Client {
         }
         let slots = self.slots();
         let alone = !others_match(kh, &slots, at, false);
+        // A counter's hint is confirmed only by its value read open: one
+        // sealed by a writer must not look recently seen (see `counter`).
+        if hint.is_counter() && !matches!(self.value_in(key, block), Some(Value::Counter(_))) {
+            self.cache.forget(key);
+            return Ok(Sighting::WindowsOnly(clock));
+        }
         if clock.in_time() && slots[at] == hint.slot {
             // The same copy, seen again (whatever else the batch shows).
             let seen = hint.confirmed(hint.slot, clock.started(), alone, &self.timing);

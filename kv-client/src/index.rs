@@ -59,7 +59,8 @@ pub enum Kind {
         state_word: u64,
     },
     /// The writer's own copy, taken as the key's without reading it (or
-    /// a hinted one: hints name only copies a reader sees).
+    /// a hinted one: hints name only copies a reader sees). Never a
+    /// counter: writers read a counter's block (see `counter`).
     Known,
 }
 
@@ -69,16 +70,33 @@ impl Kind {
         !matches!(self, Kind::Counter { state, .. } if state != CounterState::Settled)
     }
 
-    /// A settled counter's value and state word: a copy that only the
-    /// writer holding its lock may unlink (see `counter`).
-    pub fn settled_counter(self) -> Option<(i64, u64)> {
+    /// A settled counter's value: a copy that only the writer holding its
+    /// lock may unlink (see `counter`).
+    pub fn settled_counter(self) -> Option<i64> {
         match self {
             Kind::Counter {
                 value,
                 state: CounterState::Settled,
-                state_word,
-            } => Some((value, state_word)),
+                ..
+            } => Some(value),
             _ => None,
+        }
+    }
+
+    /// What a block that holds the key holds.
+    pub fn of(payload: &Payload) -> Kind {
+        match *payload {
+            Payload::Bytes(_) => Kind::Bytes,
+            Payload::Counter {
+                value,
+                state,
+                state_word,
+                ..
+            } => Kind::Counter {
+                value,
+                state,
+                state_word,
+            },
         }
     }
 }
@@ -108,6 +126,11 @@ pub struct Copies {
 }
 
 impl Copies {
+    /// The lowest copy a reader sees: the key's value.
+    pub fn visible(&self) -> Option<usize> {
+        self.kinds.iter().position(|k| k.is_readable())
+    }
+
     /// Puts the copies in position order. The blocks were read in slot
     /// order, which is position order, so only a `known` copy can be out
     /// of place; the value stays the lowest read copy's.
@@ -317,23 +340,13 @@ impl Client {
                         sealed = Some((slot, state_word));
                         break;
                     }
-                    Payload::Counter {
-                        value,
-                        state,
-                        state_word,
-                        ..
-                    } => {
+                    Payload::Counter { value, state, .. } => {
                         if state != CounterState::Settled && mode.skips_pending() {
                             // Not there for a reader, but it may yet be.
                             copies.exact = false;
                             continue;
                         }
-                        let kind = Kind::Counter {
-                            value,
-                            state,
-                            state_word,
-                        };
-                        (kind, Value::Counter(value))
+                        (Kind::of(&view.payload), Value::Counter(value))
                     }
                     Payload::Bytes(bytes) => {
                         let start = block_at + (bytes.as_ptr() as usize - block.as_ptr() as usize);
@@ -377,13 +390,5 @@ impl Client {
             };
             std::thread::sleep(pause);
         }
-    }
-
-    /// A pseudo-random number (xorshift; not for secrets).
-    pub(crate) fn random(&mut self) -> u64 {
-        self.jitter ^= self.jitter << 13;
-        self.jitter ^= self.jitter >> 7;
-        self.jitter ^= self.jitter << 17;
-        self.jitter
     }
 }

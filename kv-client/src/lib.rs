@@ -64,6 +64,16 @@ use local::{LocalLayout, BATCH_KEYS};
 pub use pool::{ClientPool, PooledClient};
 use slot_cache::SlotCache;
 
+impl Client {
+    /// A pseudo-random number (xorshift; not for secrets).
+    pub(crate) fn random(&mut self) -> u64 {
+        self.jitter ^= self.jitter << 13;
+        self.jitter ^= self.jitter >> 7;
+        self.jitter ^= self.jitter << 17;
+        self.jitter
+    }
+}
+
 /// A seed for the client's pseudo-random numbers, apart in every client.
 fn seed() -> u64 {
     use std::hash::BuildHasher;
@@ -155,10 +165,8 @@ pub struct Client {
     jitter: u64,
     cache: SlotCache,
     reconnects: u64,
-    /// A counter lock this client waits on (its state word's offset, the
-    /// state word, the slot that links it) and since when (see
-    /// `Client::wait_on_lock`).
-    lock_watch: Option<((u64, u64, kv_common::layout::Slot), quanta::Instant)>,
+    /// A counter lock this client waits on (see `Client::wait_on_lock`).
+    lock_watch: Option<counter::LockWatch>,
 }
 
 /// How one attempt at an operation ended.
@@ -277,7 +285,7 @@ impl Client {
     /// The value of `key`, or None: two round trips (the key's buckets,
     /// then its block), one for a key with a fresh slot hint. (A counter
     /// that a PUT or DELETE has sealed is waited on: a round trip or two,
-    /// or two settle periods if that writer died.)
+    /// or two settle periods and two deadlines if that writer died.)
     ///
     /// ```no_run
     /// # let mut kv = kv_client::Client::connect("shm:///dev/shm/onekv")?;
@@ -423,7 +431,7 @@ impl Client {
     /// A new counter's first increment takes about three operation deadlines
     /// (see the `counter` module); later ones one round trip with a slot
     /// hint seen within a deadline (hints are the default over rdma), three
-    /// without or for a delta beyond 2^32. Fails with
+    /// without, or for a delta beyond 2^32 or a value beyond ±2^60. Fails with
     /// [`Error::NotACounter`] if `key` holds a value PUT stored, and with
     /// [`Error::CounterOverflow`] (changing nothing) if the result would lie
     /// beyond ±[`COUNTER_MAX`] (2^61). A GET of a counter returns its

@@ -8,7 +8,7 @@ use smallvec::smallvec;
 
 use crate::clock::OpClock;
 use crate::get::Sighting;
-use crate::index::{meets_resize, Copies, Kind, Scan, ScanMode};
+use crate::index::{meets_resize, Copies, Kind, Scan, ScanMode, Value};
 use crate::{Client, Result};
 
 /// What a writer needs to know about the key's copies.
@@ -46,9 +46,17 @@ impl Client {
         need: Need,
     ) -> Result<Located> {
         let mut held = None;
-        // A counter's block must be read: its writers seal it first.
+        // A counter's block must be read: its writers lock it first.
         let clock = match self.fresh_hint(key).filter(|h| !h.is_counter()) {
             Some(hint) => match self.read_hinted(key, kh, hint, first)? {
+                Sighting::Held {
+                    value: Value::Counter(_),
+                    ..
+                } => {
+                    // (Hints say which blocks are counters: not this one.)
+                    self.cache.forget(key);
+                    self.read_windows(kh, None)?
+                }
                 Sighting::Held { clock, alone, .. } => {
                     held = Some((hint, alone));
                     clock
@@ -85,7 +93,7 @@ impl Client {
                     // Hints name only copies a reader sees.
                     if copies.kinds[0].is_readable() {
                         let alone = copies.exact && copies.slots.len() == 1;
-                        let counter = copies.kinds[0].settled_counter().map(|(value, _)| value);
+                        let counter = copies.kinds[0].settled_counter();
                         self.saw(key, pos, slot, clock, alone, counter);
                     } else {
                         self.cache.forget(key);

@@ -1,8 +1,9 @@
 //! PUT: write the new block out of place, then publish it with a CAS on
 //! the key's slot. With a sole, fresh hint (see `hint`) the WRITE and the
-//! CAS share one batch. Otherwise: locate the key, then update its lowest
-//! copy in place, or insert into an empty slot and check for a concurrent
-//! insert of the same key (`dedup`).
+//! CAS share one batch. Otherwise: locate the key, then update the copy
+//! readers see (a counter under its lock, see `counter`), or insert into
+//! an empty slot and check for a concurrent insert of the same key
+//! (`dedup`).
 //!
 //! A WRITE and a CAS posted after it may share a batch: an RC responder
 //! executes requests in the order they were sent (IBA spec vol. 1, §9.5
@@ -91,11 +92,7 @@ impl Client {
         if copies.slots.is_empty() {
             return Ok(false);
         }
-        let target = copies
-            .kinds
-            .iter()
-            .position(|k| k.is_readable())
-            .unwrap_or(0);
+        let target = copies.visible().unwrap_or(0);
         let (pos, old) = copies.slots[target];
         let swapped = self.remove_duplicates(key, copies, 0..target, clock)?
             && self.unlink(key, (pos, old), copies.kinds[target], new, clock)?;

@@ -573,8 +573,7 @@ pub const COUNTER_PENDING: u64 = u64::from_le_bytes(*b"pending\0");
 pub const COUNTER_SETTLED: u64 = 1;
 /// Set in a settled counter's state word by the one writer that may seal
 /// and unlink it (a PUT over it, a DELETE), by CAS; cleared (with the
-/// generation stepped on) only once the value word is open again, so a
-/// sealed word is always a locked counter's.
+/// generation stepped on) only once the value word is open again.
 pub const COUNTER_LOCKED: u64 = 1 << 8;
 /// One step of a settled counter's lock generation: every unlock and every
 /// takeover of a dead writer's lock steps it, so a state word seen twice

@@ -435,17 +435,23 @@ fn a_warm_increment_takes_one_round_trip() {
     assert_eq!(rt(&other) - at, 3, "large increment");
     // A delete seals the counter before it unlinks it: the hinted client's
     // blind increment finds it sealed, is taken back, and is redone on a
-    // new counter.
+    // new counter (its insert and its settling: two atomics more).
     assert!(other.delete(b"n").unwrap());
+    let atomics = kv.verb_stats().atomics;
     assert_eq!(kv.incr(b"n", 1).unwrap(), 1);
+    assert_eq!(
+        kv.verb_stats().atomics - atomics,
+        4,
+        "increment, undo, insert, settle"
+    );
     assert_eq!(other.get_counter(b"n").unwrap(), Some(1));
 }
 
 /// A writer killed while it holds a counter's lock (a DELETE, then a PUT,
 /// by the `kv` command with the client's fault hook): after sealing it,
 /// and before. Sealed, the counter is out of reach: a client with a fresh
-/// hint increments it meanwhile, and its atomic finds the seal and is taken
-/// back. Clients wait on the lock, and after two settle periods one takes
+/// hint increments it meanwhile (the `kv` run takes less than the
+/// deadline), and its atomic finds the seal and is taken back. Clients wait on the lock, and after `Timing::lock_timeout` one takes
 /// it over and lets it go: the counter is as it was, with that increment
 /// counted once. Locked but not sealed, readers and increments go on; the
 /// next writer waits out the lock.
