@@ -113,10 +113,16 @@ impl Client {
         let alone = !others_match(kh, &slots, at, false);
         // A counter's hint is confirmed only by its value read open: one
         // sealed by a writer must not look recently seen (see `counter`).
-        if hint.is_counter() && !matches!(self.value_in(key, block), Some(Value::Counter(_))) {
-            self.cache.forget(key);
-            return Ok(Sighting::WindowsOnly(clock));
-        }
+        let counter = match hint.is_counter() {
+            true => match self.value_in(key, block) {
+                Some(value @ Value::Counter(_)) => Some(value),
+                _ => {
+                    self.cache.forget(key);
+                    return Ok(Sighting::WindowsOnly(clock));
+                }
+            },
+            false => None,
+        };
         if clock.in_time() && slots[at] == hint.slot {
             // The same copy, seen again (whatever else the batch shows).
             let seen = hint.confirmed(hint.slot, clock.started(), alone, &self.timing);
@@ -135,7 +141,7 @@ impl Client {
             // A lower slot might hold a copy: the scan decides.
             return Ok(Sighting::WindowsOnly(clock));
         }
-        match self.value_in(key, block) {
+        match counter.or_else(|| self.value_in(key, block)) {
             Some(value) => Ok(Sighting::Held {
                 value,
                 clock,
