@@ -7,18 +7,79 @@
 //!   (`GRACE_DEADLINES` × `D`);
 //! - a batch posted executes within `D` of being posted. The grace period's
 //!   margin over the deadline covers it, and every bound below leans on it.
+//!
+//! An attempt's clock may start earlier than the attempt does: every
+//! conclusion drawn from it is then only more cautious (`in_time` fails
+//! sooner; a sighting dated earlier makes a hint stale sooner and settle
+//! later). So a GET over shm, where a late clock costs only a re-read,
+//! starts its clock at the thread's last reading instead of reading the
+//! clock again (`Timing::start_at_last_reading`).
 
+use std::cell::Cell;
+use std::sync::LazyLock;
 use std::time::Duration;
 
 use kv_common::protocol::GRACE_DEADLINES;
 // Two clock reads per operation: the TSC where it is invariant (calibrated
 // against the monotonic clock), the monotonic clock where it is not.
-use quanta::Instant;
+pub use quanta::Instant;
+
+/// The one clock every time in the client is read from, so that all its
+/// instants share one calibration. An attempt's clock keeps the raw reading
+/// and compares raw ticks against the deadline in ticks: no scaling on the
+/// data path.
+static CLOCK: LazyLock<quanta::Clock> = LazyLock::new(quanta::Clock::new);
+
+thread_local! {
+    /// The last raw reading this thread took: never later than now.
+    static LAST_READING: Cell<u64> = const { Cell::new(0) };
+}
+
+/// A raw reading, remembered as the thread's last.
+fn read_raw() -> u64 {
+    let now = CLOCK.raw();
+    LAST_READING.set(now);
+    now
+}
+
+/// Now, on the client's clock.
+pub fn now() -> Instant {
+    CLOCK.now()
+}
+
+/// Time passed since `earlier` (an instant of `now`), zero if none.
+pub fn since(earlier: Instant) -> Duration {
+    now().saturating_duration_since(earlier)
+}
+
+/// The most raw ticks that measure no more than `limit`: a raw interval is
+/// within `limit` exactly when it is at most this many ticks.
+fn ticks_within(limit: Duration) -> u64 {
+    // A longer limit is taken as this one (stricter, never looser): it
+    // keeps every interval below far from overflowing.
+    const LONGEST_NS: u64 = 1 << 40;
+    let limit = u64::try_from(limit.as_nanos()).map_or(LONGEST_NS, |ns| ns.min(LONGEST_NS));
+    // `delta_as_nanos` grows with the interval, and a tick of any clock
+    // quanta reads is longer than 1/64 ns: the answer lies in [0, 64 limit].
+    // Bisection keeps `lo` within the limit throughout.
+    let (mut lo, mut hi) = (0u64, limit * 64);
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if CLOCK.delta_as_nanos(0, mid) <= limit {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    lo
+}
 
 /// The client's time bounds, from the deadline the server announced.
 #[derive(Debug, Clone, Copy)]
 pub struct Timing {
     deadline: Duration,
+    /// The deadline in the clock's raw ticks.
+    deadline_ticks: u64,
     grace: Duration,
 }
 
@@ -26,6 +87,7 @@ impl Timing {
     pub fn new(deadline: Duration) -> Timing {
         Timing {
             deadline,
+            deadline_ticks: ticks_within(deadline),
             grace: deadline * GRACE_DEADLINES,
         }
     }
@@ -38,8 +100,19 @@ impl Timing {
     /// Starts the clock of one attempt, just before its first batch.
     pub fn start(&self) -> OpClock {
         OpClock {
-            started: Instant::now(),
-            deadline: self.deadline,
+            started: read_raw(),
+            deadline_ticks: self.deadline_ticks,
+        }
+    }
+
+    /// As `start`, at the thread's last reading of the clock: one clock
+    /// read fewer, at the price of a failed `in_time` (a retry) when the
+    /// thread has not read the clock for a deadline. For reads that cost
+    /// little to redo and change nothing.
+    pub fn start_at_last_reading(&self) -> OpClock {
+        OpClock {
+            started: LAST_READING.get(),
+            deadline_ticks: self.deadline_ticks,
         }
     }
 
@@ -84,32 +157,74 @@ impl Timing {
 /// The clock of one attempt at an operation.
 #[derive(Debug, Clone, Copy)]
 pub struct OpClock {
-    started: Instant,
-    deadline: Duration,
+    /// The clock's raw reading at the start.
+    started: u64,
+    deadline_ticks: u64,
 }
 
 impl OpClock {
     /// When the attempt's first batch was posted: what it read was in the
     /// region at this time or later.
     pub fn started(&self) -> Instant {
-        self.started
+        CLOCK.scaled(self.started)
     }
 
     /// Whether what this attempt has read can still be trusted: a block
     /// that a slot referenced when the buckets were read cannot have been
     /// reused yet. Also checked before a CAS based on those reads.
     pub fn in_time(&self) -> bool {
-        self.started.elapsed() <= self.deadline
+        // A reading before the start (raw counters of two cores a little
+        // apart) wraps to a huge interval: late, never early.
+        read_raw().wrapping_sub(self.started) <= self.deadline_ticks
     }
 }
 
 #[cfg(test)]
-impl OpClock {
-    /// A clock that started at `started`.
-    pub fn at(started: Instant) -> OpClock {
-        OpClock {
-            started,
-            deadline: Duration::ZERO,
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_deadline_in_ticks_measures_no_more_than_the_deadline() {
+        for ms in [1, 50, 3_000] {
+            let limit = Duration::from_millis(ms);
+            let ticks = ticks_within(limit);
+            let ns = u64::try_from(limit.as_nanos()).unwrap_or(u64::MAX);
+            assert!(CLOCK.delta_as_nanos(0, ticks) <= ns);
+            assert!(
+                CLOCK.delta_as_nanos(0, ticks + 1) > ns,
+                "{ms} ms: the largest such"
+            );
         }
+        // An absurd deadline is taken as a long one, never as none.
+        let longest = ticks_within(Duration::MAX);
+        assert!(longest > ticks_within(Duration::from_secs(60)));
+        assert!(CLOCK.delta_as_nanos(0, longest) <= 1 << 40);
+    }
+
+    #[test]
+    fn an_attempt_is_in_time_within_its_deadline_and_late_after_it() {
+        let timing = Timing::new(Duration::from_millis(40));
+        let clock = timing.start();
+        assert!(clock.in_time());
+        std::thread::sleep(Duration::from_millis(60));
+        assert!(!clock.in_time());
+        assert!(timing.start().in_time());
+    }
+
+    #[test]
+    fn a_clock_started_at_the_last_reading_is_never_later_and_late_after_a_pause() {
+        let timing = Timing::new(Duration::from_millis(40));
+        let fresh = timing.start();
+        let lazy = timing.start_at_last_reading();
+        assert!(lazy.started() <= fresh.started() && lazy.in_time());
+        // A thread idle for longer than the deadline: the attempt is late,
+        // and the reading it took to find out makes the next one fresh.
+        std::thread::sleep(Duration::from_millis(60));
+        let stale = timing.start_at_last_reading();
+        assert!(!stale.in_time());
+        assert!(timing.start_at_last_reading().in_time());
+        // A thread that never read the clock starts at the beginning of time.
+        let never = std::thread::spawn(move || timing.start_at_last_reading().in_time());
+        assert_eq!(never.join().ok(), Some(false));
     }
 }

@@ -73,8 +73,6 @@
 
 mod lock;
 
-use quanta::Instant;
-
 use crossbeam::utils::Backoff;
 use kv_common::layout::{
     class_for, counter_block_len, counter_sealed, encode_counter_block, CounterState, KeyHash,
@@ -83,7 +81,7 @@ use kv_common::layout::{
 };
 use kv_common::transport::{read_u64, Verb};
 
-use crate::clock::OpClock;
+use crate::clock::{self, Instant, OpClock};
 use crate::corrupt::CorruptSlot;
 use crate::hint::Hint;
 use crate::index::{meets_resize, Copies, Kind, Scan, ScanMode};
@@ -418,7 +416,7 @@ impl Client {
         if !self.cas_held(Slot::EMPTY) {
             return Ok(Created::Lost);
         }
-        let since = Instant::now();
+        let since = clock::now();
         let settled = self.settle(key, kh, empty, new, since)?;
         if let Some(check) = settled {
             // The check that settled it saw it alone, late enough.
@@ -446,7 +444,7 @@ impl Client {
         let my_pos = kh.slot_pos(mine);
         let mut corrupt = CorruptSlot::default();
         for _ in 0..self.options.max_attempts {
-            let wait = (since + self.timing.settle()).saturating_duration_since(Instant::now());
+            let wait = (since + self.timing.settle()).saturating_duration_since(clock::now());
             std::thread::sleep(wait);
             let clock = self.read_windows(kh, None)?;
             let slots = self.slots();
@@ -561,10 +559,10 @@ impl Client {
                     lowest_pending = false;
                     match *watch {
                         Some((p, s, since)) if (p, s) == (pos, slot) => {
-                            since.elapsed() >= 2 * self.timing.settle()
+                            clock::since(since) >= 2 * self.timing.settle()
                         }
                         _ => {
-                            *watch = Some((pos, slot, Instant::now()));
+                            *watch = Some((pos, slot, clock::now()));
                             false
                         }
                     }

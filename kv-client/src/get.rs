@@ -16,7 +16,7 @@ use kv_common::transport::{read_u64, Verb};
 use crate::clock::OpClock;
 use crate::corrupt::CorruptSlot;
 use crate::hint::Hint;
-use crate::index::{others_match, Scan, ScanMode, Value};
+use crate::index::{others_match, Lowest, ScanMode, Value};
 use crate::{Client, Result, Step};
 
 /// What one batch of a key's windows and its hinted block showed.
@@ -55,22 +55,26 @@ impl Client {
             // only one lets the hint settle.
             let (clock, mode) = match read_already.take() {
                 Some(clock) => (clock, ScanMode::Readable),
-                None => (self.read_windows(&kh, None)?, ScanMode::Lowest),
+                None => (self.read_windows_to_get(&kh)?, ScanMode::Lowest),
             };
             let slots = self.slots();
-            match self.scan(key, &kh, &slots, clock, mode)? {
-                Scan::Found(copies) => {
-                    let Some(&(pos, slot)) = copies.slots.first() else {
-                        self.cache.forget(key);
-                        return Ok(Step::Done(None));
-                    };
-                    let alone = copies.exact && copies.slots.len() == 1;
-                    let counter = copies.kinds[0].settled_counter();
-                    self.saw(key, pos, slot, clock, alone, counter);
-                    return Ok(Step::Done(copies.value));
+            match self.lowest_copy(key, &kh, &slots, clock, mode)? {
+                Lowest::Found {
+                    pos,
+                    slot,
+                    kind,
+                    value,
+                    alone,
+                } => {
+                    self.saw(key, pos, slot, clock, alone, kind.settled_counter());
+                    return Ok(Step::Done(Some(value)));
                 }
-                Scan::Retry(suspect) => corrupt.saw(key, suspect)?,
-                Scan::Moved => return Ok(Step::Moved),
+                Lowest::Absent => {
+                    self.cache.forget(key);
+                    return Ok(Step::Done(None));
+                }
+                Lowest::Retry(suspect) => corrupt.saw(key, suspect)?,
+                Lowest::Moved => return Ok(Step::Moved),
             }
             backoff.snooze();
         }

@@ -41,11 +41,9 @@
 //! while it is fresh with a deadline to spare: an increment that finds the
 //! counter sealed is taken back in a second batch (see `counter`).
 
-use quanta::Instant;
-
 use kv_common::layout::{Slot, SlotPos};
 
-use crate::clock::{OpClock, Timing};
+use crate::clock::{self, Instant, OpClock, Timing};
 use crate::Client;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -73,7 +71,7 @@ impl Hint {
     /// be of the same copy). The copy existed by now: settling counts from
     /// here.
     pub fn seen(pos: SlotPos, slot: Slot, sighting: OpClock) -> Hint {
-        Hint::held_since(pos, slot, Instant::now(), sighting)
+        Hint::held_since(pos, slot, clock::now(), sighting)
     }
 
     /// As `seen`, for a copy known to exist since `since`.
@@ -110,12 +108,12 @@ impl Hint {
 
     /// A batch posted now may use the hint in place of reading the buckets.
     pub fn is_fresh(&self, timing: &Timing) -> bool {
-        self.confirmed.elapsed() < timing.hint_life()
+        clock::since(self.confirmed) < timing.hint_life()
     }
 
     /// A batch posted up to a deadline from now may use the hint.
     pub fn is_fresh_after_a_deadline(&self, timing: &Timing) -> bool {
-        self.confirmed.elapsed() + timing.deadline() < timing.hint_life()
+        clock::since(self.confirmed) + timing.deadline() < timing.hint_life()
     }
 
     /// A CAS on the hinted slot needs no read of the buckets (not for a
@@ -126,7 +124,7 @@ impl Hint {
 
     /// A lone sighting now would make the hint sole.
     pub fn may_settle(&self, timing: &Timing) -> bool {
-        self.held_since.elapsed() >= timing.settle()
+        clock::since(self.held_since) >= timing.settle()
     }
 
     pub fn is_sole(&self) -> bool {
@@ -238,22 +236,21 @@ mod tests {
             bucket: 1,
             index: 2,
         };
-        let at = Instant::now();
-        let h = Hint::seen(pos, Slot(1), OpClock::at(at));
+        let sighting = timing.start();
+        let at = sighting.started();
+        let h = Hint::seen(pos, Slot(1), sighting);
         assert!(h.is_fresh(&timing) && !h.allows_blind_cas(&timing));
         // Alone, but too soon after the copy was first seen.
         let h = h.confirmed(Slot(2), at + Duration::from_millis(1), true, &timing);
         assert!(!h.is_sole());
         // Later, but another slot might hold the key.
-        let later = Instant::now() + timing.settle();
+        let later = clock::now() + timing.settle();
         assert!(!h.confirmed(Slot(2), later, false, &timing).is_sole());
         let h = h.confirmed(Slot(3), later, true, &timing);
         assert!(h.is_sole() && h.slot == Slot(3));
-        let stale = Hint::seen(
-            pos,
-            Slot(1),
-            OpClock::at(Instant::now() - timing.hint_life()),
-        );
+        let old = timing.start();
+        std::thread::sleep(timing.hint_life());
+        let stale = Hint::seen(pos, Slot(1), old);
         assert!(!stale.is_fresh(&timing) && !stale.allows_blind_cas(&timing));
     }
 }

@@ -112,6 +112,38 @@ pub enum Scan {
     Moved,
 }
 
+/// The lowest copy of a key a reader sees, as `Client::lowest_copy` found
+/// it.
+pub enum Lowest {
+    Found {
+        pos: SlotPos,
+        slot: Slot,
+        kind: Kind,
+        value: Value,
+        /// No other slot holds a copy.
+        alone: bool,
+    },
+    Absent,
+    /// As `Scan::Retry`.
+    Retry(Option<(SlotPos, Slot)>),
+    /// As `Scan::Moved`.
+    Moved,
+}
+
+/// What a candidate's block, as read, holds for the key looked for.
+enum Holds {
+    /// Not a valid block.
+    Damaged,
+    OtherKey,
+    /// The key's counter, sealed by a writer unlinking it.
+    Sealed {
+        state_word: u64,
+    },
+    /// The key's counter, not settled, where the scan skips those.
+    Pending,
+    Copy(Kind, Value),
+}
+
 /// The copies of a key a scan found.
 pub struct Copies {
     /// Slots holding the key, lowest position first.
@@ -179,6 +211,18 @@ impl Client {
         Ok(clock)
     }
 
+    /// Reads the key's windows for a GET. Where a batch costs only its
+    /// copies, the clock starts at the thread's last reading: a GET after
+    /// a pause of more than a deadline then reads again.
+    pub(crate) fn read_windows_to_get(&mut self, kh: &KeyHash) -> Result<OpClock> {
+        if self.conn.batches_cost_round_trips() {
+            return self.read_windows(kh, None);
+        }
+        let clock = self.timing.start_at_last_reading();
+        self.conn.post(&self.window_reads(kh))?;
+        Ok(clock)
+    }
+
     /// The key's candidate slots as the last READ of its windows left them.
     pub(crate) fn slots(&self) -> Slots {
         let at = self.layout.windows;
@@ -210,9 +254,9 @@ impl Client {
     }
 
     /// Reads the blocks of the slots whose fingerprint matches and keeps
-    /// those that pass the checksum and hold `key` (in one batch where
-    /// batches cost round trips; for `Lowest` over shm, one block at a
-    /// time until one holds the key).
+    /// those that pass the checksum and hold `key`, in as few batches as the
+    /// local buffer allows (a GET over shm reads them one at a time: see
+    /// `lowest_copy`).
     ///
     /// A slot that cannot point at a block, or whose block fails validation,
     /// is skipped; if the key is not found elsewhere the scan asks for a
@@ -231,7 +275,6 @@ impl Client {
         clock: OpClock,
         mode: ScanMode,
     ) -> Result<Scan> {
-        let g = self.info.geometry;
         let (reads_at, room) = (self.layout.reads, self.layout.read_room());
         let known = match mode {
             ScanMode::AllCopies { known } => known,
@@ -248,49 +291,33 @@ impl Client {
         let mut check_epoch = meets_resize(slots);
         for i in set_bits(kh.matches(slots)) {
             let s = slots[i];
-            let live = s.thawed();
             if Some(s) == known {
                 copies.slots.push((kh.slot_pos(i), s));
                 copies.kinds.push(Kind::Known);
                 continue;
             }
-            // No client writes a block larger than `max_block` (< room).
-            match g.block_span(live).filter(|&(_, len)| len <= room) {
+            match self.readable_span(s) {
                 Some((offset, len)) => candidates.push((i, s, offset, len)),
                 None => {
-                    // Past the region this client knows: it may have grown.
-                    check_epoch |= live
-                        .block_len()
-                        .is_some_and(|len| live.offset().saturating_add(len) > g.region_len);
+                    check_epoch |= self.past_region(s);
                     suspect.get_or_insert((kh.slot_pos(i), s));
                 }
             }
         }
         self.pause_if_slow();
-        let epoch_read = Verb::Read {
-            remote: EPOCH_OFFSET,
-            local: self.layout.epoch,
-            len: 8,
-        };
-        if candidates.is_empty() && check_epoch {
-            self.conn.post(&[epoch_read])?;
-            if read_u64(self.conn.local(), self.layout.epoch) != g.epoch {
-                return Ok(Scan::Moved);
-            }
+        if candidates.is_empty() && check_epoch && self.epoch_moved()? {
+            return Ok(Scan::Moved);
         }
-        // A GET needs only the lowest copy: where batches are free, the next
-        // candidate's block is read only if this one's did not hold the key.
-        let one_at_a_time = mode == ScanMode::Lowest && !self.conn.batches_cost_round_trips();
         let mut next = 0;
         while next < candidates.len() {
             let mut verbs: SmallVec<[Verb; 8]> = SmallVec::new();
             if check_epoch {
-                verbs.push(epoch_read);
+                verbs.push(self.epoch_read());
             }
             let first = verbs.len();
             let mut at = reads_at;
             while let Some(&(_, _, remote, len)) = candidates.get(next) {
-                if verbs.len() > first && (one_at_a_time || at + len > reads_at + room) {
+                if verbs.len() > first && at + len > reads_at + room {
                     break;
                 }
                 verbs.push(Verb::Read {
@@ -302,7 +329,7 @@ impl Client {
                 next += 1;
             }
             self.conn.post(&verbs)?;
-            if check_epoch && read_u64(self.conn.local(), self.layout.epoch) != g.epoch {
+            if check_epoch && self.epoch_changed() {
                 return Ok(Scan::Moved);
             }
             if !clock.in_time() {
@@ -311,61 +338,33 @@ impl Client {
                 // was read, so not even "not found" can be concluded.
                 return Ok(Scan::Retry(None));
             }
-            let local = self.conn.local();
             let mut at = reads_at;
             let batch = verbs.len() - first;
-            let mut sealed = None;
             for &(i, slot, _, len) in &candidates[next - batch..next] {
-                let block = &local[at..at + len];
-                let block_at = at;
+                let holds = self.holds(key, at..at + len, mode);
                 at += len;
-                // Read within the deadline, a block its slot still referenced
-                // when the buckets were read cannot have been reused yet: a
-                // failure here is damage, or a race a retry resolves.
-                let Ok(view) = decode_block(block) else {
-                    suspect.get_or_insert((kh.slot_pos(i), slot));
-                    continue;
-                };
-                if view.key != key {
-                    continue;
-                }
-                let (kind, value) = match view.payload {
-                    Payload::Counter {
-                        sealed: true,
-                        state_word,
-                        ..
-                    } => {
-                        // A writer is unlinking it: neither its value nor
-                        // its absence is the key's yet.
-                        sealed = Some((slot, state_word));
-                        break;
+                match holds {
+                    Holds::Damaged => {
+                        suspect.get_or_insert((kh.slot_pos(i), slot));
                     }
-                    Payload::Counter { value, state, .. } => {
-                        if state != CounterState::Settled && mode.skips_pending() {
-                            // Not there for a reader, but it may yet be.
-                            copies.exact = false;
-                            continue;
+                    Holds::OtherKey => {}
+                    Holds::Pending => copies.exact = false,
+                    Holds::Sealed { state_word } => {
+                        self.wait_on_lock(key, slot, state_word, clock)?;
+                        return Ok(Scan::Retry(None));
+                    }
+                    Holds::Copy(kind, value) => {
+                        if copies.slots.is_empty() {
+                            copies.value = Some(value);
                         }
-                        (Kind::of(&view.payload), Value::Counter(value))
+                        copies.slots.push((kh.slot_pos(i), slot));
+                        copies.kinds.push(kind);
+                        if mode == ScanMode::Lowest {
+                            copies.exact = false;
+                            return Ok(Scan::Found(copies));
+                        }
                     }
-                    Payload::Bytes(bytes) => {
-                        let start = block_at + (bytes.as_ptr() as usize - block.as_ptr() as usize);
-                        (Kind::Bytes, Value::Bytes(start..start + bytes.len()))
-                    }
-                };
-                if copies.slots.is_empty() {
-                    copies.value = Some(value);
                 }
-                copies.slots.push((kh.slot_pos(i), slot));
-                copies.kinds.push(kind);
-                if mode == ScanMode::Lowest {
-                    copies.exact = false;
-                    return Ok(Scan::Found(copies));
-                }
-            }
-            if let Some((slot, state_word)) = sealed {
-                self.wait_on_lock(key, slot, state_word, clock)?;
-                return Ok(Scan::Retry(None));
             }
         }
         if suspect.is_some() {
@@ -376,6 +375,180 @@ impl Client {
         }
         copies.sort();
         Ok(Scan::Found(copies))
+    }
+
+    /// The lowest copy a reader sees (a GET's answer), as `scan` in `mode`
+    /// (`Lowest`, or `Readable` to learn whether it is alone) would find
+    /// it. Where batches are free (shm), `Lowest` reads one candidate's
+    /// block at a time, lowest first, until one holds the key.
+    pub(crate) fn lowest_copy(
+        &mut self,
+        key: &[u8],
+        kh: &KeyHash,
+        slots: &Slots,
+        clock: OpClock,
+        mode: ScanMode,
+    ) -> Result<Lowest> {
+        if mode == ScanMode::Lowest && !self.conn.batches_cost_round_trips() {
+            return self.scan_lowest(key, kh, slots, clock);
+        }
+        Ok(match self.scan(key, kh, slots, clock, mode)? {
+            Scan::Found(copies) => match (copies.slots.first(), copies.value) {
+                (Some(&(pos, slot)), Some(value)) => Lowest::Found {
+                    pos,
+                    slot,
+                    kind: copies.kinds[0],
+                    value,
+                    alone: copies.exact && copies.slots.len() == 1,
+                },
+                _ => Lowest::Absent,
+            },
+            Scan::Retry(suspect) => Lowest::Retry(suspect),
+            Scan::Moved => Lowest::Moved,
+        })
+    }
+
+    /// `lowest_copy` one block at a time. The checks are `scan`'s, but for
+    /// the epoch word: read with every block once a slot calls for it, and
+    /// alone at the end if none was read with it. A candidate read before
+    /// that held no copy, so the epoch still guards every conclusion.
+    fn scan_lowest(
+        &mut self,
+        key: &[u8],
+        kh: &KeyHash,
+        slots: &Slots,
+        clock: OpClock,
+    ) -> Result<Lowest> {
+        let mut check_epoch = meets_resize(slots);
+        let mut epoch_read = false;
+        self.pause_if_slow();
+        let at = self.layout.reads;
+        let mut suspect: Option<(SlotPos, Slot)> = None;
+        for i in set_bits(kh.matches(slots)) {
+            let slot = slots[i];
+            let Some((remote, len)) = self.readable_span(slot) else {
+                check_epoch |= self.past_region(slot);
+                suspect.get_or_insert((kh.slot_pos(i), slot));
+                continue;
+            };
+            let block = Verb::Read {
+                remote,
+                local: at,
+                len,
+            };
+            match check_epoch {
+                true => self.conn.post(&[self.epoch_read(), block])?,
+                false => self.conn.post(&[block])?,
+            }
+            epoch_read |= check_epoch;
+            if check_epoch && self.epoch_changed() {
+                return Ok(Lowest::Moved);
+            }
+            if !clock.in_time() {
+                // As in `scan`.
+                return Ok(Lowest::Retry(None));
+            }
+            match self.holds(key, at..at + len, ScanMode::Lowest) {
+                Holds::Damaged => {
+                    suspect.get_or_insert((kh.slot_pos(i), slot));
+                }
+                Holds::OtherKey | Holds::Pending => {}
+                Holds::Sealed { state_word } => {
+                    self.wait_on_lock(key, slot, state_word, clock)?;
+                    return Ok(Lowest::Retry(None));
+                }
+                Holds::Copy(kind, value) => {
+                    return Ok(Lowest::Found {
+                        pos: kh.slot_pos(i),
+                        slot,
+                        kind,
+                        value,
+                        alone: false,
+                    })
+                }
+            }
+        }
+        if check_epoch && !epoch_read && self.epoch_moved()? {
+            return Ok(Lowest::Moved);
+        }
+        Ok(match suspect {
+            Some(_) => Lowest::Retry(suspect),
+            None => Lowest::Absent,
+        })
+    }
+
+    /// Where a slot's block lies, if this client can read it whole. No
+    /// client writes a block larger than `max_block` (< the read room).
+    fn readable_span(&self, slot: Slot) -> Option<(u64, usize)> {
+        let room = self.layout.read_room();
+        self.info
+            .geometry
+            .block_span(slot.thawed())
+            .filter(|&(_, len)| len <= room)
+    }
+
+    /// Whether a slot points past the region this client knows: it may
+    /// have grown.
+    fn past_region(&self, slot: Slot) -> bool {
+        let live = slot.thawed();
+        live.block_len()
+            .is_some_and(|len| live.offset().saturating_add(len) > self.info.geometry.region_len)
+    }
+
+    /// The READ of the region's epoch word.
+    fn epoch_read(&self) -> Verb {
+        Verb::Read {
+            remote: EPOCH_OFFSET,
+            local: self.layout.epoch,
+            len: 8,
+        }
+    }
+
+    /// Whether the epoch word last read shows a newer geometry.
+    fn epoch_changed(&self) -> bool {
+        read_u64(self.conn.local(), self.layout.epoch) != self.info.geometry.epoch
+    }
+
+    /// Reads the epoch word alone: whether a newer geometry is in force.
+    fn epoch_moved(&mut self) -> Result<bool> {
+        self.conn.post(&[self.epoch_read()])?;
+        Ok(self.epoch_changed())
+    }
+
+    /// What the block read into `range` of the local buffer holds for
+    /// `key`. Read within the deadline, a block its slot still referenced
+    /// when the buckets were read cannot have been reused yet: an invalid
+    /// one is damage, or a race a retry resolves.
+    fn holds(&self, key: &[u8], range: Range<usize>, mode: ScanMode) -> Holds {
+        let block = &self.conn.local()[range.clone()];
+        let Ok(view) = decode_block(block) else {
+            return Holds::Damaged;
+        };
+        if view.key != key {
+            return Holds::OtherKey;
+        }
+        match view.payload {
+            // A writer is unlinking it: neither its value nor its absence
+            // is the key's yet.
+            Payload::Counter {
+                sealed: true,
+                state_word,
+                ..
+            } => Holds::Sealed { state_word },
+            // Not there for a reader, but it may yet be.
+            Payload::Counter { state, .. }
+                if state != CounterState::Settled && mode.skips_pending() =>
+            {
+                Holds::Pending
+            }
+            Payload::Counter { value, .. } => {
+                Holds::Copy(Kind::of(&view.payload), Value::Counter(value))
+            }
+            Payload::Bytes(bytes) => {
+                let start = range.start + (bytes.as_ptr() as usize - block.as_ptr() as usize);
+                Holds::Copy(Kind::Bytes, Value::Bytes(start..start + bytes.len()))
+            }
+        }
     }
 
     /// The fault hook `pause_after_index_read`: sleeps as a client on a slow

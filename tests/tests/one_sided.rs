@@ -312,3 +312,28 @@ fn a_get_reads_only_the_blocks_it_needs() {
         assert_eq!(read(&mut kv, &second), (2, windows + 2 * block));
     }
 }
+
+#[test]
+fn a_get_after_a_pause_longer_than_the_deadline_reads_again_and_finds_the_value() {
+    // Over shm a GET's clock starts at the thread's last clock reading (one
+    // reading fewer per GET): after a pause that reading is too old, so the
+    // first attempt is late, and the GET must read again, not trust it.
+    let deadline = Duration::from_millis(200);
+    let srv = TestServer::start(|c| c.op_deadline = deadline);
+    let mut kv = hinted(&srv.address, 0);
+    kv.put(b"paused", &[7; 100]).unwrap();
+    let get = |kv: &mut Client| {
+        let before = kv.verb_stats();
+        assert_eq!(kv.get(b"paused").unwrap(), Some(vec![7; 100]));
+        kv.verb_stats().since(&before).round_trips
+    };
+    std::thread::sleep(deadline + deadline / 2);
+    let after_pause = get(&mut kv);
+    let right_after = get(&mut kv);
+    assert_eq!(right_after, 2, "buckets, then block");
+    if srv.address.starts_with("shm://") {
+        assert_eq!(after_pause, 4, "a late attempt, then buckets and block");
+    } else {
+        assert_eq!(after_pause, 2, "over rdma the clock is read at the start");
+    }
+}

@@ -2,15 +2,13 @@
 //! PUT over it, a DELETE), and how clients that wait on a dead writer's
 //! lock take it over (see the `counter` module doc for why).
 
-use quanta::Instant;
-
 use kv_common::layout::{
     counter_sealed, counter_settled, counter_words, CounterState, Slot, SlotPos, COUNTER_ABANDONED,
     COUNTER_GENERATION, COUNTER_LOCKED, COUNTER_SEAL,
 };
 use kv_common::transport::{read_u64, Verb};
 
-use crate::clock::OpClock;
+use crate::clock::{self, Instant, OpClock};
 use crate::index::Kind;
 use crate::{Client, Result};
 
@@ -180,12 +178,12 @@ impl Client {
         let since = match self.lock_watch {
             Some(watch) if watch.lock == lock => watch.since,
             _ => {
-                let since = Instant::now();
+                let since = clock::now();
                 self.lock_watch = Some(LockWatch { lock, since });
                 since
             }
         };
-        let waited = since.elapsed();
+        let waited = clock::since(since);
         if waited >= self.timing.lock_timeout() && clock.in_time() {
             self.lock_watch = None;
             let taken = (state | COUNTER_LOCKED).wrapping_add(COUNTER_GENERATION);

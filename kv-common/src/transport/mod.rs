@@ -60,6 +60,17 @@ pub enum Verb {
     FetchAdd { remote: u64, local: usize, add: u64 },
 }
 
+impl Verb {
+    /// The remote bytes the verb touches: offset and length.
+    #[inline]
+    pub fn remote_range(&self) -> (u64, usize) {
+        match *self {
+            Verb::Read { remote, len, .. } | Verb::Write { remote, len, .. } => (remote, len),
+            Verb::Cas { remote, .. } | Verb::FetchAdd { remote, .. } => (remote, 8),
+        }
+    }
+}
+
 /// What a connection has done on the data path.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VerbStats {
@@ -92,6 +103,7 @@ impl VerbStats {
 
     /// Counts one completed batch (one round trip); CAS results are read
     /// back from the local buffer to count failures.
+    #[inline]
     pub fn record_batch(&mut self, verbs: &[Verb], local: &[u8]) {
         for v in verbs {
             match *v {

@@ -289,6 +289,27 @@ impl SharedRegion {
         })
     }
 
+    /// The words covering `[offset, offset + len)` if that range is
+    /// aligned and ends within both `limit` and the mapping: `span` without
+    /// its messages, for the data path.
+    #[inline]
+    fn span_within(&self, offset: u64, len: usize, limit: u64) -> Option<&[AtomicU64]> {
+        let limit = limit.min(self.len());
+        let aligned = (offset | len as u64).is_multiple_of(8);
+        let inside = (len as u64) <= limit && offset <= limit - len as u64;
+        (aligned && inside).then(|| {
+            // SAFETY: as in `span`: the range is 8-byte aligned and lies
+            // within the first `len()` bytes, which stay mapped for as long
+            // as self lives and are only accessed atomically.
+            unsafe {
+                std::slice::from_raw_parts(
+                    self.base.add(offset as usize) as *const AtomicU64,
+                    len / 8,
+                )
+            }
+        })
+    }
+
     pub fn load(&self, offset: u64) -> Result<u64, TransportError> {
         Ok(self.span(offset, 8)?[0].load(Ordering::Acquire))
     }
@@ -516,46 +537,62 @@ fn execute(
     }
     // As a NIC checks the rkey and the queue pair's state: a client the
     // server cut off, or one of an earlier registration, is refused.
-    let registered = region.load(key_word(remote.key_slot)?)?;
-    if registered != remote.rkey as u64 {
+    let key = region.span_within(key_word(remote.key_slot)?, 8, u64::MAX);
+    if key.is_none_or(|word| word[0].load(Ordering::Acquire) != remote.rkey as u64) {
         return Err(TransportError::RemoteAccess(format!(
             "rkey {:#x} is not registered (the server restarted, shut down or cut this client off)",
             remote.rkey
         )));
     }
-    let verbs = read_order.arrange(verbs);
-    let mut reads = 0;
+    match read_order {
+        // The data path: nothing to do between verbs.
+        ReadOrder::Posted => run_verbs(region, remote, local, verbs, |_| {}),
+        ReadOrder::Reversed { .. } => {
+            let mut reads = 0;
+            let pause = |verb: &Verb| {
+                if let Some(pause) = read_order.pause_before(verb, reads) {
+                    std::thread::sleep(pause);
+                }
+                reads += usize::from(matches!(verb, Verb::Read { .. }));
+            };
+            run_verbs(region, remote, local, &read_order.arrange(verbs), pause)
+        }
+    }
+}
+
+/// Runs the verbs of a batch in order, `before` each one. Each verb's range
+/// is checked, and its words found, once; a verb out of range fails the
+/// batch where it stands, those before it having run, as on a NIC.
+#[inline]
+fn run_verbs(
+    region: &SharedRegion,
+    remote: &RemoteRegion,
+    local: &mut [u64],
+    verbs: &[Verb],
+    mut before: impl FnMut(&Verb),
+) -> Result<(), TransportError> {
     for chunk in verbs.chunks(PREFETCH_VERBS) {
-        // Each verb's range is checked, and its words found, once. A verb
-        // out of range fails the batch where it stands: those before it
-        // have run, as on a NIC.
-        let mut spans: [&[AtomicU64]; PREFETCH_VERBS] = [&[]; PREFETCH_VERBS];
-        let mut checked = 0;
+        // Every verb is checked first and the lines the READs need are all
+        // asked for, so that the first copy waits for one round of misses.
         let mut refused = None;
-        for (verb, span) in chunk.iter().zip(&mut spans) {
+        let mut checked = chunk.len();
+        for (i, verb) in chunk.iter().enumerate() {
             match verb_span(region, remote, verb) {
-                Ok(words) => *span = words,
+                Ok(span) if matches!(verb, Verb::Read { .. }) => prefetch_lines(span),
+                Ok(_) => {}
                 Err(e) => {
                     refused = Some(e);
+                    checked = i;
                     break;
                 }
             }
-            // Every line these verbs read in flight before the first copy
-            // waits.
-            if matches!(verb, Verb::Read { .. }) {
-                prefetch_lines(span);
-            }
-            checked += 1;
         }
-        for (verb, &span) in chunk[..checked].iter().zip(&spans) {
-            if let Some(pause) = read_order.pause_before(verb, reads) {
-                std::thread::sleep(pause);
-            }
+        for verb in &chunk[..checked] {
+            before(verb);
+            // In range a moment ago, so now: the mapping only grows.
+            let span = verb_span(region, remote, verb)?;
             match *verb {
-                Verb::Read { local: at, len, .. } => {
-                    load_words(span, local_words(local, at, len)?);
-                    reads += 1;
-                }
+                Verb::Read { local: at, len, .. } => load_words(span, local_words(local, at, len)?),
                 Verb::Write { local: at, len, .. } => {
                     store_words(local_words(local, at, len)?, span)
                 }
@@ -584,23 +621,38 @@ fn execute(
 }
 
 /// Verbs checked, and their READs' lines prefetched, before any of them
-/// runs: a chunk's words are kept in an array on the stack. 16 READs (a
+/// runs. 16 READs (a
 /// multi-key batch's windows are three lines each, a block up to tens) are
 /// already more lines than a core has misses in flight, so a longer batch
 /// waiting for its misses a chunk at a time should lose little; GET's
 /// batches fit in one chunk.
 const PREFETCH_VERBS: usize = 16;
 
-/// The words a verb touches, if they lie within the registered range.
+/// The words a verb touches, if they lie within the registered range; or
+/// why not.
+#[inline(always)]
 fn verb_span<'r>(
     region: &'r SharedRegion,
     remote: &RemoteRegion,
     verb: &Verb,
 ) -> Result<&'r [AtomicU64], TransportError> {
-    let (off, len) = match *verb {
-        Verb::Read { remote, len, .. } | Verb::Write { remote, len, .. } => (remote, len),
-        Verb::Cas { remote, .. } | Verb::FetchAdd { remote, .. } => (remote, 8),
-    };
+    let (off, len) = verb.remote_range();
+    match region.span_within(off, len, remote.len) {
+        Some(words) => Ok(words),
+        None => checked_span(region, remote, off, len),
+    }
+}
+
+/// `verb_span` off the data path: why the range is refused (or its words,
+/// if the mapping has just grown to take it).
+#[cold]
+#[inline(never)]
+fn checked_span<'r>(
+    region: &'r SharedRegion,
+    remote: &RemoteRegion,
+    off: u64,
+    len: usize,
+) -> Result<&'r [AtomicU64], TransportError> {
     if off.checked_add(len as u64).is_none_or(|e| e > remote.len) {
         return Err(TransportError::RemoteAccess(format!(
             "range {off}+{len} outside the registered {} bytes",
