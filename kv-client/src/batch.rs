@@ -23,7 +23,7 @@
 
 use kv_common::layout::{
     block_len, class_for, decode_block, encode_block, CounterState, KeyHash, Payload, Slot,
-    CANDIDATE_SLOTS, EPOCH_OFFSET,
+    CANDIDATE_SLOTS,
 };
 use kv_common::transport::{read_u64, Verb, MAX_BATCH_VERBS};
 use smallvec::SmallVec;
@@ -179,11 +179,7 @@ impl Client {
 
         let mut verbs: SmallVec<[Verb; MAX_BATCH_VERBS]> = SmallVec::new();
         if check_epoch {
-            verbs.push(Verb::Read {
-                remote: EPOCH_OFFSET,
-                local: self.layout.epoch,
-                len: 8,
-            });
+            verbs.push(self.epoch_read());
         }
         verbs.extend(candidates.iter().map(|c| c.read));
         if !verbs.is_empty() {

@@ -11,23 +11,27 @@
 //! An attempt's clock may start earlier than the attempt does: every
 //! conclusion drawn from it is then only more cautious (`in_time` fails
 //! sooner; a sighting dated earlier makes a hint stale sooner and settle
-//! later). So a GET over shm, where a late clock costs only a re-read,
-//! starts its clock at the thread's last reading instead of reading the
-//! clock again (`Timing::start_at_last_reading`).
+//! later). So the first attempt of a GET over shm, where a late clock costs
+//! only a re-read, starts its clock at the thread's last reading instead of
+//! reading the clock again (`Timing::start_at_last_reading`). Like every
+//! clock here, that assumes the TSCs of all cores agree (quanta uses the
+//! TSC only where it is invariant); a thread moved to a core whose counter
+//! lags would see its clock start late by that lag.
 
 use std::cell::Cell;
 use std::sync::LazyLock;
 use std::time::Duration;
 
 use kv_common::protocol::GRACE_DEADLINES;
-// Two clock reads per operation: the TSC where it is invariant (calibrated
-// against the monotonic clock), the monotonic clock where it is not.
+// The TSC where it is invariant (calibrated against the monotonic clock),
+// the monotonic clock where it is not: a read costs nanoseconds, not a
+// system call.
 pub use quanta::Instant;
 
-/// The one clock every time in the client is read from, so that all its
-/// instants share one calibration. An attempt's clock keeps the raw reading
-/// and compares raw ticks against the deadline in ticks: no scaling on the
-/// data path.
+/// The clock every time in the client is read from. An attempt's clock
+/// keeps the raw reading and compares raw ticks against the deadline in
+/// ticks: no scaling on the data path; `OpClock::started` scales the raw
+/// reading on this clock, so it compares with `now`.
 static CLOCK: LazyLock<quanta::Clock> = LazyLock::new(quanta::Clock::new);
 
 thread_local! {
@@ -107,8 +111,8 @@ impl Timing {
 
     /// As `start`, at the thread's last reading of the clock: one clock
     /// read fewer, at the price of a failed `in_time` (a retry) when the
-    /// thread has not read the clock for a deadline. For reads that cost
-    /// little to redo and change nothing.
+    /// thread has not read the clock for about a deadline. For an attempt
+    /// whose reads cost little to redo.
     pub fn start_at_last_reading(&self) -> OpClock {
         OpClock {
             started: LAST_READING.get(),
@@ -163,8 +167,8 @@ pub struct OpClock {
 }
 
 impl OpClock {
-    /// When the attempt's first batch was posted: what it read was in the
-    /// region at this time or later.
+    /// When the attempt's first batch was posted, or earlier: what it read
+    /// was in the region at this time or later.
     pub fn started(&self) -> Instant {
         CLOCK.scaled(self.started)
     }

@@ -10,13 +10,13 @@
 //! batch reads the slot's word and the block, two READs instead of three.
 
 use crossbeam::utils::Backoff;
-use kv_common::layout::{decode_block, CounterState, KeyHash, Payload, Slot};
+use kv_common::layout::{KeyHash, Slot};
 use kv_common::transport::{read_u64, Verb};
 
 use crate::clock::OpClock;
 use crate::corrupt::CorruptSlot;
 use crate::hint::Hint;
-use crate::index::{others_match, Lowest, ScanMode, Value};
+use crate::index::{others_match, Holds, Lowest, ScanMode, Value};
 use crate::{Client, Result, Step};
 
 /// What one batch of a key's windows and its hinted block showed.
@@ -50,12 +50,16 @@ impl Client {
         }
         let mut corrupt = CorruptSlot::default();
         let backoff = Backoff::new();
-        for _ in 0..self.options.max_attempts {
+        for attempt in 0..self.options.max_attempts {
             // After a hint that did not hold, every copy: proving there is
             // only one lets the hint settle.
             let (clock, mode) = match read_already.take() {
                 Some(clock) => (clock, ScanMode::Readable),
-                None => (self.read_windows_to_get(&kh)?, ScanMode::Lowest),
+                // Only a first attempt starts at the thread's last reading:
+                // a retry follows pauses (backoff, waits) that must not
+                // count against it.
+                None if attempt == 0 => (self.read_windows_to_get(&kh)?, ScanMode::Lowest),
+                None => (self.read_windows(&kh, None)?, ScanMode::Lowest),
             };
             let slots = self.slots();
             match self.lowest_copy(key, &kh, &slots, clock, mode)? {
@@ -96,10 +100,8 @@ impl Client {
         first: Option<Verb>,
     ) -> Result<Sighting> {
         let at = kh.slot_index(hint.pos);
-        let span = self.info.geometry.block_span(hint.slot);
         let local = self.layout.reads;
-        let fits = span.filter(|&(_, len)| len <= self.layout.read_room());
-        let (Some(at), Some((remote, len))) = (at, fits) else {
+        let (Some(at), Some((remote, len))) = (at, self.readable_span(hint.slot)) else {
             self.cache.forget(key);
             return Ok(Sighting::WindowsOnly(self.read_windows(kh, first)?));
         };
@@ -209,20 +211,10 @@ impl Client {
         let Verb::Read { local, len, .. } = read else {
             return None;
         };
-        let bytes = &self.conn.local()[local..local + len];
-        let view = decode_block(bytes).ok().filter(|v| v.key == key)?;
-        match view.payload {
-            Payload::Bytes(value) => {
-                let start = local + (value.as_ptr() as usize - bytes.as_ptr() as usize);
-                Some(Value::Bytes(start..start + value.len()))
-            }
-            // A sealed counter's value is not the key's: the scan waits.
-            Payload::Counter {
-                value,
-                state,
-                sealed,
-                ..
-            } => (state == CounterState::Settled && !sealed).then_some(Value::Counter(value)),
+        // A sealed counter's value is not the key's: the scan waits.
+        match self.holds(key, local..local + len, ScanMode::Lowest) {
+            Holds::Copy(_, value) => Some(value),
+            _ => None,
         }
     }
 }

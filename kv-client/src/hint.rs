@@ -2,9 +2,9 @@
 //! that without reading the buckets first.
 //!
 //! A hint is a slot position `pos`, the slot value `slot` last seen there
-//! (it names the key's block), and two times, each the start of a batch:
-//! `held_since`, from when `pos` has held the key without a break, and
-//! `confirmed`, when `pos` last held `slot`.
+//! (it names the key's block), and two times, each the start of a batch (or
+//! earlier): `held_since`, from when `pos` has held the key without a
+//! break, and `confirmed`, when `pos` last held `slot`.
 //!
 //! **Fresh hints cannot name a reused block.** Space is reused only a grace
 //! period after a collection found it unreferenced, and a block is never

@@ -131,7 +131,7 @@ pub enum Lowest {
 }
 
 /// What a candidate's block, as read, holds for the key looked for.
-enum Holds {
+pub(crate) enum Holds {
     /// Not a valid block.
     Damaged,
     OtherKey,
@@ -378,9 +378,10 @@ impl Client {
     }
 
     /// The lowest copy a reader sees (a GET's answer), as `scan` in `mode`
-    /// (`Lowest`, or `Readable` to learn whether it is alone) would find
-    /// it. Where batches are free (shm), `Lowest` reads one candidate's
-    /// block at a time, lowest first, until one holds the key.
+    /// (`Lowest`, or `Readable` to learn whether it is alone; never
+    /// `AllCopies`, whose copies a reader may not see) would find it. Where
+    /// batches are free (shm), `Lowest` reads one candidate's block at a
+    /// time, lowest first, until one holds the key.
     pub(crate) fn lowest_copy(
         &mut self,
         key: &[u8],
@@ -389,10 +390,13 @@ impl Client {
         clock: OpClock,
         mode: ScanMode,
     ) -> Result<Lowest> {
+        debug_assert!(!matches!(mode, ScanMode::AllCopies { .. }));
         if mode == ScanMode::Lowest && !self.conn.batches_cost_round_trips() {
             return self.scan_lowest(key, kh, slots, clock);
         }
         Ok(match self.scan(key, kh, slots, clock, mode)? {
+            // A reader's scan reads every copy it keeps: the lowest one's
+            // value is there whenever a copy is.
             Scan::Found(copies) => match (copies.slots.first(), copies.value) {
                 (Some(&(pos, slot)), Some(value)) => Lowest::Found {
                     pos,
@@ -409,9 +413,12 @@ impl Client {
     }
 
     /// `lowest_copy` one block at a time. The checks are `scan`'s, but for
-    /// the epoch word: read with every block once a slot calls for it, and
-    /// alone at the end if none was read with it. A candidate read before
-    /// that held no copy, so the epoch still guards every conclusion.
+    /// the epoch word: read with every block once a slot calls for it (a
+    /// frozen one from the start, one past the known region when met), and
+    /// alone at the end if none was read with it. So it guards every
+    /// conclusion that the slots it concerns take part in; a copy found
+    /// below a slot past the region is the key's whatever that slot holds,
+    /// as the lowest copy wins.
     fn scan_lowest(
         &mut self,
         key: &[u8],
@@ -479,7 +486,7 @@ impl Client {
 
     /// Where a slot's block lies, if this client can read it whole. No
     /// client writes a block larger than `max_block` (< the read room).
-    fn readable_span(&self, slot: Slot) -> Option<(u64, usize)> {
+    pub(crate) fn readable_span(&self, slot: Slot) -> Option<(u64, usize)> {
         let room = self.layout.read_room();
         self.info
             .geometry
@@ -496,7 +503,7 @@ impl Client {
     }
 
     /// The READ of the region's epoch word.
-    fn epoch_read(&self) -> Verb {
+    pub(crate) fn epoch_read(&self) -> Verb {
         Verb::Read {
             remote: EPOCH_OFFSET,
             local: self.layout.epoch,
@@ -519,7 +526,7 @@ impl Client {
     /// `key`. Read within the deadline, a block its slot still referenced
     /// when the buckets were read cannot have been reused yet: an invalid
     /// one is damage, or a race a retry resolves.
-    fn holds(&self, key: &[u8], range: Range<usize>, mode: ScanMode) -> Holds {
+    pub(crate) fn holds(&self, key: &[u8], range: Range<usize>, mode: ScanMode) -> Holds {
         let block = &self.conn.local()[range.clone()];
         let Ok(view) = decode_block(block) else {
             return Holds::Damaged;

@@ -285,7 +285,9 @@ fn keys_sharing_a_fingerprint(bucket_count: u64) -> (Vec<u8>, Vec<u8>) {
 
 #[test]
 fn a_get_reads_only_the_blocks_it_needs() {
-    let srv = TestServer::start(|_| {});
+    // A deadline no stall between two operations reaches: a GET whose
+    // clock starts late (see the next test) would read again.
+    let srv = TestServer::start(|c| c.op_deadline = Duration::from_secs(2));
     // No hints (on by default over rdma): every GET reads the buckets.
     let mut kv = hinted(&srv.address, 0);
     let (first, second) = keys_sharing_a_fingerprint(kv.geometry().bucket_count);
@@ -318,7 +320,9 @@ fn a_get_after_a_pause_longer_than_the_deadline_reads_again_and_finds_the_value(
     // Over shm a GET's clock starts at the thread's last clock reading (one
     // reading fewer per GET): after a pause that reading is too old, so the
     // first attempt is late, and the GET must read again, not trust it.
-    let deadline = Duration::from_millis(200);
+    // Long enough that no stall of a loaded machine between two GETs
+    // passes for the pause.
+    let deadline = Duration::from_millis(500);
     let srv = TestServer::start(|c| c.op_deadline = deadline);
     let mut kv = hinted(&srv.address, 0);
     kv.put(b"paused", &[7; 100]).unwrap();

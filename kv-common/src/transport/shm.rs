@@ -23,6 +23,7 @@
 //! server are cut off before the new one looks at the index.
 
 use std::fs::{File, OpenOptions};
+use std::mem::MaybeUninit;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -298,9 +299,11 @@ impl SharedRegion {
         let aligned = (offset | len as u64).is_multiple_of(8);
         let inside = (len as u64) <= limit && offset <= limit - len as u64;
         (aligned && inside).then(|| {
-            // SAFETY: as in `span`: the range is 8-byte aligned and lies
-            // within the first `len()` bytes, which stay mapped for as long
-            // as self lives and are only accessed atomically.
+            // SAFETY: the range is 8-byte aligned (and so is `base`, a
+            // mapping's start) and lies within the first `len()` bytes,
+            // which are mapped before that length is published and stay
+            // mapped for as long as self lives; they are only ever accessed
+            // atomically, by this and every other process.
             unsafe {
                 std::slice::from_raw_parts(
                     self.base.add(offset as usize) as *const AtomicU64,
@@ -560,9 +563,10 @@ fn execute(
     }
 }
 
-/// Runs the verbs of a batch in order, `before` each one. Each verb's range
-/// is checked, and its words found, once; a verb out of range fails the
-/// batch where it stands, those before it having run, as on a NIC.
+/// Runs the verbs of a batch in order, `before` each one. A chunk's verbs
+/// are all checked against the registered range (and their words found)
+/// before any of them runs; a verb out of range fails the batch where it
+/// stands, those before it having run, as on a NIC.
 #[inline]
 fn run_verbs(
     region: &SharedRegion,
@@ -574,23 +578,28 @@ fn run_verbs(
     for chunk in verbs.chunks(PREFETCH_VERBS) {
         // Every verb is checked first and the lines the READs need are all
         // asked for, so that the first copy waits for one round of misses.
+        let mut spans = [const { MaybeUninit::<&[AtomicU64]>::uninit() }; PREFETCH_VERBS];
         let mut refused = None;
-        let mut checked = chunk.len();
-        for (i, verb) in chunk.iter().enumerate() {
+        let mut checked = 0;
+        for (verb, span) in chunk.iter().zip(&mut spans) {
             match verb_span(region, remote, verb) {
-                Ok(span) if matches!(verb, Verb::Read { .. }) => prefetch_lines(span),
-                Ok(_) => {}
+                Ok(words) => {
+                    if matches!(verb, Verb::Read { .. }) {
+                        prefetch_lines(words);
+                    }
+                    span.write(words);
+                    checked += 1;
+                }
                 Err(e) => {
                     refused = Some(e);
-                    checked = i;
                     break;
                 }
             }
         }
-        for verb in &chunk[..checked] {
+        for (verb, span) in chunk[..checked].iter().zip(&spans) {
             before(verb);
-            // In range a moment ago, so now: the mapping only grows.
-            let span = verb_span(region, remote, verb)?;
+            // SAFETY: the first `checked` spans were written above.
+            let span = unsafe { span.assume_init() };
             match *verb {
                 Verb::Read { local: at, len, .. } => load_words(span, local_words(local, at, len)?),
                 Verb::Write { local: at, len, .. } => {
@@ -621,11 +630,10 @@ fn run_verbs(
 }
 
 /// Verbs checked, and their READs' lines prefetched, before any of them
-/// runs. 16 READs (a
-/// multi-key batch's windows are three lines each, a block up to tens) are
-/// already more lines than a core has misses in flight, so a longer batch
-/// waiting for its misses a chunk at a time should lose little; GET's
-/// batches fit in one chunk.
+/// runs. 16 READs (a multi-key batch's windows are three lines each, a
+/// block up to tens) are already more lines than a core has misses in
+/// flight, so a longer batch waiting for its misses a chunk at a time
+/// should lose little; GET's batches fit in one chunk.
 const PREFETCH_VERBS: usize = 16;
 
 /// The words a verb touches, if they lie within the registered range; or
