@@ -185,7 +185,7 @@ impl Client {
         if !verbs.is_empty() {
             self.conn.post(&verbs)?;
         }
-        let moved = check_epoch && read_u64(self.conn.local(), self.layout.epoch) != g.epoch;
+        let moved = check_epoch && self.epoch_changed();
         let trusted = clock.in_time() && !moved;
         for (i, key) in keys.iter().enumerate() {
             if matches!(firsts[i], First::Hinted(..)) || unsettled.contains(&i) {

@@ -28,7 +28,7 @@ use kv_common::protocol::GRACE_DEADLINES;
 // system call.
 pub use quanta::Instant;
 
-/// The clock every time in the client is read from. An attempt's clock
+/// The clock every protocol bound is measured on. An attempt's clock
 /// keeps the raw reading and compares raw ticks against the deadline in
 /// ticks: no scaling on the data path; `OpClock::started` scales the raw
 /// reading on this clock, so it compares with `now`.
@@ -46,6 +46,13 @@ fn read_raw() -> u64 {
     now
 }
 
+/// Takes a reading as the thread's last: an attempt that starts at the
+/// last reading (`Timing::start_at_last_reading`) then starts no earlier
+/// than this.
+pub fn touch() {
+    read_raw();
+}
+
 /// Now, on the client's clock.
 pub fn now() -> Instant {
     CLOCK.now()
@@ -56,8 +63,9 @@ pub fn since(earlier: Instant) -> Duration {
     now().saturating_duration_since(earlier)
 }
 
-/// The most raw ticks that measure no more than `limit`: a raw interval is
-/// within `limit` exactly when it is at most this many ticks.
+/// The most raw ticks that measure no more than `limit` (up to about 18
+/// minutes): a raw interval is within `limit` exactly when it is at most
+/// this many ticks.
 fn ticks_within(limit: Duration) -> u64 {
     // A longer limit is taken as this one (stricter, never looser): it
     // keeps every interval below far from overflowing.
@@ -111,8 +119,8 @@ impl Timing {
 
     /// As `start`, at the thread's last reading of the clock: one clock
     /// read fewer, at the price of a failed `in_time` (a retry) when the
-    /// thread has not read the clock for about a deadline. For an attempt
-    /// whose reads cost little to redo.
+    /// thread has not read the clock (in any operation) for more than a
+    /// deadline. For an attempt whose reads cost little to redo.
     pub fn start_at_last_reading(&self) -> OpClock {
         OpClock {
             started: LAST_READING.get(),
@@ -205,30 +213,41 @@ mod tests {
         assert!(CLOCK.delta_as_nanos(0, longest) <= 1 << 40);
     }
 
+    // "In time" is checked against a deadline no stall of a loaded machine
+    // reaches, "late" against a short one slept past: the thread's last
+    // reading is shared by both.
+    const LONG: Duration = Duration::from_secs(30);
+    const SHORT: Duration = Duration::from_millis(2);
+
     #[test]
     fn an_attempt_is_in_time_within_its_deadline_and_late_after_it() {
-        let timing = Timing::new(Duration::from_millis(40));
-        let clock = timing.start();
-        assert!(clock.in_time());
-        std::thread::sleep(Duration::from_millis(60));
-        assert!(!clock.in_time());
-        assert!(timing.start().in_time());
+        let (long, short) = (Timing::new(LONG), Timing::new(SHORT));
+        let (a, b) = (long.start(), short.start());
+        std::thread::sleep(SHORT * 5);
+        assert!(a.in_time());
+        assert!(!b.in_time());
     }
 
     #[test]
     fn a_clock_started_at_the_last_reading_is_never_later_and_late_after_a_pause() {
-        let timing = Timing::new(Duration::from_millis(40));
-        let fresh = timing.start();
-        let lazy = timing.start_at_last_reading();
-        assert!(lazy.started() <= fresh.started() && lazy.in_time());
+        let (long, short) = (Timing::new(LONG), Timing::new(SHORT));
+        long.start();
+        let lazy = long.start_at_last_reading();
+        assert!(lazy.started() <= now() && lazy.in_time());
         // A thread idle for longer than the deadline: the attempt is late,
-        // and the reading it took to find out makes the next one fresh.
-        std::thread::sleep(Duration::from_millis(60));
-        let stale = timing.start_at_last_reading();
+        // and the reading it took to find out makes the next one start then.
+        let before = short.start_at_last_reading();
+        std::thread::sleep(SHORT * 5);
+        let stale = short.start_at_last_reading();
         assert!(!stale.in_time());
-        assert!(timing.start_at_last_reading().in_time());
+        assert!(long.start_at_last_reading().started() > before.started());
+        // So does `touch`.
+        std::thread::sleep(SHORT * 5);
+        touch();
+        let touched = long.start_at_last_reading();
+        assert!(touched.started() > stale.started() + SHORT * 4);
         // A thread that never read the clock starts at the beginning of time.
-        let never = std::thread::spawn(move || timing.start_at_last_reading().in_time());
+        let never = std::thread::spawn(move || short.start_at_last_reading().in_time());
         assert_eq!(never.join().ok(), Some(false));
     }
 }

@@ -16,7 +16,7 @@ use kv_common::transport::{read_u64, Verb};
 use crate::clock::OpClock;
 use crate::corrupt::CorruptSlot;
 use crate::hint::Hint;
-use crate::index::{others_match, Holds, Lowest, ScanMode, Value};
+use crate::index::{others_match, Holds, LowestCopy, ReaderScan, ScanMode, Value};
 use crate::{Client, Result, Step};
 
 /// What one batch of a key's windows and its hinted block showed.
@@ -54,16 +54,19 @@ impl Client {
             // After a hint that did not hold, every copy: proving there is
             // only one lets the hint settle.
             let (clock, mode) = match read_already.take() {
-                Some(clock) => (clock, ScanMode::Readable),
+                Some(clock) => (clock, ReaderScan::Readable),
                 // Only a first attempt starts at the thread's last reading:
                 // a retry follows pauses (backoff, waits) that must not
                 // count against it.
-                None if attempt == 0 => (self.read_windows_to_get(&kh)?, ScanMode::Lowest),
-                None => (self.read_windows(&kh, None)?, ScanMode::Lowest),
+                None if attempt == 0 => (
+                    self.read_windows_from_last_reading(&kh)?,
+                    ReaderScan::Lowest,
+                ),
+                None => (self.read_windows(&kh, None)?, ReaderScan::Lowest),
             };
             let slots = self.slots();
             match self.lowest_copy(key, &kh, &slots, clock, mode)? {
-                Lowest::Found {
+                LowestCopy::Found {
                     pos,
                     slot,
                     kind,
@@ -73,12 +76,12 @@ impl Client {
                     self.saw(key, pos, slot, clock, alone, kind.settled_counter());
                     return Ok(Step::Done(Some(value)));
                 }
-                Lowest::Absent => {
+                LowestCopy::Absent => {
                     self.cache.forget(key);
                     return Ok(Step::Done(None));
                 }
-                Lowest::Retry(suspect) => corrupt.saw(key, suspect)?,
-                Lowest::Moved => return Ok(Step::Moved),
+                LowestCopy::Retry(suspect) => corrupt.saw(key, suspect)?,
+                LowestCopy::Moved => return Ok(Step::Moved),
             }
             backoff.snooze();
         }

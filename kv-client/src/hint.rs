@@ -231,7 +231,9 @@ mod tests {
 
     #[test]
     fn a_hint_settles_only_after_a_later_lone_sighting_and_goes_stale() {
-        let timing = Timing::new(Duration::from_millis(5));
+        // Hints live for two deadlines (grace less two): a long deadline, so
+        // that the first is still fresh however slow the machine.
+        let timing = Timing::new(Duration::from_secs(10));
         let pos = SlotPos {
             bucket: 1,
             index: 2,
@@ -248,9 +250,10 @@ mod tests {
         assert!(!h.confirmed(Slot(2), later, false, &timing).is_sole());
         let h = h.confirmed(Slot(3), later, true, &timing);
         assert!(h.is_sole() && h.slot == Slot(3));
-        let old = timing.start();
-        std::thread::sleep(timing.hint_life());
+        let short = Timing::new(Duration::from_millis(5));
+        let old = short.start();
+        std::thread::sleep(short.hint_life() + short.deadline());
         let stale = Hint::seen(pos, Slot(1), old);
-        assert!(!stale.is_fresh(&timing) && !stale.allows_blind_cas(&timing));
+        assert!(!stale.is_fresh(&short) && !stale.allows_blind_cas(&short));
     }
 }

@@ -112,15 +112,24 @@ pub enum Scan {
     Moved,
 }
 
+/// What a reader's scan must find (`Client::lowest_copy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReaderScan {
+    /// The lowest copy a reader sees.
+    Lowest,
+    /// Every copy a reader sees, to learn whether the lowest is alone.
+    Readable,
+}
+
 /// The lowest copy of a key a reader sees, as `Client::lowest_copy` found
 /// it.
-pub enum Lowest {
+pub enum LowestCopy {
     Found {
         pos: SlotPos,
         slot: Slot,
         kind: Kind,
         value: Value,
-        /// No other slot holds a copy.
+        /// Proven to be the key's only copy (false: not known).
         alone: bool,
     },
     Absent,
@@ -203,24 +212,29 @@ impl Client {
     /// travels with them); the clock starts before it.
     pub(crate) fn read_windows(&mut self, kh: &KeyHash, first: Option<Verb>) -> Result<OpClock> {
         let clock = self.timing.start();
+        self.post_windows(kh, first)?;
+        Ok(clock)
+    }
+
+    /// As `read_windows` with no WRITE, for a GET's first attempt: where a
+    /// batch costs only its copies, the clock starts at the thread's last
+    /// reading (`Timing::start_at_last_reading`).
+    pub(crate) fn read_windows_from_last_reading(&mut self, kh: &KeyHash) -> Result<OpClock> {
+        if self.conn.batches_cost_round_trips() {
+            return self.read_windows(kh, None);
+        }
+        let clock = self.timing.start_at_last_reading();
+        self.post_windows(kh, None)?;
+        Ok(clock)
+    }
+
+    fn post_windows(&mut self, kh: &KeyHash, first: Option<Verb>) -> Result<()> {
         let [a, b] = self.window_reads(kh);
         match first {
             Some(first) => self.conn.post(&[first, a, b])?,
             None => self.conn.post(&[a, b])?,
         }
-        Ok(clock)
-    }
-
-    /// Reads the key's windows for a GET. Where a batch costs only its
-    /// copies, the clock starts at the thread's last reading: a GET after
-    /// a pause of more than a deadline then reads again.
-    pub(crate) fn read_windows_to_get(&mut self, kh: &KeyHash) -> Result<OpClock> {
-        if self.conn.batches_cost_round_trips() {
-            return self.read_windows(kh, None);
-        }
-        let clock = self.timing.start_at_last_reading();
-        self.conn.post(&self.window_reads(kh))?;
-        Ok(clock)
+        Ok(())
     }
 
     /// The key's candidate slots as the last READ of its windows left them.
@@ -305,7 +319,7 @@ impl Client {
             }
         }
         self.pause_if_slow();
-        if candidates.is_empty() && check_epoch && self.epoch_moved()? {
+        if candidates.is_empty() && check_epoch && self.read_epoch_changed()? {
             return Ok(Scan::Moved);
         }
         let mut next = 0;
@@ -377,38 +391,39 @@ impl Client {
         Ok(Scan::Found(copies))
     }
 
-    /// The lowest copy a reader sees (a GET's answer), as `scan` in `mode`
-    /// (`Lowest`, or `Readable` to learn whether it is alone; never
-    /// `AllCopies`, whose copies a reader may not see) would find it. Where
-    /// batches are free (shm), `Lowest` reads one candidate's block at a
-    /// time, lowest first, until one holds the key.
+    /// The lowest copy a reader sees (a GET's answer), as `scan` would find
+    /// it. Where batches are free (shm), `Lowest` reads one candidate's
+    /// block at a time, lowest first, until one holds the key.
     pub(crate) fn lowest_copy(
         &mut self,
         key: &[u8],
         kh: &KeyHash,
         slots: &Slots,
         clock: OpClock,
-        mode: ScanMode,
-    ) -> Result<Lowest> {
-        debug_assert!(!matches!(mode, ScanMode::AllCopies { .. }));
-        if mode == ScanMode::Lowest && !self.conn.batches_cost_round_trips() {
-            return self.scan_lowest(key, kh, slots, clock);
-        }
+        seek: ReaderScan,
+    ) -> Result<LowestCopy> {
+        let mode = match seek {
+            ReaderScan::Lowest if !self.conn.batches_cost_round_trips() => {
+                return self.scan_lowest(key, kh, slots, clock);
+            }
+            ReaderScan::Lowest => ScanMode::Lowest,
+            ReaderScan::Readable => ScanMode::Readable,
+        };
         Ok(match self.scan(key, kh, slots, clock, mode)? {
             // A reader's scan reads every copy it keeps: the lowest one's
             // value is there whenever a copy is.
             Scan::Found(copies) => match (copies.slots.first(), copies.value) {
-                (Some(&(pos, slot)), Some(value)) => Lowest::Found {
+                (Some(&(pos, slot)), Some(value)) => LowestCopy::Found {
                     pos,
                     slot,
                     kind: copies.kinds[0],
                     value,
                     alone: copies.exact && copies.slots.len() == 1,
                 },
-                _ => Lowest::Absent,
+                _ => LowestCopy::Absent,
             },
-            Scan::Retry(suspect) => Lowest::Retry(suspect),
-            Scan::Moved => Lowest::Moved,
+            Scan::Retry(suspect) => LowestCopy::Retry(suspect),
+            Scan::Moved => LowestCopy::Moved,
         })
     }
 
@@ -425,7 +440,7 @@ impl Client {
         kh: &KeyHash,
         slots: &Slots,
         clock: OpClock,
-    ) -> Result<Lowest> {
+    ) -> Result<LowestCopy> {
         let mut check_epoch = meets_resize(slots);
         let mut epoch_read = false;
         self.pause_if_slow();
@@ -449,11 +464,11 @@ impl Client {
             }
             epoch_read |= check_epoch;
             if check_epoch && self.epoch_changed() {
-                return Ok(Lowest::Moved);
+                return Ok(LowestCopy::Moved);
             }
             if !clock.in_time() {
                 // As in `scan`.
-                return Ok(Lowest::Retry(None));
+                return Ok(LowestCopy::Retry(None));
             }
             match self.holds(key, at..at + len, ScanMode::Lowest) {
                 Holds::Damaged => {
@@ -462,10 +477,10 @@ impl Client {
                 Holds::OtherKey | Holds::Pending => {}
                 Holds::Sealed { state_word } => {
                     self.wait_on_lock(key, slot, state_word, clock)?;
-                    return Ok(Lowest::Retry(None));
+                    return Ok(LowestCopy::Retry(None));
                 }
                 Holds::Copy(kind, value) => {
-                    return Ok(Lowest::Found {
+                    return Ok(LowestCopy::Found {
                         pos: kh.slot_pos(i),
                         slot,
                         kind,
@@ -475,12 +490,12 @@ impl Client {
                 }
             }
         }
-        if check_epoch && !epoch_read && self.epoch_moved()? {
-            return Ok(Lowest::Moved);
+        if check_epoch && !epoch_read && self.read_epoch_changed()? {
+            return Ok(LowestCopy::Moved);
         }
         Ok(match suspect {
-            Some(_) => Lowest::Retry(suspect),
-            None => Lowest::Absent,
+            Some(_) => LowestCopy::Retry(suspect),
+            None => LowestCopy::Absent,
         })
     }
 
@@ -512,12 +527,12 @@ impl Client {
     }
 
     /// Whether the epoch word last read shows a newer geometry.
-    fn epoch_changed(&self) -> bool {
+    pub(crate) fn epoch_changed(&self) -> bool {
         read_u64(self.conn.local(), self.layout.epoch) != self.info.geometry.epoch
     }
 
     /// Reads the epoch word alone: whether a newer geometry is in force.
-    fn epoch_moved(&mut self) -> Result<bool> {
+    fn read_epoch_changed(&mut self) -> Result<bool> {
         self.conn.post(&[self.epoch_read()])?;
         Ok(self.epoch_changed())
     }

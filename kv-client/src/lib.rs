@@ -549,17 +549,17 @@ impl Client {
                 Ok(Step::Moved) => {
                     if self.follow_geometry(false)? {
                         stalled = None;
-                        continue;
+                    } else {
+                        // Frozen slots but no resize under way: the server
+                        // is undoing a failed one. Wait for it, not forever.
+                        let since = *stalled.get_or_insert_with(Instant::now);
+                        if since.elapsed() > RESIZE_WAIT {
+                            return Err(Error::Protocol(
+                                "index slots stay frozen with no resize under way".into(),
+                            ));
+                        }
+                        std::thread::sleep(Duration::from_millis(1));
                     }
-                    // Frozen slots but no resize under way: the server is
-                    // undoing a failed one. Wait for it, not forever.
-                    let since = *stalled.get_or_insert_with(Instant::now);
-                    if since.elapsed() > RESIZE_WAIT {
-                        return Err(Error::Protocol(
-                            "index slots stay frozen with no resize under way".into(),
-                        ));
-                    }
-                    std::thread::sleep(Duration::from_millis(1));
                 }
                 Ok(Step::Full) => {
                     self.follow_geometry(true)?;
@@ -570,6 +570,9 @@ impl Client {
                 }
                 Err(e) => return Err(e),
             }
+            // The redo follows waits that must not count against a clock
+            // started at the thread's last reading.
+            clock::touch();
         }
     }
 

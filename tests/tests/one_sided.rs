@@ -286,7 +286,8 @@ fn keys_sharing_a_fingerprint(bucket_count: u64) -> (Vec<u8>, Vec<u8>) {
 #[test]
 fn a_get_reads_only_the_blocks_it_needs() {
     // A deadline no stall between two operations reaches: a GET whose
-    // clock starts late (see the next test) would read again.
+    // clock starts late would read again (see
+    // `a_get_after_a_pause_longer_than_the_deadline_reads_again_and_finds_the_value`).
     let srv = TestServer::start(|c| c.op_deadline = Duration::from_secs(2));
     // No hints (on by default over rdma): every GET reads the buckets.
     let mut kv = hinted(&srv.address, 0);

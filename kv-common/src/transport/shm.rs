@@ -267,26 +267,18 @@ impl SharedRegion {
     /// The words covering `[offset, offset + len)`, or why that range is not
     /// accessible (the checks a NIC does against a memory region).
     pub fn span(&self, offset: u64, len: usize) -> Result<&[AtomicU64], TransportError> {
-        if !offset.is_multiple_of(8) || !len.is_multiple_of(8) {
-            return Err(TransportError::RemoteAccess(format!(
+        if let Some(words) = self.span_within(offset, len, u64::MAX) {
+            return Ok(words);
+        }
+        Err(if !offset.is_multiple_of(8) || !len.is_multiple_of(8) {
+            TransportError::RemoteAccess(format!(
                 "offset {offset} length {len}: shm verbs need 8-byte alignment"
-            )));
-        }
-        let mapped = self.len();
-        if offset
-            .checked_add(len as u64)
-            .is_none_or(|end| end > mapped)
-        {
-            return Err(TransportError::RemoteAccess(format!(
-                "range {offset}+{len} outside the {mapped}-byte region"
-            )));
-        }
-        // SAFETY: [offset, offset + len) lies within the first `mapped`
-        // bytes, which are mapped (the length is published only after its
-        // pages are) for as long as self lives, 8-byte aligned, and only
-        // ever accessed atomically, by this and every other process.
-        Ok(unsafe {
-            std::slice::from_raw_parts(self.base.add(offset as usize) as *const AtomicU64, len / 8)
+            ))
+        } else {
+            TransportError::RemoteAccess(format!(
+                "range {offset}+{len} outside the {}-byte region",
+                self.len()
+            ))
         })
     }
 
