@@ -15,6 +15,12 @@
 //! (checksum last) and a crash in the middle leaves the previous one in
 //! force. The word at [`EPOCH_OFFSET`] repeats the current epoch for clients,
 //! who read it with one READ to learn whether the geometry has changed.
+//! It is written after the record it names, and then the other record gets
+//! the same geometry: once a switch is complete both records hold it, and
+//! the previous one (whose index may since have become heap) is gone. A
+//! valid record older than the epoch word is therefore never in force: the
+//! newer one was damaged after its switch completed (see
+//! [`Geometry::decode_header`]).
 //!
 //! The key table holds one access key per connected client of the shm
 //! backend (a client's verbs check its own word, so one client can be cut
@@ -38,6 +44,10 @@ pub const HEADER_SIZE: u64 = 4096;
 const HEADER_WORDS: usize = 9;
 /// Words between the starts of the two header records.
 const RECORD_STRIDE: usize = 16;
+/// Words of a header record, its checksum included.
+pub const RECORD_WORDS: usize = HEADER_WORDS + 1;
+/// Byte offsets of the two header records.
+pub const RECORD_OFFSETS: [u64; 2] = [0, RECORD_STRIDE as u64 * 8];
 /// Header words a reader needs to see both records.
 pub const HEADER_READ_WORDS: usize = RECORD_STRIDE + HEADER_WORDS + 1;
 /// The current epoch, for clients (outside both records' checksums).
@@ -72,6 +82,25 @@ pub enum LayoutError {
     BadHeaderChecksum,
     #[error("bad region geometry: {0}")]
     BadGeometry(String),
+    /// The record in force is damaged and the valid one is older than the
+    /// epoch the region published: its index may have become heap since.
+    #[error(
+        "the header's record in force is damaged: the valid record is of epoch {valid}, \
+         but the region had published epoch {published}, and starting on the older \
+         record would lose every write since"
+    )]
+    RecordInForceDamaged { valid: u64, published: u64 },
+}
+
+impl LayoutError {
+    /// Damage to a header that was once a region's (not another file, nor
+    /// another format version): what `kv-server check --repair` rebuilds.
+    pub fn is_header_damage(&self) -> bool {
+        matches!(
+            self,
+            LayoutError::BadHeaderChecksum | LayoutError::RecordInForceDamaged { .. }
+        )
+    }
 }
 
 /// Where everything is inside the region; the server writes it into the
@@ -251,23 +280,56 @@ impl Geometry {
     /// records alternate, so writing a new epoch never touches the current
     /// one (epoch 1 is in the first).
     pub fn record_offset(&self) -> u64 {
-        ((self.epoch + 1) % 2) * (RECORD_STRIDE as u64 * 8)
+        RECORD_OFFSETS[((self.epoch + 1) % 2) as usize]
     }
 
-    /// The current geometry of a header: of the records that pass their
-    /// checks, the one with the higher epoch. With none valid, the error of
-    /// the record that looks most like a region's.
-    pub fn decode_header(w: &[u64]) -> Result<Self, LayoutError> {
-        let record = |r: usize| {
-            let at = r * RECORD_STRIDE;
+    /// Byte offset of the other record, which gets the same geometry once
+    /// the epoch word names it.
+    pub fn twin_record_offset(&self) -> u64 {
+        RECORD_OFFSETS[(self.epoch % 2) as usize]
+    }
+
+    /// Each header record decoded on its own (the first `HEADER_READ_WORDS`
+    /// words of the region).
+    pub fn decode_records(w: &[u64]) -> [Result<Self, LayoutError>; 2] {
+        RECORD_OFFSETS.map(|at| {
+            let at = at as usize / 8;
             w.get(at..at + HEADER_WORDS + 1)
                 .map_or(Err(LayoutError::BadMagic), Self::decode_record)
+        })
+    }
+
+    /// The geometry in force, from the header's records and the epoch word
+    /// (`published`): the valid record of the higher epoch, unless that is
+    /// older than `published`. The word is written after the record it
+    /// names, so a valid record of the published epoch or newer is the one
+    /// a switch completed (one newer by a step: a crash came between record
+    /// and word). An older one is the record the switch replaced, whose
+    /// index may be heap by now: refused. Two valid records that agree
+    /// outrank the word, which no checksum covers (a complete switch leaves
+    /// them alike, and an incomplete one cannot have moved the word past
+    /// both). With no record valid, the error of the one that looks most
+    /// like a region's.
+    pub fn decode_header(w: &[u64], published: u64) -> Result<Self, LayoutError> {
+        let newest = match Self::decode_records(w) {
+            [Ok(a), Ok(b)] if a == b => return Ok(a),
+            [Ok(a), Ok(b)] => {
+                if b.epoch > a.epoch {
+                    b
+                } else {
+                    a
+                }
+            }
+            [Ok(g), Err(_)] | [Err(_), Ok(g)] => g,
+            [Err(LayoutError::BadMagic), Err(e)] | [Err(e), Err(_)] => return Err(e),
         };
-        match (record(0), record(1)) {
-            (Ok(a), Ok(b)) => Ok(if b.epoch > a.epoch { b } else { a }),
-            (Ok(g), Err(_)) | (Err(_), Ok(g)) => Ok(g),
-            (Err(LayoutError::BadMagic), Err(e)) | (Err(e), Err(_)) => Err(e),
+        if newest.epoch < published {
+            return Err(LayoutError::RecordInForceDamaged {
+                valid: newest.epoch,
+                published,
+            });
         }
+        Ok(newest)
     }
 
     fn decode_record(w: &[u64]) -> Result<Self, LayoutError> {
@@ -422,10 +484,22 @@ impl KeyHash {
     /// Where `key` lives in an index of `bucket_count` (≥ MIN_BUCKETS, a
     /// power of two) buckets. The fingerprint does not depend on it.
     pub fn new(key: &[u8], bucket_count: u64) -> KeyHash {
+        Self::from_hashes(Self::hashes(key), bucket_count)
+    }
+
+    /// The two hashes of `key` that every index size's [`KeyHash`] derives
+    /// from (for placing one key in many sizes of index).
+    #[inline]
+    pub fn hashes(key: &[u8]) -> [u64; 2] {
+        [xxh3_64(key), xxh3_64_with_seed(key, SECOND_BUCKET_SEED)]
+    }
+
+    /// [`KeyHash::new`] from the key's [`KeyHash::hashes`].
+    #[inline]
+    pub fn from_hashes([h, h2]: [u64; 2], bucket_count: u64) -> KeyHash {
         let mask = bucket_count - 1;
-        let h = xxh3_64(key);
         let a = h & mask;
-        let mut b = xxh3_64_with_seed(key, SECOND_BUCKET_SEED) & mask;
+        let mut b = h2 & mask;
         if a.abs_diff(b) < WINDOW_BUCKETS as u64 {
             b = (a + bucket_count / 2) & mask;
         }
@@ -763,26 +837,26 @@ mod tests {
     fn header_round_trips_and_rejects_damage() {
         let g = Geometry::for_memory(64 << 20, None).unwrap();
         let w = g.encode_header();
-        assert_eq!(Geometry::decode_header(&w), Ok(g));
+        assert_eq!(Geometry::decode_header(&w, 1), Ok(g));
         assert_eq!(g.record_offset(), 0);
 
         let mut bad = w;
         bad[4] ^= 1;
         assert_eq!(
-            Geometry::decode_header(&bad),
+            Geometry::decode_header(&bad, 1),
             Err(LayoutError::BadHeaderChecksum)
         );
         let mut other = w;
         other[1] = 7;
         assert_eq!(
-            Geometry::decode_header(&other),
+            Geometry::decode_header(&other, 1),
             Err(LayoutError::UnsupportedVersion {
                 found: 7,
                 expected: FORMAT_VERSION
             })
         );
         assert_eq!(
-            Geometry::decode_header(&[0; 10]),
+            Geometry::decode_header(&[0; 10], 0),
             Err(LayoutError::BadMagic)
         );
     }
@@ -919,8 +993,41 @@ mod tests {
         }
     }
 
-    #[test]
-    fn the_newer_valid_header_record_is_current() {
+    /// The header's words up to the epoch word, and the switches a server
+    /// makes in them (record, epoch word, twin record: the order
+    /// `kv-server`'s `header::write_geometry` keeps).
+    struct Header([u64; EPOCH_OFFSET as usize / 8 + 1]);
+
+    impl Header {
+        fn created(g: &Geometry) -> Header {
+            let mut h = Header([0; EPOCH_OFFSET as usize / 8 + 1]);
+            h.switch(g, 3);
+            h
+        }
+        /// The first `steps` of the switch to `g`.
+        fn switch(&mut self, g: &Geometry, steps: usize) {
+            let record = |w: &mut [u64], at: u64| {
+                let at = at as usize / 8;
+                w[at..at + HEADER_WORDS + 1].copy_from_slice(&g.encode_header());
+            };
+            record(&mut self.0, g.record_offset());
+            if steps > 1 {
+                self.0[EPOCH_OFFSET as usize / 8] = g.epoch;
+            }
+            if steps > 2 {
+                record(&mut self.0, g.twin_record_offset());
+            }
+        }
+        fn decode(&self) -> Result<Geometry, LayoutError> {
+            Geometry::decode_header(
+                &self.0[..HEADER_READ_WORDS],
+                self.0[EPOCH_OFFSET as usize / 8],
+            )
+        }
+    }
+
+    /// Epoch 1, then a resize, a growth and another resize.
+    fn history() -> Vec<Geometry> {
         let g1 = Geometry::for_memory(64 << 20, None).unwrap();
         let g2 = Geometry {
             epoch: 2,
@@ -928,19 +1035,119 @@ mod tests {
             index_offset: g1.index_offset + g1.index_bytes(),
             ..g1
         };
-        let mut words = [0u64; HEADER_READ_WORDS];
-        let put = |words: &mut [u64; HEADER_READ_WORDS], g: &Geometry| {
-            let at = g.record_offset() as usize / 8;
-            words[at..at + HEADER_WORDS + 1].copy_from_slice(&g.encode_header());
+        let g3 = Geometry {
+            epoch: 3,
+            region_len: g2.region_len + (64 << 20),
+            heap_size: g2.heap_size + (64 << 20),
+            ..g2
         };
-        put(&mut words, &g1);
-        assert_eq!(Geometry::decode_header(&words), Ok(g1));
-        put(&mut words, &g2);
-        assert_eq!(Geometry::decode_header(&words), Ok(g2));
-        // A record torn by a crash in the middle of its write: the other rules.
-        let at = g2.record_offset() as usize / 8;
-        words[at + HEADER_WORDS] ^= 1;
-        assert_eq!(Geometry::decode_header(&words), Ok(g1));
+        let g4 = Geometry {
+            epoch: 4,
+            bucket_count: g3.bucket_count * 2,
+            index_offset: g2.index_offset + g2.index_bytes(),
+            ..g3
+        };
+        vec![g1, g2, g3, g4]
+    }
+
+    #[test]
+    fn the_newer_valid_header_record_is_current() {
+        let gs = history();
+        let mut h = Header::created(&gs[0]);
+        assert_eq!(h.decode(), Ok(gs[0]));
+        for pair in gs.windows(2) {
+            let (old, new) = (pair[0], pair[1]);
+            // Record written, the crash before the epoch word: either
+            // holds every acknowledged write (none was acknowledged on the
+            // new geometry yet), and the complete record is taken.
+            h.switch(&new, 1);
+            assert_eq!(h.decode(), Ok(new));
+            // That record torn by the crash: the old one rules.
+            let mut torn = Header(h.0);
+            torn.0[new.record_offset() as usize / 8 + HEADER_WORDS] ^= 1;
+            assert_eq!(torn.decode(), Ok(old));
+            h.switch(&new, 3);
+            assert_eq!(h.decode(), Ok(new));
+        }
+    }
+
+    /// Every byte of either record flipped, at every epoch of a history and
+    /// at every step of each switch: the geometry decoded is the one in
+    /// force (or, before the epoch word moved, the one it replaces), or the
+    /// header is refused as damaged — never a record the region had left.
+    #[test]
+    fn a_damaged_header_never_yields_a_record_older_than_the_published_epoch() {
+        let gs = history();
+        let mut base = Header::created(&gs[0]);
+        let mut states = vec![(Header(base.0), vec![gs[0]])];
+        for pair in gs.windows(2) {
+            for steps in 1..=3 {
+                let mut h = Header(base.0);
+                h.switch(&pair[1], steps);
+                let acceptable = if steps == 1 {
+                    vec![pair[0], pair[1]]
+                } else {
+                    vec![pair[1]]
+                };
+                states.push((h, acceptable));
+            }
+            base.switch(&pair[1], 3);
+        }
+        let mut refused = 0;
+        for (h, acceptable) in &states {
+            for record in 0..2 {
+                for byte in 0..(HEADER_WORDS + 1) * 8 {
+                    for flip in [0x01u8, 0x80, 0xff] {
+                        let mut damaged = Header(h.0);
+                        let word = record * RECORD_STRIDE + byte / 8;
+                        damaged.0[word] ^= (flip as u64) << (byte % 8 * 8);
+                        match damaged.decode() {
+                            Ok(g) => assert!(
+                                acceptable.contains(&g),
+                                "record {record} byte {byte}: decoded epoch {} of {acceptable:?}",
+                                g.epoch
+                            ),
+                            Err(e) => {
+                                assert!(
+                                    e.is_header_damage()
+                                        || matches!(e, LayoutError::UnsupportedVersion { .. }),
+                                    "{e}"
+                                );
+                                refused += 1;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        // Only the states between a switch's record and its twin refuse
+        // (a damaged record whose twin is older): the rest start.
+        assert!(refused > 0);
+    }
+
+    #[test]
+    fn a_record_in_force_damaged_after_its_switch_is_refused_until_its_twin_is_written() {
+        let gs = history();
+        let mut h = Header::created(&gs[0]);
+        h.switch(&gs[1], 2);
+        let mut damaged = Header(h.0);
+        damaged.0[gs[1].record_offset() as usize / 8 + 4] ^= 1;
+        assert_eq!(
+            damaged.decode(),
+            Err(LayoutError::RecordInForceDamaged {
+                valid: 1,
+                published: 2
+            })
+        );
+        // Once the twin holds it, the same damage leaves the twin in force.
+        h.switch(&gs[1], 3);
+        let mut damaged = Header(h.0);
+        damaged.0[gs[1].record_offset() as usize / 8 + 4] ^= 1;
+        assert_eq!(damaged.decode(), Ok(gs[1]));
+        // A damaged epoch word is outranked by two records that agree.
+        let mut word = Header(h.0);
+        word.0[EPOCH_OFFSET as usize / 8] = 99;
+        assert_eq!(word.decode(), Ok(gs[1]));
     }
 
     #[test]

@@ -45,7 +45,7 @@ use kv_common::protocol::{Extent, Request, Response, PROTOCOL_VERSION};
 use kv_common::transport::{self, read_u64, Connection, TransportError, Verb};
 
 use crate::control::{self, Shared};
-use crate::region;
+use crate::{header, region};
 
 /// Growth steps: the region's size, at least 64 MiB and at most 1 GiB (so
 /// one step's allocation takes well under a second).
@@ -232,7 +232,9 @@ pub fn grow_heap(shared: &Shared, at_least: u64) -> Result<(), String> {
 /// Makes `g` the geometry: in the header first (what a restart finds and
 /// what clients' epoch checks read), then for the control plane.
 fn publish(shared: &Shared, g: &Geometry) -> Result<(), String> {
-    region::write_geometry(&shared.region, g).map_err(|e| e.to_string())?;
+    header::switch(&shared.region, g).map_err(|e| e.to_string())?;
+    fault_point("switched");
+    header::write_twin(&shared.region, g).map_err(|e| e.to_string())?;
     match shared.geometry.write() {
         Ok(mut current) => *current = *g,
         Err(poisoned) => *poisoned.into_inner() = *g,
@@ -500,9 +502,9 @@ impl<'a> KeyReader<'a> {
     }
 }
 
-/// Stops the resize here when the fault-injection variable names this step
-/// (tests kill the server in the middle of a migration this way).
-fn fault_point(step: &str) {
+/// Stops the server here when the fault-injection variable names this step
+/// (tests kill it in the middle of a migration or a header switch this way).
+pub(crate) fn fault_point(step: &str) {
     if std::env::var("ONEKV_RESIZE_FAULT").is_ok_and(|s| s == step) {
         tracing::error!(
             step,

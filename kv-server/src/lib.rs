@@ -23,6 +23,7 @@ use polling::Poller;
 mod control;
 mod event_loop;
 mod grow;
+pub mod header;
 pub mod heap;
 mod metrics;
 mod reclaim;
@@ -202,8 +203,11 @@ impl Server {
             // Nobody is admitted yet: a resize that died unpublished is
             // undone with plain stores.
             let thawed = region::thaw_index(&region, &geometry)?;
-            // The epoch word may lag a header switch the crash interrupted.
-            region.store(kv_common::layout::EPOCH_OFFSET, geometry.epoch)?;
+            // The epoch word or the twin record may lag a header switch
+            // the crash interrupted.
+            if header::finish_switch(&region, &geometry)? {
+                tracing::info!(epoch = geometry.epoch, "finished the header's last switch");
+            }
             if thawed > 0 {
                 tracing::warn!(
                     thawed,

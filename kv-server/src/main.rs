@@ -99,16 +99,19 @@ struct ServeArgs {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Check a region file no server is using: every slot must point at a
-    /// block inside the heap that passes its checksum, holds a key that
-    /// belongs in that bucket, and overlaps no other block. Exits 0 when
-    /// clean, 1 when damage was found, 2 on errors.
+    /// Check a region file no server is using: both header records must be
+    /// valid and the one in force current (when it was lost, the index is
+    /// located in the heap instead); every slot must point at a block
+    /// inside the heap that passes its checksum, holds a key that belongs
+    /// in that bucket, and overlaps no other block. Exits 0 when clean, 1
+    /// when damage was found, 2 on errors.
     Check {
         /// The region file (e.g. /dev/shm/onekv).
         region: PathBuf,
-        /// Empty the damaged slots (their keys read as absent afterwards),
-        /// naming each. First revokes every client key and waits for their
-        /// verbs under way to land.
+        /// Rewrite a damaged header (from its twin record, or from the index
+        /// located in the heap) and empty the damaged slots (their keys read
+        /// as absent afterwards), naming each. First revokes every client
+        /// key and waits for their verbs under way to land.
         #[arg(long)]
         repair: bool,
         /// The --op-deadline-ms of the server that last ran on the region:
@@ -158,6 +161,14 @@ fn main() -> ExitCode {
 fn check(path: &std::path::Path, mode: CheckMode) -> Result<ExitCode, String> {
     let repair = mode != CheckMode::Report;
     let report = kv_server::region::check(path, mode).map_err(|e| e.to_string())?;
+    if let Some(h) = &report.header {
+        let action = if report.header_repaired {
+            "rewritten"
+        } else {
+            "damaged"
+        };
+        println!("header {action}: {}", h.what);
+    }
     for d in &report.damaged {
         let action = if repair { "emptied" } else { "damaged" };
         println!(
@@ -175,7 +186,7 @@ fn check(path: &std::path::Path, mode: CheckMode) -> Result<ExitCode, String> {
         report.damaged.len(),
         report.repaired
     );
-    Ok(if report.damaged.is_empty() {
+    Ok(if report.is_clean() {
         ExitCode::SUCCESS
     } else {
         ExitCode::from(1)

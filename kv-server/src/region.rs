@@ -10,11 +10,13 @@ use std::path::Path;
 
 use kv_common::layout::{
     decode_block, CounterState, Geometry, KeyHash, Payload, Slot, SlotPos, BUCKET_BYTES,
-    EPOCH_OFFSET, HEADER_READ_WORDS, KEY_TABLE_ENTRIES, KEY_TABLE_OFFSET, SLOTS_PER_BUCKET,
+    HEADER_READ_WORDS, KEY_TABLE_ENTRIES, KEY_TABLE_OFFSET, RECORD_OFFSETS, RECORD_WORDS,
+    SLOTS_PER_BUCKET,
 };
 use kv_common::transport::shm::SharedRegion;
 use kv_common::transport::TransportError;
 
+use crate::header;
 use crate::units::UnitMap;
 use crate::ServerError;
 
@@ -66,11 +68,16 @@ pub fn open_or_create(
     }
     let region =
         SharedRegion::from_file(&file, path, max_len).map_err(|e| region_error(path, e))?;
-    let found = read_geometry(&region).map_err(|e| {
-        region_error(
-            path,
-            format!("{e}; refusing to use it (move it away or pick another path)"),
-        )
+    let found = header::read_geometry(&region).map_err(|e| {
+        let way_out = if e.is_damage() {
+            format!(
+                "`kv-server check --repair {}` rebuilds the record by locating the index",
+                path.display()
+            )
+        } else {
+            "refusing to use it (move it away or pick another path)".to_string()
+        };
+        region_error(path, format!("{e}; {way_out}"))
     })?;
     // Longer is a growth that died before its header switch: the header
     // rules, and the next growth reuses the space.
@@ -156,35 +163,13 @@ fn create(
     let region =
         SharedRegion::from_file(&file, path, max_len).map_err(|e| region_error(path, e))?;
     on_huge_pages(&region, path);
-    write_geometry(&region, geometry).map_err(|e| region_error(path, e))?;
+    header::write_geometry(&region, geometry).map_err(|e| region_error(path, e))?;
     Ok(OpenedRegion {
         region,
         geometry: *geometry,
         created: true,
         lock: file,
     })
-}
-
-/// The geometry the region's header holds (its newer valid record).
-pub fn read_geometry(region: &SharedRegion) -> Result<Geometry, String> {
-    let mut words = [0u64; HEADER_READ_WORDS];
-    region.read(0, &mut words).map_err(|e| e.to_string())?;
-    Geometry::decode_header(&words).map_err(|e| e.to_string())
-}
-
-/// Makes `g` the region's geometry: its header record (the one the current
-/// geometry does not use) is written whole, checksum last, so a crash at any
-/// point leaves either geometry in force; then the epoch word tells clients.
-pub fn write_geometry(region: &SharedRegion, g: &Geometry) -> Result<(), TransportError> {
-    let words = g.encode_header();
-    let at = g.record_offset();
-    let (body, checksum) = words.split_at(words.len() - 1);
-    // The checksum word first reset, so no moment has a stale checksum
-    // matching a half-written body.
-    region.store(at + body.len() as u64 * 8, 0)?;
-    region.write(at, body)?;
-    region.store(at + body.len() as u64 * 8, checksum[0])?;
-    region.store(EPOCH_OFFSET, g.epoch)
 }
 
 fn lock_exclusive(file: &File, path: &Path) -> Result<(), ServerError> {
@@ -405,20 +390,34 @@ pub struct Damage {
     pub what: String,
 }
 
+/// Damage `check` found in the header.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeaderDamage {
+    pub what: String,
+    /// The geometry of the index found in the heap, when the record in
+    /// force was lost (the slots were checked against it, and `--repair`
+    /// writes it).
+    pub located: Option<Geometry>,
+}
+
 /// What an offline check of a region found.
 #[derive(Debug, Default)]
 pub struct CheckReport {
+    pub header: Option<HeaderDamage>,
+    /// Whether `--repair` rewrote the header.
+    pub header_repaired: bool,
     pub slots: u64,
     pub damaged: Vec<Damage>,
     /// Slots emptied by `--repair`.
     pub repaired: u64,
 }
 
-/// Checks every occupied slot of a region no server is using: its block
-/// must lie in the heap, pass its checksum, hold a key that hashes to this
-/// bucket with this fingerprint, and not overlap another slot's block. With
-/// `repair`, damaged slots are emptied (the file is locked, so no client can
-/// be using it).
+impl CheckReport {
+    pub fn is_clean(&self) -> bool {
+        self.header.is_none() && self.damaged.is_empty()
+    }
+}
+
 /// What `check` does besides reporting.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CheckMode {
@@ -431,6 +430,14 @@ pub enum CheckMode {
     },
 }
 
+/// Checks a region no server is using. Its header: both records must be
+/// valid (or one never written), and the one in force not older than the
+/// published epoch; when that record is lost, the index is located in the
+/// heap instead. Every occupied slot: its block must lie in the heap, pass
+/// its checksum, hold a key that hashes to this bucket with this
+/// fingerprint, and not overlap another slot's block. With `repair`, the
+/// header is rewritten and damaged slots are emptied (the file is locked,
+/// so no server can be using it).
 pub fn check(path: &Path, mode: CheckMode) -> Result<CheckReport, ServerError> {
     let file = OpenOptions::new()
         .read(true)
@@ -439,7 +446,7 @@ pub fn check(path: &Path, mode: CheckMode) -> Result<CheckReport, ServerError> {
         .map_err(|e| region_error(path, e))?;
     lock_exclusive(&file, path)?;
     let region = SharedRegion::from_file(&file, path, 0).map_err(|e| region_error(path, e))?;
-    let g = read_geometry(&region).map_err(|e| region_error(path, e))?;
+    let (g, header) = check_header(&region).map_err(|e| region_error(path, e))?;
     if g.region_len > region.len() {
         return Err(region_error(
             path,
@@ -456,7 +463,14 @@ pub fn check(path: &Path, mode: CheckMode) -> Result<CheckReport, ServerError> {
         }
         std::thread::sleep(settle);
     }
-    let mut report = CheckReport::default();
+    let mut report = CheckReport {
+        header_repaired: header.is_some() && mode != CheckMode::Report,
+        header,
+        ..CheckReport::default()
+    };
+    if report.header_repaired {
+        header::finish_switch(&region, &g).map_err(|e| region_error(path, e))?;
+    }
     let mut spans: Vec<(u64, u64, SlotPos, Slot)> = Vec::new();
     for_each_slot(&region, &g, |pos, slot| {
         report.slots += 1;
@@ -522,6 +536,47 @@ pub fn check(path: &Path, mode: CheckMode) -> Result<CheckReport, ServerError> {
         region.flush().map_err(|e| region_error(path, e))?;
     }
     Ok(report)
+}
+
+/// The geometry to check the slots against, and what is wrong with the
+/// header: a record that fails its checks (other than one never written),
+/// or a record in force lost (then the geometry is the located index's).
+fn check_header(region: &SharedRegion) -> Result<(Geometry, Option<HeaderDamage>), String> {
+    match header::read_geometry(region) {
+        Ok(g) => {
+            let mut words = [0u64; HEADER_READ_WORDS];
+            region.read(0, &mut words).map_err(|e| e.to_string())?;
+            let written = |at: u64| {
+                let at = at as usize / 8;
+                words[at..at + RECORD_WORDS].iter().any(|&w| w != 0)
+            };
+            let damaged = Geometry::decode_records(&words)
+                .into_iter()
+                .zip(RECORD_OFFSETS)
+                .find_map(|(record, at)| record.err().filter(|_| written(at)));
+            let header = damaged.map(|e| HeaderDamage {
+                what: format!("a header record is damaged ({e}); its twin is in force"),
+                located: None,
+            });
+            Ok((g, header))
+        }
+        Err(e) if e.is_damage() => {
+            let located = header::locate(region)
+                .map_err(|why| format!("{e}; the index could not be located: {why}"))?;
+            let what = format!(
+                "{e}; the index was located at offset {} with {} buckets",
+                located.index_offset, located.bucket_count
+            );
+            Ok((
+                located,
+                Some(HeaderDamage {
+                    what,
+                    located: Some(located),
+                }),
+            ))
+        }
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 #[cfg(test)]

@@ -169,7 +169,7 @@ fn lost_writes(address: &str, last: u64) -> Vec<String> {
 /// again.
 #[test]
 fn a_server_killed_inside_a_resize_loses_no_acknowledged_write() {
-    for step in ["freezing", "frozen", "copying", "copied", "published"] {
+    for step in ["freezing", "frozen", "copying", "copied", "switched", "published"] {
         let dir = region_dir();
         let region = dir.path().join("region");
         let address = test_address(&region);
