@@ -56,7 +56,6 @@ fn damaged_words() -> Vec<usize> {
 /// with an error naming the damage and `check --repair`, which `check`
 /// reports and `--repair` mends. Returns how many cases were refused.
 fn damage_every_record(config: &ServerConfig, pristine: &[u8], keys: usize, state: &str) -> usize {
-    use std::os::unix::fs::FileExt;
     let path = config.region_file.clone().unwrap();
     let address = config.address.to_string();
     let mut refused = 0;
@@ -64,17 +63,8 @@ fn damage_every_record(config: &ServerConfig, pristine: &[u8], keys: usize, stat
         for word in damaged_words() {
             let case = format!("{state}, record at {record}, word {word}");
             std::fs::write(&path, pristine).unwrap();
-            let file = std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(&path)
-                .unwrap();
             // One byte of the word, a different one for each word.
-            let at = record + word as u64 * 8 + (word as u64 % 8);
-            let mut byte = [0u8];
-            file.read_exact_at(&mut byte, at).unwrap();
-            file.write_all_at(&[byte[0] ^ 0x5a], at).unwrap();
-            drop(file);
+            flip_byte(&path, record + word as u64 * 8 + (word as u64 % 8));
             match Server::start(config.clone()) {
                 Ok(server) => {
                     assert_all_keys(&address, keys, &case);
@@ -105,6 +95,18 @@ fn damage_every_record(config: &ServerConfig, pristine: &[u8], keys: usize, stat
         }
     }
     refused
+}
+
+fn flip_byte(path: &std::path::Path, at: u64) {
+    use std::os::unix::fs::FileExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    let mut byte = [0u8];
+    file.read_exact_at(&mut byte, at).unwrap();
+    file.write_all_at(&[byte[0] ^ 0x5a], at).unwrap();
 }
 
 /// Writes `record`'s geometry into the header slot `at` (as the region
@@ -180,6 +182,24 @@ fn a_damaged_header_record_never_starts_an_index_the_region_has_left() {
     let pristine = std::fs::read(&path).unwrap();
     refused = damage_every_record(&config, &pristine, keys, "older twin");
     assert!(refused > 0, "no damage to the record in force was refused");
+
+    // Both records lost: refused, and rebuilt from the index alone.
+    for at in RECORD_OFFSETS {
+        flip_byte(&path, at + 8 * 4);
+    }
+    let refusal = Server::start(config.clone()).err().expect("refused");
+    assert!(refusal.to_string().contains("check --repair"), "{refusal}");
+    let repair = CheckMode::Repair {
+        settle: Duration::ZERO,
+    };
+    let rebuilt = region::check(&path, repair).unwrap().header.unwrap();
+    let located = rebuilt.located.unwrap();
+    assert_eq!(
+        (located.index_offset, located.bucket_count),
+        (g.index_offset, g.bucket_count)
+    );
+    let _server = Server::start(config.clone()).unwrap();
+    assert_all_keys(&address, keys, "both records rebuilt");
 }
 
 /// The server killed between a switch's epoch word and its twin record
