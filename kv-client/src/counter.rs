@@ -268,7 +268,7 @@ impl Client {
                         in_range(delta as i128)?;
                         match self.create_counter(key, &kh, delta, clock)? {
                             Created::Settled => return Ok(Step::Done(Some(delta))),
-                            Created::Full => return Ok(Step::Full),
+                            Created::Full => return Ok(Step::Full(key.to_vec())),
                             Created::Lost => {}
                         }
                     } else {

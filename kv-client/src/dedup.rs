@@ -26,8 +26,6 @@
 //! show its copy (or the copy was updated since), the windows are read
 //! again.
 
-use std::time::Duration;
-
 use crossbeam::utils::Backoff;
 use kv_common::layout::{KeyHash, Slot, SlotPos};
 
@@ -53,6 +51,7 @@ impl Client {
         let mut corrupt = CorruptSlot::default();
         let backoff = Backoff::new();
         let mut read_with_cas = Some(published);
+        let mut stray = None;
         for _ in 0..self.options.max_attempts {
             let clock = match read_with_cas.take() {
                 Some(clock) if self.slots()[my_index] == new => clock,
@@ -63,8 +62,7 @@ impl Client {
                 if self.follow_to_new_index()? {
                     return Ok(());
                 }
-                // Frozen with no resize under way: one is being undone.
-                std::thread::sleep(Duration::from_millis(1));
+                self.wait_out_stray_frozen(&mut stray)?;
                 continue;
             }
             // Our own block cannot have been unlinked and reused for another

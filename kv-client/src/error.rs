@@ -43,6 +43,12 @@ pub enum Error {
         /// The server's explanation.
         reason: String,
     },
+    /// The server declined to double its index on request: it is not full
+    /// enough to warrant it.
+    #[error(
+        "the server declined to resize its index: it is not full enough to warrant a doubling"
+    )]
+    ResizeDeclined,
     /// A key's buckets are full and the index cannot grow.
     #[error("index full: no room for this key, and the index cannot grow: {0}")]
     IndexFull(String),

@@ -7,6 +7,7 @@ use std::time::Instant;
 use kv_common::layout::class_size;
 use kv_common::protocol::{ErrorKind, Extent, Request, Response};
 
+use crate::geometry::Ask;
 use crate::{unexpected, Client, Error, Result, SPACE_WAIT};
 
 impl Client {
@@ -30,7 +31,7 @@ impl Client {
                     // Space the region grew by: learn its geometry first.
                     let end = extents.iter().map(|e| e.offset + e.len).max();
                     if end.is_some_and(|end| end > self.info.geometry.region_len) {
-                        self.follow_geometry(false)?;
+                        self.follow_geometry(Ask::Geometry)?;
                     }
                     if let Some(offset) = self.alloc.take(class) {
                         return Ok(offset);

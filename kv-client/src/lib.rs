@@ -27,7 +27,7 @@
 //! [`Geometry`], [`VerbStats`], [`ServerStats`], [`TransportError`]; the
 //! `examples/` folder holds complete programs.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 pub use kv_common::layout::{Geometry, COUNTER_MAX, MAX_KEY};
 pub use kv_common::protocol::ServerStats;
@@ -59,6 +59,7 @@ use alloc::BlockAllocator;
 use clock::Timing;
 use counter::CounterOp;
 pub use error::Error;
+use geometry::{Ask, StrayFrozenWait};
 use index::Value;
 use local::{LocalLayout, BATCH_KEYS};
 pub use pool::{ClientPool, PooledClient};
@@ -88,6 +89,9 @@ pub type Result<T> = std::result::Result<T, Error>;
 /// server answers meanwhile that it is resizing; doubling an index of 10^8
 /// keys, or a large one over a slow fabric, takes minutes).
 const RESIZE_WAIT: Duration = Duration::from_secs(600);
+/// Declined resize requests one operation sees (each after finding no room
+/// for its key again) before it reports the index full.
+const MAX_DECLINED_RESIZES: u32 = 3;
 /// How long a PUT waits for heap space while the server reclaims or grows.
 const SPACE_WAIT: Duration = Duration::from_secs(30);
 
@@ -176,8 +180,8 @@ enum Step<T> {
     /// The index is being resized or was replaced (a frozen slot, a newer
     /// epoch): learn the new geometry, then redo the operation.
     Moved,
-    /// No room for the key: ask for a resize, then redo it.
-    Full,
+    /// No room for this key: ask for a resize, then redo it.
+    Full(Vec<u8>),
 }
 
 impl<T> Step<T> {
@@ -185,7 +189,7 @@ impl<T> Step<T> {
         match self {
             Step::Done(v) => Step::Done(f(v)),
             Step::Moved => Step::Moved,
-            Step::Full => Step::Full,
+            Step::Full(key) => Step::Full(key),
         }
     }
 }
@@ -522,11 +526,20 @@ impl Client {
 
     /// Asks the server to double the index now (it also does so by itself
     /// when the index fills) and waits until the new one is in force.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ResizeDeclined`] when the index is not full enough to
+    /// warrant a doubling (beyond a small size, at least half as full as
+    /// the server's resize threshold); [`Error::IndexFull`] when it cannot
+    /// grow; connection errors as for any call.
     pub fn resize(&mut self) -> Result<Geometry> {
         let before = self.info.geometry.bucket_count;
         // The heap growing meanwhile is a newer epoch too: ask again.
         while self.info.geometry.bucket_count == before {
-            self.follow_geometry(true)?;
+            if !self.follow_geometry(Ask::Resize { full_key: None })? {
+                return Err(Error::ResizeDeclined);
+            }
         }
         Ok(self.info.geometry)
     }
@@ -542,27 +555,30 @@ impl Client {
         // A lock seen in an earlier call may have been let go since.
         self.lock_watch = None;
         let mut reconnected = false;
-        let mut stalled: Option<Instant> = None;
+        let mut stray: Option<StrayFrozenWait> = None;
+        let mut declined = 0;
         loop {
             match op(self) {
                 Ok(Step::Done(v)) => return Ok(v),
                 Ok(Step::Moved) => {
-                    if self.follow_geometry(false)? {
-                        stalled = None;
+                    if self.follow_geometry(Ask::Geometry)? {
+                        stray = None;
                     } else {
-                        // Frozen slots but no resize under way: the server
-                        // is undoing a failed one. Wait for it, not forever.
-                        let since = *stalled.get_or_insert_with(Instant::now);
-                        if since.elapsed() > RESIZE_WAIT {
-                            return Err(Error::Protocol(
-                                "index slots stay frozen with no resize under way".into(),
-                            ));
-                        }
-                        std::thread::sleep(Duration::from_millis(1));
+                        self.wait_out_stray_frozen(&mut stray)?;
                     }
                 }
-                Ok(Step::Full) => {
-                    self.follow_geometry(true)?;
+                Ok(Step::Full(key)) => {
+                    let full_key = Some(key.as_slice());
+                    if !self.follow_geometry(Ask::Resize { full_key })? {
+                        // The server saw room for the key (a delete made
+                        // some), or judged the index too empty to double.
+                        declined += 1;
+                        if declined > MAX_DECLINED_RESIZES {
+                            return Err(Error::IndexFull(
+                                "no room for the key, and the server declines to resize an index this empty".into(),
+                            ));
+                        }
+                    }
                 }
                 Err(e) if e.is_connection_lost() && !reconnected => {
                     reconnected = true;

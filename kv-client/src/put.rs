@@ -120,7 +120,7 @@ impl Client {
         clock: OpClock,
     ) -> Result<Option<Step<()>>> {
         let Some(empty) = KeyHash::insert_choice(&self.slots()) else {
-            return Ok(Some(Step::Full));
+            return Ok(Some(Step::Full(key.to_vec())));
         };
         // An insert lands within two deadlines of the read that found no
         // copy: what lets a hint settle (`Timing::settle`).

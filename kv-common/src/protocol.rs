@@ -12,8 +12,8 @@ use crate::transport::RemoteRegion;
 /// read that found no copy, which clients' settled hints rely on; 5:
 /// counter blocks, which older clients would take for damage; 6: a settled
 /// counter is sealed before it is unlinked, which one-round-trip atomics
-/// rely on).
-pub const PROTOCOL_VERSION: u32 = 6;
+/// rely on; 7: a resize request names the key that found no room).
+pub const PROTOCOL_VERSION: u32 = 7;
 /// Largest encoded message either side accepts.
 pub const MAX_MESSAGE: usize = 64 * 1024;
 
@@ -47,10 +47,20 @@ pub enum Request {
     /// when it met a frozen slot, a block past the region it knows, or an
     /// epoch newer than its own).
     Geometry,
-    /// Start a resize of the index of epoch `epoch` (a client found no room
-    /// for a key; an operator asked). Answered at once with the geometry;
-    /// the client then waits for a newer epoch.
+    /// Start a resize of the index of epoch `epoch`: a client found no room
+    /// for `full_key` (the server checks that its buckets are full), or an
+    /// operator asked (None). Answered at once with the geometry, which
+    /// says `resizing` when the resize was warranted and started; the
+    /// client then waits for a newer epoch.
     Resize {
+        epoch: u64,
+        full_key: Option<Vec<u8>>,
+    },
+    /// A writer met frozen slots in the index of epoch `epoch` while the
+    /// server reported no resize under way: stray frozen bits (damage, or
+    /// a client that set them), which the server thaws. Answered with the
+    /// geometry.
+    StrayFrozen {
         epoch: u64,
     },
     Stats,
@@ -161,6 +171,15 @@ pub struct ServerStats {
     pub index_slots: u64,
     /// Geometry and resize requests answered.
     pub geometry_requests: u64,
+    /// Resize requests declined: the index was not full enough, nor the
+    /// key named full.
+    pub declined_resizes: u64,
+    /// Frozen slots in the index as of the last scan (outside a resize,
+    /// stray bits the server is about to thaw).
+    pub frozen_slots: u64,
+    /// Stray frozen slots the server thawed (found outside a resize by a
+    /// scan, or reported by a writer that met them).
+    pub thawed_slots: u64,
 }
 
 impl ServerStats {

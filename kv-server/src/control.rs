@@ -17,6 +17,7 @@ use kv_common::transport::{ControlListener, ControlPeer, Fenced};
 use kv_common::Address;
 
 use crate::heap::{ClientId, HeapPool, LeaseRefusal};
+use crate::index_load::{self, ResizePolicy};
 
 /// Bad give-backs or malformed messages one client may send before it is
 /// disconnected.
@@ -42,6 +43,9 @@ pub struct Counters {
     pub live_bytes: AtomicU64,
     pub corrupt_slots: AtomicU64,
     pub geometry_requests: AtomicU64,
+    pub declined_resizes: AtomicU64,
+    pub frozen_slots: AtomicU64,
+    pub thawed_slots: AtomicU64,
     pub resizes: AtomicU64,
     pub growths: AtomicU64,
 }
@@ -100,6 +104,8 @@ pub struct GrowRequests {
     pub resize: Option<u64>,
     /// Leases are failing and most of the heap is live: grow it.
     pub heap: bool,
+    /// Frozen slots were seen with no resize under way: thaw them.
+    pub thaw: bool,
 }
 
 /// How far the region may grow, and when the index grows on its own.
@@ -107,8 +113,7 @@ pub struct GrowRequests {
 pub struct Limits {
     pub max_region: u64,
     pub max_buckets: u64,
-    /// Occupied fraction of the index's slots at which it is doubled.
-    pub resize_at: f64,
+    pub resize: ResizePolicy,
 }
 
 /// What the control plane's threads share.
@@ -271,6 +276,9 @@ impl Shared {
             max_region_bytes: self.limits.max_region,
             index_slots: g.index_buckets() * SLOTS_PER_BUCKET as u64,
             geometry_requests: c.geometry_requests.load(Relaxed),
+            declined_resizes: c.declined_resizes.load(Relaxed),
+            frozen_slots: c.frozen_slots.load(Relaxed),
+            thawed_slots: c.thawed_slots.load(Relaxed),
         }
     }
 }
@@ -463,10 +471,22 @@ pub fn handle(
                 Err(m) => (error(ErrorKind::NotConnected, m), After::Close),
             }
         }
-        (Request::Resize { epoch }, Some(id)) => {
+        (Request::Resize { epoch, full_key }, Some(id)) => {
             c.geometry_requests.fetch_add(1, Relaxed);
             let current = shared.geometry();
-            if epoch == current.epoch && !shared.resizing.load(Relaxed) {
+            if epoch == current.epoch
+                && !shared.resizing.load(Relaxed)
+                && !index_load::resize_warranted(
+                    &shared.region,
+                    &current,
+                    shared.limits.resize,
+                    full_key.as_deref(),
+                )
+            {
+                // Answered with the geometry, not resizing: the client
+                // redoes its operation, or reports the refusal.
+                c.declined_resizes.fetch_add(1, Relaxed);
+            } else if epoch == current.epoch && !shared.resizing.load(Relaxed) {
                 if let Some(why) = shared.resize_refusal(epoch) {
                     return (error(ErrorKind::IndexFull, why), After::Stay);
                 }
@@ -480,6 +500,16 @@ pub fn handle(
                 // Said before the reply, so the client sees it resizing.
                 shared.resizing.store(true, Relaxed);
                 shared.want_growth(|w| w.resize = Some(current.bucket_count));
+            }
+            match shared.geometry_info(id, peer) {
+                Ok(info) => (Response::Geometry(info), After::Stay),
+                Err(m) => (error(ErrorKind::NotConnected, m), After::Close),
+            }
+        }
+        (Request::StrayFrozen { epoch }, Some(id)) => {
+            c.geometry_requests.fetch_add(1, Relaxed);
+            if epoch == shared.geometry().epoch && !shared.resizing.load(Relaxed) {
+                shared.want_growth(|w| w.thaw = true);
             }
             match shared.geometry_info(id, peer) {
                 Ok(info) => (Response::Geometry(info), After::Stay),

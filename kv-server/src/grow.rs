@@ -45,7 +45,7 @@ use kv_common::protocol::{Extent, Request, Response, PROTOCOL_VERSION};
 use kv_common::transport::{self, read_u64, Connection, TransportError, Verb};
 
 use crate::control::{self, Shared};
-use crate::{header, region};
+use crate::{header, index_load, region};
 
 /// Growth steps: the region's size, at least 64 MiB and at most 1 GiB (so
 /// one step's allocation takes well under a second).
@@ -53,8 +53,6 @@ const MIN_GROWTH: u64 = 64 << 20;
 const MAX_GROWTH: u64 = 1 << 30;
 /// How often the index's occupancy is sampled.
 const SAMPLE_EVERY: Duration = Duration::from_millis(500);
-/// Buckets the occupancy sample reads (all of a smaller index).
-const SAMPLE_BUCKETS: u64 = 4096;
 
 pub fn run(shared: Arc<Shared>) {
     let mut cpu_mark = control::thread_cpu_us();
@@ -68,7 +66,7 @@ pub fn run(shared: Arc<Shared>) {
             let Ok(mut w) = wanted.lock() else {
                 return;
             };
-            if w.resize.is_none() && !w.heap {
+            if w.resize.is_none() && !w.heap && !w.thaw {
                 w = match cv.wait_timeout(w, SAMPLE_EVERY) {
                     Ok((w, _)) => w,
                     Err(_) => return,
@@ -84,6 +82,9 @@ pub fn run(shared: Arc<Shared>) {
             if let Err(e) = grow_heap(&shared, 0) {
                 tracing::warn!("the heap cannot grow: {e}");
             }
+        }
+        if wanted.thaw {
+            thaw_stray(&shared);
         }
         let g = shared.geometry();
         let asked = wanted.resize == Some(g.bucket_count);
@@ -139,28 +140,8 @@ fn should_resize(shared: &Shared, g: &Geometry) -> bool {
         return false;
     }
     shared.resize_refusal(g.epoch).is_none()
-        && sample_occupancy(shared, g).is_ok_and(|o| o >= shared.limits.resize_at)
-}
-
-/// The used fraction of up to `SAMPLE_BUCKETS` buckets spread over the index.
-fn sample_occupancy(shared: &Shared, g: &Geometry) -> Result<f64, TransportError> {
-    const RUN: u64 = 64;
-    let runs = (SAMPLE_BUCKETS / RUN).min(g.bucket_count / RUN).max(1);
-    let run = g.bucket_count.min(RUN);
-    let stride = g.bucket_count / runs;
-    let mut words = vec![0u64; (run as usize) * SLOTS_PER_BUCKET];
-    let (mut used, mut seen) = (0u64, 0u64);
-    for r in 0..runs {
-        shared
-            .region
-            .read(g.bucket_offset(r * stride), &mut words)?;
-        used += words
-            .iter()
-            .filter(|&&w| !Slot(w).thawed().is_empty())
-            .count() as u64;
-        seen += words.len() as u64;
-    }
-    Ok(used as f64 / seen as f64)
+        && index_load::occupancy(&shared.region, g)
+            .is_ok_and(|o| o >= shared.limits.resize.resize_at)
 }
 
 /// Releases the old indexes every connected client has moved past. Under
@@ -359,6 +340,47 @@ fn thaw(shared: &Shared, g: &Geometry, mover: Mover) {
     }
 }
 
+/// Thaws the frozen slots of the index in force. Only a resize freezes
+/// slots, and none is under way (this thread runs them, one at a time), so
+/// these are stray bits — damage, or a client that set them — that would
+/// stall every writer of their buckets. Through the mover, in the clients'
+/// atomicity domain; a failure is tried again at the next report or scan.
+fn thaw_stray(shared: &Shared) {
+    let g = shared.geometry();
+    let (mut found, mut groups) = (0u64, Vec::new());
+    let scanned = region::for_each_word(&shared.region, &g, |pos, slot| {
+        if slot.is_frozen() {
+            found += 1;
+            let group = pos.bucket / FREEZE_BUCKETS * FREEZE_BUCKETS;
+            if groups.last() != Some(&group) {
+                groups.push(group);
+            }
+        }
+    });
+    if let Err(e) = scanned {
+        tracing::warn!("looking for stray frozen slots: {e}");
+        return;
+    }
+    if groups.is_empty() {
+        return;
+    }
+    let thawed = Mover::connect(shared).and_then(|mut mover| {
+        let thawed = mover.each_group(&g, groups, thaw_change, |_| {});
+        mover.close();
+        thawed
+    });
+    match thawed {
+        Ok(()) => {
+            shared.counters.thawed_slots.fetch_add(found, Relaxed);
+            tracing::warn!(
+                slots = found,
+                "thawed frozen slots with no resize under way (damage, or a client that set them)"
+            );
+        }
+        Err(e) => tracing::warn!("thawing stray frozen slots: {e}"),
+    }
+}
+
 /// Space for an index of `buckets` buckets, from free heap or new space.
 fn reserve_index(shared: &Shared, buckets: u64) -> Result<Extent, String> {
     let len = index_bytes(buckets);
@@ -540,6 +562,16 @@ struct Mover {
 const FREEZE_BUCKETS: u64 = 8;
 const CAS_AT: usize = (FREEZE_BUCKETS * BUCKET_BYTES) as usize;
 
+/// The first bucket of every group of `g`'s index.
+fn all_groups(g: &Geometry) -> impl Iterator<Item = u64> {
+    (0..g.index_buckets()).step_by(FREEZE_BUCKETS as usize)
+}
+
+/// A frozen word's thawed value.
+fn thaw_change(w: u64) -> Option<u64> {
+    Slot(w).is_frozen().then(|| Slot(w).thawed().0)
+}
+
 impl Mover {
     fn connect(shared: &Shared) -> Result<Mover, TransportError> {
         let mut conn = transport::connect(&shared.address, &transport::ConnectOptions::default())?;
@@ -561,6 +593,7 @@ impl Mover {
         let halfway = g.index_buckets() / 2;
         self.each_group(
             g,
+            all_groups(g),
             |w| (!Slot(w).is_frozen()).then(|| Slot(w).frozen().0),
             |first| {
                 if first >= halfway && first < halfway + FREEZE_BUCKETS {
@@ -572,24 +605,21 @@ impl Mover {
 
     /// Clears the frozen bits again (a resize that could not finish).
     fn thaw(&mut self, g: &Geometry) -> Result<(), TransportError> {
-        self.each_group(
-            g,
-            |w| Slot(w).is_frozen().then(|| Slot(w).thawed().0),
-            |_| {},
-        )
+        self.each_group(g, all_groups(g), thaw_change, |_| {})
     }
 
-    /// For each group of buckets: read it, CAS every word `change` maps to
-    /// a new value, and repeat while a CAS failed (a client CAS landed
-    /// between the read and ours): two round trips per group when none did.
+    /// For each group of buckets (the `FREEZE_BUCKETS` from each of
+    /// `firsts`): read it, CAS every word `change` maps to a new value, and
+    /// repeat while a CAS failed (a client CAS landed between the read and
+    /// ours): two round trips per group when none did.
     fn each_group(
         &mut self,
         g: &Geometry,
+        firsts: impl IntoIterator<Item = u64>,
         change: impl Fn(u64) -> Option<u64>,
         mut after_group: impl FnMut(u64),
     ) -> Result<(), TransportError> {
-        let mut first = 0;
-        while first < g.index_buckets() {
+        for first in firsts {
             let n = FREEZE_BUCKETS.min(g.index_buckets() - first);
             let remote = g.bucket_offset(first);
             loop {
@@ -626,7 +656,6 @@ impl Mover {
                 }
             }
             after_group(first);
-            first += n;
         }
         Ok(())
     }

@@ -25,6 +25,7 @@ mod event_loop;
 mod grow;
 pub mod header;
 pub mod heap;
+mod index_load;
 mod metrics;
 mod reclaim;
 pub mod region;
@@ -62,6 +63,11 @@ pub struct ServerConfig {
     /// Fraction of the index's slots in use at which it doubles (clients
     /// that find a key's buckets full ask for a resize earlier).
     pub resize_at: f64,
+    /// Bytes up to which any client's request doubles the index; beyond,
+    /// a request is honoured only when the index is at least half as full
+    /// as `resize_at` (or the key that found no room shows it full and the
+    /// index is a quarter as full), so that no client can balloon it.
+    pub resize_on_request_up_to: u64,
     /// When set, clients must present it to connect.
     pub secret: Option<Vec<u8>>,
     /// File backing the region of an rdma server (a shm address names its
@@ -87,6 +93,10 @@ pub struct ServerConfig {
 /// A new region's size: small, since it grows.
 pub const DEFAULT_MEMORY: u64 = 64 << 20;
 
+/// Index size up to which any client may have it doubled: 128 Ki slots,
+/// next to nothing beside the region.
+pub const DEFAULT_RESIZE_ON_REQUEST: u64 = 1 << 20;
+
 /// Open control connections allowed per client slot: room for clients that
 /// are still connecting, without letting idle sockets pile up unbounded.
 const CONNECTIONS_PER_CLIENT: u64 = 2;
@@ -100,6 +110,7 @@ impl ServerConfig {
             buckets: None,
             max_buckets: None,
             resize_at: 0.8,
+            resize_on_request_up_to: DEFAULT_RESIZE_ON_REQUEST,
             secret: None,
             region_file: None,
             group_access: false,
@@ -259,7 +270,10 @@ impl Server {
             limits: Limits {
                 max_region: max_memory.max(geometry.region_len).min(region.max_len()),
                 max_buckets: config.max_buckets.unwrap_or(MAX_BUCKETS),
-                resize_at: config.resize_at,
+                resize: index_load::ResizePolicy {
+                    resize_at: config.resize_at,
+                    on_request_up_to: config.resize_on_request_up_to,
+                },
             },
             resizing: AtomicBool::new(false),
             grow: (Mutex::new(GrowRequests::default()), Condvar::new()),

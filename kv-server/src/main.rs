@@ -60,6 +60,12 @@ struct ServeArgs {
     /// Fraction of the index's slots in use at which it doubles.
     #[arg(long, default_value_t = 0.8)]
     resize_at: f64,
+    /// Index size up to which any client may have it doubled on request
+    /// (`kv resize`); beyond, a request is honoured only when the index is
+    /// at least half as full as --resize-at, so that no client can balloon
+    /// it. Declined requests are counted (metric resizes_declined).
+    #[arg(long, default_value = "1MiB", value_parser = parse_size)]
+    resize_on_request_up_to: u64,
     /// File backing the region of an rdma server (default
     /// /dev/shm/onekv-rdma-PORT). A shm address names its own file.
     #[arg(long)]
@@ -103,14 +109,14 @@ enum Command {
     /// valid and the one in force current (when it was lost, the index is
     /// located in the heap instead); every slot must point at a block
     /// inside the heap that passes its checksum, holds a key that belongs
-    /// in that bucket, and overlaps no other block. Exits 0 when clean, 1
-    /// when damage was found, 2 on errors.
+    /// in that bucket, and overlaps no other block; no slot may be frozen.
+    /// Exits 0 when clean, 1 when damage was found, 2 on errors.
     Check {
         /// The region file (e.g. /dev/shm/onekv).
         region: PathBuf,
         /// Rewrite a damaged header (from its twin record, or from the index
-        /// located in the heap) and empty the damaged slots (their keys read
-        /// as absent afterwards), naming each. First revokes every client
+        /// located in the heap), empty the damaged slots (their keys read
+        /// as absent afterwards), naming each, and thaw frozen slots. First revokes every client
         /// key and waits for their verbs under way to land.
         #[arg(long)]
         repair: bool,
@@ -180,6 +186,17 @@ fn check(path: &std::path::Path, mode: CheckMode) -> Result<ExitCode, String> {
             d.what
         );
     }
+    if report.frozen > 0 {
+        println!(
+            "{} frozen slots (a resize interrupted, or stray bits that stall writers): {}",
+            report.frozen,
+            if repair {
+                format!("{} thawed", report.thawed)
+            } else {
+                "--repair or the next server start thaws them".to_string()
+            }
+        );
+    }
     println!(
         "{} slots checked, {} damaged, {} repaired",
         report.slots,
@@ -203,6 +220,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     config.buckets = args.buckets;
     config.max_buckets = args.max_buckets;
     config.resize_at = args.resize_at;
+    config.resize_on_request_up_to = args.resize_on_request_up_to;
     config.region_file = args.region_file;
     config.group_access = args.group_access;
     config.op_deadline = Duration::from_millis(args.op_deadline_ms);

@@ -325,6 +325,27 @@ impl Collector for ServerCollector {
             None,
             s.resizes,
         )?;
+        counter(
+            &mut out,
+            "resizes_declined",
+            "Resize requests declined: the index was not full enough to warrant one.",
+            None,
+            s.declined_resizes,
+        )?;
+        gauge(
+            &mut out,
+            "frozen_slots",
+            "Frozen slots in the index at the last scan (outside a resize: stray bits about to be thawed).",
+            None,
+            s.frozen_slots,
+        )?;
+        counter(
+            &mut out,
+            "thawed_slots",
+            "Stray frozen slots thawed (found by a scan or reported by a writer).",
+            None,
+            s.thawed_slots,
+        )?;
         gauge(
             &mut out,
             "resizing",

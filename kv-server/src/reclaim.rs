@@ -94,6 +94,12 @@ pub fn collect(shared: &Shared) {
     c.live_slots.store(scan.live_slots, Relaxed);
     c.live_bytes.store(scan.live_bytes, Relaxed);
     c.corrupt_slots.store(scan.corrupt_slots, Relaxed);
+    c.frozen_slots.store(scan.frozen_slots, Relaxed);
+    // Only a resize freezes slots, and it works on the index it found in
+    // force: frozen slots there with none under way are stray bits.
+    if scan.frozen_slots > 0 && !shared.resizing.load(Relaxed) {
+        shared.want_growth(|w| w.thaw = true);
+    }
     // More than half the heap live: collections would come ever more often
     // and free ever less. Grow instead (the heap stays under ~2x the data).
     if scan.live_bytes > g.heap_size / 2 && g.region_len < shared.limits.max_region {

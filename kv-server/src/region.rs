@@ -194,6 +194,20 @@ pub fn for_each_slot(
     g: &Geometry,
     mut f: impl FnMut(SlotPos, Slot),
 ) -> Result<(), TransportError> {
+    for_each_word(region, g, |pos, slot| {
+        if !slot.thawed().is_empty() {
+            f(pos, slot)
+        }
+    })
+}
+
+/// Calls `f` for every non-zero word of the index: the occupied slots and
+/// the frozen empty ones.
+pub fn for_each_word(
+    region: &SharedRegion,
+    g: &Geometry,
+    mut f: impl FnMut(SlotPos, Slot),
+) -> Result<(), TransportError> {
     // A thousand buckets per read: one bounds check and one fence per
     // 64 KiB instead of per bucket.
     const BATCH: u64 = 1024;
@@ -204,7 +218,7 @@ pub fn for_each_slot(
         let batch = &mut words[..n as usize * SLOTS_PER_BUCKET];
         region.read(g.bucket_offset(first), batch)?;
         for (i, &w) in batch.iter().enumerate() {
-            if !Slot(w).thawed().is_empty() {
+            if w != 0 {
                 let pos = SlotPos {
                     bucket: first + (i / SLOTS_PER_BUCKET) as u64,
                     index: i % SLOTS_PER_BUCKET,
@@ -225,6 +239,8 @@ pub struct IndexScan {
     pub live_bytes: u64,
     /// Slots whose class or offset cannot be a block.
     pub corrupt_slots: u64,
+    /// Slots with the frozen bit, empty or not.
+    pub frozen_slots: u64,
 }
 
 /// Marks the block of every occupied slot; slots that cannot point at a
@@ -235,17 +251,24 @@ pub fn scan_index(region: &SharedRegion, g: &Geometry) -> Result<IndexScan, Tran
         live_slots: 0,
         live_bytes: 0,
         corrupt_slots: 0,
+        frozen_slots: 0,
     };
     let mut first_corrupt = None;
-    for_each_slot(region, g, |pos, slot| match g.block_span(slot.thawed()) {
-        Some((offset, len)) => {
-            scan.live.mark(offset, len as u64);
-            scan.live_slots += 1;
-            scan.live_bytes += len as u64;
+    for_each_word(region, g, |pos, slot| {
+        scan.frozen_slots += u64::from(slot.is_frozen());
+        if slot.thawed().is_empty() {
+            return;
         }
-        None => {
-            scan.corrupt_slots += 1;
-            first_corrupt.get_or_insert((pos, slot));
+        match g.block_span(slot.thawed()) {
+            Some((offset, len)) => {
+                scan.live.mark(offset, len as u64);
+                scan.live_slots += 1;
+                scan.live_bytes += len as u64;
+            }
+            None => {
+                scan.corrupt_slots += 1;
+                first_corrupt.get_or_insert((pos, slot));
+            }
         }
     })?;
     if let Some((pos, slot)) = first_corrupt {
@@ -267,29 +290,18 @@ pub fn scan_index(region: &SharedRegion, g: &Geometry) -> Result<IndexScan, Tran
 /// race with them). Returns how many slots were frozen.
 pub fn thaw_index(region: &SharedRegion, g: &Geometry) -> Result<u64, TransportError> {
     let mut frozen = Vec::new();
-    for_each_slot(region, g, |pos, slot| {
+    for_each_word(region, g, |pos, slot| {
         if slot.is_frozen() {
             frozen.push((pos, slot));
         }
     })?;
-    // Frozen empty slots are skipped by for_each_slot: walk them too.
-    let mut empty = 0;
-    for b in 0..g.index_buckets() {
-        for i in 0..SLOTS_PER_BUCKET {
-            let at = g.bucket_offset(b) + i as u64 * 8;
-            if region.load(at)? == Slot::FROZEN_EMPTY.0 {
-                region.store(at, 0)?;
-                empty += 1;
-            }
-        }
-    }
     for &(pos, slot) in &frozen {
         region.store(g.slot_offset(pos), slot.thawed().0)?;
     }
-    if !frozen.is_empty() {
+    if frozen.iter().any(|(_, slot)| !slot.thawed().is_empty()) {
         remove_duplicates(region, g)?;
     }
-    Ok(frozen.len() as u64 + empty)
+    Ok(frozen.len() as u64)
 }
 
 /// Empties every slot holding a copy of a key other than the one readers
@@ -410,11 +422,15 @@ pub struct CheckReport {
     pub damaged: Vec<Damage>,
     /// Slots emptied by `--repair`.
     pub repaired: u64,
+    /// Slots with the frozen bit (thawed by `--repair`).
+    pub frozen: u64,
+    /// Frozen slots `--repair` thawed.
+    pub thawed: u64,
 }
 
 impl CheckReport {
     pub fn is_clean(&self) -> bool {
-        self.header.is_none() && self.damaged.is_empty()
+        self.header.is_none() && self.damaged.is_empty() && self.frozen == 0
     }
 }
 
@@ -472,10 +488,15 @@ pub fn check(path: &Path, mode: CheckMode) -> Result<CheckReport, ServerError> {
         header::finish_switch(&region, &g).map_err(|e| region_error(path, e))?;
     }
     let mut spans: Vec<(u64, u64, SlotPos, Slot)> = Vec::new();
-    for_each_slot(&region, &g, |pos, slot| {
-        report.slots += 1;
-        // A frozen slot is an interrupted resize's: the next server thaws it.
+    for_each_word(&region, &g, |pos, slot| {
+        // A frozen slot is an interrupted resize's, or a stray bit: the
+        // next server thaws it, and so does `--repair`.
+        report.frozen += u64::from(slot.is_frozen());
         let live = slot.thawed();
+        if live.is_empty() {
+            return;
+        }
+        report.slots += 1;
         let damage = |what: &str| Damage {
             pos,
             slot,
@@ -533,6 +554,9 @@ pub fn check(path: &Path, mode: CheckMode) -> Result<CheckReport, ServerError> {
                 report.repaired += 1;
             }
         }
+        // After the damaged slots went (their frozen values are what they
+        // were found with).
+        report.thawed = thaw_index(&region, &g).map_err(|e| region_error(path, e))?;
         region.flush().map_err(|e| region_error(path, e))?;
     }
     Ok(report)

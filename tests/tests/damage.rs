@@ -104,3 +104,137 @@ fn damaged_keys_fail_fast_others_work_and_check_repairs_them() {
     assert_eq!(kv.get(b"key7").unwrap().as_deref(), Some(&b"new"[..]));
     assert_eq!(kv.get(b"key8").unwrap(), Some(value(8)));
 }
+
+/// Sets the frozen bit of the slot word at `at` in the region file (as
+/// flipped bits, or a client, would).
+fn freeze_word(path: &std::path::Path, at: u64) {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    let mut word = [0u8; 8];
+    file.read_exact_at(&mut word, at).unwrap();
+    let frozen = Slot(u64::from_le_bytes(word)).frozen();
+    file.write_all_at(&frozen.0.to_le_bytes(), at).unwrap();
+}
+
+/// Where to set stray frozen bits: the slots of keys `key0..key19` and
+/// four empty slots of key0's buckets.
+fn stray_words(server: &Server, path: &std::path::Path) -> Vec<u64> {
+    let g = server.geometry();
+    let mut words: Vec<u64> = (0..20)
+        .map(|i| {
+            let (pos, _) = server.slots_of(format!("key{i}").as_bytes()).unwrap()[0];
+            g.slot_offset(pos)
+        })
+        .collect();
+    let file = std::fs::File::open(path).unwrap();
+    let h = kv_common::layout::KeyHash::new(b"key0", g.bucket_count);
+    let empty = (0..kv_common::layout::CANDIDATE_SLOTS)
+        .map(|i| g.slot_offset(h.slot_pos(i)))
+        .filter(|&at| {
+            let mut word = [0u8; 8];
+            file.read_exact_at(&mut word, at).unwrap();
+            u64::from_le_bytes(word) == 0
+        });
+    words.extend(empty.take(4));
+    words
+}
+
+fn freeze_all(path: &std::path::Path, words: &[u64]) -> u64 {
+    for &at in words {
+        freeze_word(path, at);
+    }
+    words.len() as u64
+}
+
+/// Frozen bits with no resize under way (a few flipped bytes, or a client
+/// that set them): writers of those keys tell the server, which thaws them,
+/// instead of waiting out a resize that never comes; the server counts them.
+#[test]
+fn writers_meeting_stray_frozen_slots_have_them_thawed() {
+    let dir = region_dir();
+    let path = dir.path().join("region");
+    let config = test_config(&path);
+    let server = Server::start(config.clone()).unwrap();
+    let address = config.address.to_string();
+    let mut kv = Client::connect(&address).unwrap();
+    for i in 0..200 {
+        kv.put(format!("key{i}").as_bytes(), &value(i)).unwrap();
+    }
+    let frozen = freeze_all(&path, &stray_words(&server, &path));
+    let (done_tx, done) = std::sync::mpsc::channel();
+    let writer = std::thread::spawn(move || {
+        for i in 0..20 {
+            kv.put(format!("key{i}").as_bytes(), b"after the thaw")
+                .unwrap();
+        }
+        kv.put(b"new key", b"in thawed buckets").unwrap();
+        done_tx.send(()).unwrap();
+        kv
+    });
+    // Without the thaw they would wait out the ten-minute resize wait.
+    done.recv_timeout(Duration::from_secs(60))
+        .expect("writers stalled on stray frozen slots");
+    let mut kv = writer.join().unwrap();
+    for i in 0..20 {
+        assert_eq!(
+            kv.get(format!("key{i}").as_bytes()).unwrap().as_deref(),
+            Some(&b"after the thaw"[..])
+        );
+    }
+    server.collect_now();
+    let stats = server.stats();
+    assert!(stats.thawed_slots >= 1, "{stats:?}");
+    assert!(stats.thawed_slots <= frozen, "{stats:?}");
+    assert_eq!(stats.frozen_slots, 0, "{stats:?}");
+    assert_eq!(stats.resizes, 0, "{stats:?}");
+}
+
+/// With no writer to meet them, the server's own scan finds stray frozen
+/// slots and thaws them; offline, `check` reports them and `--repair`
+/// thaws them.
+#[test]
+fn stray_frozen_slots_are_found_by_scans_and_by_check() {
+    let dir = region_dir();
+    let path = dir.path().join("region");
+    let config = test_config(&path);
+    let server = Server::start(config.clone()).unwrap();
+    let mut kv = Client::connect(&config.address.to_string()).unwrap();
+    for i in 0..200 {
+        kv.put(format!("key{i}").as_bytes(), &value(i)).unwrap();
+    }
+    let words = stray_words(&server, &path);
+    let frozen = freeze_all(&path, &words);
+    onekv_tests::eventually(
+        "the stray frozen slots thawed",
+        Duration::from_secs(30),
+        || {
+            server.collect_now();
+            server.stats().thawed_slots == frozen
+        },
+    );
+    server.collect_now();
+    assert_eq!(server.stats().frozen_slots, 0);
+    kv.close().unwrap();
+
+    drop(server);
+    let frozen = freeze_all(&path, &words);
+    let report = region::check(&path, CheckMode::Report).unwrap();
+    assert_eq!(report.frozen, frozen);
+    assert!(!report.is_clean());
+    let repair = CheckMode::Repair {
+        settle: Duration::ZERO,
+    };
+    assert_eq!(region::check(&path, repair).unwrap().thawed, frozen);
+    assert!(region::check(&path, CheckMode::Report).unwrap().is_clean());
+    let _server = Server::start(config.clone()).unwrap();
+    let mut kv = Client::connect(&config.address.to_string()).unwrap();
+    for i in 0..200 {
+        assert_eq!(
+            kv.get(format!("key{i}").as_bytes()).unwrap(),
+            Some(value(i))
+        );
+    }
+}

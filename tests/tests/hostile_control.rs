@@ -224,3 +224,44 @@ fn space_a_client_hoards_comes_back_when_it_vanishes() {
     assert_eq!(honest.get(b"k").unwrap().as_deref(), Some(&b"v"[..]));
     assert_eq!(srv.server.stats().departures, 1);
 }
+
+/// Resize requests one after another (with and without a key said to have
+/// found no room): the index doubles only while it is small, then every
+/// request is declined and counted, and the index keeps its size.
+#[test]
+fn resize_requests_do_not_balloon_an_index_that_is_not_full() {
+    let srv = TestServer::start(|_| {});
+    let mut kv = honest_client(&srv);
+    let mut declined = 0;
+    for _ in 0..14 {
+        match kv.resize() {
+            Ok(_) => {}
+            Err(Error::ResizeDeclined) => declined += 1,
+            Err(e) => panic!("resize: {e}"),
+        }
+    }
+    let buckets = srv.server.geometry().bucket_count;
+    // Up to an index of 1 MiB (16 Ki buckets) a doubling costs nothing.
+    assert!(
+        buckets <= 1 << 14,
+        "the index ballooned to {buckets} buckets"
+    );
+    assert!(declined >= 6, "{declined} declined");
+    // A raw request naming a key whose buckets have room is declined too.
+    let mut s = liar(&srv);
+    for _ in 0..10 {
+        let epoch = srv.server.geometry().epoch;
+        let ask = Request::Resize {
+            epoch,
+            full_key: Some(b"honest-1".to_vec()),
+        };
+        match call(&mut s, &ask) {
+            Some(Response::Geometry(info)) => assert!(!info.resizing),
+            other => panic!("{other:?}"),
+        }
+    }
+    let stats = srv.server.stats();
+    assert_eq!(stats.bucket_count, buckets);
+    assert!(stats.declined_resizes >= declined + 10, "{stats:?}");
+    honest_data(&mut kv);
+}

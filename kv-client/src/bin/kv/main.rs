@@ -217,6 +217,9 @@ fn stats(kv: &mut Client) -> Result<Vec<String>, String> {
         format!("epoch {}", s.epoch),
         format!("resizes {}", s.resizes),
         format!("resizing {}", s.resizing),
+        format!("declined_resizes {}", s.declined_resizes),
+        format!("frozen_slots {}", s.frozen_slots),
+        format!("thawed_slots {}", s.thawed_slots),
         format!("buckets {} (slots {})", s.bucket_count, s.index_slots),
         format!(
             "live_slots {} (as of index scan {})",
