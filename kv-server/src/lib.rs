@@ -21,6 +21,7 @@ use kv_common::Address;
 use polling::Poller;
 
 mod control;
+mod descriptors;
 mod event_loop;
 mod grow;
 pub mod header;
@@ -298,7 +299,7 @@ impl Server {
         };
         let poller = Arc::new(Poller::new().map_err(TransportError::Io)?);
         let (to_loop, incoming) = mpsc::channel();
-        let max_channels = (config.max_clients * CONNECTIONS_PER_CLIENT) as usize;
+        let max_channels = channel_cap(config.max_clients);
         let event_loop = event_loop::EventLoop::new(
             shared.clone(),
             poller.clone(),
@@ -457,6 +458,25 @@ fn region_path(config: &ServerConfig) -> Result<PathBuf, ServerError> {
 
 /// Accepts control channels and hands them to the event loop. (Accepting
 /// an rdma channel includes its handshake, which must not hold up the loop.)
+/// Open control connections allowed: twice `max_clients`, or fewer if the
+/// descriptor limit (raised to its hard limit first) has room for fewer,
+/// so that a connection beyond the cap can still be accepted and refused
+/// with a reason rather than left waiting in the backlog.
+fn channel_cap(max_clients: u64) -> usize {
+    let wanted = max_clients * CONNECTIONS_PER_CLIENT;
+    let limit = descriptors::raise_limit();
+    let budget = descriptors::connection_budget(limit).max(1);
+    if budget < wanted {
+        tracing::warn!(
+            descriptor_limit = limit,
+            connections = budget,
+            "the descriptor limit leaves room for fewer control connections than --max-clients \
+             wants ({wanted}); raise `ulimit -n` (LimitNOFILE= under systemd) to serve more"
+        );
+    }
+    budget.min(wanted) as usize
+}
+
 fn accept_loop(
     shared: Arc<Shared>,
     listener: Arc<dyn ControlListener>,

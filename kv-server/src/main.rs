@@ -82,7 +82,9 @@ struct ServeArgs {
     #[arg(long, default_value_t = 50)]
     op_deadline_ms: u64,
     /// Most clients connected at once (at most 4095); more are refused with
-    /// a clear error. Open control connections are capped at twice this.
+    /// a clear error. Open control connections are capped at twice this,
+    /// and below what the descriptor limit allows (the soft limit is raised
+    /// to the hard one at start; 64 descriptors stay for everything else).
     #[arg(long, default_value_t = 1024)]
     max_clients: u64,
     /// Seconds a new control connection may take to send its Connect.
@@ -231,7 +233,6 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     if let Some(path) = &args.secret_file {
         config.secret = Some(kv_common::secret::read_secret_file(path)?);
     }
-    raise_descriptor_limit();
 
     let (stop_tx, stop_rx) = mpsc::channel();
     ctrlc::set_handler(move || {
@@ -254,20 +255,4 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     let stats = server.shutdown();
     tracing::info!(?stats, "stopped");
     Ok(())
-}
-
-/// Every client holds a control connection: allow as many descriptors as
-/// the hard limit does (the soft limit is often 1024).
-fn raise_descriptor_limit() {
-    let mut lim = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit/setrlimit on a struct we own.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
-            lim.rlim_cur = lim.rlim_max;
-            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
-        }
-    }
 }

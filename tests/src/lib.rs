@@ -161,13 +161,48 @@ impl Daemon {
         extra: &[&str],
         env: &[(&str, &str)],
     ) -> Daemon {
-        let child = Command::new(workspace_bin("kv-server"))
+        let mut command = Daemon::command(address, region, extra);
+        command.envs(env.iter().copied());
+        Daemon::spawn(command, address)
+    }
+
+    /// As [`Daemon::start`], with its descriptor limit (soft and hard)
+    /// lowered to `max_fds`.
+    pub fn start_limited(address: &Address, region: &Path, extra: &[&str], max_fds: u64) -> Daemon {
+        use std::os::unix::process::CommandExt;
+        let mut command = Daemon::command(address, region, extra);
+        // SAFETY: setrlimit is async-signal-safe; nothing else runs
+        // between fork and exec.
+        unsafe {
+            command.pre_exec(move || {
+                let lim = libc::rlimit {
+                    rlim_cur: max_fds,
+                    rlim_max: max_fds,
+                };
+                if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) == 0 {
+                    Ok(())
+                } else {
+                    Err(std::io::Error::last_os_error())
+                }
+            });
+        }
+        Daemon::spawn(command, address)
+    }
+
+    fn command(address: &Address, region: &Path, extra: &[&str]) -> Command {
+        let mut command = Command::new(workspace_bin("kv-server"));
+        command
             .arg("--listen")
             .arg(address.to_string())
             .arg("--region-file")
             .arg(region)
-            .args(extra)
-            .envs(env.iter().copied())
+            .args(extra);
+        command
+    }
+
+    /// Starts `command` and waits until it accepts control connections.
+    fn spawn(mut command: Command, address: &Address) -> Daemon {
+        let child = command
             .stderr(Stdio::piped())
             .spawn()
             .expect("start kv-server");

@@ -120,3 +120,41 @@ fn a_silent_server_makes_connect_time_out_instead_of_hanging() {
     assert!(took < Duration::from_secs(5), "took {took:?}");
     drop(holder.join());
 }
+
+/// A daemon whose descriptor limit (128, soft and hard) is far below what
+/// `--max-clients` (1024) would need: idle connections fill what it can
+/// open, and the next client is refused with the reason and counted — not
+/// left in the listen backlog until its reply timeout.
+#[test]
+fn at_the_descriptor_limit_new_clients_are_refused_not_left_waiting() {
+    raise_descriptor_limit();
+    let dir = region_dir();
+    let region = dir.path().join("region");
+    let address = Address::Shm {
+        region: region.clone(),
+    };
+    let daemon = onekv_tests::Daemon::start_limited(&address, &region, &[], 128);
+    let socket = Address::shm_socket(&region);
+    // More than 128 descriptors' worth, fewer than the listen backlog.
+    let idle: Vec<UnixStream> = (0..150)
+        .map(|_| UnixStream::connect(&socket).unwrap())
+        .collect();
+    let options = ClientOptions {
+        reply_timeout: Duration::from_secs(30),
+        ..ClientOptions::default()
+    };
+    match Client::connect_with(&address.to_string(), options.clone()) {
+        Err(Error::Refused(why)) => assert!(why.contains("limit"), "{why}"),
+        Err(e) => panic!("not refused with a reason: {e}"),
+        Ok(_) => panic!("admitted beyond the descriptor limit"),
+    }
+    drop(idle);
+    let mut kv = None;
+    eventually("a client to get in", Duration::from_secs(20), || {
+        kv = Client::connect_with(&address.to_string(), options.clone()).ok();
+        kv.is_some()
+    });
+    let stats = kv.unwrap().server_stats().unwrap();
+    assert!(stats.rejected_connects >= 1, "{stats:?}");
+    drop(daemon);
+}
