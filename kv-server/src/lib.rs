@@ -26,6 +26,7 @@ mod event_loop;
 mod grow;
 pub mod header;
 pub mod heap;
+mod http;
 mod index_load;
 mod metrics;
 mod reclaim;

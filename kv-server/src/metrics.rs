@@ -5,21 +5,12 @@
 //! and the pool's two totals (one short lock, as a `Stats` request does):
 //! no metric is kept twice, and the control thread never waits for HTTP.
 //!
-//! The HTTP side is a few lines on purpose: one thread answers one
-//! connection at a time, each with a read and a write timeout, and closes
-//! it. A scraper that connects and stalls, or never reads its answer, holds
-//! one descriptor for at most those timeouts and cannot stop the server
-//! from shutting down (tiny_http, tried first, has neither timeouts nor a
-//! bound on its threads per connection).
+//! The HTTP side (`http.rs`) answers every connection from one thread
+//! with deadlines, so slow or idle connections delay no scrape.
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
+use std::net::{SocketAddr, TcpListener};
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::thread::JoinHandle;
-use std::time::Duration;
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
@@ -28,122 +19,37 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::{Registry, Unit};
 
 use crate::control::{Refusal, Shared};
+use crate::http::{Answer, HttpServer, Request};
 use crate::ServerError;
 
 const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
-/// Longest a scraper may take to send its request, or to take the answer.
-const IO_TIMEOUT: Duration = Duration::from_secs(2);
-/// Longest request head read; a GET needs a few hundred bytes.
-const MAX_REQUEST: usize = 8 << 10;
 
 /// A running endpoint; dropping it stops it.
 pub struct MetricsEndpoint {
-    address: SocketAddr,
-    stopping: Arc<AtomicBool>,
-    /// The listening socket, to shut down from `Drop`.
-    waker: TcpListener,
-    thread: Option<JoinHandle<()>>,
+    http: HttpServer,
 }
 
 impl MetricsEndpoint {
     pub(crate) fn start(address: SocketAddr, shared: Arc<Shared>) -> Result<Self, ServerError> {
-        let listener = TcpListener::bind(address)
-            .map_err(|e| ServerError::Config(format!("metrics endpoint on {address}: {e}")))?;
-        let address = listener.local_addr().unwrap_or(address);
-        let waker = listener
-            .try_clone()
-            .map_err(|e| ServerError::Config(format!("metrics endpoint on {address}: {e}")))?;
+        let failed =
+            |e: std::io::Error| ServerError::Config(format!("metrics endpoint on {address}: {e}"));
+        let listener = TcpListener::bind(address).map_err(failed)?;
         let mut registry = Registry::with_prefix("onekv");
         registry.register_collector(Box::new(ServerCollector(shared)));
-        let stopping = Arc::new(AtomicBool::new(false));
-        let stop = stopping.clone();
-        let thread = std::thread::Builder::new()
-            .name("kv-metrics".into())
-            .spawn(move || serve(&listener, &registry, &stop))
-            .map_err(|e| ServerError::Config(format!("cannot start threads: {e}")))?;
-        Ok(MetricsEndpoint {
-            address,
-            stopping,
-            waker,
-            thread: Some(thread),
-        })
+        let http = HttpServer::start(listener, "kv-metrics", move |r| answer(r, &registry))
+            .map_err(failed)?;
+        Ok(MetricsEndpoint { http })
     }
 
     /// Where it listens (the port the system chose, for port 0).
     pub fn address(&self) -> SocketAddr {
-        self.address
+        self.http.address()
     }
 }
 
-impl Drop for MetricsEndpoint {
-    fn drop(&mut self) {
-        self.stopping.store(true, Ordering::SeqCst);
-        // Wake the blocked accept: on Linux, shutting a listening socket
-        // down makes accept fail at once (connecting to it could fail, on
-        // a host without IPv6 loopback or behind a firewall).
-        // SAFETY: shutdown on a descriptor this struct owns; it is closed
-        // only when `waker` drops, after this.
-        unsafe { libc::shutdown(self.waker.as_raw_fd(), libc::SHUT_RDWR) };
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
-fn serve(listener: &TcpListener, registry: &Registry, stopping: &AtomicBool) {
-    for conn in listener.incoming() {
-        if stopping.load(Ordering::SeqCst) {
-            return;
-        }
-        match conn {
-            // A scraper that misbehaves only loses its own answer.
-            Ok(stream) => {
-                let _ = answer(stream, registry);
-            }
-            Err(e) => {
-                if stopping.load(Ordering::SeqCst) {
-                    return;
-                }
-                // Out of descriptors, most likely: the control plane's
-                // timeouts free some; try again shortly.
-                tracing::warn!("metrics endpoint: accept failed: {e}");
-                std::thread::sleep(Duration::from_millis(100));
-            }
-        }
-    }
-}
-
-/// Reads one request head and answers it, then closes the connection.
-fn answer(mut stream: TcpStream, registry: &Registry) -> std::io::Result<()> {
-    stream.set_read_timeout(Some(IO_TIMEOUT))?;
-    stream.set_write_timeout(Some(IO_TIMEOUT))?;
-    let mut head = Vec::new();
-    let mut buf = [0u8; 1024];
-    // The whole head within the timeout, not each read: a scraper that
-    // trickles bytes is cut off too.
-    let started = std::time::Instant::now();
-    while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < MAX_REQUEST {
-        let left = IO_TIMEOUT.saturating_sub(started.elapsed());
-        if left.is_zero() {
-            return Err(std::io::ErrorKind::TimedOut.into());
-        }
-        stream.set_read_timeout(Some(left))?;
-        match stream.read(&mut buf)? {
-            0 => break,
-            n => head.extend_from_slice(&buf[..n]),
-        }
-    }
-    let line = head
-        .split(|&b| b == b'\r' || b == b'\n')
-        .next()
-        .unwrap_or_default();
-    let mut words = line.split(|&b| b == b' ');
-    let (method, target) = (
-        words.next().unwrap_or_default(),
-        words.next().unwrap_or_default(),
-    );
-    let path = target.split(|&b| b == b'?').next().unwrap_or_default();
-    let (status, body) = match (method, path) {
+/// `GET /metrics`: the figures; anything else: why not.
+fn answer(request: &Request, registry: &Registry) -> Answer {
+    let (status, body) = match (request.method, request.path) {
         (b"GET", b"/metrics") => {
             let mut body = String::new();
             match prometheus_client::encoding::prometheus_text::encode(&mut body, registry) {
@@ -154,13 +60,11 @@ fn answer(mut stream: TcpStream, registry: &Registry) -> std::io::Result<()> {
         (b"GET", _) => ("404 Not Found", "onekv: see /metrics\n".into()),
         _ => ("405 Method Not Allowed", "only GET\n".into()),
     };
-    // One write: the head and body in one segment.
-    let reply = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: {CONTENT_TYPE}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(reply.as_bytes())?;
-    stream.flush()
+    Answer {
+        status,
+        content_type: CONTENT_TYPE,
+        body,
+    }
 }
 
 /// Reads the server's figures at each scrape.

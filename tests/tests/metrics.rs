@@ -172,3 +172,42 @@ fn the_daemon_serves_metrics_when_asked() {
     let (status, log) = daemon.terminate();
     assert!(status.success(), "{log}");
 }
+
+/// Three hundred idle connections and ten that trickle a byte of their
+/// request every 100 ms: scrapes are answered all the same, not after
+/// each held connection has timed out in turn (Prometheus gives up on a
+/// scrape after 10 s by default).
+#[test]
+fn scrapes_are_answered_while_slow_and_idle_connections_are_held() {
+    onekv_tests::raise_descriptor_limit();
+    let t = TestServer::start(|c| {
+        c.metrics_listen = Some("127.0.0.1:0".parse().expect("address"));
+    });
+    let at = t.server.metrics_address().expect("metrics endpoint on");
+    let idle: Vec<TcpStream> = (0..300)
+        .map(|_| TcpStream::connect(at).expect("connects"))
+        .collect();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let mut slow: Vec<TcpStream> = (0..10)
+                .map(|_| TcpStream::connect(at).expect("connects"))
+                .collect();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                for c in &mut slow {
+                    let _ = c.write_all(b"G");
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        });
+        for _ in 0..3 {
+            let started = std::time::Instant::now();
+            let m = scrape(at);
+            assert!(sample(&m, "onekv_control_connections") >= 0.0);
+            let took = started.elapsed();
+            assert!(took < Duration::from_secs(5), "a scrape took {took:?}");
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    });
+    drop(idle);
+}
