@@ -403,9 +403,24 @@ pub fn handle(
                 let after = offence(session);
                 return (error(ErrorKind::Malformed, m), after);
             }
-            let leased = match shared.pool.lock() {
-                Ok(mut p) => p.lease(id, min_len),
-                Err(_) => Err(LeaseRefusal::Full),
+            let (leased, held) = match shared.pool.lock() {
+                Ok(mut p) => {
+                    let leased = p.lease(id, min_len);
+                    let held = leased
+                        .is_err()
+                        .then(|| (p.retired_bytes(), p.aging_bytes(), p.leased_bytes()));
+                    (leased, held)
+                }
+                Err(_) => (Err(LeaseRefusal::Full), None),
+            };
+            // Where the heap is, for a refusal.
+            let held = || {
+                let (retired, aging, leased) = held.unwrap_or_default();
+                format!(
+                    "{} bytes live at the last collection, {retired} awaiting a collection, \
+                     {aging} awaiting their grace period, {leased} leased to clients",
+                    c.live_bytes.load(Relaxed)
+                )
             };
             let can_grow = shared.geometry().region_len < shared.limits.max_region;
             let mostly_live = || {
@@ -431,14 +446,19 @@ pub fn handle(
                 }
                 Err(LeaseRefusal::Busy) => {
                     shared.wake_reclaimer();
-                    let m = "no free heap space right now; space is being reclaimed";
+                    let m = format!(
+                        "no free heap space right now; space is being reclaimed ({})",
+                        held()
+                    );
                     (error(ErrorKind::HeapBusy, m), After::Stay)
                 }
                 Err(LeaseRefusal::Full) => {
                     shared.wake_reclaimer();
                     let m = format!(
-                        "no free heap space left, and the region is at its cap of {} bytes (--max-memory)",
-                        shared.limits.max_region
+                        "no free heap space left after a collection, and the region is at its cap of \
+                         {} bytes (--max-memory): {}",
+                        shared.limits.max_region,
+                        held()
                     );
                     (error(ErrorKind::HeapFull, m), After::Stay)
                 }

@@ -63,9 +63,11 @@ pub enum Need {
 /// Why a lease was not granted.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LeaseRefusal {
-    /// Nothing free and nothing being reclaimed.
+    /// Nothing free, nothing being reclaimed, and a collection that began
+    /// after space ran short found nothing more.
     Full,
-    /// Nothing free now, but space is aging or waiting for a collection.
+    /// Nothing free now, but space is aging, or waiting for a collection
+    /// (deletes unlink blocks no collection has seen yet).
     Busy,
     /// The client already holds too many extents.
     TooManyExtents,
@@ -109,10 +111,15 @@ pub struct HeapPool {
     /// When a lease last failed for want of space, if no collection began
     /// since.
     wanted_since: Option<Instant>,
+    /// When leases began to fail for want of space, if none has been
+    /// granted since: the heap is full only once a collection that began
+    /// after this has found nothing.
+    short_since: Option<Instant>,
     /// When the last lease was granted, and when the last collection's scan
-    /// began. New garbage appears only where new blocks are written, which
-    /// takes leased space: with no lease since the last scan began, another
-    /// collection would find nothing new.
+    /// began. Updates make garbage only as they write new blocks, which
+    /// takes leased space: with no lease since the last scan began, a
+    /// collection ahead of need would find little new (deletes make garbage
+    /// too, but a lease that then finds no room asks for one itself).
     last_lease: Option<Instant>,
     last_scan: Option<Instant>,
 }
@@ -136,6 +143,7 @@ impl HeapPool {
             retired: Vec::new(),
             reserved: BTreeMap::new(),
             wanted_since: None,
+            short_since: None,
             last_lease: None,
             last_scan: None,
         }
@@ -157,19 +165,26 @@ impl HeapPool {
         let want = self.chunk.min(share).max(min_len);
         // Best fit: the smallest extent that holds the whole share.
         if let Some(&(_, offset)) = self.free_by_size.range((want, 0)..).next() {
+            self.short_since = None;
             self.last_lease = Some(Instant::now());
             let e = self.take_free(offset, want);
             self.add_lease(e.offset, e.len, client);
             return Ok(vec![e]);
         }
         let Some(&(len, offset)) = self.free_by_size.range((min_len, 0)..).next() else {
-            self.wanted_since.get_or_insert(Instant::now());
-            return Err(if self.aging.is_empty() && self.retired.is_empty() {
-                LeaseRefusal::Full
-            } else {
-                LeaseRefusal::Busy
-            });
+            let now = Instant::now();
+            self.wanted_since.get_or_insert(now);
+            let short_since = *self.short_since.get_or_insert(now);
+            let collected_since = self.last_scan.is_some_and(|scan| scan >= short_since);
+            return Err(
+                if collected_since && self.aging.is_empty() && self.retired.is_empty() {
+                    LeaseRefusal::Full
+                } else {
+                    LeaseRefusal::Busy
+                },
+            );
         };
+        self.short_since = None;
         self.last_lease = Some(Instant::now());
         let mut out = vec![self.take_free(offset, len)];
         let mut total = len;
@@ -340,6 +355,17 @@ impl HeapPool {
         self.leased_bytes
     }
 
+    /// Bytes waiting out their grace period before they are free.
+    pub fn aging_bytes(&self) -> u64 {
+        self.aging_bytes
+    }
+
+    /// Bytes given back or left by departed clients that no collection has
+    /// looked at yet.
+    pub fn retired_bytes(&self) -> u64 {
+        self.retired.iter().map(|r| r.extent.len).sum()
+    }
+
     /// Moves aged space whose grace period is over to the free map.
     pub fn mature(&mut self, now: Instant) {
         while let Some(&(ready, e)) = self.aging.front() {
@@ -492,6 +518,15 @@ mod tests {
 
     const HOUR: Duration = Duration::from_secs(3600);
 
+    /// A lease that finds no room is busy until a collection has looked;
+    /// one that then finds `live` as it was leaves the heap full.
+    fn full_after_a_collection(p: &mut HeapPool, min_len: u64, live: &[Extent]) {
+        assert_eq!(p.lease(9, min_len), Err(LeaseRefusal::Busy));
+        std::thread::sleep(Duration::from_millis(1));
+        collect_at(p, Instant::now(), live);
+        assert_eq!(p.lease(9, min_len), Err(LeaseRefusal::Full));
+    }
+
     #[test]
     fn leases_chunks_then_shares_what_is_left() {
         let mut p = pool(64 << 10, 4096, &[]);
@@ -506,7 +541,7 @@ mod tests {
             }
         }
         assert_eq!(got, 64 << 10, "space left unleased");
-        assert_eq!(p.lease(4, 64), Err(LeaseRefusal::Full));
+        full_after_a_collection(&mut p, 64, &[]);
         assert_eq!(p.free_bytes(), 0);
     }
 
@@ -525,7 +560,7 @@ mod tests {
             got.len()
         );
         // A block bigger than every hole: no space, however much is free.
-        assert_eq!(p.lease(1, 256), Err(LeaseRefusal::Full));
+        full_after_a_collection(&mut p, 256, &live);
     }
 
     #[test]
@@ -671,7 +706,30 @@ mod tests {
         assert_eq!(p.lease(2, 64), Err(LeaseRefusal::Busy));
         let mut q = pool(4096, 4096, &[]);
         q.lease(1, 64).unwrap();
+        // Full only once a collection that began after the shortage found
+        // nothing.
+        assert_eq!(q.lease(2, 64), Err(LeaseRefusal::Busy));
+        let now = Instant::now() + Duration::from_millis(1);
+        q.collect(now, map(4096, &[]), now);
         assert_eq!(q.lease(2, 64), Err(LeaseRefusal::Full));
+    }
+
+    /// Deletes unlink blocks in settled space, which no pool state shows:
+    /// a lease that finds nothing free is busy until a collection has
+    /// looked, and that collection finds the space.
+    #[test]
+    fn space_deletes_unlinked_is_collected_before_the_heap_is_full() {
+        // All settled: the index referenced every block at the last scan.
+        let mut p = pool(8192, 4096, &[ext(0, 8192)]);
+        let now = Instant::now();
+        p.collect(now, map(8192, &[ext(0, 8192)]), now);
+        assert_eq!(p.free_bytes(), 0);
+        assert_eq!(p.lease(1, 64), Err(LeaseRefusal::Busy));
+        assert_eq!(p.need(Instant::now()), Need::Now);
+        // Half of it deleted since.
+        std::thread::sleep(Duration::from_millis(1));
+        collect_at(&mut p, Instant::now(), &[ext(0, 4096)]);
+        assert_eq!(p.lease(1, 64).map(|es| es[0].offset), Ok(4096));
     }
 
     #[test]

@@ -214,6 +214,46 @@ fn the_heap_is_full_only_at_its_cap_and_says_so() {
     }
 }
 
+/// A region at its cap, filled; a second, long-lived client deletes half
+/// the keys. The writer's next puts find the deleted space (a collection
+/// is tried before the heap is called full), though the deleter stays
+/// connected and no lease of its was given back.
+#[test]
+fn space_another_client_deleted_is_reused_before_the_region_is_full() {
+    let srv = TestServer::start(|c| {
+        c.memory = 4 << 20;
+        c.max_memory = Some(4 << 20);
+    });
+    let mut writer = or_abort(Client::connect(&srv.address), "connect");
+    let mut stored = 0;
+    let err = loop {
+        let k = format!("fill-{stored}");
+        match writer.put(k.as_bytes(), &vec![7u8; 4000]) {
+            Ok(()) => stored += 1,
+            Err(e) => break e,
+        }
+    };
+    assert!(matches!(err, Error::RegionFull { .. }), "{err}");
+    assert!(
+        err.to_string().contains("live") && err.to_string().contains("leased"),
+        "the refusal does not say where the heap is: {err}"
+    );
+    let mut deleter = or_abort(Client::connect(&srv.address), "connect");
+    for i in (0..stored).step_by(2) {
+        assert!(or_abort(
+            deleter.delete(format!("fill-{i}").as_bytes()),
+            "delete"
+        ));
+    }
+    for i in 0..stored / 4 {
+        let k = format!("again-{i}");
+        if let Err(e) = writer.put(k.as_bytes(), &vec![8u8; 4000]) {
+            panic!("put {i} of {} after half was deleted: {e}", stored / 4);
+        }
+    }
+    deleter.put(b"still", b"connected").unwrap();
+}
+
 #[test]
 fn writes_into_space_a_resize_grew_the_heap_by_are_carried_over() {
     // A full heap with a large index: doubling the index needs more space
