@@ -152,6 +152,10 @@ pub struct Shared {
     /// Someone asked for stats: refresh the scan's figures (at most once a
     /// second), so they do not go stale while nothing else scans.
     pub stats_wanted: AtomicBool,
+    /// The region file (to notice it shrinking under the server).
+    pub region_file: std::fs::File,
+    /// Why the server cannot go on serving, once it cannot.
+    pub failure: Mutex<Option<String>>,
 }
 
 impl Shared {

@@ -77,6 +77,13 @@ pub fn run(shared: Arc<Shared>) {
         if shared.stopping.load(Relaxed) {
             return;
         }
+        if let Some(why) = region_cut_short(&shared) {
+            tracing::error!("{why}");
+            if let Ok(mut failure) = shared.failure.lock() {
+                *failure = Some(why);
+            }
+            return;
+        }
         let growths_before = shared.counters.growths.load(Relaxed);
         if wanted.heap {
             if let Err(e) = grow_heap(&shared, 0) {
@@ -132,6 +139,22 @@ pub fn run(shared: Arc<Shared>) {
         }
         control::account_cpu(&shared.counters, &mut cpu_mark);
     }
+}
+
+/// Why the region can no longer be served, if its file has become
+/// shorter than the region (truncated under the server by its own user or
+/// root: nothing can keep a writable file from shrinking, and its pages
+/// past the new end are gone).
+fn region_cut_short(shared: &Shared) -> Option<String> {
+    let len = shared.region_file.metadata().ok()?.len();
+    let region_len = shared.geometry().region_len;
+    (len < region_len).then(|| {
+        format!(
+            "the region file was truncated to {len} bytes under the server (the region is \
+             {region_len}): what lay past that is lost, and touching it raises SIGBUS; stop the \
+             server, restore the file, and run `kv-server check`"
+        )
+    })
 }
 
 /// Whether the index is past its load threshold and may grow.

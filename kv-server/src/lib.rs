@@ -292,6 +292,8 @@ impl Server {
             reclaim: (Mutex::new(false), Condvar::new()),
             collecting: Mutex::new(()),
             stats_wanted: AtomicBool::new(false),
+            region_file: opened.lock.try_clone().map_err(TransportError::Io)?,
+            failure: Mutex::new(None),
         });
         // Bound before any thread starts, so a taken port fails the start.
         let metrics = match config.metrics_listen {
@@ -388,6 +390,13 @@ impl Server {
 
     /// Stops accepting clients, revokes the access keys (so clients' verbs
     /// fail cleanly) and writes the region back.
+    /// Why the server can no longer serve, if it cannot: its region file
+    /// was truncated under it (pages past the new end are gone, and
+    /// touching them raises SIGBUS). Stop it, then.
+    pub fn failure(&self) -> Option<String> {
+        self.shared.failure.lock().ok()?.clone()
+    }
+
     pub fn shutdown(mut self) -> ServerStats {
         self.stop();
         self.shared.stats()

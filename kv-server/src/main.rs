@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::mpsc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
 use kv_common::size::parse_size;
@@ -240,6 +240,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     })
     .map_err(|e| format!("cannot install signal handler: {e}"))?;
 
+    report_sigbus();
     let server = Server::start(config).map_err(|e| e.to_string())?;
     if let Some(at) = server.metrics_address() {
         tracing::info!("metrics at http://{at}/metrics");
@@ -248,11 +249,44 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         0 => Duration::MAX,
         s => Duration::from_secs(s),
     };
-    while let Err(mpsc::RecvTimeoutError::Timeout) = stop_rx.recv_timeout(interval) {
-        tracing::info!(stats = ?server.stats(), "stats");
+    let mut stats_logged = Instant::now();
+    while let Err(mpsc::RecvTimeoutError::Timeout) = stop_rx.recv_timeout(Duration::from_secs(1)) {
+        if let Some(why) = server.failure() {
+            server.shutdown();
+            return Err(why);
+        }
+        if stats_logged.elapsed() >= interval {
+            tracing::info!(stats = ?server.stats(), "stats");
+            stats_logged = Instant::now();
+        }
     }
     tracing::info!("shutting down");
     let stats = server.shutdown();
     tracing::info!(?stats, "stopped");
     Ok(())
+}
+
+/// A SIGBUS in the server is a page of the region gone: its file was
+/// truncated under the server (nothing can keep a writable file from
+/// shrinking). Say so, rather than die with a bare "Bus error"; the server
+/// also notices a shorter file within a second and stops.
+fn report_sigbus() {
+    extern "C" fn on_sigbus(_: libc::c_int) {
+        const MESSAGE: &[u8] = b"kv-server: SIGBUS: a page of the region is gone (was its file \
+truncated under the server?); what lay past the file's end is lost: restore the file and run \
+`kv-server check`\n";
+        // SAFETY: write(2) and _exit(2) are async-signal-safe.
+        unsafe {
+            libc::write(2, MESSAGE.as_ptr().cast(), MESSAGE.len());
+            libc::_exit(135);
+        }
+    }
+    // SAFETY: installs a handler that calls only async-signal-safe
+    // functions, with a zeroed (empty) mask and no flags.
+    unsafe {
+        let mut action: libc::sigaction = std::mem::zeroed();
+        action.sa_sigaction = on_sigbus as extern "C" fn(libc::c_int) as usize;
+        libc::sigemptyset(&mut action.sa_mask);
+        libc::sigaction(libc::SIGBUS, &action, std::ptr::null_mut());
+    }
 }

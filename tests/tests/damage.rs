@@ -238,3 +238,28 @@ fn stray_frozen_slots_are_found_by_scans_and_by_check() {
         );
     }
 }
+
+/// The region file truncated under a running daemon (by its own user or
+/// root: nothing can keep a writable file from shrinking): the daemon
+/// stops with an error that says what happened, not a bare SIGBUS.
+#[test]
+fn a_region_file_truncated_under_the_daemon_stops_it_with_a_clear_error() {
+    let dir = region_dir();
+    let path = dir.path().join("region");
+    let address = onekv_tests::test_address(&path);
+    let daemon = onekv_tests::Daemon::start(&address, &path, &["--memory", "16MiB"]);
+    let mut kv = Client::connect(&address.to_string()).unwrap();
+    for i in 0..200 {
+        kv.put(format!("key{i}").as_bytes(), &value(i)).unwrap();
+    }
+    kv.close().unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(1 << 20)
+        .unwrap();
+    let (status, log) = daemon.wait_exit(Duration::from_secs(30));
+    assert!(!status.success(), "{log}");
+    assert!(log.contains("truncated"), "{log}");
+}
