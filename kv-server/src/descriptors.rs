@@ -5,7 +5,7 @@
 //! limit can always accept a connection to refuse it with a reason.
 
 /// Descriptors kept back from control connections: the region file and
-/// its lock, the listeners, the poller, the metrics endpoint and its
+/// its lock, the listeners, the pollers, the metrics endpoint and its 32
 /// connections, the server's own resize connection, logs, and one spare to
 /// accept a connection in order to refuse it.
 const RESERVED: u64 = 64;

@@ -53,6 +53,8 @@ const MIN_GROWTH: u64 = 64 << 20;
 const MAX_GROWTH: u64 = 1 << 30;
 /// How often the index's occupancy is sampled.
 const SAMPLE_EVERY: Duration = Duration::from_millis(500);
+/// Least time between two passes that thaw stray frozen slots.
+const THAW_GAP: Duration = Duration::from_secs(1);
 
 pub fn run(shared: Arc<Shared>) {
     let mut cpu_mark = control::thread_cpu_us();
@@ -60,6 +62,7 @@ pub fn run(shared: Arc<Shared>) {
     let mut old_indexes: Vec<(Extent, u64)> = Vec::new();
     // The epoch of the last growth whose earlier registrations remain.
     let mut registrations_since: Option<u64> = None;
+    let mut last_thaw = None;
     loop {
         let wanted = {
             let (wanted, cv) = &shared.grow;
@@ -91,7 +94,13 @@ pub fn run(shared: Arc<Shared>) {
             }
         }
         if wanted.thaw {
+            // At most one pass a second: a client that keeps freezing
+            // slots and reporting them must not keep this thread scanning.
+            if let Some(wait) = last_thaw.map(|t: Instant| THAW_GAP.saturating_sub(t.elapsed())) {
+                std::thread::sleep(wait);
+            }
             thaw_stray(&shared);
+            last_thaw = Some(Instant::now());
         }
         let g = shared.geometry();
         let asked = wanted.resize == Some(g.bucket_count);

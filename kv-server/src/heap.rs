@@ -112,8 +112,8 @@ pub struct HeapPool {
     /// since.
     wanted_since: Option<Instant>,
     /// When leases began to fail for want of space, if none has been
-    /// granted since: the heap is full only once a collection that began
-    /// after this has found nothing.
+    /// granted (nor the heap called full) since: the heap is full only once
+    /// a collection that began after this has found nothing.
     short_since: Option<Instant>,
     /// When the last lease was granted, and when the last collection's scan
     /// began. Updates make garbage only as they write new blocks, which
@@ -176,13 +176,13 @@ impl HeapPool {
             self.wanted_since.get_or_insert(now);
             let short_since = *self.short_since.get_or_insert(now);
             let collected_since = self.last_scan.is_some_and(|scan| scan >= short_since);
-            return Err(
-                if collected_since && self.aging.is_empty() && self.retired.is_empty() {
-                    LeaseRefusal::Full
-                } else {
-                    LeaseRefusal::Busy
-                },
-            );
+            if collected_since && self.aging.is_empty() && self.retired.is_empty() {
+                // Said once per collection: deletes may free space after
+                // it, and the next shortage waits for a new one.
+                self.short_since = None;
+                return Err(LeaseRefusal::Full);
+            }
+            return Err(LeaseRefusal::Busy);
         };
         self.short_since = None;
         self.last_lease = Some(Instant::now());
@@ -525,6 +525,8 @@ mod tests {
         std::thread::sleep(Duration::from_millis(1));
         collect_at(p, Instant::now(), live);
         assert_eq!(p.lease(9, min_len), Err(LeaseRefusal::Full));
+        // Space deleted since that collection is looked for again.
+        assert_eq!(p.lease(9, min_len), Err(LeaseRefusal::Busy));
     }
 
     #[test]

@@ -31,8 +31,9 @@ use polling::{Event, Events, PollMode, Poller};
 const IO_TIMEOUT: Duration = Duration::from_secs(2);
 /// Longest request head read; a GET needs a few hundred bytes.
 const MAX_REQUEST: usize = 8 << 10;
-/// Connections open at once.
-const MAX_CONNECTIONS: usize = 128;
+/// Connections open at once (scrapers are few; the server keeps this many
+/// descriptors spare for them, see `descriptors.rs`).
+const MAX_CONNECTIONS: usize = 32;
 /// The listener's poller key; connections count up from 1.
 const LISTENER: usize = 0;
 

@@ -35,6 +35,7 @@ mod units;
 
 pub use control::thread_cpu_us;
 use control::{Counters, GrowRequests, Limits, Shared};
+pub use descriptors::raise_limit as raise_descriptor_limit;
 pub use event_loop::Timeouts;
 pub use metrics::MetricsEndpoint;
 

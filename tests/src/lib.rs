@@ -340,20 +340,7 @@ pub fn assert_no_space_lost(server: Server, config: ServerConfig, what: &str) ->
 /// Raises this process's descriptor limit to its hard limit (for tests
 /// that open thousands of connections); returns the new soft limit.
 pub fn raise_descriptor_limit() -> u64 {
-    let mut lim = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit/setrlimit on a struct we own.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 {
-            return 1024;
-        }
-        lim.rlim_cur = lim.rlim_max;
-        libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
-        libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim);
-    }
-    lim.rlim_cur
+    kv_server::raise_descriptor_limit()
 }
 
 /// Sends one control request on a raw control stream and reads the reply;

@@ -16,17 +16,43 @@ fn value(i: usize) -> Vec<u8> {
     format!("value of key{i} {}", "v".repeat(100)).into_bytes()
 }
 
-#[test]
-fn damaged_keys_fail_fast_others_work_and_check_repairs_them() {
+/// A server on a fresh region that holds `key0..key199`, and its client.
+struct Stored {
+    dir: tempfile::TempDir,
+    path: std::path::PathBuf,
+    config: kv_server::ServerConfig,
+    server: Server,
+    kv: Client,
+}
+
+fn stored_keys() -> Stored {
     let dir = region_dir();
     let path = dir.path().join("region");
     let config = test_config(&path);
     let server = Server::start(config.clone()).unwrap();
-    let address = config.address.to_string();
-    let mut kv = Client::connect(&address).unwrap();
+    let mut kv = Client::connect(&config.address.to_string()).unwrap();
     for i in 0..200 {
         kv.put(format!("key{i}").as_bytes(), &value(i)).unwrap();
     }
+    Stored {
+        dir,
+        path,
+        config,
+        server,
+        kv,
+    }
+}
+
+#[test]
+fn damaged_keys_fail_fast_others_work_and_check_repairs_them() {
+    let Stored {
+        dir: _dir,
+        path,
+        config,
+        server,
+        mut kv,
+    } = stored_keys();
+    let address = config.address.to_string();
     let (_, block_hit) = server.slots_of(b"key7").unwrap()[0];
     let (pos9, slot_hit) = server.slots_of(b"key9").unwrap()[0];
     let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
@@ -154,15 +180,13 @@ fn freeze_all(path: &std::path::Path, words: &[u64]) -> u64 {
 /// instead of waiting out a resize that never comes; the server counts them.
 #[test]
 fn writers_meeting_stray_frozen_slots_have_them_thawed() {
-    let dir = region_dir();
-    let path = dir.path().join("region");
-    let config = test_config(&path);
-    let server = Server::start(config.clone()).unwrap();
-    let address = config.address.to_string();
-    let mut kv = Client::connect(&address).unwrap();
-    for i in 0..200 {
-        kv.put(format!("key{i}").as_bytes(), &value(i)).unwrap();
-    }
+    let Stored {
+        dir: _dir,
+        path,
+        server,
+        mut kv,
+        ..
+    } = stored_keys();
     let frozen = freeze_all(&path, &stray_words(&server, &path));
     let (done_tx, done) = std::sync::mpsc::channel();
     let writer = std::thread::spawn(move || {
@@ -197,14 +221,13 @@ fn writers_meeting_stray_frozen_slots_have_them_thawed() {
 /// thaws them.
 #[test]
 fn stray_frozen_slots_are_found_by_scans_and_by_check() {
-    let dir = region_dir();
-    let path = dir.path().join("region");
-    let config = test_config(&path);
-    let server = Server::start(config.clone()).unwrap();
-    let mut kv = Client::connect(&config.address.to_string()).unwrap();
-    for i in 0..200 {
-        kv.put(format!("key{i}").as_bytes(), &value(i)).unwrap();
-    }
+    let Stored {
+        dir: _dir,
+        path,
+        config,
+        server,
+        kv,
+    } = stored_keys();
     let words = stray_words(&server, &path);
     let frozen = freeze_all(&path, &words);
     onekv_tests::eventually(
