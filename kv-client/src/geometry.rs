@@ -41,8 +41,9 @@ impl Client {
         let epoch = self.info.geometry.epoch;
         let give_up = Instant::now() + RESIZE_WAIT;
         let backoff = crossbeam::utils::Backoff::new();
-        // Once a resize was seen under way, a failed one is asked for again.
-        let mut seen_resizing = false;
+        // A resize that ended with no new index (it failed) is asked for
+        // once more; a request answered with none under way was declined.
+        let mut was_resizing = false;
         loop {
             let request = match ask {
                 Ask::Resize { full_key } => Request::Resize {
@@ -59,10 +60,10 @@ impl Client {
                 self.adopt(info)?;
                 return Ok(true);
             }
-            seen_resizing |= info.resizing;
-            if !info.resizing && (matches!(ask, Ask::Geometry) || !seen_resizing) {
+            if !info.resizing && (matches!(ask, Ask::Geometry) || !was_resizing) {
                 return Ok(false);
             }
+            was_resizing = info.resizing;
             if Instant::now() > give_up {
                 return Err(Error::Protocol(format!(
                     "the server's index resize did not finish within {RESIZE_WAIT:?}"

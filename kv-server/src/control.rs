@@ -521,9 +521,12 @@ pub fn handle(
                     );
                     return (error(ErrorKind::IndexFull, m), After::Stay);
                 }
-                // Said before the reply, so the client sees it resizing.
-                shared.resizing.store(true, Relaxed);
-                shared.want_growth(|w| w.resize = Some(current.bucket_count));
+                // Said before the reply, so the client sees it resizing;
+                // under the grow lock, which the grow thread clears it under.
+                shared.want_growth(|w| {
+                    shared.resizing.store(true, Relaxed);
+                    w.resize = Some(current.bucket_count);
+                });
             }
             match shared.geometry_info(id, peer) {
                 Ok(info) => (Response::Geometry(info), After::Stay),

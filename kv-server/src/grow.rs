@@ -129,8 +129,13 @@ pub fn run(shared: Arc<Shared>) {
                 Err(ResizeError::Failed(e)) => tracing::warn!("index resize failed: {e}"),
             }
         }
-        // A request for an index that has grown since needs nothing more.
-        shared.resizing.store(false, Relaxed);
+        // A request for an index that has grown since needs nothing more;
+        // one that came meanwhile keeps it said.
+        if let Ok(w) = shared.grow.0.lock() {
+            if w.resize.is_none() {
+                shared.resizing.store(false, Relaxed);
+            }
+        }
         release_old_indexes(&shared, &mut old_indexes);
         if shared.counters.growths.load(Relaxed) > growths_before {
             registrations_since = Some(shared.geometry().epoch);
@@ -243,14 +248,18 @@ pub fn grow_heap(shared: &Shared, at_least: u64) -> Result<(), String> {
 }
 
 /// Makes `g` the geometry: in the header first (what a restart finds and
-/// what clients' epoch checks read), then for the control plane.
+/// what clients' epoch checks read), then for the control plane, then in
+/// the header's twin record.
 fn publish(shared: &Shared, g: &Geometry) -> Result<(), String> {
     header::switch(&shared.region, g).map_err(|e| e.to_string())?;
-    fault_point("switched");
-    header::write_twin(&shared.region, g).map_err(|e| e.to_string())?;
     match shared.geometry.write() {
         Ok(mut current) => *current = *g,
         Err(poisoned) => *poisoned.into_inner() = *g,
+    }
+    fault_point("switched");
+    // The switch stands; a twin not written is written at the next start.
+    if let Err(e) = header::write_twin(&shared.region, g) {
+        tracing::warn!("writing the header's twin record: {e}");
     }
     Ok(())
 }
@@ -397,7 +406,9 @@ fn thaw_stray(shared: &Shared) {
         return;
     }
     let thawed = Mover::connect(shared).and_then(|mut mover| {
-        let thawed = mover.each_group(&g, groups, thaw_change, |_| {});
+        // A client changing them as fast as they are thawed is left for
+        // the next pass rather than holding this thread.
+        let thawed = mover.each_group(&g, groups, thaw_change, Some(16), |_| {});
         mover.close();
         thawed
     });
@@ -627,6 +638,7 @@ impl Mover {
             g,
             all_groups(g),
             |w| (!Slot(w).is_frozen()).then(|| Slot(w).frozen().0),
+            None,
             |first| {
                 if first >= halfway && first < halfway + FREEZE_BUCKETS {
                     fault_point("freezing");
@@ -637,24 +649,26 @@ impl Mover {
 
     /// Clears the frozen bits again (a resize that could not finish).
     fn thaw(&mut self, g: &Geometry) -> Result<(), TransportError> {
-        self.each_group(g, all_groups(g), thaw_change, |_| {})
+        self.each_group(g, all_groups(g), thaw_change, None, |_| {})
     }
 
     /// For each group of buckets (the `FREEZE_BUCKETS` from each of
     /// `firsts`): read it, CAS every word `change` maps to a new value, and
     /// repeat while a CAS failed (a client CAS landed between the read and
-    /// ours): two round trips per group when none did.
+    /// ours), at most `rounds` times if given: two round trips per group
+    /// when none did.
     fn each_group(
         &mut self,
         g: &Geometry,
         firsts: impl IntoIterator<Item = u64>,
         change: impl Fn(u64) -> Option<u64>,
+        rounds: Option<usize>,
         mut after_group: impl FnMut(u64),
     ) -> Result<(), TransportError> {
         for first in firsts {
             let n = FREEZE_BUCKETS.min(g.index_buckets() - first);
             let remote = g.bucket_offset(first);
-            loop {
+            for _ in 0..rounds.unwrap_or(usize::MAX) {
                 self.conn.post(&[Verb::Read {
                     remote,
                     local: 0,

@@ -28,8 +28,8 @@
 //! check out, as their blocks get reused.
 
 use kv_common::layout::{
-    decode_block, index_bytes, Geometry, KeyHash, LayoutError, Slot, BUCKET_BYTES, EPOCH_OFFSET,
-    HEADER_READ_WORDS, HEAP_OFFSET, MAX_BUCKETS, MIN_BUCKETS, RECORD_OFFSETS,
+    decode_block, index_bytes, Geometry, KeyHash, LayoutError, Slot, BUCKET_BYTES, DEFAULT_BUCKETS,
+    EPOCH_OFFSET, HEADER_READ_WORDS, HEAP_OFFSET, MAX_BUCKETS, MIN_BUCKETS, RECORD_OFFSETS,
 };
 use kv_common::transport::shm::SharedRegion;
 use kv_common::transport::TransportError;
@@ -121,6 +121,9 @@ struct FoundSlot {
 /// by chance (each with probability 1/2).
 const CONVINCING_SLOTS: u64 = 16;
 
+/// Slots that vote for an index's start (a sample of them, evenly spread).
+const VOTERS: usize = 1 << 16;
+
 /// The geometry of a region whose record in force is lost, from the index
 /// found in its heap (see the module doc), under an epoch newer than any
 /// the region has named. The region's length is the file's; the chunk size
@@ -150,15 +153,25 @@ pub fn locate(region: &SharedRegion) -> Result<Geometry, String> {
         heap_offset: HEAP_OFFSET,
         heap_size: region_len.saturating_sub(HEAP_OFFSET),
         chunk_size,
-        epoch: published.max(older.map_or(0, |g| g.epoch)) + 1,
+        // The epoch word is unchecked: one past any count of switches is
+        // damage.
+        epoch: (if published < 1 << 48 { published } else { 0 })
+            .max(older.map_or(0, |g| g.epoch))
+            .saturating_add(1),
     };
     frame.validate().map_err(|e| e.to_string())?;
     let slots = find_slots(region, &frame).map_err(|e| e.to_string())?;
-    if slots.is_empty() {
-        return Err("no slot of an index was found in the heap".into());
-    }
     // Indexes only grow: the surviving record's is the smallest possible.
     let smallest = older.map_or(MIN_BUCKETS, |g| g.bucket_count);
+    if slots.is_empty() {
+        // Nothing stored: any index will do, and `--repair` empties
+        // whatever its run holds (no word of it can be a slot).
+        tracing::info!("no slot found in the heap: the region holds no key");
+        return Ok(Geometry {
+            bucket_count: older.map_or(DEFAULT_BUCKETS, |g| g.bucket_count),
+            ..frame
+        });
+    }
     let mut found: Vec<(u64, u64, u64)> = Vec::new();
     let mut buckets = smallest;
     while buckets <= MAX_BUCKETS && index_bytes(buckets) <= frame.heap_size {
@@ -167,11 +180,23 @@ pub fn locate(region: &SharedRegion) -> Result<Geometry, String> {
         }
         buckets *= 2;
     }
+    // Few slots: the best supported; of two alike, the larger index (the
+    // newer) unless both start at one place (the same index seen at two
+    // sizes, where the smaller is its own).
     let chosen = found
         .iter()
         .rev()
         .find(|f| f.2 >= CONVINCING_SLOTS)
-        .or_else(|| found.iter().max_by_key(|f| (f.2, std::cmp::Reverse(f.0))));
+        .or_else(|| {
+            found.iter().max_by(|a, b| {
+                let by_size = if a.1 == b.1 {
+                    b.0.cmp(&a.0)
+                } else {
+                    a.0.cmp(&b.0)
+                };
+                a.2.cmp(&b.2).then(by_size)
+            })
+        });
     let Some(&(bucket_count, index_offset, support)) = chosen else {
         return Err(format!(
             "{} slots were found in the heap, but no run of it holds an index",
@@ -210,7 +235,8 @@ fn find_slots(region: &SharedRegion, frame: &Geometry) -> Result<Vec<FoundSlot>,
             let Some((offset, len)) = frame.block_span(slot) else {
                 continue;
             };
-            if (offset..offset + len as u64).contains(&at) {
+            // No block is larger than a chunk; nor can a slot be in its own.
+            if len as u64 > frame.chunk_size || (offset..offset + len as u64).contains(&at) {
                 continue;
             }
             block.resize(len / 8, 0u64);
@@ -239,8 +265,11 @@ fn best_start(
 ) -> Result<Option<(u64, u64)>, String> {
     let run_len = index_bytes(buckets);
     let fits = |start: u64| start >= frame.heap_offset && start + run_len <= frame.region_len;
-    let mut votes: Vec<u64> = Vec::with_capacity(slots.len() * 6);
-    for s in slots {
+    // A sample votes (the index in force holds most slots, so it shows in
+    // any even sample); every slot is counted for the start it chose.
+    let stride = (slots.len() / VOTERS).max(1);
+    let mut votes: Vec<u64> = Vec::with_capacity(slots.len().min(VOTERS) * 6);
+    for s in slots.iter().step_by(stride) {
         let line = s.at / BUCKET_BYTES * BUCKET_BYTES;
         for b in KeyHash::from_hashes(s.hashes, buckets).buckets() {
             if let Some(start) = line.checked_sub(b * BUCKET_BYTES).filter(|&o| fits(o)) {
@@ -256,11 +285,6 @@ fn best_start(
     else {
         return Ok(None);
     };
-    let g = Geometry {
-        index_offset: start,
-        bucket_count: buckets,
-        ..*frame
-    };
     let first = slots.partition_point(|s| s.at < start);
     let last = slots.partition_point(|s| s.at < start + run_len);
     let support = slots[first..last]
@@ -272,16 +296,28 @@ fn best_start(
                 .contains(&bucket)
         })
         .count() as u64;
-    let mut words = vec![0u64; (run_len / 8) as usize];
-    region
-        .read(g.index_offset, &mut words)
-        .map_err(|e| e.to_string())?;
-    let occupied = words
-        .iter()
-        .filter(|&&w| !Slot(w).thawed().is_empty())
-        .count() as u64;
+    let occupied = occupied_words(region, start, run_len).map_err(|e| e.to_string())?;
     Ok(
         (support > 0 && (occupied - support.min(occupied)) * 20 <= occupied)
             .then_some((start, support)),
     )
+}
+
+/// Words of `[start, start + len)` that hold a slot (frozen or not), read
+/// a megabyte at a time.
+fn occupied_words(region: &SharedRegion, start: u64, len: u64) -> Result<u64, TransportError> {
+    const CHUNK: u64 = 1 << 20;
+    let mut words = vec![0u64; (CHUNK.min(len) / 8) as usize];
+    let (mut at, mut occupied) = (start, 0);
+    while at < start + len {
+        let n = (start + len - at).min(CHUNK);
+        let part = &mut words[..(n / 8) as usize];
+        region.read(at, part)?;
+        occupied += part
+            .iter()
+            .filter(|&&w| !Slot(w).thawed().is_empty())
+            .count() as u64;
+        at += n;
+    }
+    Ok(occupied)
 }

@@ -122,7 +122,13 @@ pub struct HeapPool {
     /// too, but a lease that then finds no room asks for one itself).
     last_lease: Option<Instant>,
     last_scan: Option<Instant>,
+    /// When the last collection finished.
+    last_scan_done: Option<Instant>,
 }
+
+/// How recent a collection must be for a lease it did not help to be told
+/// the heap is full.
+const FRESH_SCAN: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl HeapPool {
     /// A pool over `[start, end)` in which nothing is known yet: all of it is
@@ -146,6 +152,7 @@ impl HeapPool {
             short_since: None,
             last_lease: None,
             last_scan: None,
+            last_scan_done: None,
         }
     }
 
@@ -175,7 +182,17 @@ impl HeapPool {
             let now = Instant::now();
             self.wanted_since.get_or_insert(now);
             let short_since = *self.short_since.get_or_insert(now);
-            let collected_since = self.last_scan.is_some_and(|scan| scan >= short_since);
+            // A collection that began after the shortage, and is recent:
+            // an old one says nothing of deletes since.
+            let collected_since = self.last_scan.is_some_and(|scan| scan >= short_since)
+                && self
+                    .last_scan_done
+                    .is_some_and(|done| now.saturating_duration_since(done) <= FRESH_SCAN);
+            if !collected_since && self.last_scan_done.is_some_and(|d| d > short_since) {
+                // The streak outlived its collection (its client went
+                // away, or waited long): a new one must look.
+                self.short_since = Some(now);
+            }
             if collected_since && self.aging.is_empty() && self.retired.is_empty() {
                 // Said once per collection: deletes may free space after
                 // it, and the next shortage waits for a new one.
@@ -326,6 +343,7 @@ impl HeapPool {
             self.wanted_since = None;
         }
         self.last_scan = Some(scan_started);
+        self.last_scan_done = Some(now);
         self.mature(now);
         freed
     }
@@ -714,6 +732,22 @@ mod tests {
         let now = Instant::now() + Duration::from_millis(1);
         q.collect(now, map(4096, &[]), now);
         assert_eq!(q.lease(2, 64), Err(LeaseRefusal::Full));
+    }
+
+    /// A collection long past says nothing of deletes since: a lease that
+    /// fails after it is busy until a new one has looked.
+    #[test]
+    fn a_stale_collection_does_not_make_the_heap_full() {
+        let mut p = pool(8192, 4096, &[ext(0, 8192)]);
+        assert_eq!(p.lease(1, 64), Err(LeaseRefusal::Busy));
+        std::thread::sleep(Duration::from_millis(1));
+        collect_at(&mut p, Instant::now(), &[ext(0, 8192)]);
+        // Its client gave up; deletes come; a lease long after.
+        std::thread::sleep(FRESH_SCAN + Duration::from_millis(50));
+        assert_eq!(p.lease(2, 64), Err(LeaseRefusal::Busy));
+        std::thread::sleep(Duration::from_millis(1));
+        collect_at(&mut p, Instant::now(), &[ext(0, 4096)]);
+        assert_eq!(p.lease(2, 64).map(|es| es[0].offset), Ok(4096));
     }
 
     /// Deletes unlink blocks in settled space, which no pool state shows:

@@ -186,6 +186,7 @@ impl Serving {
     }
 
     fn accept_all(&mut self) {
+        let mut closed_one = false;
         loop {
             match self.listener.accept() {
                 Ok((stream, _)) => {
@@ -197,14 +198,20 @@ impl Serving {
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(e) => {
-                    // Out of descriptors, most likely: the oldest
-                    // connection gives one back; with none, wait.
-                    if self.connections.is_empty() {
-                        self.warn(&format!("accept failed: {e}"));
-                        std::thread::sleep(Duration::from_millis(50));
-                        return;
+                    // Out of descriptors: the oldest connection gives one
+                    // back (once per pass); otherwise wait a little.
+                    let out_of_descriptors =
+                        matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE));
+                    if out_of_descriptors && !closed_one && !self.connections.is_empty() {
+                        self.close_oldest();
+                        closed_one = true;
+                        continue;
                     }
-                    self.close_oldest();
+                    self.warn(&format!("accept failed: {e}"));
+                    if out_of_descriptors {
+                        std::thread::sleep(Duration::from_millis(50));
+                    }
+                    return;
                 }
             }
         }
@@ -245,7 +252,10 @@ impl Serving {
                     c.state = State::Writing { reply, sent: 0 };
                     c.deadline = Instant::now() + IO_TIMEOUT;
                     let writable = Event::writable(key);
-                    self.poller.modify(&c.stream, writable).is_err()
+                    // `modify` alone would make it one-shot.
+                    self.poller
+                        .modify_with_mode(&c.stream, writable, PollMode::Level)
+                        .is_err()
                         || write_some(c).unwrap_or(true)
                 }
                 Ok(false) => false,

@@ -389,15 +389,17 @@ impl Server {
         region::slots_of(&self.shared.region, &self.shared.geometry(), key)
     }
 
-    /// Stops accepting clients, revokes the access keys (so clients' verbs
-    /// fail cleanly) and writes the region back.
     /// Why the server can no longer serve, if it cannot: its region file
     /// was truncated under it (pages past the new end are gone, and
-    /// touching them raises SIGBUS). Stop it, then.
+    /// touching them raises SIGBUS). An embedder polls this (the daemon
+    /// does, every second) and stops the server when it says so; the
+    /// server stops resizing and growing meanwhile.
     pub fn failure(&self) -> Option<String> {
         self.shared.failure.lock().ok()?.clone()
     }
 
+    /// Stops accepting clients, revokes the access keys (so clients' verbs
+    /// fail cleanly) and writes the region back.
     pub fn shutdown(mut self) -> ServerStats {
         self.stop();
         self.shared.stats()
@@ -467,8 +469,6 @@ fn region_path(config: &ServerConfig) -> Result<PathBuf, ServerError> {
     }
 }
 
-/// Accepts control channels and hands them to the event loop. (Accepting
-/// an rdma channel includes its handshake, which must not hold up the loop.)
 /// Open control connections allowed: twice `max_clients`, or fewer if the
 /// descriptor limit (raised to its hard limit first) has room for fewer,
 /// so that a connection beyond the cap can still be accepted and refused
@@ -488,6 +488,8 @@ fn channel_cap(max_clients: u64) -> usize {
     budget.min(wanted) as usize
 }
 
+/// Accepts control channels and hands them to the event loop. (Accepting
+/// an rdma channel includes its handshake, which must not hold up the loop.)
 fn accept_loop(
     shared: Arc<Shared>,
     listener: Arc<dyn ControlListener>,
