@@ -122,6 +122,21 @@ fn put_record(path: &std::path::Path, at: u64, record: &Geometry) {
     file.write_all_at(&bytes, at).unwrap();
 }
 
+/// Damages both header records: a server refuses the region, naming the
+/// way out, and `check --repair` takes it (its report is returned).
+fn lose_both_records_and_repair(config: &ServerConfig) -> region::CheckReport {
+    let path = config.region_file.clone().unwrap();
+    for at in RECORD_OFFSETS {
+        flip_byte(&path, at + 8 * 4);
+    }
+    let refusal = Server::start(config.clone()).err().expect("refused");
+    assert!(refusal.to_string().contains("check --repair"), "{refusal}");
+    let repair = CheckMode::Repair {
+        settle: Duration::ZERO,
+    };
+    region::check(&path, repair).unwrap()
+}
+
 #[test]
 fn a_damaged_header_record_never_starts_an_index_the_region_has_left() {
     let dir = region_dir();
@@ -187,16 +202,8 @@ fn a_damaged_header_record_never_starts_an_index_the_region_has_left() {
     assert!(refused > 0, "no damage to the record in force was refused");
 
     // Both records lost: refused, and rebuilt from the index alone.
-    for at in RECORD_OFFSETS {
-        flip_byte(&path, at + 8 * 4);
-    }
-    let refusal = Server::start(config.clone()).err().expect("refused");
-    assert!(refusal.to_string().contains("check --repair"), "{refusal}");
-    let repair = CheckMode::Repair {
-        settle: Duration::ZERO,
-    };
-    let rebuilt = region::check(&path, repair).unwrap().header.unwrap();
-    let located = rebuilt.located.unwrap();
+    let rebuilt = lose_both_records_and_repair(&config);
+    let located = rebuilt.header.unwrap().located.unwrap();
     assert_eq!(
         (located.index_offset, located.bucket_count),
         (g.index_offset, g.bucket_count)
@@ -254,15 +261,7 @@ fn an_empty_region_whose_records_are_lost_is_rebuilt() {
     let path = dir.path().join("region");
     let config = test_config(&path);
     drop(Server::start(config.clone()).unwrap());
-    for at in RECORD_OFFSETS {
-        flip_byte(&path, at + 8 * 4);
-    }
-    let refusal = Server::start(config.clone()).err().expect("refused");
-    assert!(refusal.to_string().contains("check --repair"), "{refusal}");
-    let repair = CheckMode::Repair {
-        settle: Duration::ZERO,
-    };
-    assert!(region::check(&path, repair).unwrap().header_repaired);
+    assert!(lose_both_records_and_repair(&config).header_repaired);
     let _server = Server::start(config.clone()).unwrap();
     let mut kv = Client::connect(&config.address.to_string()).unwrap();
     put_keys(&mut kv, 0, 100);
