@@ -139,6 +139,21 @@ pub fn or_abort<T, E: std::fmt::Display>(result: Result<T, E>, what: &str) -> T 
     }
 }
 
+/// Waits until `done` holds (checking every millisecond) inside a test's
+/// worker threads, aborting the whole test process if it does not within
+/// `limit`: a wait that cannot end would hang the test instead of failing
+/// it, and a panic would leave the other workers waiting.
+pub fn wait_or_abort(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !done() {
+        if Instant::now() > deadline {
+            eprintln!("timed out after {limit:?} waiting for {what}");
+            std::process::abort();
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 /// A `kv-server` process, killed if a test ends without stopping it. Its
 /// log (stderr) is drained as it comes, so a chatty daemon never blocks.
 pub struct Daemon {

@@ -26,12 +26,12 @@ const FILLERS: u64 = 5;
 /// Every put is retried until acknowledged; the last acknowledged step
 /// is recorded.
 fn writer(address: String, stop: Arc<AtomicBool>, acked: Arc<Mutex<u64>>) {
-    let mut kv = loop {
-        match Client::connect(&address) {
-            Ok(kv) => break kv,
-            Err(_) => std::thread::sleep(Duration::from_millis(20)),
-        }
-    };
+    let mut kv = None;
+    onekv_tests::wait_or_abort("the writer to connect", Duration::from_secs(300), || {
+        kv = Client::connect(&address).ok();
+        kv.is_some()
+    });
+    let mut kv = kv.expect("connected");
     for step in 1.. {
         let key = format!("w{step}");
         let filler = format!("f{}", step % FILLERS);

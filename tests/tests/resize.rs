@@ -294,9 +294,9 @@ fn writes_into_space_a_resize_grew_the_heap_by_are_carried_over() {
             }
         });
         let mut kv = or_abort(Client::connect(&srv.address), "connect");
-        while last.lock().unwrap().contains(&0) {
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        onekv_tests::wait_or_abort("every key written once", Duration::from_secs(300), || {
+            !last.lock().unwrap().contains(&0)
+        });
         for _ in 0..3 {
             or_abort(kv.resize(), "resize");
         }
