@@ -443,8 +443,9 @@ fn file_system_size(path: &std::path::Path) -> Result<u64, ServerError> {
         .unwrap_or(std::path::Path::new("."));
     let c = std::ffi::CString::new(dir.as_os_str().as_bytes())
         .map_err(|_| ServerError::Config(format!("{}: NUL in path", dir.display())))?;
-    // SAFETY: statvfs fills the struct we own from a NUL-terminated path.
+    // SAFETY: statvfs is plain data; zero is a valid start.
     let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: statvfs fills the struct we own from a NUL-terminated path.
     if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
         return Err(ServerError::Region {
             path: path.to_path_buf(),

@@ -283,10 +283,16 @@ truncated under the server?); what lay past the file's end is lost: restore the 
     }
     // SAFETY: installs a handler that calls only async-signal-safe
     // functions, with a zeroed (empty) mask and no flags.
-    unsafe {
+    let installed = unsafe {
         let mut action: libc::sigaction = std::mem::zeroed();
         action.sa_sigaction = on_sigbus as extern "C" fn(libc::c_int) as usize;
-        libc::sigemptyset(&mut action.sa_mask);
-        libc::sigaction(libc::SIGBUS, &action, std::ptr::null_mut());
+        libc::sigemptyset(&mut action.sa_mask) == 0
+            && libc::sigaction(libc::SIGBUS, &action, std::ptr::null_mut()) == 0
+    };
+    if !installed {
+        tracing::warn!(
+            "cannot install the SIGBUS handler: {}",
+            std::io::Error::last_os_error()
+        );
     }
 }

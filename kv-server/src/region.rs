@@ -150,6 +150,7 @@ fn create(
     // Allocate every page now: a region larger than its file system fails
     // here with a clear error, not later with SIGBUS in a client.
     file.set_len(0).map_err(|e| region_error(path, e))?;
+    // SAFETY: fallocate on a descriptor we own; it only sizes the file.
     let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) };
     if rc != 0 {
         // Ours to remove: it was empty (or an unfinished create) and we hold its lock.

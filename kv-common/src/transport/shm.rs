@@ -62,6 +62,7 @@ pub struct SharedRegion {
 // SAFETY: the mapping is only touched through `&[AtomicU64]`, which is Sync,
 // and it stays mapped (never moves) for as long as the value lives.
 unsafe impl Send for SharedRegion {}
+// SAFETY: as for Send.
 unsafe impl Sync for SharedRegion {}
 
 impl SharedRegion {

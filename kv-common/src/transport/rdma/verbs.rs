@@ -46,8 +46,11 @@ pub struct Device {
     pub atomic_cap: ibv_atomic_cap::Type,
 }
 
-// SAFETY: ibv_context is thread-safe per libibverbs; we only read our fields.
+// SAFETY: libibverbs' calls on a context are thread-safe; the struct's own
+// fields are only read after `open`.
 unsafe impl Send for Device {}
+// SAFETY: as for Send: shared use only reads fields and calls thread-safe
+// verbs on the context.
 unsafe impl Sync for Device {}
 
 impl Device {
@@ -64,6 +67,8 @@ impl Device {
                 // SAFETY: i < n entries of the list returned above, each
                 // with a NUL-terminated name that lives as long as the list.
                 let dev = unsafe { *list.add(i) };
+                // SAFETY: the device's name is NUL-terminated and lives as
+                // long as the list, which is freed after this copy.
                 unsafe { CStr::from_ptr(ibv_get_device_name(dev)) }
                     .to_string_lossy()
                     .into_owned()
@@ -81,6 +86,7 @@ impl Device {
         let list = unsafe { ibv_get_device_list(&mut n) };
         if list.is_null() || n <= 0 {
             if !list.is_null() {
+                // SAFETY: returned by ibv_get_device_list; nothing uses it.
                 unsafe { ibv_free_device_list(list) };
             }
             return Err(io::Error::new(
@@ -92,6 +98,7 @@ impl Device {
         for i in 0..n as usize {
             // SAFETY: i < n entries of the list returned above.
             let dev = unsafe { *list.add(i) };
+            // SAFETY: a NUL-terminated name that lives as long as the list.
             let dev_name = unsafe { CStr::from_ptr(ibv_get_device_name(dev)) }
                 .to_string_lossy()
                 .into_owned();
@@ -101,6 +108,7 @@ impl Device {
             }
         }
         let Some((dev, dev_name)) = chosen else {
+            // SAFETY: returned by ibv_get_device_list; nothing uses it.
             unsafe { ibv_free_device_list(list) };
             return Err(io::Error::new(
                 io::ErrorKind::NotFound,
@@ -109,6 +117,8 @@ impl Device {
         };
         // SAFETY: dev comes from the live list; the context outlives it.
         let ctx = unsafe { ibv_open_device(dev) };
+        // SAFETY: returned by ibv_get_device_list; an opened context does
+        // not depend on it.
         unsafe { ibv_free_device_list(list) };
         if ctx.is_null() {
             return Err(os_error("ibv_open_device"));
@@ -125,12 +135,15 @@ impl Device {
         };
         // SAFETY: plain-old-data out-parameters, zero is a valid start.
         let mut dattr: ibv_device_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: a live context and an out-parameter of the right type.
         if unsafe { ibv_query_device(ctx, &mut dattr) } != 0 {
             return Err(os_error("ibv_query_device"));
         }
         device.max_rd_atomic = dattr.max_qp_rd_atom.clamp(1, 16) as u8;
         device.atomic_cap = dattr.atomic_cap;
+        // SAFETY: plain-old-data out-parameter, zero is a valid start.
         let mut pattr: ibv_port_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: a live context and an out-parameter of the right type.
         if unsafe { ___ibv_query_port(ctx, device.port, &mut pattr) } != 0 {
             return Err(os_error("ibv_query_port"));
         }
@@ -143,10 +156,11 @@ impl Device {
 
     /// The valid entries of port 1's GID table, in one query.
     pub fn gid_table(&self) -> io::Result<Vec<GidEntry>> {
+        let len = self.gid_table_len.max(1);
         // SAFETY: zeroed entries are valid plain data; the call writes at
         // most `len` of them and returns how many.
-        let len = self.gid_table_len.max(1);
         let mut raw: Vec<ibv_gid_entry> = (0..len).map(|_| unsafe { std::mem::zeroed() }).collect();
+        // SAFETY: a live context, `len` writable entries of the size given.
         let n = unsafe {
             _ibv_query_gid_table(
                 self.ctx,
@@ -180,15 +194,16 @@ impl Device {
     pub fn gid(&self, index: u8) -> io::Result<Gid> {
         // SAFETY: a plain-old-data out-parameter.
         let mut gid: ibv_gid = unsafe { std::mem::zeroed() };
+        // SAFETY: a live context and an out-parameter of the right type.
         if unsafe { ibv_query_gid(self.ctx, self.port, index as i32, &mut gid) } != 0 {
             return Err(os_error(&format!(
                 "ibv_query_gid {} port {} index {index}",
                 self.name, self.port
             )));
         }
-        // SAFETY: both union views are 16 plain bytes.
         Ok(Gid {
             index,
+            // SAFETY: both union views are 16 plain bytes.
             raw: unsafe { gid.raw },
         })
     }
@@ -214,7 +229,10 @@ pub struct Pd {
     pub device: Arc<Device>,
 }
 
+// SAFETY: a protection domain is used only through thread-safe verbs, and
+// its pointer never changes after `new`.
 unsafe impl Send for Pd {}
+// SAFETY: as for Send.
 unsafe impl Sync for Pd {}
 
 impl Pd {
@@ -230,6 +248,8 @@ impl Pd {
 
 impl Drop for Pd {
     fn drop(&mut self) {
+        // SAFETY: allocated in `new`; every Mr and Qp using it holds an Arc
+        // to it, so none is left.
         unsafe { ibv_dealloc_pd(self.pd) };
     }
 }
@@ -247,7 +267,10 @@ pub struct Mr {
     _pd: Arc<Pd>,
 }
 
+// SAFETY: the registration and the memory it covers are owned by the Mr;
+// its fields are only read after `register`.
 unsafe impl Send for Mr {}
+// SAFETY: as for Send; `bytes_mut` needs `&mut self`.
 unsafe impl Sync for Mr {}
 
 pub const LOCAL_ONLY: u32 = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0;
@@ -293,15 +316,19 @@ impl Mr {
     }
 
     pub fn addr(&self) -> u64 {
+        // SAFETY: `mr` is the live registration this Mr owns.
         unsafe { (*self.mr).addr as u64 }
     }
     pub fn len(&self) -> usize {
+        // SAFETY: `mr` is the live registration this Mr owns.
         unsafe { (*self.mr).length }
     }
     pub fn lkey(&self) -> u32 {
+        // SAFETY: `mr` is the live registration this Mr owns.
         unsafe { (*self.mr).lkey }
     }
     pub fn rkey(&self) -> u32 {
+        // SAFETY: `mr` is the live registration this Mr owns.
         unsafe { (*self.mr).rkey }
     }
 
@@ -330,6 +357,8 @@ impl Mr {
 
 impl Drop for Mr {
     fn drop(&mut self) {
+        // SAFETY: registered in `register`; its memory is still owned here
+        // and dropped only after this.
         unsafe { ibv_dereg_mr(self.mr) };
     }
 }
@@ -374,31 +403,43 @@ pub struct Cq {
     _device: Arc<Device>,
 }
 
+// SAFETY: a completion queue and its channel are used only through
+// thread-safe verbs, and their pointers never change after `new`.
 unsafe impl Send for Cq {}
+// SAFETY: as for Send.
 unsafe impl Sync for Cq {}
 
 impl Cq {
     /// A completion queue; with `events`, one that can be waited on.
     pub fn new(device: &Arc<Device>, entries: i32, events: bool) -> io::Result<Arc<Cq>> {
         let channel = if events {
+            // SAFETY: the context is live while `device` is.
             let ch = unsafe { ibv_create_comp_channel(device.ctx) };
             if ch.is_null() {
                 return Err(os_error("ibv_create_comp_channel"));
             }
             // SAFETY: the channel's descriptor is valid while the channel is.
             // Non-blocking: an event loop consumes events without waiting.
-            unsafe {
+            let nonblocking = unsafe {
                 let fd = (*ch).fd;
                 let flags = libc::fcntl(fd, libc::F_GETFL);
-                libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK);
+                flags >= 0 && libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) == 0
+            };
+            if !nonblocking {
+                let e = os_error("fcntl on a completion channel");
+                // SAFETY: created above; no queue uses it.
+                unsafe { ibv_destroy_comp_channel(ch) };
+                return Err(e);
             }
             ch
         } else {
             std::ptr::null_mut()
         };
+        // SAFETY: a live context; `channel` is null or a live channel.
         let cq = unsafe { ibv_create_cq(device.ctx, entries, std::ptr::null_mut(), channel, 0) };
         if cq.is_null() {
             if !channel.is_null() {
+                // SAFETY: created above; no queue uses it.
                 unsafe { ibv_destroy_comp_channel(channel) };
             }
             return Err(os_error("ibv_create_cq"));
@@ -414,6 +455,7 @@ impl Cq {
     pub fn poll(&self, out: &mut Vec<Completion>, max: usize) -> io::Result<usize> {
         // SAFETY: ibv_wc is plain data; poll fills at most `max` entries.
         let mut wcs: Vec<ibv_wc> = (0..max).map(|_| unsafe { std::mem::zeroed() }).collect();
+        // SAFETY: a live queue and `max` writable entries.
         let n = unsafe { ibv_poll_cq(self.cq, max as i32, wcs.as_mut_ptr()) };
         if n < 0 {
             return Err(io::Error::other("ibv_poll_cq failed"));
@@ -457,6 +499,7 @@ impl Cq {
         let mut ctx = std::ptr::null_mut();
         // SAFETY: a live, non-blocking channel; an event names our cq.
         if unsafe { ibv_get_cq_event(self.channel, &mut cq, &mut ctx) } == 0 {
+            // SAFETY: the event just taken names a live queue (ours).
             unsafe { ibv_ack_cq_events(cq, 1) };
         }
     }
@@ -464,8 +507,11 @@ impl Cq {
 
 impl Drop for Cq {
     fn drop(&mut self) {
+        // SAFETY: created in `new`; every queue pair using it holds an Arc
+        // to it, so none is left.
         unsafe { ibv_destroy_cq(self.cq) };
         if !self.channel.is_null() {
+            // SAFETY: created in `new`; its queue was destroyed just above.
             unsafe { ibv_destroy_comp_channel(self.channel) };
         }
     }
@@ -523,7 +569,10 @@ pub struct Qp {
     source: Gid,
 }
 
+// SAFETY: a queue pair is used only through thread-safe verbs (posting,
+// modifying), and its pointer never changes after `new`.
 unsafe impl Send for Qp {}
+// SAFETY: as for Send.
 unsafe impl Sync for Qp {}
 
 impl Qp {
@@ -544,6 +593,7 @@ impl Qp {
         init.cap.max_send_sge = 1;
         init.cap.max_recv_sge = 1;
         init.qp_type = ibv_qp_type::IBV_QPT_RC;
+        // SAFETY: a live protection domain and queues, and filled attributes.
         let qp = unsafe { ibv_create_qp(pd.pd, &mut init) };
         if qp.is_null() {
             return Err(os_error("ibv_create_qp"));
@@ -567,6 +617,7 @@ impl Qp {
     pub fn endpoint(&self) -> Endpoint {
         let d = &self.pd.device;
         Endpoint {
+            // SAFETY: `qp` is the live queue pair this Qp owns.
             qpn: unsafe { (*self.qp).qp_num },
             psn: self.psn,
             lid: d.lid,
@@ -610,6 +661,7 @@ impl Qp {
     /// INIT → RTR → RTS, connected to `remote`.
     pub fn connect(&self, remote: &Endpoint) -> io::Result<()> {
         let d = &self.pd.device;
+        // SAFETY: ibv_qp_attr is plain data; zero is a valid start.
         let zeroed = || -> ibv_qp_attr { unsafe { std::mem::zeroed() } };
 
         let mut a = zeroed();
@@ -740,6 +792,10 @@ impl Qp {
             list[i].next = next;
         }
         let mut bad = std::ptr::null_mut();
+        // SAFETY: a live queue pair and a linked list whose entries and
+        // scatter/gather elements live until the call returns. The memory
+        // the elements name must stay registered until the completions:
+        // the transport keeps its buffers' Mr for the connection's life.
         let rc = unsafe { ibv_post_send(self.qp, list.as_mut_ptr(), &mut bad) };
         if rc != 0 {
             return Err(io::Error::from_raw_os_error(rc));
@@ -772,6 +828,8 @@ impl Qp {
 
 impl Drop for Qp {
     fn drop(&mut self) {
+        // SAFETY: created in `new`; destroyed once, before the queues and
+        // the protection domain it holds Arcs to.
         unsafe { ibv_destroy_qp(self.qp) };
     }
 }
