@@ -155,6 +155,13 @@ impl Default for ClientOptions {
 /// A lost connection (the server restarted, or cut this client off) is
 /// replaced at the next call, which is then redone; dropping the client says
 /// goodbye, so the server reclaims its leased space at once.
+///
+/// # Errors of every call
+///
+/// Besides those each call lists: [`Error::Unreachable`] or
+/// [`Error::Transport`] when the connection is lost and a new one cannot be
+/// made, [`Error::Protocol`] when the server answers what this client does
+/// not expect ([`Error::is_retryable`] tells which may succeed later).
 pub struct Client {
     address: Address,
     options: ClientOptions,
@@ -197,11 +204,22 @@ impl<T> Step<T> {
 impl Client {
     /// Connects to the server at `address` (`shm:///dev/shm/NAME` or
     /// `rdma://HOST:PORT`) with default options.
+    ///
+    /// # Errors
+    ///
+    /// As [`Client::connect_with`].
     pub fn connect(address: &str) -> Result<Client> {
         Client::connect_with(address, ClientOptions::default())
     }
 
     /// Connects with `options` (a secret, the slot hint cache, timeouts).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Unreachable`] when no server answers at the address, or it is
+    /// malformed; [`Error::Refused`] for a wrong secret or too many clients;
+    /// [`Error::VersionMismatch`] for a server of another protocol version;
+    /// [`Error::Transport`] when the device or the mapping fails.
     pub fn connect_with(address: &str, options: ClientOptions) -> Result<Client> {
         let address = Address::parse(address).map_err(Error::Unreachable)?;
         let (conn, info, layout) = open(&address, &options)?;
@@ -279,6 +297,10 @@ impl Client {
     }
 
     /// The server's counters (a control message, not the data path).
+    ///
+    /// # Errors
+    ///
+    /// Only [those of every call](Client#errors-of-every-call).
     pub fn server_stats(&mut self) -> Result<ServerStats> {
         match self.conn.call(&Request::Stats)? {
             Response::Stats(s) => Ok(s),
@@ -299,6 +321,12 @@ impl Client {
     /// }
     /// # Ok::<(), kv_client::Error>(())
     /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::EmptyKey`], [`Error::KeyTooLarge`]; [`Error::Corrupt`] when
+    /// the key's slot points at a block that fails validation every time;
+    /// [`Error::Contended`] after too many lost races.
     pub fn get(&mut self, key: &[u8]) -> Result<Option<Vec<u8>>> {
         let mut out = Vec::new();
         Ok(self.get_into(key, &mut out)?.then_some(out))
@@ -317,6 +345,10 @@ impl Client {
     /// }
     /// # Ok::<(), kv_client::Error>(())
     /// ```
+    ///
+    /// # Errors
+    ///
+    /// As [`Client::get`].
     pub fn get_into(&mut self, key: &[u8], out: &mut Vec<u8>) -> Result<bool> {
         check_key(key)?;
         self.run(|c| {
@@ -341,6 +373,10 @@ impl Client {
     /// assert_eq!(values.len(), 2);
     /// # Ok::<(), kv_client::Error>(())
     /// ```
+    ///
+    /// # Errors
+    ///
+    /// The first error any key meets, as [`Client::get`]'s.
     pub fn get_many<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<Vec<Option<Vec<u8>>>> {
         let keys: Vec<&[u8]> = keys.iter().map(AsRef::as_ref).collect();
         for key in &keys {
@@ -373,6 +409,11 @@ impl Client {
     /// assert_eq!(kv.delete_many(&["user1", "user3"])?, [true, false]);
     /// # Ok::<(), kv_client::Error>(())
     /// ```
+    ///
+    /// # Errors
+    ///
+    /// The first error any pair meets, as [`Client::put`]'s; some of the
+    /// other pairs may have been stored (the call is not atomic).
     pub fn put_many<K: AsRef<[u8]>, V: AsRef<[u8]>>(&mut self, pairs: &[(K, V)]) -> Result<()> {
         let pairs: Vec<(&[u8], &[u8])> = pairs
             .iter()
@@ -408,6 +449,10 @@ impl Client {
     /// each whether it was there: the windows of up to 32 keys in one
     /// batch, the blocks found in a second, the CASes in a third (one
     /// batch when every key has a settled hint).
+    ///
+    /// # Errors
+    ///
+    /// The first error any key meets, as [`Client::delete`]'s.
     pub fn delete_many<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<Vec<bool>> {
         let keys: Vec<&[u8]> = keys.iter().map(AsRef::as_ref).collect();
         for key in &keys {
@@ -448,6 +493,14 @@ impl Client {
     /// assert_eq!(kv.get(b"visits")?.as_deref(), Some(&b"42"[..]));
     /// # Ok::<(), kv_client::Error>(())
     /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotACounter`], [`Error::CounterOverflow`] as above;
+    /// [`Error::OutcomeUnknown`] when the connection was lost after the
+    /// atomic was posted (read the counter to find out);
+    /// [`Error::RegionFull`] or [`Error::IndexFull`] when a new counter finds
+    /// no room; the key errors of [`Client::get`].
     pub fn incr(&mut self, key: &[u8], delta: i64) -> Result<i64> {
         check_key(key)?;
         let new = self.run(|c| c.counter_once(key, CounterOp::Add(delta)))?;
@@ -455,6 +508,11 @@ impl Client {
     }
 
     /// The value of the counter `key`, or None if there is none.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotACounter`] if `key` holds a value PUT stored; otherwise as
+    /// [`Client::get`].
     pub fn get_counter(&mut self, key: &[u8]) -> Result<Option<i64>> {
         check_key(key)?;
         self.run(|c| {
@@ -480,6 +538,12 @@ impl Client {
     /// assert_eq!(kv.get_counter(b"stock")?, Some(2));
     /// # Ok::<(), kv_client::Error>(())
     /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotACounter`], [`Error::CounterOverflow`];
+    /// [`Error::OutcomeUnknown`] when the connection was lost after the CAS
+    /// was posted; the key errors of [`Client::get`].
     pub fn compare_and_set(&mut self, key: &[u8], expected: i64, new: i64) -> Result<Option<i64>> {
         check_key(key)?;
         if kv_common::layout::counter_sealed(expected as u64) {
@@ -506,6 +570,14 @@ impl Client {
     /// (two round trips for a new key, three for an update, one with a
     /// settled slot hint, five over a counter: its lock and seal). Once it
     /// returns, every later GET sees it.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::EmptyKey`], [`Error::KeyTooLarge`], [`Error::ValueTooLarge`];
+    /// [`Error::RegionFull`] when the heap has no room and the region is at
+    /// its cap (after a collection was tried); [`Error::IndexFull`] when the
+    /// key's buckets are full and the index cannot grow; [`Error::Corrupt`],
+    /// [`Error::Contended`] as for [`Client::get`].
     pub fn put(&mut self, key: &[u8], value: &[u8]) -> Result<()> {
         check_key(key)?;
         if value.len() > self.max_value {
@@ -518,6 +590,11 @@ impl Client {
     }
 
     /// Removes `key`; false if it was not there.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::EmptyKey`], [`Error::KeyTooLarge`]; [`Error::Corrupt`],
+    /// [`Error::Contended`] as for [`Client::get`].
     pub fn delete(&mut self, key: &[u8]) -> Result<bool> {
         check_key(key)?;
         let mut unlinked = false;
@@ -618,6 +695,12 @@ impl Client {
 
     /// Says goodbye: the server reclaims what this client held (also done
     /// on drop).
+    ///
+    /// # Errors
+    ///
+    /// Only [those of every call](Client#errors-of-every-call): the goodbye
+    /// could not be sent (the server reclaims the space anyway once it
+    /// notices).
     pub fn close(mut self) -> Result<()> {
         self.disconnect()
     }

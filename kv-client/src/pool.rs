@@ -37,6 +37,10 @@ impl ClientPool {
     /// reuse; more may be handed out at once, and those returned beyond
     /// `max_idle` are closed. Connects one now, so a wrong address or
     /// secret fails here rather than in the first worker.
+    ///
+    /// # Errors
+    ///
+    /// As [`Client::connect_with`](crate::Client::connect_with).
     pub fn new(address: &str, options: ClientOptions, max_idle: usize) -> Result<ClientPool> {
         let first = Client::connect_with(address, options.clone())?;
         let idle = ArrayQueue::new(max_idle.max(1));
@@ -51,6 +55,10 @@ impl ClientPool {
 
     /// A connection for this thread: an idle one, or a new one when none
     /// is idle. It returns to the pool when the guard is dropped.
+    ///
+    /// # Errors
+    ///
+    /// As [`Client::connect_with`](crate::Client::connect_with), when a new connection is made.
     pub fn get(&self) -> Result<PooledClient<'_>> {
         let client = match self.idle.pop() {
             Some(c) => c,
