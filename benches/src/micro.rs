@@ -23,8 +23,8 @@ use kv_client::Client;
 use kv_common::layout::{
     decode_block, set_bits, Geometry, KeyHash, Payload, Slot, CANDIDATE_SLOTS, EPOCH_OFFSET,
 };
+use kv_common::mapping::SharedRegion;
 use kv_common::protocol::{Request, Response, PROTOCOL_VERSION};
-use kv_common::transport::shm::SharedRegion;
 use kv_common::transport::{self, Connection, Verb, VerbStats};
 use kv_common::Address;
 

@@ -21,46 +21,56 @@
 //! failing validation, reads too slow, a resize under way, a CAS that
 //! lost, more blocks than fit) goes to the single-key path.
 
-use kv_common::layout::{
-    block_len, class_for, decode_block, encode_block, CounterState, KeyHash, Payload, Slot,
-    CANDIDATE_SLOTS,
-};
+use kv_common::layout::{block_len, class_for, encode_block, KeyHash, Slot, SlotPos};
 use kv_common::transport::{read_u64, Verb, MAX_BATCH_VERBS};
 use smallvec::SmallVec;
 
-use crate::get::copy_out;
+use crate::candidates::CandidateReads;
+use crate::clock::OpClock;
+use crate::get::{copy_out, SoleRead};
 use crate::hint::Hint;
-use crate::index::{meets_resize, Kind, Value};
+use crate::index::{meets_resize, Holds, Kind, ScanMode, Slots, Value};
 use crate::local::{BATCH_KEYS, WINDOW_BYTES};
 use crate::{Client, Error, Result};
 
-/// One block a batch reads for a key.
-#[derive(Clone, Copy)]
-struct Candidate {
-    key: usize,
-    index: usize,
-    slot: Slot,
-    read: Verb,
-}
+type Verbs = SmallVec<[Verb; MAX_BATCH_VERBS]>;
+type Hashes = SmallVec<[KeyHash; BATCH_KEYS]>;
+/// Keys of a batch, by their place in it, that the single-key path settles.
+pub(crate) type Unsettled = SmallVec<[usize; 4]>;
 
 /// The batch with its READs after every other verb (stable otherwise): each
 /// READ of a writer's batch must see its own key's WRITE or CAS, and no
 /// WRITE or atomic needs to follow a READ (see `Verb` for the order a batch
 /// keeps).
-fn reads_last(mut verbs: SmallVec<[Verb; MAX_BATCH_VERBS]>) -> SmallVec<[Verb; MAX_BATCH_VERBS]> {
+fn reads_last(mut verbs: Verbs) -> Verbs {
     verbs.sort_by_key(|v| matches!(v, Verb::Read { .. }));
     verbs
+}
+
+/// The keys' hashes for an index of `buckets` buckets.
+fn hash_keys<'k>(keys: impl Iterator<Item = &'k [u8]>, buckets: u64) -> Hashes {
+    keys.map(|k| KeyHash::new(k, buckets)).collect()
 }
 
 /// A key's copies as a writer sees them: candidate index, slot, contents.
 type WriterCopies = SmallVec<[(usize, Slot, Kind); 2]>;
 
-/// What the first batch read for a key.
+/// What the first batch of a multi-key GET read for a key.
 #[derive(Clone, Copy)]
 enum First {
     Windows,
     /// A settled hint's slot word and block.
-    Hinted(Hint, Verb),
+    Sole(SoleRead),
+}
+
+/// What a key's candidates, as a batch read them, show a reader.
+enum Lowest {
+    /// The lowest copy: candidate `index`, slot, contents and value.
+    Found(usize, Slot, Kind, Value),
+    Absent,
+    /// A block failed validation or is being unlinked: the single path
+    /// retries (and reports damage).
+    Suspect,
 }
 
 impl Client {
@@ -70,18 +80,88 @@ impl Client {
         &mut self,
         keys: &[&[u8]],
         out: &mut [Option<Vec<u8>>],
-    ) -> Result<SmallVec<[usize; 4]>> {
+    ) -> Result<Unsettled> {
         debug_assert!(keys.len() <= BATCH_KEYS && keys.len() == out.len());
-        let g = self.info.geometry;
-        let hashes: SmallVec<[KeyHash; BATCH_KEYS]> = keys
-            .iter()
-            .map(|k| KeyHash::new(k, g.bucket_count))
-            .collect();
-        let mut unsettled = SmallVec::new();
+        let hashes = hash_keys(keys.iter().copied(), self.info.geometry.bucket_count);
+        let (verbs, firsts, at) = self.get_first_batch(keys, &hashes);
+        let clock = self.timing.start();
+        self.conn.post(&verbs)?;
+        self.pause_if_slow();
 
-        // First batch: each key's windows, or its settled hint's slot word
-        // and block.
-        let mut verbs: SmallVec<[Verb; MAX_BATCH_VERBS]> = SmallVec::new();
+        // Keys with a sole hint are done (or go to the single path); the
+        // others' matching blocks are the second batch.
+        let mut unsettled = Unsettled::new();
+        let mut windows: SmallVec<[usize; BATCH_KEYS]> = SmallVec::new();
+        for (i, first) in firsts.iter().enumerate() {
+            match *first {
+                First::Sole(sole) => match self.sole_value(keys[i], sole, clock) {
+                    Some(value) => copy_out(self.conn.local(), value, out[i].insert(Vec::new())),
+                    None => unsettled.push(i),
+                },
+                First::Windows => windows.push(i),
+            }
+        }
+        let g = self.info.geometry;
+        let mut reads = CandidateReads::new(at, self.layout.len, MAX_BATCH_VERBS - 1);
+        // Slots whose fingerprint matches, per key: one means a copy found
+        // there is the only one (what lets a hint settle).
+        let mut matching = [0usize; BATCH_KEYS];
+        let mut check_epoch = false;
+        // The keys whose candidates the second batch reads.
+        let mut read: SmallVec<[usize; BATCH_KEYS]> = SmallVec::new();
+        for i in windows {
+            let slots = self.batch_slots(i);
+            check_epoch |= meets_resize(&slots);
+            match reads.add_key(&g, i, &hashes[i], &slots) {
+                Some(n) => {
+                    matching[i] = n;
+                    read.push(i);
+                }
+                // Past the region this client knows, or no room.
+                None => unsettled.push(i),
+            }
+        }
+        let mut verbs = Verbs::new();
+        if check_epoch {
+            verbs.push(self.epoch_read());
+        }
+        verbs.extend(reads.reads());
+        if !verbs.is_empty() {
+            self.conn.post(&verbs)?;
+        }
+        let moved = check_epoch && self.epoch_changed();
+        if !clock.in_time() || moved {
+            unsettled.extend(read);
+            return Ok(unsettled);
+        }
+        for i in read {
+            match self.lowest_candidate(keys[i], &reads, i) {
+                Lowest::Found(index, slot, kind, value) => {
+                    copy_out(self.conn.local(), value, out[i].insert(Vec::new()));
+                    let alone = matching[i] == 1;
+                    let pos = hashes[i].slot_pos(index);
+                    self.saw(keys[i], pos, slot, clock, alone, kind.settled_counter());
+                }
+                Lowest::Suspect => unsettled.push(i),
+                Lowest::Absent => {
+                    out[i] = None;
+                    self.cache.forget(keys[i]);
+                }
+            }
+        }
+        Ok(unsettled)
+    }
+
+    /// The first batch of a multi-key GET: each key's windows, or its
+    /// settled hint's slot word and block. Returns the batch, what it
+    /// reads for each key, and where the hinted blocks end.
+    fn get_first_batch(
+        &mut self,
+        keys: &[&[u8]],
+        hashes: &Hashes,
+    ) -> (Verbs, SmallVec<[First; BATCH_KEYS]>, usize) {
+        let g = self.info.geometry;
+        let mut verbs = Verbs::new();
         let mut firsts: SmallVec<[First; BATCH_KEYS]> = SmallVec::new();
         let mut at = self.layout.reads;
         for (i, key) in keys.iter().enumerate() {
@@ -98,13 +178,9 @@ impl Client {
                         len,
                     };
                     at += len;
-                    verbs.push(Verb::Read {
-                        remote: g.slot_offset(hint.pos),
-                        local: self.layout.batch_word(i),
-                        len: 8,
-                    });
-                    verbs.push(block);
-                    firsts.push(First::Hinted(hint, block));
+                    let sole = self.sole_read(hint, block, self.layout.batch_word(i));
+                    verbs.extend(sole.verbs());
+                    firsts.push(First::Sole(sole));
                 }
                 None => {
                     verbs.extend(self.batch_window_reads(i, &hashes[i]));
@@ -112,147 +188,26 @@ impl Client {
                 }
             }
         }
-        let clock = self.timing.start();
-        self.conn.post(&verbs)?;
-        self.pause_if_slow();
+        (verbs, firsts, at)
+    }
 
-        // Hinted keys are done (or go to the single path); the others'
-        // matching slots become the second batch.
-        let mut candidates: SmallVec<[Candidate; BATCH_KEYS]> = SmallVec::new();
-        // Slots whose fingerprint matches, per key: one means a copy found
-        // there is the only one (what lets a hint settle).
-        let mut matching = [0usize; BATCH_KEYS];
-        let mut check_epoch = false;
-        for (i, key) in keys.iter().enumerate() {
-            let local = self.conn.local();
-            if let First::Hinted(hint, block) = firsts[i] {
-                let now = Slot(read_u64(local, self.layout.batch_word(i)));
-                let value = (clock.in_time() && now == hint.slot)
-                    .then(|| self.value_in(key, block))
-                    .flatten();
-                match value {
-                    Some(value) => {
-                        copy_out(self.conn.local(), value, out[i].insert(Vec::new()));
-                        let seen = hint.confirmed(hint.slot, clock.started(), true, &self.timing);
-                        self.cache.remember(key, seen);
-                    }
-                    None => {
-                        self.cache.forget(key);
-                        unsettled.push(i);
-                    }
-                }
-                continue;
-            }
-            let slots = self.batch_slots(i);
-            check_epoch |= meets_resize(&slots);
-            for (index, &slot) in slots.iter().enumerate() {
-                let live = slot.thawed();
-                if live.is_empty() || live.fingerprint() != hashes[i].fingerprint {
-                    continue;
-                }
-                matching[i] += 1;
-                let span = g.block_span(live);
-                match span.filter(|&(_, len)| at + len <= self.layout.len) {
-                    Some((remote, len)) if candidates.len() + 1 < MAX_BATCH_VERBS => {
-                        candidates.push(Candidate {
-                            key: i,
-                            index,
-                            slot,
-                            read: Verb::Read {
-                                remote,
-                                local: at,
-                                len,
-                            },
-                        });
-                        at += len;
-                    }
-                    // Past the region this client knows, or no room: the
-                    // single path follows it.
-                    _ => {
-                        if unsettled.last() != Some(&i) {
-                            unsettled.push(i);
-                        }
-                    }
-                }
+    /// The lowest of key `k`'s candidates that holds it, as a reader
+    /// judges a block (`holds`), in slot order.
+    fn lowest_candidate(&self, key: &[u8], reads: &CandidateReads, k: usize) -> Lowest {
+        let mut suspect = false;
+        for c in reads.of_key(k) {
+            match self.holds(key, c.local(), ScanMode::Lowest) {
+                Holds::Damaged => suspect = true,
+                Holds::OtherKey | Holds::Pending => {}
+                // Being unlinked: the single path waits on it.
+                Holds::Sealed { .. } => return Lowest::Suspect,
+                Holds::Copy(kind, value) => return Lowest::Found(c.index, c.slot, kind, value),
             }
         }
-
-        let mut verbs: SmallVec<[Verb; MAX_BATCH_VERBS]> = SmallVec::new();
-        if check_epoch {
-            verbs.push(self.epoch_read());
+        match suspect {
+            true => Lowest::Suspect,
+            false => Lowest::Absent,
         }
-        verbs.extend(candidates.iter().map(|c| c.read));
-        if !verbs.is_empty() {
-            self.conn.post(&verbs)?;
-        }
-        let moved = check_epoch && self.epoch_changed();
-        let trusted = clock.in_time() && !moved;
-        for (i, key) in keys.iter().enumerate() {
-            if matches!(firsts[i], First::Hinted(..)) || unsettled.contains(&i) {
-                continue;
-            }
-            if !trusted {
-                unsettled.push(i);
-                continue;
-            }
-            // The key's candidates, lowest first (they were read in slot
-            // order): the first a reader sees is its value.
-            let mut suspect = false;
-            let mut found = None;
-            for c in candidates.iter().filter(|c| c.key == i) {
-                let Verb::Read { local, len, .. } = c.read else {
-                    continue;
-                };
-                let bytes = &self.conn.local()[local..local + len];
-                let Ok(view) = decode_block(bytes) else {
-                    suspect = true;
-                    continue;
-                };
-                if view.key != *key {
-                    continue;
-                }
-                let value = match view.payload {
-                    Payload::Bytes(v) => {
-                        let start = local + (v.as_ptr() as usize - bytes.as_ptr() as usize);
-                        Value::Bytes(start..start + v.len())
-                    }
-                    Payload::Counter { sealed: true, .. } => {
-                        // Being unlinked: the single path waits on it.
-                        found = None;
-                        suspect = true;
-                        break;
-                    }
-                    Payload::Counter {
-                        value,
-                        state: CounterState::Settled,
-                        ..
-                    } => Value::Counter(value),
-                    Payload::Counter { .. } => continue,
-                };
-                found = Some((c.index, c.slot, value));
-                break;
-            }
-            match found {
-                Some((index, slot, value)) => {
-                    let counter = match value {
-                        Value::Counter(n) => Some(n),
-                        Value::Bytes(_) => None,
-                    };
-                    copy_out(self.conn.local(), value, out[i].insert(Vec::new()));
-                    let alone = matching[i] == 1;
-                    let pos = hashes[i].slot_pos(index);
-                    self.saw(key, pos, slot, clock, alone, counter);
-                }
-                // A block that failed validation may have been the key's:
-                // the single path retries and reports damage.
-                None if suspect => unsettled.push(i),
-                None => {
-                    out[i] = None;
-                    self.cache.forget(key);
-                }
-            }
-        }
-        Ok(unsettled)
     }
 }
 
@@ -277,6 +232,19 @@ enum Publish {
     Done,
 }
 
+/// A multi-key PUT under way: its pairs (those one batch holds), their
+/// hashes, the slots that publish their new blocks, and each key's plan.
+struct PutBatch<'p> {
+    pairs: &'p [(&'p [u8], &'p [u8])],
+    hashes: Hashes,
+    news: SmallVec<[Slot; BATCH_KEYS]>,
+    plan: SmallVec<[Publish; BATCH_KEYS]>,
+}
+
+/// A block staged for a multi-key PUT: where it goes, its class, where it
+/// lies in the local buffer.
+type Staged = (u64, u8, usize);
+
 impl Client {
     /// Writes the leading pairs of `pairs` that one batch holds: every
     /// block and every key's windows in one batch (a key with a settled
@@ -285,10 +253,37 @@ impl Client {
     /// in a third. Returns how many pairs it took; a key it could not
     /// settle has been written by the single-key path.
     pub(crate) fn put_batch(&mut self, pairs: &[(&[u8], &[u8])]) -> Result<usize> {
-        // Blocks, staged in the candidate area: the first may lease (and
-        // give back spent space, which is why later ones may not: a block
-        // taken but not yet published must stay this client's).
-        let mut blocks: SmallVec<[(u64, u8, usize); BATCH_KEYS]> = SmallVec::new();
+        let blocks = self.stage_blocks(pairs)?;
+        let pairs = &pairs[..blocks.len()];
+        let hashes = hash_keys(pairs.iter().map(|p| p.0), self.info.geometry.bucket_count);
+        let news = (0..pairs.len())
+            .map(|i| Slot::new(hashes[i].fingerprint, blocks[i].1, blocks[i].0))
+            .collect();
+        let mut put = PutBatch {
+            pairs,
+            hashes,
+            news,
+            plan: SmallVec::new(),
+        };
+        let clock = self.put_first_batch(&mut put, &blocks)?;
+        let located = self.settle_blind(&mut put, clock);
+        self.plan_publishes(&mut put, &located)?;
+        let published = self.publish(&mut put, clock)?;
+        self.resolve_published(&mut put, clock, published)?;
+        for (i, &(key, value)) in pairs.iter().enumerate() {
+            if !matches!(put.plan[i], Publish::Done) {
+                self.put(key, value)?;
+            }
+        }
+        Ok(pairs.len())
+    }
+
+    /// Encodes the leading pairs' blocks into the candidate area, as many
+    /// as one batch holds. The first may lease (and give back spent space,
+    /// which is why later ones may not: a block taken but not yet published
+    /// must stay this client's).
+    fn stage_blocks(&mut self, pairs: &[(&[u8], &[u8])]) -> Result<SmallVec<[Staged; BATCH_KEYS]>> {
+        let mut blocks: SmallVec<[Staged; BATCH_KEYS]> = SmallVec::new();
         let mut staged = self.layout.reads;
         for (i, (key, value)) in pairs.iter().enumerate().take(MAX_BATCH_VERBS / 3) {
             let used = block_len(key.len(), value.len());
@@ -312,21 +307,15 @@ impl Client {
             blocks.push((offset, class, staged));
             staged += len;
         }
-        let n = blocks.len();
-        let pairs = &pairs[..n];
-        let g = self.info.geometry;
-        let hashes: SmallVec<[KeyHash; BATCH_KEYS]> = pairs
-            .iter()
-            .map(|(k, _)| KeyHash::new(k, g.bucket_count))
-            .collect();
-        let news: SmallVec<[Slot; BATCH_KEYS]> = (0..n)
-            .map(|i| Slot::new(hashes[i].fingerprint, blocks[i].1, blocks[i].0))
-            .collect();
+        Ok(blocks)
+    }
 
-        // First batch.
-        let mut verbs: SmallVec<[Verb; MAX_BATCH_VERBS]> = SmallVec::new();
-        let mut plan: SmallVec<[Publish; BATCH_KEYS]> = SmallVec::new();
-        for (i, (key, value)) in pairs.iter().enumerate() {
+    /// The first batch: every block's WRITE, and each key's settled hint's
+    /// CAS or its windows. Returns its clock.
+    fn put_first_batch(&mut self, put: &mut PutBatch, blocks: &[Staged]) -> Result<OpClock> {
+        let g = self.info.geometry;
+        let mut verbs = Verbs::new();
+        for (i, (key, value)) in put.pairs.iter().enumerate() {
             let (offset, _, local) = blocks[i];
             verbs.push(Verb::Write {
                 remote: offset,
@@ -339,113 +328,135 @@ impl Client {
                         remote: g.slot_offset(hint.pos),
                         local: self.layout.batch_word(i),
                         expect: hint.slot.0,
-                        swap: news[i].0,
+                        swap: put.news[i].0,
                     });
-                    plan.push(Publish::Blind(hint));
+                    put.plan.push(Publish::Blind(hint));
                 }
                 None => {
-                    verbs.extend(self.batch_window_reads(i, &hashes[i]));
-                    plan.push(Publish::Located);
+                    verbs.extend(self.batch_window_reads(i, &put.hashes[i]));
+                    put.plan.push(Publish::Located);
                 }
             }
         }
         let clock = self.timing.start();
         self.conn.post(&reads_last(verbs))?;
         self.pause_if_slow();
+        Ok(clock)
+    }
 
-        // The blind ones are done; the others' copies are read in a second
-        // batch (the staged blocks are written: their space is free again).
-        let mut located: SmallVec<[bool; BATCH_KEYS]> = SmallVec::new();
-        for (i, (key, _)) in pairs.iter().enumerate() {
-            if let Publish::Blind(hint) = plan[i] {
+    /// The blind CASes' outcomes: done, or for the single path. Returns
+    /// which keys' windows were read.
+    fn settle_blind(&mut self, put: &mut PutBatch, clock: OpClock) -> SmallVec<[bool; BATCH_KEYS]> {
+        let mut located = SmallVec::new();
+        for (i, (key, _)) in put.pairs.iter().enumerate() {
+            if let Publish::Blind(hint) = put.plan[i] {
                 if read_u64(self.conn.local(), self.layout.batch_word(i)) == hint.slot.0 {
-                    self.replaced(key, hint.pos, hint.slot, news[i], clock);
-                    plan[i] = Publish::Done;
+                    self.replaced(key, hint.pos, hint.slot, put.news[i], clock);
+                    put.plan[i] = Publish::Done;
                 } else {
                     self.cache.forget(key);
-                    plan[i] = Publish::Single;
+                    put.plan[i] = Publish::Single;
                 }
             }
-            located.push(matches!(plan[i], Publish::Located));
+            located.push(matches!(put.plan[i], Publish::Located));
         }
-        let keys: SmallVec<[&[u8]; BATCH_KEYS]> = pairs.iter().map(|p| p.0).collect();
-        let copies = self.writer_copies(&keys, &hashes, &located)?;
-        let mut taken: SmallVec<[(u64, usize); BATCH_KEYS]> = SmallVec::new();
-        for i in 0..n {
-            if !located[i] {
-                continue;
-            }
-            plan[i] = match copies[i].as_ref().map(|c| c.first()) {
+        located
+    }
+
+    /// The second batch reads the located keys' copies (the staged blocks
+    /// are written: their space is free again); each gets its CAS.
+    fn plan_publishes(&mut self, put: &mut PutBatch, located: &[bool]) -> Result<()> {
+        let keys: SmallVec<[&[u8]; BATCH_KEYS]> = put.pairs.iter().map(|p| p.0).collect();
+        let copies = self.writer_copies(&keys, &put.hashes, located)?;
+        let mut taken: SmallVec<[SlotPos; BATCH_KEYS]> = SmallVec::new();
+        for i in (0..put.pairs.len()).filter(|&i| located[i]) {
+            put.plan[i] = match copies[i].as_ref().map(|c| c.first()) {
                 None => Publish::Single,
                 // The lowest copy is updated; copies above it belong to
                 // inserts still in flight, which remove them themselves.
                 Some(Some(&(index, old, _))) => Publish::Update { index, old },
-                Some(None) => {
-                    // An empty slot no other key of this batch takes.
-                    let mut slots = self.batch_slots(i);
-                    for &(bucket, index) in &taken {
-                        for (c, s) in slots.iter_mut().enumerate() {
-                            let pos = hashes[i].slot_pos(c);
-                            if (pos.bucket, pos.index) == (bucket, index) {
-                                *s = Slot::FROZEN_EMPTY;
-                            }
-                        }
+                Some(None) => match self.insert_choice(i, &put.hashes[i], &taken) {
+                    Some(index) => {
+                        taken.push(put.hashes[i].slot_pos(index));
+                        Publish::Insert { index }
                     }
-                    match KeyHash::insert_choice(&slots) {
-                        Some(index) => {
-                            let pos = hashes[i].slot_pos(index);
-                            taken.push((pos.bucket, pos.index));
-                            Publish::Insert { index }
-                        }
-                        None => Publish::Single,
-                    }
-                }
+                    None => Publish::Single,
+                },
             };
         }
+        Ok(())
+    }
 
-        // Third batch: the CASes, each with its key's windows for the
-        // duplicate check of an insert; posted only while the reads that
-        // chose them are in time.
-        let mut verbs: SmallVec<[Verb; MAX_BATCH_VERBS]> = SmallVec::new();
+    /// Where key `k` of the batch inserts: an empty slot no other key of
+    /// the batch has `taken`.
+    fn insert_choice(&self, k: usize, kh: &KeyHash, taken: &[SlotPos]) -> Option<usize> {
+        let mut slots = self.batch_slots(k);
+        for (c, s) in slots.iter_mut().enumerate() {
+            if taken.contains(&kh.slot_pos(c)) {
+                *s = Slot::FROZEN_EMPTY;
+            }
+        }
+        KeyHash::insert_choice(&slots)
+    }
+
+    /// The third batch: the CASes, each with its key's windows for the
+    /// duplicate check of an insert; posted only while the reads that chose
+    /// them are in time. Returns its clock.
+    fn publish(&mut self, put: &mut PutBatch, clock: OpClock) -> Result<OpClock> {
+        let g = self.info.geometry;
+        let mut verbs = Verbs::new();
         let in_time = clock.in_time();
         let published = self.timing.start();
-        for i in 0..n {
-            let (index, expect) = match plan[i] {
+        for i in 0..put.pairs.len() {
+            let (index, expect) = match put.plan[i] {
                 Publish::Update { index, old } => (index, old),
                 Publish::Insert { index } => (index, Slot::EMPTY),
                 _ => continue,
             };
             if !in_time {
-                plan[i] = Publish::Single;
+                put.plan[i] = Publish::Single;
                 continue;
             }
             verbs.push(Verb::Cas {
-                remote: g.slot_offset(hashes[i].slot_pos(index)),
+                remote: g.slot_offset(put.hashes[i].slot_pos(index)),
                 local: self.layout.batch_word(i),
                 expect: expect.0,
-                swap: news[i].0,
+                swap: put.news[i].0,
             });
-            if let Publish::Insert { .. } = plan[i] {
-                verbs.extend(self.batch_window_reads(i, &hashes[i]));
+            if let Publish::Insert { .. } = put.plan[i] {
+                verbs.extend(self.batch_window_reads(i, &put.hashes[i]));
             }
         }
         if !verbs.is_empty() {
             self.conn.post(&reads_last(verbs))?;
         }
+        Ok(published)
+    }
+
+    /// The CASes' outcomes: an update that held is done, an insert that
+    /// held goes on to its duplicate check; the rest are for the single
+    /// path.
+    fn resolve_published(
+        &mut self,
+        put: &mut PutBatch,
+        clock: OpClock,
+        published: OpClock,
+    ) -> Result<()> {
+        let g = self.info.geometry;
         // Every outcome is taken from the buffer before anything else is
         // posted: a duplicate check or a single-path redo may follow a
         // resize or growth, which replaces the buffer.
-        let held: SmallVec<[bool; BATCH_KEYS]> = (0..n)
+        let held: SmallVec<[bool; BATCH_KEYS]> = (0..put.pairs.len())
             .map(|i| {
                 let word = read_u64(self.conn.local(), self.layout.batch_word(i));
-                match plan[i] {
+                match put.plan[i] {
                     Publish::Update { old, .. } => word == old.0,
                     Publish::Insert { .. } => word == Slot::EMPTY.0,
                     _ => false,
                 }
             })
             .collect();
-        for (i, (key, _)) in pairs.iter().enumerate() {
+        for (i, &(key, _)) in put.pairs.iter().enumerate() {
             if !held[i] {
                 continue;
             }
@@ -456,40 +467,45 @@ impl Client {
                 self.info.geometry.index_offset,
                 self.info.geometry.bucket_count,
             ) != (g.index_offset, g.bucket_count);
-            match plan[i] {
+            match put.plan[i] {
                 Publish::Update { index, old } => {
-                    plan[i] = Publish::Done;
+                    put.plan[i] = Publish::Done;
                     if !moved {
-                        self.replaced(key, hashes[i].slot_pos(index), old, news[i], clock);
+                        let pos = put.hashes[i].slot_pos(index);
+                        self.replaced(key, pos, old, put.news[i], clock);
                     }
                 }
                 Publish::Insert { index } => {
-                    plan[i] = Publish::Done;
-                    if moved {
-                        continue;
+                    put.plan[i] = Publish::Done;
+                    if !moved {
+                        let pos = put.hashes[i].slot_pos(index);
+                        self.resolve_batch_insert(put, i, pos, published)?;
                     }
-                    let pos = hashes[i].slot_pos(index);
-                    self.cache
-                        .remember(key, Hint::seen(pos, news[i], published));
-                    // The duplicate check starts from the windows read with
-                    // the CAS, as a single insert's does (if the buffer was
-                    // replaced meanwhile, it reads them again).
-                    let from = self.layout.batch_window(i, 0);
-                    let to = self.layout.window(0);
-                    self.conn
-                        .local_mut()
-                        .copy_within(from..from + 2 * WINDOW_BYTES, to);
-                    self.resolve_insert(key, &hashes[i], pos, news[i], published)?;
                 }
                 _ => {}
             }
         }
-        for (i, &(key, value)) in pairs.iter().enumerate() {
-            if !matches!(plan[i], Publish::Done) {
-                self.put(key, value)?;
-            }
-        }
-        Ok(n)
+        Ok(())
+    }
+
+    /// The duplicate check of key `k`'s insert at `pos`, which starts from
+    /// the windows read with the CAS, as a single insert's does (if the
+    /// buffer was replaced meanwhile, it reads them again).
+    fn resolve_batch_insert(
+        &mut self,
+        put: &PutBatch,
+        k: usize,
+        pos: SlotPos,
+        published: OpClock,
+    ) -> Result<()> {
+        let (key, new) = (put.pairs[k].0, put.news[k]);
+        self.cache.remember(key, Hint::seen(pos, new, published));
+        let from = self.layout.batch_window(k, 0);
+        let to = self.layout.window(0);
+        self.conn
+            .local_mut()
+            .copy_within(from..from + 2 * WINDOW_BYTES, to);
+        self.resolve_insert(key, &put.hashes[k], pos, new, published)
     }
 
     /// Deletes up to `BATCH_KEYS` keys: each key's windows in one batch (a
@@ -497,31 +513,16 @@ impl Client {
     /// then all), the blocks found in a second, the CASes that empty each
     /// key's copy in a third. `out[i]` says whether key `i` was there;
     /// returns the keys the batch could not settle.
-    pub(crate) fn delete_batch(
-        &mut self,
-        keys: &[&[u8]],
-        out: &mut [bool],
-    ) -> Result<SmallVec<[usize; 4]>> {
-        let g = self.info.geometry;
-        let hashes: SmallVec<[KeyHash; BATCH_KEYS]> = keys
-            .iter()
-            .map(|k| KeyHash::new(k, g.bucket_count))
-            .collect();
-        let mut verbs: SmallVec<[Verb; MAX_BATCH_VERBS]> = SmallVec::new();
+    pub(crate) fn delete_batch(&mut self, keys: &[&[u8]], out: &mut [bool]) -> Result<Unsettled> {
+        let hashes = hash_keys(keys.iter().copied(), self.info.geometry.bucket_count);
+        let mut verbs = Verbs::new();
         let mut blind: SmallVec<[Option<Hint>; BATCH_KEYS]> = SmallVec::new();
         for (i, key) in keys.iter().enumerate() {
             let hint = self.blind_hint(key);
             self.cache.forget(key);
             match hint {
-                Some(hint) => verbs.push(Verb::Cas {
-                    remote: g.slot_offset(hint.pos),
-                    local: self.layout.batch_word(i),
-                    expect: hint.slot.0,
-                    swap: Slot::EMPTY.0,
-                }),
-                None => {
-                    verbs.extend(self.batch_window_reads(i, &hashes[i]));
-                }
+                Some(hint) => verbs.push(self.batch_cas(i, hint.pos, hint.slot, Slot::EMPTY)),
+                None => verbs.extend(self.batch_window_reads(i, &hashes[i])),
             }
             blind.push(hint);
         }
@@ -529,11 +530,11 @@ impl Client {
         self.conn.post(&reads_last(verbs))?;
         self.pause_if_slow();
 
-        let mut unsettled = SmallVec::new();
+        let mut unsettled = Unsettled::new();
         let mut located: SmallVec<[bool; BATCH_KEYS]> = SmallVec::new();
         for (i, hint) in blind.iter().enumerate() {
             if let Some(hint) = hint {
-                match read_u64(self.conn.local(), self.layout.batch_word(i)) == hint.slot.0 {
+                match self.batch_cas_held(i, hint.slot) {
                     true => out[i] = true,
                     false => unsettled.push(i),
                 }
@@ -547,9 +548,8 @@ impl Client {
         // key with extra copies goes to the single path, which removes them
         // before the lowest, only once each is gone (a copy left behind
         // would become the lowest and bring back an older value).
-        let mut verbs: SmallVec<[Verb; MAX_BATCH_VERBS]> = SmallVec::new();
-        let mut cases: SmallVec<[(usize, Slot); BATCH_KEYS]> = SmallVec::new();
         let in_time = clock.in_time();
+        let mut cases: SmallVec<[(usize, SlotPos, Slot); BATCH_KEYS]> = SmallVec::new();
         for i in (0..keys.len()).filter(|&i| located[i]) {
             let Some(copies) = &copies[i] else {
                 unsettled.push(i);
@@ -560,29 +560,37 @@ impl Client {
                 // Read in time, no copy: the key was not there.
                 (None, _) if in_time => out[i] = false,
                 (Some(&(index, slot, _)), None) if in_time => {
-                    verbs.push(Verb::Cas {
-                        remote: g.slot_offset(hashes[i].slot_pos(index)),
-                        local: self.layout.batch_word(i),
-                        expect: slot.0,
-                        swap: Slot::EMPTY.0,
-                    });
-                    cases.push((i, slot));
+                    cases.push((i, hashes[i].slot_pos(index), slot));
                 }
                 _ => unsettled.push(i),
             }
         }
+        unsettled.extend(self.empty_slots(&cases, out)?);
+        Ok(unsettled)
+    }
+
+    /// CASes each key's slot (key, position, value) empty in one batch;
+    /// `out[key]` is set where it held. Returns the keys whose CAS lost.
+    fn empty_slots(
+        &mut self,
+        cases: &[(usize, SlotPos, Slot)],
+        out: &mut [bool],
+    ) -> Result<Unsettled> {
+        let verbs: Verbs = cases
+            .iter()
+            .map(|&(k, pos, slot)| self.batch_cas(k, pos, slot, Slot::EMPTY))
+            .collect();
         if !verbs.is_empty() {
             self.conn.post(&verbs)?;
         }
-        let mut failed: SmallVec<[usize; 4]> = SmallVec::new();
-        for &(i, slot) in &cases {
-            match read_u64(self.conn.local(), self.layout.batch_word(i)) == slot.0 {
-                true => out[i] = true,
-                false => failed.push(i),
+        let mut failed = Unsettled::new();
+        for &(k, _, slot) in cases {
+            match self.batch_cas_held(k, slot) {
+                true => out[k] = true,
+                false => failed.push(k),
             }
         }
-        unsettled.extend(failed);
-        Ok(unsettled)
+        Ok(failed)
     }
 
     /// Every copy of each `located` key, as a writer sees them, lowest
@@ -598,88 +606,74 @@ impl Client {
         located: &[bool],
     ) -> Result<SmallVec<[Option<WriterCopies>; BATCH_KEYS]>> {
         let g = self.info.geometry;
-        let mut candidates: SmallVec<[Candidate; BATCH_KEYS]> = SmallVec::new();
+        let mut reads = CandidateReads::new(self.layout.reads, self.layout.len, MAX_BATCH_VERBS);
         let mut settles: SmallVec<[bool; BATCH_KEYS]> = located.iter().copied().collect();
-        let mut at = self.layout.reads;
         for i in (0..keys.len()).filter(|&i| located[i]) {
             let slots = self.batch_slots(i);
-            if meets_resize(&slots) {
-                settles[i] = false;
-                continue;
-            }
-            for (index, &slot) in slots.iter().enumerate() {
-                if slot.is_empty() || slot.fingerprint() != hashes[i].fingerprint {
-                    continue;
-                }
-                let span = g.block_span(slot);
-                match span.filter(|&(_, len)| at + len <= self.layout.len) {
-                    Some((remote, len)) if candidates.len() < MAX_BATCH_VERBS => {
-                        let read = Verb::Read {
-                            remote,
-                            local: at,
-                            len,
-                        };
-                        candidates.push(Candidate {
-                            key: i,
-                            index,
-                            slot,
-                            read,
-                        });
-                        at += len;
-                    }
-                    _ => settles[i] = false,
-                }
-            }
+            settles[i] =
+                !meets_resize(&slots) && reads.add_key(&g, i, &hashes[i], &slots).is_some();
         }
-        let reads: SmallVec<[Verb; MAX_BATCH_VERBS]> = candidates.iter().map(|c| c.read).collect();
         if !reads.is_empty() {
-            self.conn.post(&reads)?;
+            self.conn.post(&reads.reads().collect::<Verbs>())?;
         }
-        let mut copies: SmallVec<[Option<WriterCopies>; BATCH_KEYS]> = SmallVec::new();
-        for (i, key) in keys.iter().enumerate() {
-            let mut found = WriterCopies::new();
-            if !settles[i] {
-                copies.push(None);
-                continue;
-            }
-            for c in candidates.iter().filter(|c| c.key == i) {
-                let Verb::Read { local, len, .. } = c.read else {
-                    continue;
-                };
-                match decode_block(&self.conn.local()[local..local + len]) {
-                    Ok(view) if view.key == *key => {
-                        let kind = Kind::of(&view.payload);
-                        // A counter is unlinked under its lock (or, not
-                        // settled, given up first): the single path does.
-                        if let Kind::Counter { .. } = kind {
-                            settles[i] = false;
-                        }
-                        found.push((c.index, c.slot, kind));
-                    }
-                    Ok(_) => {}
-                    // Damage or a race: the single path retries and reports.
-                    Err(_) => settles[i] = false,
+        Ok((0..keys.len())
+            .map(|i| {
+                settles[i]
+                    .then(|| self.writer_copies_of(keys[i], &reads, i))
+                    .flatten()
+            })
+            .collect())
+    }
+
+    /// Key `k`'s copies as a writer judges its candidates' blocks
+    /// (`holds`), lowest first; None if the batch cannot settle the key.
+    fn writer_copies_of(
+        &self,
+        key: &[u8],
+        reads: &CandidateReads,
+        k: usize,
+    ) -> Option<WriterCopies> {
+        let mut found = WriterCopies::new();
+        for c in reads.of_key(k) {
+            match self.holds(key, c.local(), ScanMode::AllCopies { known: None }) {
+                Holds::OtherKey => {}
+                // A counter is unlinked under its lock (or, not settled,
+                // given up first): the single path does.
+                Holds::Copy(Kind::Counter { .. }, _) | Holds::Sealed { .. } | Holds::Pending => {
+                    return None
                 }
+                Holds::Copy(kind, _) => found.push((c.index, c.slot, kind)),
+                // Damage or a race: the single path retries and reports.
+                Holds::Damaged => return None,
             }
-            copies.push(settles[i].then_some(found));
         }
-        Ok(copies)
+        Some(found)
     }
 
     /// The READs of key `k`'s two windows in a multi-key batch.
     fn batch_window_reads(&self, k: usize, kh: &KeyHash) -> [Verb; 2] {
-        let g = &self.info.geometry;
-        std::array::from_fn(|w| Verb::Read {
-            remote: g.bucket_offset(kh.windows[w]),
-            local: self.layout.batch_window(k, w),
-            len: WINDOW_BYTES,
-        })
+        self.window_reads_to(kh, self.layout.batch_window(k, 0))
     }
 
     /// Key `k`'s candidate slots as its windows in a multi-key batch left
     /// them.
-    fn batch_slots(&self, k: usize) -> [Slot; CANDIDATE_SLOTS] {
-        let local = self.conn.local();
-        std::array::from_fn(|c| Slot(read_u64(local, self.layout.batch_window(k, 0) + 8 * c)))
+    fn batch_slots(&self, k: usize) -> Slots {
+        self.slots_at(self.layout.batch_window(k, 0))
+    }
+
+    /// The CAS of key `k` of a multi-key batch, its old value landing in
+    /// the key's word.
+    fn batch_cas(&self, k: usize, pos: SlotPos, expect: Slot, swap: Slot) -> Verb {
+        Verb::Cas {
+            remote: self.info.geometry.slot_offset(pos),
+            local: self.layout.batch_word(k),
+            expect: expect.0,
+            swap: swap.0,
+        }
+    }
+
+    /// Whether key `k`'s CAS found the value it expected.
+    fn batch_cas_held(&self, k: usize, expect: Slot) -> bool {
+        read_u64(self.conn.local(), self.layout.batch_word(k)) == expect.0
     }
 }

@@ -35,6 +35,20 @@ pub enum Sighting {
     Stale,
 }
 
+/// A sole hint's reads: its slot's word and its block, in one batch.
+#[derive(Clone, Copy)]
+pub(crate) struct SoleRead {
+    pub hint: Hint,
+    pub word: Verb,
+    pub block: Verb,
+}
+
+impl SoleRead {
+    pub fn verbs(&self) -> [Verb; 2] {
+        [self.word, self.block]
+    }
+}
+
 impl Client {
     /// The value a GET of `key` returns, as it lies in the local buffer
     /// until the next batch.
@@ -177,34 +191,53 @@ impl Client {
         first: Option<Verb>,
     ) -> Result<Sighting> {
         let clock = self.timing.start();
+        let sole = self.sole_read(hint, block, self.layout.slot);
+        match first {
+            Some(first) => self.conn.post(&[first, sole.word, sole.block])?,
+            None => self.conn.post(&sole.verbs())?,
+        }
+        Ok(match self.sole_value(key, sole, clock) {
+            Some(value) => Sighting::Held {
+                value,
+                clock,
+                alone: true,
+            },
+            None => Sighting::Stale,
+        })
+    }
+
+    /// The reads a sole hint needs, its slot's word landing at `word_at`.
+    pub(crate) fn sole_read(&self, hint: Hint, block: Verb, word_at: usize) -> SoleRead {
         let word = Verb::Read {
             remote: self.info.geometry.slot_offset(hint.pos),
-            local: self.layout.slot,
+            local: word_at,
             len: 8,
         };
-        match first {
-            Some(first) => self.conn.post(&[first, word, block])?,
-            None => self.conn.post(&[word, block])?,
-        }
-        let now = Slot(read_u64(self.conn.local(), self.layout.slot));
+        SoleRead { hint, word, block }
+    }
+
+    /// What a `SoleRead` timed by `clock` shows: the key's value if the
+    /// slot still held the hinted value, in time, and the block holds the
+    /// key. The hint is confirmed, or dropped.
+    pub(crate) fn sole_value(
+        &mut self,
+        key: &[u8],
+        sole: SoleRead,
+        clock: OpClock,
+    ) -> Option<Value> {
+        let hint = sole.hint;
+        let now = Slot(read_u64(self.conn.local(), sole.word.local_offset()));
         let value = (clock.in_time() && now == hint.slot)
-            .then(|| self.value_in(key, block))
+            .then(|| self.value_in(key, sole.block))
             .flatten();
         match value {
-            Some(value) => {
+            Some(_) => {
                 let seen = hint.confirmed(hint.slot, clock.started(), true, &self.timing);
                 self.cache.remember(key, seen);
-                Ok(Sighting::Held {
-                    value,
-                    clock,
-                    alone: true,
-                })
             }
-            None => {
-                self.cache.forget(key);
-                Ok(Sighting::Stale)
-            }
+            None => self.cache.forget(key),
         }
+        value
     }
 
     /// The value a reader sees in the block `read` brought back, if it is

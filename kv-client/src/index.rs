@@ -200,10 +200,16 @@ pub fn others_match(kh: &KeyHash, slots: &Slots, at: usize, lower_only: bool) ->
 impl Client {
     /// The READs of the key's two windows of buckets.
     pub(crate) fn window_reads(&self, kh: &KeyHash) -> [Verb; 2] {
+        self.window_reads_to(kh, self.layout.windows)
+    }
+
+    /// The READs of the key's two windows, landing one after the other at
+    /// `local` (a single-key operation's place, or a key's in a batch).
+    pub(crate) fn window_reads_to(&self, kh: &KeyHash, local: usize) -> [Verb; 2] {
         let g = &self.info.geometry;
         std::array::from_fn(|w| Verb::Read {
             remote: g.bucket_offset(kh.windows[w]),
-            local: self.layout.window(w),
+            local: local + w * WINDOW_BYTES,
             len: WINDOW_BYTES,
         })
     }
@@ -239,7 +245,11 @@ impl Client {
 
     /// The key's candidate slots as the last READ of its windows left them.
     pub(crate) fn slots(&self) -> Slots {
-        let at = self.layout.windows;
+        self.slots_at(self.layout.windows)
+    }
+
+    /// The candidate slots of windows read to `at` (see `window_reads_to`).
+    pub(crate) fn slots_at(&self, at: usize) -> Slots {
         let words = &self.conn.local()[at..at + CANDIDATE_SLOTS * 8];
         let mut slots = [Slot::EMPTY; CANDIDATE_SLOTS];
         for (slot, word) in slots.iter_mut().zip(words.chunks_exact(8)) {

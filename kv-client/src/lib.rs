@@ -38,6 +38,7 @@ pub use kv_common::Address;
 
 mod alloc;
 mod batch;
+mod candidates;
 mod clock;
 mod corrupt;
 mod counter;

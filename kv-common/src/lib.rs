@@ -4,9 +4,11 @@
 
 pub mod address;
 pub mod layout;
+pub mod mapping;
 pub mod protocol;
 pub mod secret;
 pub mod size;
 pub mod transport;
+mod words;
 
 pub use address::Address;

@@ -5,7 +5,20 @@
 use serde::{Deserialize, Serialize};
 
 use crate::layout::Geometry;
-use crate::transport::RemoteRegion;
+
+/// A region registered by the server, as a client names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemoteRegion {
+    /// Address of byte 0 on the server (an RDMA virtual address; 0 on shm).
+    pub base: u64,
+    pub len: u64,
+    /// Access key handed out at connect; it changes at every registration
+    /// (and on shm at every connect).
+    pub rkey: u32,
+    /// shm only: the key-table entry that holds this connection's key, so
+    /// the server can cut off one client (rdma does that per queue pair).
+    pub key_slot: u32,
+}
 
 /// Bumped when a message changes shape, or what clients must do on the
 /// data path does (4: an insert CASes within the operation deadline of the

@@ -9,10 +9,10 @@ use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use kv_common::layout::{Geometry, SLOTS_PER_BUCKET};
+use kv_common::mapping::SharedRegion;
 use kv_common::protocol::{
     ConnectInfo, ErrorKind, GeometryInfo, Request, Response, ServerStats, PROTOCOL_VERSION,
 };
-use kv_common::transport::shm::SharedRegion;
 use kv_common::transport::{ControlListener, ControlPeer, Fenced};
 use kv_common::Address;
 

@@ -533,14 +533,14 @@ fn copy(
 
 /// Reads the keys of blocks, reusing its buffers (a resize reads one per key).
 struct KeyReader<'a> {
-    region: &'a kv_common::transport::shm::SharedRegion,
+    region: &'a kv_common::mapping::SharedRegion,
     g: &'a Geometry,
     words: Vec<u64>,
     bytes: Vec<u8>,
 }
 
 impl<'a> KeyReader<'a> {
-    fn new(region: &'a kv_common::transport::shm::SharedRegion, g: &'a Geometry) -> Self {
+    fn new(region: &'a kv_common::mapping::SharedRegion, g: &'a Geometry) -> Self {
         KeyReader {
             region,
             g,

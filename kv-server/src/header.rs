@@ -31,8 +31,7 @@ use kv_common::layout::{
     decode_block, index_bytes, Geometry, KeyHash, LayoutError, Slot, BUCKET_BYTES, DEFAULT_BUCKETS,
     EPOCH_OFFSET, HEADER_READ_WORDS, HEAP_OFFSET, MAX_BUCKETS, MIN_BUCKETS, RECORD_OFFSETS,
 };
-use kv_common::transport::shm::SharedRegion;
-use kv_common::transport::TransportError;
+use kv_common::mapping::{AccessError, SharedRegion};
 
 /// The geometry in force: the header's newest valid record, unless the
 /// region published a newer epoch (then the record in force is damaged).
@@ -49,7 +48,7 @@ pub enum HeaderError {
     #[error(transparent)]
     Layout(#[from] LayoutError),
     #[error(transparent)]
-    Transport(#[from] TransportError),
+    Access(#[from] AccessError),
 }
 
 impl HeaderError {
@@ -61,20 +60,20 @@ impl HeaderError {
 
 /// Makes `g` the region's geometry (see the module doc): its record and
 /// the epoch word ([`switch`]), then its twin ([`write_twin`]).
-pub fn write_geometry(region: &SharedRegion, g: &Geometry) -> Result<(), TransportError> {
+pub fn write_geometry(region: &SharedRegion, g: &Geometry) -> Result<(), AccessError> {
     switch(region, g)?;
     write_twin(region, g)
 }
 
 /// The switch itself: `g`'s record, then the epoch word that tells clients.
-pub fn switch(region: &SharedRegion, g: &Geometry) -> Result<(), TransportError> {
+pub fn switch(region: &SharedRegion, g: &Geometry) -> Result<(), AccessError> {
     write_record(region, g.record_offset(), g)?;
     region.store(EPOCH_OFFSET, g.epoch)
 }
 
 /// The other record gets `g` too, once the epoch word names it: the
 /// previous geometry is then nowhere in the header.
-pub fn write_twin(region: &SharedRegion, g: &Geometry) -> Result<(), TransportError> {
+pub fn write_twin(region: &SharedRegion, g: &Geometry) -> Result<(), AccessError> {
     write_record(region, g.twin_record_offset(), g)
 }
 
@@ -82,7 +81,7 @@ pub fn write_twin(region: &SharedRegion, g: &Geometry) -> Result<(), TransportEr
 /// interrupted, or that a damaged record undid: the epoch word and both
 /// records name `g` afterwards. Returns whether anything was rewritten.
 /// Before anyone is admitted.
-pub fn finish_switch(region: &SharedRegion, g: &Geometry) -> Result<bool, TransportError> {
+pub fn finish_switch(region: &SharedRegion, g: &Geometry) -> Result<bool, AccessError> {
     let mut words = [0u64; HEADER_READ_WORDS];
     region.read(0, &mut words)?;
     let records = Geometry::decode_records(&words);
@@ -102,7 +101,7 @@ pub fn finish_switch(region: &SharedRegion, g: &Geometry) -> Result<bool, Transp
 
 /// One record written whole, its checksum word reset first so that no
 /// moment has a stale checksum matching a half-written body.
-fn write_record(region: &SharedRegion, at: u64, g: &Geometry) -> Result<(), TransportError> {
+fn write_record(region: &SharedRegion, at: u64, g: &Geometry) -> Result<(), AccessError> {
     let words = g.encode_header();
     let (body, checksum) = words.split_at(words.len() - 1);
     region.store(at + body.len() as u64 * 8, 0)?;
@@ -216,7 +215,7 @@ pub fn locate(region: &SharedRegion) -> Result<Geometry, String> {
 /// Every heap word that can be an occupied slot: it points at a whole
 /// block outside itself that passes its checksum and whose key carries the
 /// word's fingerprint.
-fn find_slots(region: &SharedRegion, frame: &Geometry) -> Result<Vec<FoundSlot>, TransportError> {
+fn find_slots(region: &SharedRegion, frame: &Geometry) -> Result<Vec<FoundSlot>, AccessError> {
     const CHUNK: u64 = 1 << 20;
     let mut words = vec![0u64; CHUNK as usize / 8];
     let mut block = Vec::new();
@@ -305,7 +304,7 @@ fn best_start(
 
 /// Words of `[start, start + len)` that hold a slot (frozen or not), read
 /// a megabyte at a time.
-fn occupied_words(region: &SharedRegion, start: u64, len: u64) -> Result<u64, TransportError> {
+fn occupied_words(region: &SharedRegion, start: u64, len: u64) -> Result<u64, AccessError> {
     const CHUNK: u64 = 1 << 20;
     let mut words = vec![0u64; (CHUNK.min(len) / 8) as usize];
     let (mut at, mut occupied) = (start, 0);

@@ -2,7 +2,7 @@
 //! whether a client's request to double it is warranted.
 
 use kv_common::layout::{Geometry, KeyHash, Slot, MAX_KEY, SLOTS_PER_BUCKET, WINDOW_BUCKETS};
-use kv_common::transport::shm::SharedRegion;
+use kv_common::mapping::SharedRegion;
 use kv_common::transport::TransportError;
 
 /// Buckets the occupancy sample reads (all of a smaller index).

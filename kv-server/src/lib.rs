@@ -47,6 +47,9 @@ pub enum ServerError {
     Config(String),
     #[error(transparent)]
     Transport(#[from] TransportError),
+    /// The region refused an access (a range outside it: a damaged record).
+    #[error("region access: {0}")]
+    Access(#[from] kv_common::mapping::AccessError),
 }
 
 #[derive(Debug, Clone)]

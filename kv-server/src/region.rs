@@ -13,7 +13,7 @@ use kv_common::layout::{
     HEADER_READ_WORDS, KEY_TABLE_ENTRIES, KEY_TABLE_OFFSET, RECORD_OFFSETS, RECORD_WORDS,
     SLOTS_PER_BUCKET,
 };
-use kv_common::transport::shm::SharedRegion;
+use kv_common::mapping::SharedRegion;
 use kv_common::transport::TransportError;
 
 use crate::header;

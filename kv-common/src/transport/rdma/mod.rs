@@ -30,18 +30,21 @@ use verbs::{
 
 use rdma_sys::ibv_atomic_cap;
 
-use super::gid::{self, GidEntry};
-use super::{
-    read_frame, write_frame, ConnectOptions, Connection, ControlListener, ControlPeer, Fenced,
-    ReadOrder, Received, RemoteRegion, TransportError, Verb, VerbStats,
+use super::check;
+use super::connection::{
+    ConnectOptions, Connection, ControlListener, ControlPeer, Fenced, Received,
 };
-use crate::protocol::{self, Request, Response, MAX_MESSAGE};
-use crate::transport::shm::SharedRegion;
+use super::error::TransportError;
+use super::framing::{read_frame, write_frame};
+use super::gid::{self, GidEntry};
+use super::verb::{ReadOrder, Verb, VerbStats, MAX_BATCH_VERBS};
+use crate::mapping::SharedRegion;
+use crate::protocol::{self, RemoteRegion, Request, Response, MAX_MESSAGE};
 
 /// Receive buffers posted per connection, each MAX_MESSAGE long.
 const RECV_SLOTS: usize = 4;
 /// Work requests one batch may hold: the send queue's depth.
-const MAX_BATCH: usize = super::MAX_BATCH_VERBS;
+const MAX_BATCH: usize = MAX_BATCH_VERBS;
 const SEND_WR_ID: u64 = u64::MAX;
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Longest wait for the device to complete a batch.
@@ -334,38 +337,19 @@ impl RdmaConnection {
         })
     }
 
+    /// The work requests for verbs of a checked batch, each verb's ranges
+    /// checked against the registration and the local buffer.
     fn wrs(&self, verbs: &[Verb]) -> Result<Vec<SendWr>, TransportError> {
         let (local, remote) = match (&self.local, &self.remote) {
             (Some(l), Some(r)) => (l, r),
             _ => return Err(TransportError::NotAttached),
         };
-        if verbs.len() > MAX_BATCH {
-            return Err(TransportError::LocalAccess(format!(
-                "batch of {} verbs exceeds {MAX_BATCH}",
-                verbs.len()
-            )));
-        }
         let mut wrs = Vec::with_capacity(verbs.len());
         for (i, v) in verbs.iter().enumerate() {
-            let (off, loc, len) = match *v {
-                Verb::Read { remote, local, len } | Verb::Write { remote, local, len } => {
-                    (remote, local, len)
-                }
-                Verb::Cas { remote, local, .. } | Verb::FetchAdd { remote, local, .. } => {
-                    (remote, local, 8)
-                }
-            };
-            if off.checked_add(len as u64).is_none_or(|e| e > remote.len) {
-                return Err(TransportError::RemoteAccess(format!(
-                    "range {off}+{len} outside the registered {} bytes",
-                    remote.len
-                )));
-            }
-            if loc.checked_add(len).is_none_or(|e| e > local.len()) {
-                return Err(TransportError::LocalAccess(format!(
-                    "local range {loc}+{len} outside the buffer"
-                )));
-            }
+            let (off, len) = v.remote_range();
+            let loc = v.local_offset();
+            check::remote_range(remote, off, len)?;
+            check::local_range(local.len(), loc, len)?;
             let remote_addr = remote.base + off;
             let rkey = remote.rkey;
             let op = match *v {
@@ -431,24 +415,12 @@ impl Connection for RdmaConnection {
     }
 
     fn post(&mut self, verbs: &[Verb]) -> Result<(), TransportError> {
-        let arranged = self.read_order.arrange(verbs);
-        if matches!(self.read_order, ReadOrder::Reversed { pause } if !pause.is_zero()) {
-            // The test order with pauses: one verb at a time, READs
-            // reversed, still counted as one batch.
-            let mut reads = 0;
-            for verb in arranged.iter() {
-                if let Some(pause) = self.read_order.pause_before(verb, reads) {
-                    std::thread::sleep(pause);
-                }
-                let wrs = self.wrs(std::slice::from_ref(verb))?;
-                self.channel.run(&wrs, COMPLETION_TIMEOUT)?;
-                reads += usize::from(matches!(verb, Verb::Read { .. }));
-            }
-        } else {
-            // One doorbell; an RC queue pair executes in posting order.
-            let wrs = self.wrs(&arranged)?;
-            self.channel.run(&wrs, COMPLETION_TIMEOUT)?;
-        }
+        // One doorbell per part (the whole batch but in the paused test
+        // order); an RC queue pair executes in posting order.
+        check::run_batch(self.read_order, verbs, |part| {
+            let wrs = self.wrs(part)?;
+            self.channel.run(&wrs, COMPLETION_TIMEOUT)
+        })?;
         let local = self.local.as_ref().map_or(&[][..], Mr::bytes);
         self.stats.record_batch(verbs, local);
         Ok(())

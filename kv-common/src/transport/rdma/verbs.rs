@@ -11,8 +11,9 @@ use std::sync::Arc;
 use rdma_sys::*;
 use serde::{Deserialize, Serialize};
 
+use crate::mapping::SharedRegion;
 use crate::transport::gid::{GidEntry, GidKind};
-use crate::transport::shm::SharedRegion;
+use crate::words::{as_bytes, as_bytes_mut};
 
 extern "C" {
     // libibverbs (rdma-core 32 and later) behind the inline
@@ -29,6 +30,16 @@ extern "C" {
 fn os_error(what: &str) -> io::Error {
     let e = io::Error::last_os_error();
     io::Error::new(e.kind(), format!("{what}: {e}"))
+}
+
+/// Checks what a destroy or free call returned. Such a call fails only when
+/// the object is still in use (a bug here) or the device has gone; the
+/// object then leaks, which is said rather than ignored.
+fn released(rc: i32, what: &str) {
+    if rc != 0 {
+        let e = io::Error::from_raw_os_error(rc.abs());
+        eprintln!("onekv: {what} failed ({e}); its resources leak");
+    }
 }
 
 /// An opened RDMA device and its port 1.
@@ -53,73 +64,73 @@ unsafe impl Send for Device {}
 // verbs on the context.
 unsafe impl Sync for Device {}
 
-impl Device {
-    /// The names of this host's RDMA devices.
-    pub fn names() -> io::Result<Vec<String>> {
+/// The host's device list, freed when dropped: a device found in it is
+/// usable (opened) only while the list lives.
+struct DeviceList {
+    list: *mut *mut ibv_device,
+    len: usize,
+}
+
+impl DeviceList {
+    fn get() -> io::Result<DeviceList> {
         let mut n = 0;
-        // SAFETY: the list is freed below; only names are copied out.
+        // SAFETY: `n` is a valid out-parameter; the list returned is owned
+        // by the DeviceList made of it, which frees it.
         let list = unsafe { ibv_get_device_list(&mut n) };
         if list.is_null() {
             return Err(os_error("ibv_get_device_list"));
         }
-        let names = (0..n.max(0) as usize)
-            .map(|i| {
-                // SAFETY: i < n entries of the list returned above, each
-                // with a NUL-terminated name that lives as long as the list.
-                let dev = unsafe { *list.add(i) };
-                // SAFETY: the device's name is NUL-terminated and lives as
-                // long as the list, which is freed after this copy.
-                unsafe { CStr::from_ptr(ibv_get_device_name(dev)) }
-                    .to_string_lossy()
-                    .into_owned()
-            })
-            .collect();
-        // SAFETY: returned by ibv_get_device_list; nothing points into it.
-        unsafe { ibv_free_device_list(list) };
-        Ok(names)
+        Ok(DeviceList {
+            list,
+            len: n.max(0) as usize,
+        })
+    }
+
+    /// The devices with their names; the pointers live as long as self.
+    fn devices(&self) -> impl Iterator<Item = (*mut ibv_device, String)> + '_ {
+        (0..self.len).map(|i| {
+            // SAFETY: i < len entries of the live list.
+            let dev = unsafe { *self.list.add(i) };
+            // SAFETY: the device's name is NUL-terminated and lives as long
+            // as the list; it is copied out here.
+            let name = unsafe { CStr::from_ptr(ibv_get_device_name(dev)) }
+                .to_string_lossy()
+                .into_owned();
+            (dev, name)
+        })
+    }
+}
+
+impl Drop for DeviceList {
+    fn drop(&mut self) {
+        // SAFETY: returned by ibv_get_device_list and freed only here; an
+        // opened context does not depend on it.
+        unsafe { ibv_free_device_list(self.list) };
+    }
+}
+
+impl Device {
+    /// The names of this host's RDMA devices.
+    pub fn names() -> io::Result<Vec<String>> {
+        Ok(DeviceList::get()?.devices().map(|(_, name)| name).collect())
     }
 
     /// Opens the device named `name` (or the first one) and its port 1.
     pub fn open(name: Option<&str>) -> io::Result<Arc<Device>> {
-        let mut n = 0;
-        // SAFETY: the list is freed below; devices are used only before that.
-        let list = unsafe { ibv_get_device_list(&mut n) };
-        if list.is_null() || n <= 0 {
-            if !list.is_null() {
-                // SAFETY: returned by ibv_get_device_list; nothing uses it.
-                unsafe { ibv_free_device_list(list) };
-            }
-            return Err(io::Error::new(
-                io::ErrorKind::NotFound,
-                "no RDMA device found",
-            ));
-        }
-        let mut chosen = None;
-        for i in 0..n as usize {
-            // SAFETY: i < n entries of the list returned above.
-            let dev = unsafe { *list.add(i) };
-            // SAFETY: a NUL-terminated name that lives as long as the list.
-            let dev_name = unsafe { CStr::from_ptr(ibv_get_device_name(dev)) }
-                .to_string_lossy()
-                .into_owned();
-            if name.is_none_or(|want| want == dev_name) {
-                chosen = Some((dev, dev_name));
-                break;
-            }
-        }
-        let Some((dev, dev_name)) = chosen else {
-            // SAFETY: returned by ibv_get_device_list; nothing uses it.
-            unsafe { ibv_free_device_list(list) };
-            return Err(io::Error::new(
-                io::ErrorKind::NotFound,
-                format!("no RDMA device named {name:?}"),
-            ));
+        let list = DeviceList::get()?;
+        let Some((dev, dev_name)) = list
+            .devices()
+            .find(|(_, dev_name)| name.is_none_or(|want| want == dev_name))
+        else {
+            let what = match name {
+                Some(name) => format!("no RDMA device named {name:?}"),
+                None => "no RDMA device found".to_string(),
+            };
+            return Err(io::Error::new(io::ErrorKind::NotFound, what));
         };
         // SAFETY: dev comes from the live list; the context outlives it.
         let ctx = unsafe { ibv_open_device(dev) };
-        // SAFETY: returned by ibv_get_device_list; an opened context does
-        // not depend on it.
-        unsafe { ibv_free_device_list(list) };
+        drop(list);
         if ctx.is_null() {
             return Err(os_error("ibv_open_device"));
         }
@@ -220,7 +231,7 @@ pub struct Gid {
 impl Drop for Device {
     fn drop(&mut self) {
         // SAFETY: opened in `open`; everything using it holds an Arc to us.
-        unsafe { ibv_close_device(self.ctx) };
+        released(unsafe { ibv_close_device(self.ctx) }, "ibv_close_device");
     }
 }
 
@@ -250,7 +261,7 @@ impl Drop for Pd {
     fn drop(&mut self) {
         // SAFETY: allocated in `new`; every Mr and Qp using it holds an Arc
         // to it, so none is left.
-        unsafe { ibv_dealloc_pd(self.pd) };
+        released(unsafe { ibv_dealloc_pd(self.pd) }, "ibv_dealloc_pd");
     }
 }
 
@@ -336,20 +347,14 @@ impl Mr {
     /// when no posted work request is writing into them.
     pub fn bytes(&self) -> &[u8] {
         match &self.memory {
-            // SAFETY: a u64 buffer viewed as bytes.
-            Memory::Owned(w) => unsafe {
-                std::slice::from_raw_parts(w.as_ptr() as *const u8, w.len() * 8)
-            },
+            Memory::Owned(w) => as_bytes(w),
             Memory::Region(_) => &[],
         }
     }
 
     pub fn bytes_mut(&mut self) -> &mut [u8] {
         match &mut self.memory {
-            // SAFETY: as above; every byte pattern is a valid u64.
-            Memory::Owned(w) => unsafe {
-                std::slice::from_raw_parts_mut(w.as_mut_ptr() as *mut u8, w.len() * 8)
-            },
+            Memory::Owned(w) => as_bytes_mut(w),
             Memory::Region(_) => &mut [],
         }
     }
@@ -359,7 +364,7 @@ impl Drop for Mr {
     fn drop(&mut self) {
         // SAFETY: registered in `register`; its memory is still owned here
         // and dropped only after this.
-        unsafe { ibv_dereg_mr(self.mr) };
+        released(unsafe { ibv_dereg_mr(self.mr) }, "ibv_dereg_mr");
     }
 }
 
@@ -428,7 +433,10 @@ impl Cq {
             if !nonblocking {
                 let e = os_error("fcntl on a completion channel");
                 // SAFETY: created above; no queue uses it.
-                unsafe { ibv_destroy_comp_channel(ch) };
+                released(
+                    unsafe { ibv_destroy_comp_channel(ch) },
+                    "ibv_destroy_comp_channel",
+                );
                 return Err(e);
             }
             ch
@@ -440,7 +448,10 @@ impl Cq {
         if cq.is_null() {
             if !channel.is_null() {
                 // SAFETY: created above; no queue uses it.
-                unsafe { ibv_destroy_comp_channel(channel) };
+                released(
+                    unsafe { ibv_destroy_comp_channel(channel) },
+                    "ibv_destroy_comp_channel",
+                );
             }
             return Err(os_error("ibv_create_cq"));
         }
@@ -509,10 +520,13 @@ impl Drop for Cq {
     fn drop(&mut self) {
         // SAFETY: created in `new`; every queue pair using it holds an Arc
         // to it, so none is left.
-        unsafe { ibv_destroy_cq(self.cq) };
+        released(unsafe { ibv_destroy_cq(self.cq) }, "ibv_destroy_cq");
         if !self.channel.is_null() {
             // SAFETY: created in `new`; its queue was destroyed just above.
-            unsafe { ibv_destroy_comp_channel(self.channel) };
+            released(
+                unsafe { ibv_destroy_comp_channel(self.channel) },
+                "ibv_destroy_comp_channel",
+            );
         }
     }
 }
@@ -830,6 +844,6 @@ impl Drop for Qp {
     fn drop(&mut self) {
         // SAFETY: created in `new`; destroyed once, before the queues and
         // the protection domain it holds Arcs to.
-        unsafe { ibv_destroy_qp(self.qp) };
+        released(unsafe { ibv_destroy_qp(self.qp) }, "ibv_destroy_qp");
     }
 }

@@ -150,6 +150,21 @@ pub(crate) fn prefetch_lines(words: &[AtomicU64]) {
     let _ = words;
 }
 
+/// A word buffer's bytes (the local buffers of both backends are words,
+/// so that the atomics' results land aligned).
+#[inline]
+pub(crate) fn as_bytes(words: &[u64]) -> &[u8] {
+    // SAFETY: any u64 slice is a valid, aligned u8 slice of 8× the length.
+    unsafe { std::slice::from_raw_parts(words.as_ptr() as *const u8, words.len() * 8) }
+}
+
+/// A word buffer's bytes, to write.
+#[inline]
+pub(crate) fn as_bytes_mut(words: &mut [u64]) -> &mut [u8] {
+    // SAFETY: as in `as_bytes`; every byte pattern is a valid u64.
+    unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr() as *mut u8, words.len() * 8) }
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::AtomicBool;

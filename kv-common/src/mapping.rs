@@ -1,0 +1,501 @@
+//! The region file mapped into this process: the server's mapping, which
+//! grows in place, and the clients' shared ones. Both backends and the
+//! server reach the region's words only through it, and only atomically
+//! (the memory-ordering contract of the verbs built on it is at the top of
+//! `transport/shm/mod.rs`).
+
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crate::words::{compare_and_swap, fetch_and_add, load_words, prefetch_lines, store_words};
+
+/// Why a range of the region cannot be accessed: the checks a NIC makes
+/// against a memory region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum AccessError {
+    #[error("offset {offset} length {len}: shm verbs need 8-byte alignment")]
+    Misaligned { offset: u64, len: usize },
+    #[error("range {offset}+{len} outside the {region_len}-byte region")]
+    OutOfRange {
+        offset: u64,
+        len: usize,
+        region_len: u64,
+    },
+}
+
+/// A mapped region file, accessed only through atomics. The server's
+/// mapping can grow in place: it reserves address space for the largest
+/// size the region may reach and maps the file into its start, so the
+/// region's address (which an RDMA registration names) never changes.
+pub struct SharedRegion {
+    base: *mut u8,
+    /// Bytes mapped (and of the file); only grows.
+    len: AtomicU64,
+    /// Bytes of address space reserved at `base`.
+    reserved: u64,
+    /// The reservation as made, to unmap it: `base` is its first huge-page
+    /// boundary.
+    reservation: (*mut libc::c_void, usize),
+    file: File,
+    path: PathBuf,
+    /// One growth at a time.
+    growing: Mutex<()>,
+}
+
+// SAFETY: the mapping is only touched through `&[AtomicU64]`, which is Sync,
+// and it stays mapped (never moves) for as long as the value lives.
+unsafe impl Send for SharedRegion {}
+// SAFETY: as for Send.
+unsafe impl Sync for SharedRegion {}
+
+impl SharedRegion {
+    /// Maps an open region file (the server creates, locks and sizes it),
+    /// with room to grow in place up to `max_len` bytes.
+    pub fn from_file(file: &File, path: &Path, max_len: u64) -> std::io::Result<Self> {
+        Self::map(file.try_clone()?, path, max_len)
+    }
+
+    pub fn open(path: &Path) -> std::io::Result<Self> {
+        let file = OpenOptions::new().read(true).write(true).open(path)?;
+        Self::map(file, path, 0)
+    }
+
+    /// A client's mapping of the region file at `path`, at least `min_len`
+    /// bytes long: one per process and file, shared by its connections, so
+    /// that each page is faulted in once per process rather than once per
+    /// connection. A longer file (the region grew) or another file at the
+    /// same path (a new region) gets a new mapping.
+    pub fn for_client(path: &Path, min_len: u64) -> std::io::Result<Arc<Self>> {
+        static MAPPINGS: Mutex<Vec<std::sync::Weak<SharedRegion>>> = Mutex::new(Vec::new());
+        use std::os::unix::fs::MetadataExt;
+        let file = OpenOptions::new().read(true).write(true).open(path)?;
+        let meta = file.metadata()?;
+        let mut mappings = MAPPINGS.lock().unwrap_or_else(|e| e.into_inner());
+        mappings.retain(|m| m.strong_count() > 0);
+        let same = |r: &SharedRegion| {
+            r.file
+                .metadata()
+                .is_ok_and(|m| (m.dev(), m.ino()) == (meta.dev(), meta.ino()))
+        };
+        let found = mappings
+            .iter()
+            .filter_map(std::sync::Weak::upgrade)
+            .find(|r| r.len() >= min_len && same(r));
+        if let Some(region) = found {
+            return Ok(region);
+        }
+        let region = Arc::new(Self::map(file, path, 0)?);
+        mappings.push(Arc::downgrade(&region));
+        Ok(region)
+    }
+
+    fn map(file: File, path: &Path, max_len: u64) -> std::io::Result<Self> {
+        let len = file.metadata()?.len();
+        if len < 4096 || len % 8 != 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("{}: {len} bytes cannot be a onekv region", path.display()),
+            ));
+        }
+        let reserved = max_len.max(len).next_multiple_of(4096);
+        let too_big = || std::io::Error::other(format!("{reserved} bytes cannot be mapped"));
+        // One huge page more than needed, so that the mapping can start on
+        // a huge-page boundary: only then can the kernel map the file's huge
+        // pages whole (one TLB entry per 2 MiB instead of 512).
+        let reserved_len = usize::try_from(reserved)
+            .ok()
+            .and_then(|r| r.checked_add(HUGE_PAGE))
+            .ok_or_else(too_big)?;
+        // SAFETY: a fresh anonymous reservation; nothing else refers to it.
+        let reservation = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                reserved_len,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if reservation == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        let skip = (reservation as usize).next_multiple_of(HUGE_PAGE) - reservation as usize;
+        let region = SharedRegion {
+            // SAFETY: `skip` < HUGE_PAGE, inside the reservation.
+            base: unsafe { (reservation as *mut u8).add(skip) },
+            len: AtomicU64::new(0),
+            reserved,
+            reservation: (reservation, reserved_len),
+            file,
+            path: path.to_path_buf(),
+            growing: Mutex::new(()),
+        };
+        region.map_part(0, len)?;
+        region.len.store(len, Ordering::Release);
+        Ok(region)
+    }
+
+    /// Maps file bytes `[from, to)` over the reservation at the same offsets.
+    fn map_part(&self, from: u64, to: u64) -> std::io::Result<()> {
+        // SAFETY: [base+from, base+to) lies inside our reservation (checked
+        // by the callers against `reserved`), which MAP_FIXED replaces.
+        let p = unsafe {
+            libc::mmap(
+                self.base.add(from as usize) as *mut libc::c_void,
+                (to - from) as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_FIXED,
+                self.file.as_raw_fd(),
+                from as libc::off_t,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// Grows the file to `new_len` bytes (allocating them, so a full file
+    /// system fails here rather than with SIGBUS later) and maps the new
+    /// part in place. Readers see the new length only once it is mapped.
+    /// The new part keeps small pages: collapsing it would copy it while
+    /// clients are served, and a restart that collapsed grown parts would
+    /// keep clients waiting (see `make_huge`).
+    pub fn grow(&self, new_len: u64) -> std::io::Result<()> {
+        let _one = self
+            .growing
+            .lock()
+            .map_err(|_| std::io::Error::other("poisoned"))?;
+        let len = self.len();
+        if new_len <= len {
+            return Ok(());
+        }
+        if new_len > self.reserved || !new_len.is_multiple_of(4096) {
+            return Err(std::io::Error::other(format!(
+                "cannot grow to {new_len} bytes: at most {} (page multiples)",
+                self.reserved
+            )));
+        }
+        // SAFETY: posix_fallocate on a descriptor we own.
+        let rc = unsafe {
+            libc::posix_fallocate(
+                self.file.as_raw_fd(),
+                len as libc::off_t,
+                (new_len - len) as libc::off_t,
+            )
+        };
+        if rc != 0 {
+            return Err(std::io::Error::from_raw_os_error(rc));
+        }
+        self.map_part(len, new_len)?;
+        self.len.store(new_len, Ordering::Release);
+        Ok(())
+    }
+
+    /// Asks the kernel to back the whole huge pages of file bytes
+    /// `[from, to)` with huge pages (MADV_COLLAPSE, Linux ≥ 6.1), which cuts
+    /// a TLB miss on every random access to a large region. It works on
+    /// tmpfs whatever its `huge=` option (unless `shmem_enabled` is
+    /// `deny`); where it cannot, the region keeps small pages, which is
+    /// only slower. It copies the bytes (0.4 s to several seconds per GiB,
+    /// depending on how much memory the kernel must compact), so the server
+    /// calls it once, on a region it has just created, before any client
+    /// or device sees it; clients map the same huge pages.
+    pub fn make_huge(&self, from: u64, to: u64) -> std::io::Result<()> {
+        let huge = HUGE_PAGE as u64;
+        let (start, end) = (
+            from.next_multiple_of(huge),
+            to.min(self.len()) / huge * huge,
+        );
+        if start >= end {
+            return Ok(());
+        }
+        // SAFETY: advice on mapped bytes of our own mapping; MADV_COLLAPSE
+        // keeps their contents.
+        let rc = unsafe {
+            libc::madvise(
+                self.base.add(start as usize) as *mut libc::c_void,
+                (end - start) as usize,
+                libc::MADV_COLLAPSE,
+            )
+        };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// Largest size this mapping can grow to.
+    pub fn max_len(&self) -> u64 {
+        self.reserved
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn len(&self) -> u64 {
+        self.len.load(Ordering::Acquire)
+    }
+
+    /// Start of the mapping, for registering it with an RDMA device.
+    pub fn as_mut_ptr(&self) -> *mut u8 {
+        self.base
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The words covering `[offset, offset + len)`, or why that range is not
+    /// accessible (the checks a NIC does against a memory region).
+    pub fn span(&self, offset: u64, len: usize) -> Result<&[AtomicU64], AccessError> {
+        if let Some(words) = self.span_within(offset, len, u64::MAX) {
+            return Ok(words);
+        }
+        Err(if !offset.is_multiple_of(8) || !len.is_multiple_of(8) {
+            AccessError::Misaligned { offset, len }
+        } else {
+            AccessError::OutOfRange {
+                offset,
+                len,
+                region_len: self.len(),
+            }
+        })
+    }
+
+    /// The words covering `[offset, offset + len)` if that range is
+    /// aligned and ends within both `limit` and the mapping: `span` without
+    /// its messages, for the data path.
+    #[inline]
+    pub(crate) fn span_within(&self, offset: u64, len: usize, limit: u64) -> Option<&[AtomicU64]> {
+        let limit = limit.min(self.len());
+        let aligned = (offset | len as u64).is_multiple_of(8);
+        let inside = (len as u64) <= limit && offset <= limit - len as u64;
+        (aligned && inside).then(|| {
+            // SAFETY: the range is 8-byte aligned (and so is `base`, a
+            // mapping's start) and lies within the first `len()` bytes,
+            // which are mapped before that length is published and stay
+            // mapped for as long as self lives; they are only ever accessed
+            // atomically, by this and every other process.
+            unsafe {
+                std::slice::from_raw_parts(
+                    self.base.add(offset as usize) as *const AtomicU64,
+                    len / 8,
+                )
+            }
+        })
+    }
+
+    pub fn load(&self, offset: u64) -> Result<u64, AccessError> {
+        Ok(self.span(offset, 8)?[0].load(Ordering::Acquire))
+    }
+
+    pub fn store(&self, offset: u64, value: u64) -> Result<(), AccessError> {
+        self.span(offset, 8)?[0].store(value, Ordering::Release);
+        Ok(())
+    }
+
+    pub fn read(&self, offset: u64, dst: &mut [u64]) -> Result<(), AccessError> {
+        let src = self.span(offset, dst.len() * 8)?;
+        prefetch_lines(src);
+        load_words(src, dst);
+        Ok(())
+    }
+
+    /// Starts fetching `[offset, offset + len)` into the cache, so that
+    /// the READs of one batch wait for their misses together rather than
+    /// one READ after another. Nothing for a range it cannot access.
+    pub fn prefetch(&self, offset: u64, len: usize) {
+        let Some(len) = len.checked_next_multiple_of(8) else {
+            return;
+        };
+        if let Ok(words) = self.span(offset & !7, len) {
+            prefetch_lines(words);
+        }
+    }
+
+    pub fn write(&self, offset: u64, src: &[u64]) -> Result<(), AccessError> {
+        store_words(src, self.span(offset, src.len() * 8)?);
+        Ok(())
+    }
+
+    /// Returns the old value; the swap happened iff it equals `expect`.
+    pub fn cas(&self, offset: u64, expect: u64, swap: u64) -> Result<u64, AccessError> {
+        Ok(compare_and_swap(&self.span(offset, 8)?[0], expect, swap))
+    }
+
+    pub fn fetch_add(&self, offset: u64, add: u64) -> Result<u64, AccessError> {
+        Ok(fetch_and_add(&self.span(offset, 8)?[0], add))
+    }
+
+    /// Writes dirty pages back to the file (meaningful for on-disk regions).
+    pub fn flush(&self) -> std::io::Result<()> {
+        // SAFETY: msync of the mapped part of our own mapping.
+        let rc = unsafe {
+            libc::msync(
+                self.base as *mut libc::c_void,
+                self.len() as usize,
+                libc::MS_SYNC,
+            )
+        };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+}
+
+impl Drop for SharedRegion {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly the reservation made in `map`; nothing
+        // borrowed from it outlives self.
+        let rc = unsafe { libc::munmap(self.reservation.0, self.reservation.1) };
+        // Only a bad argument fails munmap, and these are the reservation's own.
+        debug_assert_eq!(rc, 0, "munmap of the region's reservation");
+    }
+}
+
+/// The huge-page size a mapping is aligned to (x86-64's and arm64's PMD).
+const HUGE_PAGE: usize = 2 << 20;
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// A 64 KiB region in `dir`, with no room to grow.
+    pub(crate) fn region(dir: &tempfile::TempDir) -> SharedRegion {
+        let path = dir.path().join("r");
+        let file = File::create_new(&path).unwrap();
+        file.set_len(1 << 16).unwrap();
+        SharedRegion::from_file(&file, &path, 0).unwrap()
+    }
+
+    /// Bytes of `region`'s mapping that the kernel maps with huge pages.
+    fn huge_mapped_bytes(region: &SharedRegion) -> u64 {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let start = format!("{:x}-", region.base as usize);
+        let mut lines = smaps.lines().skip_while(|l| !l.starts_with(&start));
+        lines.next().expect("the mapping is in smaps");
+        let is_header = |l: &str| {
+            l.split_whitespace()
+                .next()
+                .is_some_and(|range| range.contains('-') && !range.ends_with(':'))
+        };
+        lines
+            .take_while(|l| !is_header(l))
+            .filter(|l| l.starts_with("ShmemPmdMapped:") || l.starts_with("FilePmdMapped:"))
+            .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+            .sum::<u64>()
+            * 1024
+    }
+
+    #[test]
+    fn a_region_on_huge_pages_keeps_its_bytes_and_is_mapped_huge() {
+        // On tmpfs, where the region lives in production.
+        let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+        let path = dir.path().join("r");
+        let file = File::create_new(&path).unwrap();
+        file.set_len(8 << 20).unwrap();
+        let region = SharedRegion::from_file(&file, &path, 16 << 20).unwrap();
+        assert_eq!(
+            region.base as usize % HUGE_PAGE,
+            0,
+            "aligned for huge pages"
+        );
+        for at in (0..8 << 20).step_by(4096) {
+            region.store(at, at ^ 0x5a5a).unwrap();
+        }
+        match region.make_huge(0, region.len()) {
+            Ok(()) => {
+                // Every whole huge page of the file: all four.
+                assert_eq!(huge_mapped_bytes(&region), 8 << 20);
+                // A client's mapping of the same file maps them whole too.
+                let client = SharedRegion::open(&path).unwrap();
+                assert_eq!(client.base as usize % HUGE_PAGE, 0);
+                for at in (0..8 << 20).step_by(4096) {
+                    assert_eq!(client.load(at).unwrap(), at ^ 0x5a5a);
+                }
+                assert_eq!(huge_mapped_bytes(&client), 8 << 20);
+            }
+            // A kernel before 6.1, or one told to deny them.
+            Err(e) => eprintln!("no huge pages here: {e}"),
+        }
+        for at in (0..8 << 20).step_by(4096) {
+            assert_eq!(region.load(at).unwrap(), at ^ 0x5a5a);
+        }
+        // A grown part keeps small pages (no copy while serving); the
+        // huge ones keep their bytes.
+        let huge = huge_mapped_bytes(&region);
+        region.grow(12 << 20).unwrap();
+        assert_eq!(region.load((12 << 20) - 8).unwrap(), 0);
+        region.store((12 << 20) - 8, 7).unwrap();
+        assert_eq!(region.load((12 << 20) - 8).unwrap(), 7);
+        assert_eq!(huge_mapped_bytes(&region), huge);
+        for at in (0..8 << 20).step_by(4096) {
+            assert_eq!(region.load(at).unwrap(), at ^ 0x5a5a);
+        }
+    }
+
+    #[test]
+    fn verbs_check_bounds_alignment_and_atomics() {
+        let dir = tempfile::tempdir().unwrap();
+        let r = region(&dir);
+        assert!(r.span(1 << 16, 8).is_err());
+        assert!(r.span((1 << 16) - 8, 16).is_err());
+        assert!(r.span(4, 8).is_err());
+        assert!(r.span(u64::MAX - 3, 8).is_err());
+        r.write(4096, &[1, 2, 3]).unwrap();
+        let mut out = [0u64; 3];
+        r.read(4096, &mut out).unwrap();
+        assert_eq!(out, [1, 2, 3]);
+        assert_eq!(r.cas(4096, 1, 9).unwrap(), 1);
+        assert_eq!(r.cas(4096, 1, 10).unwrap(), 9);
+        assert_eq!(r.fetch_add(4104, 5).unwrap(), 2);
+        assert_eq!(r.load(4104).unwrap(), 7);
+    }
+
+    #[test]
+    fn a_read_up_to_the_end_of_the_region_stays_inside_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let r = region(&dir);
+        let words: Vec<u64> = (1..=24).collect();
+        let end = r.len();
+        r.write(end - 8 * 24, &words).unwrap();
+        // What lies past the mapped length is not mapped: a copy that read
+        // beyond its range would fault here.
+        for n in 1..=24usize {
+            let mut dst = vec![0u64; n];
+            r.read(end - 8 * n as u64, &mut dst).unwrap();
+            assert_eq!(dst, words[24 - n..], "last {n} words");
+        }
+    }
+
+    #[test]
+    fn concurrent_fetch_add_loses_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("r");
+        let _r = region(&dir);
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                let path = path.clone();
+                s.spawn(move || {
+                    // Each thread maps the file itself, as another process would.
+                    let mine = SharedRegion::open(&path).unwrap();
+                    for _ in 0..10_000 {
+                        mine.fetch_add(4096, 1).unwrap();
+                    }
+                });
+            }
+        });
+        assert_eq!(
+            SharedRegion::open(&path).unwrap().load(4096).unwrap(),
+            40_000
+        );
+    }
+}
