@@ -28,7 +28,7 @@ use smallvec::SmallVec;
 use crate::candidates::CandidateReads;
 use crate::clock::OpClock;
 use crate::get::{copy_out, SoleRead};
-use crate::hint::Hint;
+use crate::hint::{Alone, Hint, Seen};
 use crate::index::{meets_resize, Holds, Kind, ScanMode, Slots, Value};
 use crate::local::{BATCH_KEYS, WINDOW_BYTES};
 use crate::{Client, Error, Result};
@@ -140,7 +140,12 @@ impl Client {
                     copy_out(self.conn.local(), value, out[i].insert(Vec::new()));
                     let alone = matching[i] == 1;
                     let pos = hashes[i].slot_pos(index);
-                    self.saw(keys[i], pos, slot, clock, alone, kind.settled_counter());
+                    self.saw(
+                        keys[i],
+                        Seen { pos, slot, clock },
+                        Alone::proven_if(alone),
+                        kind.settled_counter(),
+                    );
                 }
                 Lowest::Suspect => unsettled.push(i),
                 Lowest::Absent => {
@@ -351,7 +356,15 @@ impl Client {
         for (i, (key, _)) in put.pairs.iter().enumerate() {
             if let Publish::Blind(hint) = put.plan[i] {
                 if read_u64(self.conn.local(), self.layout.batch_word(i)) == hint.slot.0 {
-                    self.replaced(key, hint.pos, hint.slot, put.news[i], clock);
+                    self.replaced(
+                        key,
+                        Seen {
+                            pos: hint.pos,
+                            slot: hint.slot,
+                            clock,
+                        },
+                        put.news[i],
+                    );
                     put.plan[i] = Publish::Done;
                 } else {
                     self.cache.forget(key);
@@ -472,7 +485,15 @@ impl Client {
                     put.plan[i] = Publish::Done;
                     if !moved {
                         let pos = put.hashes[i].slot_pos(index);
-                        self.replaced(key, pos, old, put.news[i], clock);
+                        self.replaced(
+                            key,
+                            Seen {
+                                pos,
+                                slot: old,
+                                clock,
+                            },
+                            put.news[i],
+                        );
                     }
                 }
                 Publish::Insert { index } => {
@@ -505,7 +526,7 @@ impl Client {
         self.conn
             .local_mut()
             .copy_within(from..from + 2 * WINDOW_BYTES, to);
-        self.resolve_insert(key, &put.hashes[k], pos, new, published)
+        self.resolve_insert(key, &put.hashes[k], Seen::new((pos, new), published))
     }
 
     /// Deletes up to `BATCH_KEYS` keys: each key's windows in one batch (a

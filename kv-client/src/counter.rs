@@ -83,8 +83,8 @@ use kv_common::transport::{read_u64, Verb};
 
 use crate::clock::{self, Instant, OpClock};
 use crate::corrupt::CorruptSlot;
-use crate::hint::Hint;
-use crate::index::{meets_resize, Copies, Kind, Scan, ScanMode};
+use crate::hint::{Alone, Hint, Seen};
+use crate::index::{meets_resize, Copies, Kind, Scan, ScanMode, WindowsRead};
 use crate::{Client, Error, Result, Step};
 use lock::word_offsets;
 pub use lock::LockWatch;
@@ -225,7 +225,7 @@ impl Client {
             let clock = self.read_windows(&kh, None)?;
             let slots = self.slots();
             let mode = ScanMode::AllCopies { known: None };
-            let copies = match self.scan(key, &kh, &slots, clock, mode)? {
+            let copies = match self.scan(key, &kh, &WindowsRead { slots, clock }, mode)? {
                 Scan::Found(copies) => copies,
                 Scan::Retry(suspect) => {
                     corrupt.saw(key, suspect)?;
@@ -253,7 +253,12 @@ impl Client {
                         match atomic.outcome(op, found) {
                             Some((result, now)) => {
                                 let alone = copies.exact && copies.slots.len() == 1;
-                                self.saw(key, pos, slot, clock, alone, Some(now));
+                                self.saw(
+                                    key,
+                                    Seen { pos, slot, clock },
+                                    Alone::proven_if(alone),
+                                    Some(now),
+                                );
                                 return Ok(Step::Done(Some(result)));
                             }
                             None => known = found,
@@ -325,7 +330,7 @@ impl Client {
             return Ok(None);
         };
         if now == hint.slot {
-            let seen = hint.confirmed(hint.slot, clock.started(), true, &self.timing);
+            let seen = hint.confirmed(hint.slot, clock.started(), Alone::Proven, &self.timing);
             self.cache.remember(key, seen.of_counter(value));
         } else {
             self.cache.forget(key);
@@ -417,11 +422,11 @@ impl Client {
             return Ok(Created::Lost);
         }
         let since = clock::now();
-        let settled = self.settle(key, kh, empty, new, since)?;
+        let settled = self.settle(key, kh, (empty, new), since)?;
         if let Some(check) = settled {
             // The check that settled it saw it alone, late enough.
             let hint = Hint::held_since(pos, new, since, published);
-            let hint = hint.confirmed(new, check.started(), true, &self.timing);
+            let hint = hint.confirmed(new, check.started(), Alone::Proven, &self.timing);
             self.cache.remember(key, hint.of_counter(delta));
             return Ok(Created::Settled);
         }
@@ -436,8 +441,7 @@ impl Client {
         &mut self,
         key: &[u8],
         kh: &KeyHash,
-        mine: usize,
-        new: Slot,
+        (mine, new): (usize, Slot),
         since: Instant,
     ) -> Result<Option<OpClock>> {
         let state_word = word_offsets(key, new).0;
@@ -461,8 +465,7 @@ impl Client {
                 false => match self.scan(
                     key,
                     kh,
-                    &slots,
-                    clock,
+                    &WindowsRead { slots, clock },
                     ScanMode::AllCopies { known: Some(new) },
                 )? {
                     Scan::Found(copies) => Some(copies),
@@ -570,7 +573,7 @@ impl Client {
                 (CounterState::Pending, Some(_)) => false,
             };
             if give_up {
-                self.unlink_unsettled(key, (pos, slot), Slot::EMPTY, clock)?;
+                self.unlink_unsettled(key, Seen { pos, slot, clock }, Slot::EMPTY)?;
             }
         }
         Ok(())

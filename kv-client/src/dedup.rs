@@ -27,24 +27,24 @@
 //! again.
 
 use crossbeam::utils::Backoff;
-use kv_common::layout::{KeyHash, Slot, SlotPos};
+use kv_common::layout::{KeyHash, Slot};
 
 use crate::clock::OpClock;
 use crate::corrupt::CorruptSlot;
-use crate::index::{meets_resize, Copies, Scan, ScanMode};
+use crate::hint::Seen;
+use crate::index::{meets_resize, Copies, Scan, ScanMode, WindowsRead};
 use crate::{Client, Error, Result};
 
 impl Client {
-    /// Resolves the insert of `new` at `mine`, published by the batch timed
-    /// by `published` (which also read the windows).
-    pub(crate) fn resolve_insert(
-        &mut self,
-        key: &[u8],
-        kh: &KeyHash,
-        mine: SlotPos,
-        new: Slot,
-        published: OpClock,
-    ) -> Result<()> {
+    /// Resolves this client's insert (`mine`: where, the new slot value,
+    /// and the clock of the batch that published it, which also read the
+    /// windows).
+    pub(crate) fn resolve_insert(&mut self, key: &[u8], kh: &KeyHash, mine: Seen) -> Result<()> {
+        let Seen {
+            pos: mine,
+            slot: new,
+            clock: published,
+        } = mine;
         let Some(my_index) = kh.slot_index(mine) else {
             return Err(Error::Protocol("inserted outside the key's buckets".into()));
         };
@@ -69,7 +69,7 @@ impl Client {
             // key sooner than a grace period after we published it.
             let known = published.in_time().then_some(new);
             let mode = ScanMode::AllCopies { known };
-            let copies = match self.scan(key, kh, &slots, clock, mode)? {
+            let copies = match self.scan(key, kh, &WindowsRead { slots, clock }, mode)? {
                 Scan::Retry(suspect) => {
                     corrupt.saw(key, suspect)?;
                     continue;
@@ -90,7 +90,7 @@ impl Client {
                 .zip(&copies.kinds)
                 .find(|(&(pos, _), kind)| pos < mine && !kind.is_readable());
             if let Some((&(pos, slot), _)) = unseen_below {
-                self.unlink_unsettled(key, (pos, slot), Slot::EMPTY, clock)?;
+                self.unlink_unsettled(key, Seen { pos, slot, clock }, Slot::EMPTY)?;
                 backoff.snooze();
                 continue;
             }
@@ -125,7 +125,7 @@ impl Client {
     ) -> Result<bool> {
         for i in which.rev() {
             let (copy, kind) = (copies.slots[i], copies.kinds[i]);
-            if !self.unlink(key, copy, kind, Slot::EMPTY, clock)? {
+            if !self.unlink(key, Seen::new(copy, clock), kind, Slot::EMPTY)? {
                 return Ok(false);
             }
         }

@@ -10,6 +10,7 @@ use kv_common::layout::{KeyHash, Slot};
 use smallvec::SmallVec;
 
 use crate::corrupt::CorruptSlot;
+use crate::hint::Seen;
 use crate::locate::{Located, Need};
 use crate::{Client, Error, Result, Step};
 
@@ -44,7 +45,7 @@ impl Client {
                     };
                     let (copy, kind) = (copies.slots[lowest], copies.kinds[lowest]);
                     if self.remove_duplicates(key, &copies, extra.iter().copied(), clock)?
-                        && self.unlink(key, copy, kind, Slot::EMPTY, clock)?
+                        && self.unlink(key, Seen::new(copy, clock), kind, Slot::EMPTY)?
                     {
                         *unlinked = true;
                         return Ok(Step::Done(true));

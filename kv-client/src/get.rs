@@ -15,8 +15,10 @@ use kv_common::transport::{read_u64, Verb};
 
 use crate::clock::OpClock;
 use crate::corrupt::CorruptSlot;
-use crate::hint::Hint;
-use crate::index::{others_match, Holds, LowestCopy, ReaderScan, ScanMode, Value};
+use crate::hint::{Alone, Hint, Seen};
+use crate::index::{
+    others_match, Holds, LowestCopy, Others, ReaderScan, ScanMode, Value, WindowsRead,
+};
 use crate::{Client, Result, Step};
 
 /// What one batch of a key's windows and its hinted block showed.
@@ -78,8 +80,11 @@ impl Client {
                 ),
                 None => (self.read_windows(&kh, None)?, ReaderScan::Lowest),
             };
-            let slots = self.slots();
-            match self.lowest_copy(key, &kh, &slots, clock, mode)? {
+            let read = WindowsRead {
+                slots: self.slots(),
+                clock,
+            };
+            match self.lowest_copy(key, &kh, &read, mode)? {
                 LowestCopy::Found {
                     pos,
                     slot,
@@ -87,7 +92,12 @@ impl Client {
                     value,
                     alone,
                 } => {
-                    self.saw(key, pos, slot, clock, alone, kind.settled_counter());
+                    self.saw(
+                        key,
+                        Seen { pos, slot, clock },
+                        Alone::proven_if(alone),
+                        kind.settled_counter(),
+                    );
                     return Ok(Step::Done(Some(value)));
                 }
                 LowestCopy::Absent => {
@@ -133,7 +143,7 @@ impl Client {
             None => self.conn.post(&[a, b, block])?,
         }
         let slots = self.slots();
-        let alone = !others_match(kh, &slots, at, false);
+        let alone = !others_match(kh, &slots, at, Others::Any);
         // A counter's hint is confirmed only by its value read open: one
         // sealed by a writer must not look recently seen (see `counter`).
         let counter = match hint.is_counter() {
@@ -148,7 +158,12 @@ impl Client {
         };
         if clock.in_time() && slots[at] == hint.slot {
             // The same copy, seen again (whatever else the batch shows).
-            let seen = hint.confirmed(hint.slot, clock.started(), alone, &self.timing);
+            let seen = hint.confirmed(
+                hint.slot,
+                clock.started(),
+                Alone::proven_if(alone),
+                &self.timing,
+            );
             self.cache.remember(key, seen);
             if !seen.is_sole() && !alone && seen.may_settle(&self.timing) {
                 // Only reading the other slots' blocks tells whether they
@@ -160,7 +175,7 @@ impl Client {
             self.cache.forget(key);
             return Ok(Sighting::WindowsOnly(clock));
         }
-        if !hint.is_sole() && others_match(kh, &slots, at, true) {
+        if !hint.is_sole() && others_match(kh, &slots, at, Others::Lower) {
             // A lower slot might hold a copy: the scan decides.
             return Ok(Sighting::WindowsOnly(clock));
         }
@@ -232,7 +247,7 @@ impl Client {
             .flatten();
         match value {
             Some(_) => {
-                let seen = hint.confirmed(hint.slot, clock.started(), true, &self.timing);
+                let seen = hint.confirmed(hint.slot, clock.started(), Alone::Proven, &self.timing);
                 self.cache.remember(key, seen);
             }
             None => self.cache.forget(key),

@@ -132,18 +132,51 @@ impl Hint {
     }
 
     /// A batch that started `at` saw `pos` still hold `slot` (or this client's
-    /// CAS replace it with `now_holds`); `alone`: that batch saw no other slot
-    /// that could hold the key. Only for a hint that was fresh when the batch
-    /// was posted: the slot then held the key throughout.
-    pub fn confirmed(self, now_holds: Slot, at: Instant, alone: bool, timing: &Timing) -> Hint {
+    /// CAS replace it with `now_holds`); `alone`: whether that batch saw no
+    /// other slot that could hold the key. Only for a hint that was fresh
+    /// when the batch was posted: the slot then held the key throughout.
+    pub fn confirmed(self, now_holds: Slot, at: Instant, alone: Alone, timing: &Timing) -> Hint {
         let settled = at.saturating_duration_since(self.held_since) >= timing.settle();
         Hint {
             slot: now_holds,
             confirmed: at,
-            sole: self.sole || (alone && settled),
+            sole: self.sole || (alone == Alone::Proven && settled),
             counter: self.counter && now_holds == self.slot,
             ..self
         }
+    }
+}
+
+/// Whether the read that saw a copy proved it the key's only one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Alone {
+    Proven,
+    Unknown,
+}
+
+impl Alone {
+    pub fn proven_if(proven: bool) -> Alone {
+        match proven {
+            true => Alone::Proven,
+            false => Alone::Unknown,
+        }
+    }
+}
+
+/// A copy of a key where a read found it (or a CAS put it): its slot's
+/// position and value, and the clock of that batch, whose deadline bounds
+/// what may be concluded from it.
+#[derive(Debug, Clone, Copy)]
+pub struct Seen {
+    pub pos: SlotPos,
+    pub slot: Slot,
+    pub clock: OpClock,
+}
+
+impl Seen {
+    /// The copy at `(pos, slot)` as the read timed by `clock` found it.
+    pub fn new((pos, slot): (SlotPos, Slot), clock: OpClock) -> Seen {
+        Seen { pos, slot, clock }
     }
 }
 
@@ -166,19 +199,12 @@ impl Client {
         }
     }
 
-    /// Remembers that the batch timed by `clock` saw `pos` hold the key as
-    /// `slot`; `exact`: that scan proved no other slot holds the key;
-    /// `counter`: the value, if the block is a counter. A hint still fresh
-    /// for the same slot value is the same copy seen again.
-    pub(crate) fn saw(
-        &mut self,
-        key: &[u8],
-        pos: SlotPos,
-        slot: Slot,
-        clock: OpClock,
-        exact: bool,
-        counter: Option<i64>,
-    ) {
+    /// Remembers that a read saw the key's copy (`seen`); `alone`: whether
+    /// it proved no other slot holds the key; `counter`: the value, if the
+    /// block is a counter. A hint still fresh for the same slot value is the
+    /// same copy seen again.
+    pub(crate) fn saw(&mut self, key: &[u8], seen: Seen, alone: Alone, counter: Option<i64>) {
+        let Seen { pos, slot, clock } = seen;
         if !self.cache.is_enabled() {
             return;
         }
@@ -188,7 +214,7 @@ impl Client {
         }
         let hint = match self.cache.get(key) {
             Some(h) if h.pos == pos && h.slot == slot && h.is_fresh(&self.timing) => {
-                h.confirmed(slot, clock.started(), exact, &self.timing)
+                h.confirmed(slot, clock.started(), alone, &self.timing)
             }
             _ => Hint::seen(pos, slot, clock),
         };
@@ -199,23 +225,22 @@ impl Client {
         self.cache.remember(key, hint);
     }
 
-    /// This client's CAS replaced `old` at `pos` with `new`, in a batch
-    /// timed by `clock` that was posted while a hint for `old` was fresh (or
-    /// the read that found `old` was in time): the copy lives on.
-    pub(crate) fn replaced(
-        &mut self,
-        key: &[u8],
-        pos: SlotPos,
-        old: Slot,
-        new: Slot,
-        clock: OpClock,
-    ) {
+    /// This client's CAS replaced the copy `old` (its slot's position and
+    /// value) with `new`, in a batch timed by `old.clock` that was posted
+    /// while a hint for it was fresh (or the read that found it was in
+    /// time): the copy lives on.
+    pub(crate) fn replaced(&mut self, key: &[u8], old: Seen, new: Slot) {
+        let Seen {
+            pos,
+            slot: old,
+            clock,
+        } = old;
         if !self.cache.is_enabled() {
             return;
         }
         let hint = match self.cache.get(key) {
             Some(h) if h.pos == pos && h.slot == old => {
-                h.confirmed(new, clock.started(), false, &self.timing)
+                h.confirmed(new, clock.started(), Alone::Unknown, &self.timing)
             }
             _ => Hint::seen(pos, new, clock),
         };
@@ -243,12 +268,19 @@ mod tests {
         let h = Hint::seen(pos, Slot(1), sighting);
         assert!(h.is_fresh(&timing) && !h.allows_blind_cas(&timing));
         // Alone, but too soon after the copy was first seen.
-        let h = h.confirmed(Slot(2), at + Duration::from_millis(1), true, &timing);
+        let h = h.confirmed(
+            Slot(2),
+            at + Duration::from_millis(1),
+            Alone::Proven,
+            &timing,
+        );
         assert!(!h.is_sole());
         // Later, but another slot might hold the key.
         let later = clock::now() + timing.settle();
-        assert!(!h.confirmed(Slot(2), later, false, &timing).is_sole());
-        let h = h.confirmed(Slot(3), later, true, &timing);
+        assert!(!h
+            .confirmed(Slot(2), later, Alone::Unknown, &timing)
+            .is_sole());
+        let h = h.confirmed(Slot(3), later, Alone::Proven, &timing);
         assert!(h.is_sole() && h.slot == Slot(3));
         let short = Timing::new(Duration::from_millis(5));
         let old = short.start();

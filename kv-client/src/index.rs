@@ -18,6 +18,18 @@ use crate::{Client, Result};
 
 pub type Slots = [Slot; CANDIDATE_SLOTS];
 
+/// The blocks a single-key scan reads: candidate index, slot, offset and
+/// length of its block.
+type ScanCandidates = SmallVec<[(usize, Slot, u64, usize); 4]>;
+
+/// A key's candidate slots as one READ of its windows showed them, and the
+/// clock of that read.
+#[derive(Debug, Clone, Copy)]
+pub struct WindowsRead {
+    pub slots: Slots,
+    pub clock: OpClock,
+}
+
 /// How much of a key's copies a scan must find. Readers do not see a
 /// counter that is not settled (its insert may still lose to another
 /// copy, see `counter`); writers do, and treat it as any copy.
@@ -189,12 +201,24 @@ pub fn meets_resize(slots: &Slots) -> bool {
     Slot(slots.iter().fold(0, |all, s| all | s.0)).is_frozen()
 }
 
-/// Whether any candidate other than `at` has the key's fingerprint (and so
-/// could hold the key); only those before `at` with `lower_only`.
-pub fn others_match(kh: &KeyHash, slots: &Slots, at: usize, lower_only: bool) -> bool {
+/// Which candidates besides one `others_match` looks at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Others {
+    /// Every other candidate.
+    Any,
+    /// Only those before it (which would hold a lower copy).
+    Lower,
+}
+
+/// Whether any candidate other than `at` (among `which`) has the key's
+/// fingerprint, and so could hold the key.
+pub fn others_match(kh: &KeyHash, slots: &Slots, at: usize, which: Others) -> bool {
     let others = kh.matches(slots) & !(1 << at);
-    let below = if lower_only { (1 << at) - 1 } else { u64::MAX };
-    others & below != 0
+    let among = match which {
+        Others::Lower => (1 << at) - 1,
+        Others::Any => u64::MAX,
+    };
+    others & among != 0
 }
 
 impl Client {
@@ -295,11 +319,11 @@ impl Client {
         &mut self,
         key: &[u8],
         kh: &KeyHash,
-        slots: &Slots,
-        clock: OpClock,
+        read: &WindowsRead,
         mode: ScanMode,
     ) -> Result<Scan> {
-        let (reads_at, room) = (self.layout.reads, self.layout.read_room());
+        let (slots, clock) = (&read.slots, read.clock);
+        let reads_at = self.layout.reads;
         let known = match mode {
             ScanMode::AllCopies { known } => known,
             ScanMode::Lowest | ScanMode::Readable => None,
@@ -310,49 +334,18 @@ impl Client {
             value: None,
             exact: true,
         };
-        let mut suspect: Option<(SlotPos, Slot)> = None;
-        let mut candidates: SmallVec<[(usize, Slot, u64, usize); 4]> = SmallVec::new();
-        let mut check_epoch = meets_resize(slots);
-        for i in set_bits(kh.matches(slots)) {
-            let s = slots[i];
-            if Some(s) == known {
-                copies.slots.push((kh.slot_pos(i), s));
-                copies.kinds.push(Kind::Known);
-                continue;
-            }
-            match self.readable_span(s) {
-                Some((offset, len)) => candidates.push((i, s, offset, len)),
-                None => {
-                    check_epoch |= self.past_region(s);
-                    suspect.get_or_insert((kh.slot_pos(i), s));
-                }
-            }
-        }
+        let (candidates, mut suspect, past_region) =
+            self.scan_candidates(kh, slots, known, &mut copies);
+        let check_epoch = meets_resize(slots) || past_region;
         self.pause_if_slow();
         if candidates.is_empty() && check_epoch && self.read_epoch_changed()? {
             return Ok(Scan::Moved);
         }
         let mut next = 0;
         while next < candidates.len() {
-            let mut verbs: SmallVec<[Verb; 8]> = SmallVec::new();
-            if check_epoch {
-                verbs.push(self.epoch_read());
-            }
-            let first = verbs.len();
-            let mut at = reads_at;
-            while let Some(&(_, _, remote, len)) = candidates.get(next) {
-                if verbs.len() > first && at + len > reads_at + room {
-                    break;
-                }
-                verbs.push(Verb::Read {
-                    remote,
-                    local: at,
-                    len,
-                });
-                at += len;
-                next += 1;
-            }
-            self.conn.post(&verbs)?;
+            let epoch = check_epoch.then(|| self.epoch_read());
+            let batch = self.read_candidates(&candidates[next..], epoch)?;
+            next += batch;
             if check_epoch && self.epoch_changed() {
                 return Ok(Scan::Moved);
             }
@@ -363,7 +356,6 @@ impl Client {
                 return Ok(Scan::Retry(None));
             }
             let mut at = reads_at;
-            let batch = verbs.len() - first;
             for &(i, slot, _, len) in &candidates[next - batch..next] {
                 let holds = self.holds(key, at..at + len, mode);
                 at += len;
@@ -401,6 +393,66 @@ impl Client {
         Ok(Scan::Found(copies))
     }
 
+    /// The slots of a scan whose fingerprint matches, sorted: the writer's
+    /// own copy (`known`) goes straight into `copies`, a block this client
+    /// can read whole becomes a candidate (index, slot, offset, length), any
+    /// other slot is suspect. Returns the candidates, the first suspect, and
+    /// whether a slot points past the region this client knows.
+    fn scan_candidates(
+        &self,
+        kh: &KeyHash,
+        slots: &Slots,
+        known: Option<Slot>,
+        copies: &mut Copies,
+    ) -> (ScanCandidates, Option<(SlotPos, Slot)>, bool) {
+        let mut candidates = ScanCandidates::new();
+        let mut suspect = None;
+        let mut past_region = false;
+        for i in set_bits(kh.matches(slots)) {
+            let s = slots[i];
+            if Some(s) == known {
+                copies.slots.push((kh.slot_pos(i), s));
+                copies.kinds.push(Kind::Known);
+                continue;
+            }
+            match self.readable_span(s) {
+                Some((offset, len)) => candidates.push((i, s, offset, len)),
+                None => {
+                    past_region |= self.past_region(s);
+                    suspect.get_or_insert((kh.slot_pos(i), s));
+                }
+            }
+        }
+        (candidates, suspect, past_region)
+    }
+
+    /// Reads the blocks of the leading `candidates` that fit the read area
+    /// (at least one), in one batch, after `first` (the epoch word's READ,
+    /// where the scan checks it). Returns how many it read.
+    fn read_candidates(
+        &mut self,
+        candidates: &[(usize, Slot, u64, usize)],
+        first: Option<Verb>,
+    ) -> Result<usize> {
+        let (reads_at, room) = (self.layout.reads, self.layout.read_room());
+        let mut verbs: SmallVec<[Verb; 8]> = first.into_iter().collect();
+        let first = verbs.len();
+        let mut at = reads_at;
+        for &(_, _, remote, len) in candidates {
+            if verbs.len() > first && at + len > reads_at + room {
+                break;
+            }
+            verbs.push(Verb::Read {
+                remote,
+                local: at,
+                len,
+            });
+            at += len;
+        }
+        self.conn.post(&verbs)?;
+        Ok(verbs.len() - first)
+    }
+
     /// The lowest copy a reader sees (a GET's answer), as `scan` would find
     /// it. Where batches are free (shm), `Lowest` reads one candidate's
     /// block at a time, lowest first, until one holds the key.
@@ -408,18 +460,17 @@ impl Client {
         &mut self,
         key: &[u8],
         kh: &KeyHash,
-        slots: &Slots,
-        clock: OpClock,
+        read: &WindowsRead,
         seek: ReaderScan,
     ) -> Result<LowestCopy> {
         let mode = match seek {
             ReaderScan::Lowest if !self.conn.batches_cost_round_trips() => {
-                return self.scan_lowest(key, kh, slots, clock);
+                return self.scan_lowest(key, kh, read);
             }
             ReaderScan::Lowest => ScanMode::Lowest,
             ReaderScan::Readable => ScanMode::Readable,
         };
-        Ok(match self.scan(key, kh, slots, clock, mode)? {
+        Ok(match self.scan(key, kh, read, mode)? {
             // A reader's scan reads every copy it keeps: the lowest one's
             // value is there whenever a copy is.
             Scan::Found(copies) => match (copies.slots.first(), copies.value) {
@@ -444,13 +495,8 @@ impl Client {
     /// conclusion that the slots it concerns take part in; a copy found
     /// below a slot past the region is the key's whatever that slot holds,
     /// as the lowest copy wins.
-    fn scan_lowest(
-        &mut self,
-        key: &[u8],
-        kh: &KeyHash,
-        slots: &Slots,
-        clock: OpClock,
-    ) -> Result<LowestCopy> {
+    fn scan_lowest(&mut self, key: &[u8], kh: &KeyHash, read: &WindowsRead) -> Result<LowestCopy> {
+        let (slots, clock) = (&read.slots, read.clock);
         let mut check_epoch = meets_resize(slots);
         let mut epoch_read = false;
         self.pause_if_slow();

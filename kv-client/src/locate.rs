@@ -8,7 +8,8 @@ use smallvec::smallvec;
 
 use crate::clock::OpClock;
 use crate::get::Sighting;
-use crate::index::{meets_resize, Copies, Kind, Scan, ScanMode, Value};
+use crate::hint::{Alone, Seen};
+use crate::index::{meets_resize, Copies, Kind, Scan, ScanMode, Value, WindowsRead};
 use crate::{Client, Result};
 
 /// What a writer needs to know about the key's copies.
@@ -87,26 +88,33 @@ impl Client {
             return Ok(Located::Moved);
         }
         let mode = ScanMode::AllCopies { known: None };
-        Ok(match self.scan(key, kh, &slots, clock, mode)? {
-            Scan::Found(copies) => match copies.slots.first() {
-                Some(&(pos, slot)) => {
-                    // Hints name only copies a reader sees.
-                    if copies.kinds[0].is_readable() {
-                        let alone = copies.exact && copies.slots.len() == 1;
-                        let counter = copies.kinds[0].settled_counter();
-                        self.saw(key, pos, slot, clock, alone, counter);
-                    } else {
-                        self.cache.forget(key);
+        Ok(
+            match self.scan(key, kh, &WindowsRead { slots, clock }, mode)? {
+                Scan::Found(copies) => match copies.slots.first() {
+                    Some(&(pos, slot)) => {
+                        // Hints name only copies a reader sees.
+                        if copies.kinds[0].is_readable() {
+                            let alone = copies.exact && copies.slots.len() == 1;
+                            let counter = copies.kinds[0].settled_counter();
+                            self.saw(
+                                key,
+                                Seen { pos, slot, clock },
+                                Alone::proven_if(alone),
+                                counter,
+                            );
+                        } else {
+                            self.cache.forget(key);
+                        }
+                        Located::Found { copies, clock }
                     }
-                    Located::Found { copies, clock }
-                }
-                None => {
-                    self.cache.forget(key);
-                    Located::Absent { clock }
-                }
+                    None => {
+                        self.cache.forget(key);
+                        Located::Absent { clock }
+                    }
+                },
+                Scan::Retry(suspect) => Located::Retry(suspect),
+                Scan::Moved => Located::Moved,
             },
-            Scan::Retry(suspect) => Located::Retry(suspect),
-            Scan::Moved => Located::Moved,
-        })
+        )
     }
 }

@@ -18,7 +18,7 @@ use kv_common::transport::Verb;
 
 use crate::clock::OpClock;
 use crate::corrupt::CorruptSlot;
-use crate::hint::Hint;
+use crate::hint::{Hint, Seen};
 use crate::index::Copies;
 use crate::locate::{Located, Need};
 use crate::{Client, Error, Result, Step};
@@ -77,7 +77,15 @@ impl Client {
         let cas = self.cas_verb(hint.pos, hint.slot, new);
         self.conn.post(&[write, cas])?;
         if self.cas_held(hint.slot) {
-            self.replaced(key, hint.pos, hint.slot, new, clock);
+            self.replaced(
+                key,
+                Seen {
+                    pos: hint.pos,
+                    slot: hint.slot,
+                    clock,
+                },
+                new,
+            );
             return Ok(true);
         }
         self.cache.forget(key);
@@ -95,12 +103,20 @@ impl Client {
         let target = copies.visible().unwrap_or(0);
         let (pos, old) = copies.slots[target];
         let swapped = self.remove_duplicates(key, copies, 0..target, clock)?
-            && self.unlink(key, (pos, old), copies.kinds[target], new, clock)?;
+            && self.unlink(key, Seen::new((pos, old), clock), copies.kinds[target], new)?;
         if !swapped {
             self.cache.forget(key);
             return Ok(false);
         }
-        self.replaced(key, pos, old, new, clock);
+        self.replaced(
+            key,
+            Seen {
+                pos,
+                slot: old,
+                clock,
+            },
+            new,
+        );
         // Copies above ours belong to inserts still in flight, which remove
         // them themselves; trying here only helps.
         let above = target + 1..copies.slots.len();
@@ -137,7 +153,7 @@ impl Client {
         }
         // A hint even if this copy is resolved away: it is checked on use.
         self.cache.remember(key, Hint::seen(pos, new, published));
-        self.resolve_insert(key, kh, pos, new, published)?;
+        self.resolve_insert(key, kh, Seen::new((pos, new), published))?;
         Ok(Some(Step::Done(())))
     }
 }

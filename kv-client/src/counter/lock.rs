@@ -3,12 +3,13 @@
 //! lock take it over (see the `counter` module doc for why).
 
 use kv_common::layout::{
-    counter_sealed, counter_settled, counter_words, CounterState, Slot, SlotPos, COUNTER_ABANDONED,
+    counter_sealed, counter_settled, counter_words, CounterState, Slot, COUNTER_ABANDONED,
     COUNTER_GENERATION, COUNTER_LOCKED, COUNTER_SEAL,
 };
 use kv_common::transport::{read_u64, Verb};
 
 use crate::clock::{self, Instant, OpClock};
+use crate::hint::Seen;
 use crate::index::Kind;
 use crate::{Client, Result};
 
@@ -22,20 +23,13 @@ pub struct LockWatch {
 }
 
 impl Client {
-    /// Unlinks a copy of `key` that a writer found at `pos` as `slot`
-    /// (holding `kind`, by the read timed by `clock`) by a CAS of its slot
-    /// to `to`: a settled counter under its lock, a pending one given up
-    /// first (so that it cannot settle meanwhile and then be unlinked
-    /// unsealed). False if that could not be done: read again.
-    pub(crate) fn unlink(
-        &mut self,
-        key: &[u8],
-        copy: (SlotPos, Slot),
-        kind: Kind,
-        to: Slot,
-        clock: OpClock,
-    ) -> Result<bool> {
-        if !clock.in_time() {
+    /// Unlinks a copy of `key` that a writer found (`copy`, holding
+    /// `kind`) by a CAS of its slot to `to`: a settled counter under its
+    /// lock, a pending one given up first (so that it cannot settle
+    /// meanwhile and then be unlinked unsealed). False if that could not be
+    /// done: read again.
+    pub(crate) fn unlink(&mut self, key: &[u8], copy: Seen, kind: Kind, to: Slot) -> Result<bool> {
+        if !copy.clock.in_time() {
             return Ok(false);
         }
         match kind {
@@ -43,12 +37,12 @@ impl Client {
                 state: CounterState::Settled,
                 value,
                 state_word,
-            } => self.unlink_settled(key, copy, (value, state_word), to, clock),
+            } => self.unlink_settled(key, copy, (value, state_word), to),
             Kind::Counter {
                 state: CounterState::Pending,
                 ..
-            } => self.unlink_unsettled(key, copy, to, clock),
-            _ => self.cas(copy.0, copy.1, to),
+            } => self.unlink_unsettled(key, copy, to),
+            _ => self.cas(copy.pos, copy.slot, to),
         }
     }
 
@@ -57,13 +51,8 @@ impl Client {
     /// state first, so that its creator's settling CAS and this one cannot
     /// both succeed. False if it settled meanwhile (it is then a copy like
     /// any other), its slot changed, or the read is too old to act on.
-    pub(crate) fn unlink_unsettled(
-        &mut self,
-        key: &[u8],
-        (pos, slot): (SlotPos, Slot),
-        to: Slot,
-        clock: OpClock,
-    ) -> Result<bool> {
+    pub(crate) fn unlink_unsettled(&mut self, key: &[u8], copy: Seen, to: Slot) -> Result<bool> {
+        let Seen { pos, slot, clock } = copy;
         if !clock.in_time() {
             return Ok(false);
         }
@@ -85,11 +74,11 @@ impl Client {
     fn unlink_settled(
         &mut self,
         key: &[u8],
-        (pos, slot): (SlotPos, Slot),
+        copy: Seen,
         (value, state): (i64, u64),
         to: Slot,
-        clock: OpClock,
     ) -> Result<bool> {
+        let Seen { pos, slot, clock } = copy;
         let (state_at, value_at) = word_offsets(key, slot);
         if state & COUNTER_LOCKED != 0 {
             self.wait_on_lock(key, slot, state, clock)?;

@@ -112,7 +112,11 @@ fn run(args: Args) -> Result<ExitCode, String> {
     let mut kv = Client::connect_with(&args.server, options).map_err(|e| e.to_string())?;
     let code = match args.command {
         None => {
-            repl::run(&mut kv, &args.server, args.raw)?;
+            let style = match args.raw {
+                true => repl::Style::Raw,
+                false => repl::Style::Annotated,
+            };
+            repl::run(&mut kv, &args.server, style)?;
             ExitCode::SUCCESS
         }
         Some(command) => {

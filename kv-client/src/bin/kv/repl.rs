@@ -31,7 +31,7 @@ enum Flow {
 
 /// Runs the prompt until `quit`, end of input or Ctrl-C; fails only if
 /// there is no prompt to run.
-pub fn run(kv: &mut Client, server: &str, raw: bool) -> Result<(), String> {
+pub fn run(kv: &mut Client, server: &str, style: Style) -> Result<(), String> {
     let mut editor =
         rustyline::DefaultEditor::new().map_err(|e| format!("cannot open the prompt: {e}"))?;
     let history = history_file();
@@ -45,7 +45,7 @@ pub fn run(kv: &mut Client, server: &str, raw: bool) -> Result<(), String> {
             Ok(line) if line.trim().is_empty() => {}
             Ok(line) => {
                 let _ = editor.add_history_entry(line.as_str());
-                if let Flow::Quit = answer(kv, &line, raw) {
+                if let Flow::Quit = answer(kv, &line, style) {
                     break;
                 }
             }
@@ -73,11 +73,11 @@ fn history_file() -> Option<PathBuf> {
 }
 
 /// Runs one line and prints its answer.
-fn answer(kv: &mut Client, line: &str, raw: bool) -> Flow {
+fn answer(kv: &mut Client, line: &str, style: Style) -> Flow {
     let mut words = match quoting::split(line) {
         Ok(w) => w,
         Err(e) => {
-            print_error(&e.to_string(), raw);
+            print_error(&e.to_string(), style);
             return Flow::Continue;
         }
     };
@@ -106,12 +106,12 @@ fn answer(kv: &mut Client, line: &str, raw: bool) -> Flow {
         ..
     } = line.command
     {
-        print_error("put takes a VALUE (or --value-file) at the prompt", raw);
+        print_error("put takes a VALUE (or --value-file) at the prompt", style);
         return Flow::Continue;
     }
     match execute(kv, line.command) {
-        Ok(outcome) => print_outcome(outcome, raw),
-        Err(e) => print_error(&e, raw),
+        Ok(outcome) => print_outcome(outcome, style),
+        Err(e) => print_error(&e, style),
     }
     Flow::Continue
 }
@@ -133,8 +133,18 @@ fn show_help(topic: &[Vec<u8>]) {
     }
 }
 
-fn print_outcome(outcome: Outcome, raw: bool) {
+/// How answers are printed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Style {
+    /// As redis-cli does: `(integer) 1`, `(nil)`, values quoted.
+    Annotated,
+    /// Values as they are (`--raw`).
+    Raw,
+}
+
+fn print_outcome(outcome: Outcome, style: Style) {
     let mut out = std::io::stdout().lock();
+    let raw = style == Style::Raw;
     let written = match (outcome, raw) {
         (Outcome::Stored, _) => writeln!(out, "OK"),
         (Outcome::Value(Some(v)), true) => out.write_all(&v).and_then(|()| writeln!(out)),
@@ -151,8 +161,8 @@ fn print_outcome(outcome: Outcome, raw: bool) {
     let _ = written;
 }
 
-fn print_error(message: &str, raw: bool) {
-    if raw {
+fn print_error(message: &str, style: Style) {
+    if style == Style::Raw {
         say(format_args!("{message}\n"));
     } else {
         say(format_args!("(error) {message}\n"));

@@ -25,7 +25,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use verbs::{
-    Completion, Cq, Device, Endpoint, Gid, Mr, Op, Pd, Qp, SendWr, LOCAL_ONLY, REMOTE_ALL,
+    Completion, Completions, Cq, Device, Endpoint, Gid, Mr, Op, Pd, Qp, QueueDepths, SendWr,
+    LOCAL_ONLY, REMOTE_ALL,
 };
 
 use rdma_sys::ibv_atomic_cap;
@@ -151,6 +152,13 @@ fn completion_error(c: &Completion) -> TransportError {
     }
 }
 
+/// Which end of a connection a channel is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Side {
+    Client,
+    Server,
+}
+
 /// The resources of one end of a connection: a queue pair with its
 /// completion queues and the registered control buffers.
 struct Channel {
@@ -165,20 +173,22 @@ struct Channel {
 
 impl Channel {
     /// A queue pair on `pd`'s device, sending from the GID that holds the
-    /// handshake socket's local address.
-    fn new(pd: &Arc<Pd>, tcp: TcpStream, wait_events: bool) -> Result<Channel, TransportError> {
+    /// handshake socket's local address. A server's receives are signalled:
+    /// its event loop waits for requests.
+    fn new(pd: &Arc<Pd>, tcp: TcpStream, side: Side) -> Result<Channel, TransportError> {
         let device = &pd.device;
         let source = source_gid(device, tcp.local_addr()?.ip(), &Overrides::from_env()?)?;
-        let send_cq = Cq::new(device, MAX_BATCH as i32 * 2, false)?;
-        let recv_cq = Cq::new(device, RECV_SLOTS as i32 * 2, wait_events)?;
-        let qp = Qp::new(
-            pd,
-            send_cq,
-            recv_cq,
-            MAX_BATCH as u32,
-            RECV_SLOTS as u32,
-            source,
-        )?;
+        let receives = match side {
+            Side::Client => Completions::Polled,
+            Side::Server => Completions::Signalled,
+        };
+        let send_cq = Cq::new(device, MAX_BATCH as i32 * 2, Completions::Polled)?;
+        let recv_cq = Cq::new(device, RECV_SLOTS as i32 * 2, receives)?;
+        let depths = QueueDepths {
+            send: MAX_BATCH as u32,
+            recv: RECV_SLOTS as u32,
+        };
+        let qp = Qp::new(pd, send_cq, recv_cq, depths, source)?;
         let ctrl_send = Mr::alloc(pd, MAX_MESSAGE, LOCAL_ONLY)?;
         let ctrl_recv = Mr::alloc(pd, MAX_MESSAGE * RECV_SLOTS, LOCAL_ONLY)?;
         // Receives go up before our endpoint is sent, so the peer can never
@@ -195,9 +205,11 @@ impl Channel {
         })
     }
 
-    fn exchange(&mut self, we_go_first: bool) -> Result<(), TransportError> {
+    /// Trades endpoints with the peer over the handshake socket (the
+    /// client sends first) and connects the queue pair to its.
+    fn exchange(&mut self, side: Side) -> Result<(), TransportError> {
         let mine = protocol::encode(&self.qp.endpoint())?;
-        let theirs = if we_go_first {
+        let theirs = if side == Side::Client {
             write_frame(&mut self.tcp, &mine)?;
             read_frame(&mut self.tcp)?
         } else {
@@ -323,8 +335,8 @@ impl RdmaConnection {
         tcp.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
         let device = device_for(tcp.local_addr()?.ip(), &Overrides::from_env()?)?;
         let pd = Pd::new(device)?;
-        let mut channel = Channel::new(&pd, tcp, false)?;
-        channel.exchange(true)?;
+        let mut channel = Channel::new(&pd, tcp, Side::Client)?;
+        channel.exchange(Side::Client)?;
         channel.tcp.set_read_timeout(None)?;
         Ok(RdmaConnection {
             pd,
@@ -588,8 +600,8 @@ impl ControlListener for RdmaListener {
         let (tcp, _) = self.tcp.accept()?;
         tcp.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
         let served = self.serving(tcp.local_addr()?.ip())?;
-        let mut channel = Channel::new(&served.pd, tcp, true)?;
-        channel.exchange(false)?;
+        let mut channel = Channel::new(&served.pd, tcp, Side::Server)?;
+        channel.exchange(Side::Server)?;
         channel.tcp.set_nonblocking(true)?;
         channel.qp.recv_cq.arm()?;
         Ok(Box::new(RdmaPeer {

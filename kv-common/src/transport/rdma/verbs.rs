@@ -414,10 +414,24 @@ unsafe impl Send for Cq {}
 // SAFETY: as for Send.
 unsafe impl Sync for Cq {}
 
+/// How the completions of a queue are noticed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Completions {
+    /// By polling the queue.
+    Polled,
+    /// Also by an event on a completion channel, which an event loop waits
+    /// on.
+    Signalled,
+}
+
 impl Cq {
-    /// A completion queue; with `events`, one that can be waited on.
-    pub fn new(device: &Arc<Device>, entries: i32, events: bool) -> io::Result<Arc<Cq>> {
-        let channel = if events {
+    /// A completion queue of `entries` entries.
+    pub fn new(
+        device: &Arc<Device>,
+        entries: i32,
+        completions: Completions,
+    ) -> io::Result<Arc<Cq>> {
+        let channel = if completions == Completions::Signalled {
             // SAFETY: the context is live while `device` is.
             let ch = unsafe { ibv_create_comp_channel(device.ctx) };
             if ch.is_null() {
@@ -589,21 +603,27 @@ unsafe impl Send for Qp {}
 // SAFETY: as for Send.
 unsafe impl Sync for Qp {}
 
+/// How many work requests a queue pair's send and receive queues hold.
+#[derive(Debug, Clone, Copy)]
+pub struct QueueDepths {
+    pub send: u32,
+    pub recv: u32,
+}
+
 impl Qp {
     pub fn new(
         pd: &Arc<Pd>,
         send_cq: Arc<Cq>,
         recv_cq: Arc<Cq>,
-        max_send: u32,
-        max_recv: u32,
+        depths: QueueDepths,
         source: Gid,
     ) -> io::Result<Qp> {
         // SAFETY: zeroed init attributes, then the fields RC needs.
         let mut init: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
         init.send_cq = send_cq.cq;
         init.recv_cq = recv_cq.cq;
-        init.cap.max_send_wr = max_send;
-        init.cap.max_recv_wr = max_recv;
+        init.cap.max_send_wr = depths.send;
+        init.cap.max_recv_wr = depths.recv;
         init.cap.max_send_sge = 1;
         init.cap.max_recv_sge = 1;
         init.qp_type = ibv_qp_type::IBV_QPT_RC;
