@@ -1,5 +1,7 @@
 //! `kv-bench compare`: one generated workload against several stores.
 
+use std::path::Path;
+
 use clap::Args;
 
 use crate::driver::{run_phase, OpKind, Phase, PhaseResult, RunOptions};
@@ -7,6 +9,7 @@ use crate::plot;
 use crate::report;
 use crate::store::{Lmdb, Onekv, Redis, StoreFactory};
 use crate::target::Target;
+use crate::workload::Workload;
 use crate::ycsb::{memory_for, WorkloadArgs};
 
 #[derive(Args)]
@@ -46,48 +49,19 @@ pub fn run(args: CompareArgs) -> Result<(), String> {
     let options = RunOptions::for_terminal(args.workload.seed, args.workload.status_interval()?);
     let mut rows = Vec::new();
     for name in &args.targets {
-        // Each target gets a fresh, empty store.
-        let mut onekv_target = None;
-        let factory: Box<dyn StoreFactory> = match name.as_str() {
-            "onekv" => {
-                let t = Target::open(args.workload.server.as_deref(), args.workload.memory)?;
-                let f = Onekv {
-                    address: t.address.clone(),
-                    secret: args.workload.secret()?,
-                    slot_cache_entries: args.workload.slot_cache_entries,
-                };
-                onekv_target = Some(t);
-                Box::new(f)
-            }
-            "redis" => match Redis::start(args.redis_url.as_deref()) {
-                Ok(mut r) => {
-                    r.pipeline = args.redis_pipeline;
-                    Box::new(r)
-                }
-                Err(e) => {
-                    println!("skipping redis: {e}");
-                    continue;
-                }
-            },
-            "lmdb" => match Lmdb::open((memory_for(&w) * 2).next_multiple_of(1 << 20) as usize) {
-                Ok(l) => Box::new(l),
-                Err(e) => {
-                    println!("skipping lmdb: {e}");
-                    continue;
-                }
-            },
-            other => return Err(format!("unknown target '{other}' (use onekv, redis, lmdb)")),
+        let Some(store) = open_target(name, &args, &w)? else {
+            continue;
         };
         eprintln!("{name}: load phase");
-        let load = run_phase(&*factory, &w, Phase::Load, &options)?;
+        let load = run_phase(&*store.factory, &w, Phase::Load, &options)?;
         eprintln!("{name}: run phase");
-        let run = run_phase(&*factory, &w, Phase::Run, &options)?;
+        let run = run_phase(&*store.factory, &w, Phase::Run, &options)?;
         for r in [&load, &run] {
             if let Some(e) = &r.first_error {
                 println!("{name}: errors during {:?}: first: {e}", r.phase);
             }
         }
-        drop(onekv_target);
+        drop(store);
         rows.push(Row {
             name: name.clone(),
             load,
@@ -96,38 +70,92 @@ pub fn run(args: CompareArgs) -> Result<(), String> {
     }
     print_table(&rows);
     if let Some(path) = &args.workload.json {
-        let phases: Vec<_> = rows
-            .iter()
-            .flat_map(|r| {
-                [
-                    report::phase_json(&r.name, &r.load),
-                    report::phase_json(&r.name, &r.run),
-                ]
-            })
-            .collect();
-        report::write_json(
-            path,
-            &serde_json::json!({ "workload": args.workload.workload_name(), "phases": phases }),
-        )?;
+        write_json(path, &args, &rows)?;
     }
     if let Some(path) = &args.workload.plot {
-        let series: Vec<_> = rows
-            .iter()
-            .map(|r| plot::Series {
-                name: &r.name,
-                result: &r.run,
-            })
-            .collect();
-        let title = format!(
-            "YCSB {}: {} records, {} operations, threads {}",
-            args.workload.workload_name(),
-            w.recordcount,
-            w.operationcount,
-            w.threadcount
-        );
-        plot::compare(path, &title, &series)?;
+        plot_runs(path, &args, &w, &rows)?;
     }
     Ok(())
+}
+
+/// A store to compare, fresh and empty.
+struct OpenStore {
+    /// The onekv server started for it, if one was (dropped first).
+    _server: Option<Target>,
+    factory: Box<dyn StoreFactory>,
+}
+
+/// Opens target `name`; None when it cannot run here (it says why).
+fn open_target(name: &str, args: &CompareArgs, w: &Workload) -> Result<Option<OpenStore>, String> {
+    let (server, factory): (_, Box<dyn StoreFactory>) = match name {
+        "onekv" => {
+            let t = Target::open(args.workload.server.as_deref(), args.workload.memory)?;
+            let f = Onekv {
+                address: t.address.clone(),
+                secret: args.workload.secret()?,
+                slot_cache_entries: args.workload.slot_cache_entries,
+            };
+            (Some(t), Box::new(f))
+        }
+        "redis" => match Redis::start(args.redis_url.as_deref()) {
+            Ok(mut r) => {
+                r.pipeline = args.redis_pipeline;
+                (None, Box::new(r))
+            }
+            Err(e) => {
+                println!("skipping redis: {e}");
+                return Ok(None);
+            }
+        },
+        "lmdb" => match Lmdb::open((memory_for(w) * 2).next_multiple_of(1 << 20) as usize) {
+            Ok(l) => (None, Box::new(l)),
+            Err(e) => {
+                println!("skipping lmdb: {e}");
+                return Ok(None);
+            }
+        },
+        other => return Err(format!("unknown target '{other}' (use onekv, redis, lmdb)")),
+    };
+    Ok(Some(OpenStore {
+        _server: server,
+        factory,
+    }))
+}
+
+/// Both phases of every target, to `--json`.
+fn write_json(path: &Path, args: &CompareArgs, rows: &[Row]) -> Result<(), String> {
+    let phases: Vec<_> = rows
+        .iter()
+        .flat_map(|r| {
+            [
+                report::phase_json(&r.name, &r.load),
+                report::phase_json(&r.name, &r.run),
+            ]
+        })
+        .collect();
+    report::write_json(
+        path,
+        &serde_json::json!({ "workload": args.workload.workload_name(), "phases": phases }),
+    )
+}
+
+/// Every target's run phase, to `--plot`.
+fn plot_runs(path: &Path, args: &CompareArgs, w: &Workload, rows: &[Row]) -> Result<(), String> {
+    let series: Vec<_> = rows
+        .iter()
+        .map(|r| plot::Series {
+            name: &r.name,
+            result: &r.run,
+        })
+        .collect();
+    let title = format!(
+        "YCSB {}: {} records, {} operations, threads {}",
+        args.workload.workload_name(),
+        w.recordcount,
+        w.operationcount,
+        w.threadcount
+    );
+    plot::compare(path, &title, &series)
 }
 
 fn print_table(rows: &[Row]) {

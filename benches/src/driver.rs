@@ -85,6 +85,9 @@ pub struct PhaseResult {
     pub timeline: Vec<(f64, u64)>,
 }
 
+/// Operations completed by each moment of a phase (seconds since its start).
+type Timeline = Vec<(f64, u64)>;
+
 /// How often the progress of a phase is sampled for its timeline.
 const TIMELINE_STEP: Duration = Duration::from_millis(100);
 
@@ -163,39 +166,24 @@ pub fn run_phase(
         );
     }
     let cpu_before = store.server_cpu_us();
-    let start = Instant::now();
-    let (results, mut timeline): (Vec<Result<Worker, String>>, _) = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..threads)
-            .map(|t| {
-                let shared = &shared;
-                let share = total / threads as u64 + u64::from((t as u64) < total % threads as u64);
-                s.spawn(move || {
-                    let mut handle = store.open()?;
-                    let mut worker = Worker::new(w, t, options.seed);
-                    worker.run(&mut *handle, w, phase, share, shared, threads);
-                    Ok(worker)
-                })
-            })
-            .collect();
-        let timeline = report_progress(&shared, total, start, w, phase, options);
-        let results: Vec<_> = handles
-            .into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| Err("worker panicked".into())))
-            .collect();
-        (results, timeline)
-    });
-    let mut runtime = Duration::ZERO;
-    let mut ops: BTreeMap<OpKind, OpStats> = BTreeMap::new();
-    let mut first_error = None;
-    for r in results {
-        let worker = r?;
-        runtime = runtime.max(worker.finished.saturating_duration_since(start));
-        for (kind, stats) in &worker.ops {
-            ops.entry(*kind).or_insert_with(OpStats::new).merge(stats);
-        }
-        first_error = first_error.or(worker.first_error);
-    }
-    timeline.push((runtime.as_secs_f64(), shared.done.load(Ordering::Relaxed)));
+    let run = PhaseRun {
+        w,
+        phase,
+        total,
+        threads,
+        shared,
+        start: Instant::now(),
+    };
+    let (results, mut timeline) = run_workers(store, &run, options);
+    let Merged {
+        runtime,
+        ops,
+        first_error,
+    } = merge_workers(results, run.start)?;
+    timeline.push((
+        runtime.as_secs_f64(),
+        run.shared.done.load(Ordering::Relaxed),
+    ));
     let server_cpu_us = match (cpu_before, store.server_cpu_us()) {
         (Some(a), Some(b)) => Some(b.saturating_sub(a)),
         _ => None,
@@ -210,16 +198,85 @@ pub fn run_phase(
     })
 }
 
+/// One phase as every thread sees it.
+struct PhaseRun<'a> {
+    w: &'a Workload,
+    phase: Phase,
+    /// Operations in the whole phase.
+    total: u64,
+    threads: usize,
+    shared: Shared,
+    start: Instant,
+}
+
+/// Runs the workers, each on its own handle and its share of the
+/// operations, while this thread reports progress: their results, and the
+/// progress timeline.
+fn run_workers(
+    store: &dyn StoreFactory,
+    run: &PhaseRun,
+    options: &RunOptions,
+) -> (Vec<Result<Worker, String>>, Timeline) {
+    let (total, threads) = (run.total, run.threads);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                let share = total / threads as u64 + u64::from((t as u64) < total % threads as u64);
+                s.spawn(move || {
+                    let mut handle = store.open()?;
+                    let mut worker = Worker::new(run.w, t, options.seed);
+                    worker.run(&mut *handle, run, share);
+                    Ok(worker)
+                })
+            })
+            .collect();
+        let timeline = report_progress(run, options);
+        let results: Vec<_> = handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err("worker panicked".into())))
+            .collect();
+        (results, timeline)
+    })
+}
+
+/// The workers' measurements as one.
+struct Merged {
+    /// Until the last worker finished.
+    runtime: Duration,
+    ops: BTreeMap<OpKind, OpStats>,
+    first_error: Option<String>,
+}
+
+fn merge_workers(results: Vec<Result<Worker, String>>, start: Instant) -> Result<Merged, String> {
+    let mut runtime = Duration::ZERO;
+    let mut ops: BTreeMap<OpKind, OpStats> = BTreeMap::new();
+    let mut first_error = None;
+    for r in results {
+        let worker = r?;
+        runtime = runtime.max(worker.finished.saturating_duration_since(start));
+        for (kind, stats) in &worker.ops {
+            ops.entry(*kind).or_insert_with(OpStats::new).merge(stats);
+        }
+        first_error = first_error.or(worker.first_error);
+    }
+    Ok(Merged {
+        runtime,
+        ops,
+        first_error,
+    })
+}
+
 /// Shows progress until the workers are done, and returns its timeline;
 /// ends the run at maxexecutiontime.
-fn report_progress(
-    shared: &Shared,
-    total: u64,
-    start: Instant,
-    w: &Workload,
-    phase: Phase,
-    o: &RunOptions,
-) -> Vec<(f64, u64)> {
+fn report_progress(run: &PhaseRun, o: &RunOptions) -> Timeline {
+    let PhaseRun {
+        w,
+        phase,
+        total,
+        ref shared,
+        start,
+        ..
+    } = *run;
     let mut timeline = vec![(0.0, 0)];
     let mut next_sample = start + TIMELINE_STEP;
     let bar = (o.progress_bar && !o.quiet).then(|| {
@@ -268,10 +325,19 @@ fn report_progress(
     timeline
 }
 
-/// One thread's generators and measurements.
 /// Operations a worker does between updates of the shared progress count.
 const PROGRESS_STEP: u64 = 64;
 
+/// What a read-modify-write writes back.
+#[derive(Debug, Clone, Copy)]
+enum Rewrite {
+    /// The record it read, with this field new.
+    Field(usize),
+    /// The whole new record built before the clock started (writeallfields).
+    Record,
+}
+
+/// One thread's generators and measurements.
 struct Worker {
     rng: Rng,
     chooser: crate::generator::KeyChooser,
@@ -307,15 +373,10 @@ impl Worker {
         }
     }
 
-    fn run(
-        &mut self,
-        store: &mut dyn Store,
-        w: &Workload,
-        phase: Phase,
-        share: u64,
-        shared: &Shared,
-        threads: usize,
-    ) {
+    /// Does `share` of the phase's operations, at the thread's part of the
+    /// target rate, until done or told to stop.
+    fn run(&mut self, store: &mut dyn Store, run: &PhaseRun, share: u64) {
+        let (w, phase, shared, threads) = (run.w, run.phase, &run.shared, run.threads);
         let per_thread_rate = w.target.map(|t| t / threads as f64);
         let start = Instant::now();
         let mut unreported = 0;
@@ -393,7 +454,7 @@ impl Worker {
             _ => self.existing_key(shared),
         };
         let mut key = std::mem::take(&mut self.key);
-        write_key_name(keynum, w.ordered_inserts, &mut key);
+        write_key_name(keynum, w.insertorder, &mut key);
         // Records are generated before the clock starts, as YCSB does.
         let whole_write = kind == OpKind::Insert || (kind != OpKind::Read && w.writeallfields);
         if whole_write {
@@ -417,7 +478,12 @@ impl Worker {
                 if whole_write && kind == OpKind::Update {
                     store.write(key.as_bytes(), &self.record).map(|()| true)
                 } else {
-                    self.read_then_write(store, key.as_bytes(), field, whole_write)
+                    let rewrite = if whole_write {
+                        Rewrite::Record
+                    } else {
+                        Rewrite::Field(field)
+                    };
+                    self.read_then_write(store, key.as_bytes(), rewrite)
                 }
             }
         };
@@ -451,7 +517,7 @@ impl Worker {
         }
         for k in 0..n {
             let keynum = self.existing_key(shared);
-            write_key_name(keynum, w.ordered_inserts, &mut self.batch_keys[k]);
+            write_key_name(keynum, w.insertorder, &mut self.batch_keys[k]);
         }
         let keys: Vec<&[u8]> = self.batch_keys[..n].iter().map(|k| k.as_bytes()).collect();
         // The TSC where it is invariant: a clock read per operation costs
@@ -484,13 +550,12 @@ impl Worker {
         &mut self,
         store: &mut dyn Store,
         key: &[u8],
-        field: usize,
-        whole: bool,
+        rewrite: Rewrite,
     ) -> Result<bool, String> {
         if !store.read(key, &mut self.read_buf)? {
             return Ok(false);
         }
-        if !whole {
+        if let Rewrite::Field(field) = rewrite {
             let mut updated = Vec::with_capacity(self.read_buf.len());
             if replace_field(
                 &self.read_buf,

@@ -47,18 +47,31 @@ pub fn fnvhash64(val: u64) -> u64 {
     (hash as i64).wrapping_abs() as u64
 }
 
+/// YCSB's `insertorder`: how key numbers become key names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InsertOrder {
+    /// The number FNV-hashed (the default): inserts land all over the
+    /// key space.
+    Hashed,
+    /// The number itself.
+    Ordered,
+}
+
 /// YCSB's key name for a key number: "user" + the number, FNV-hashed when
 /// inserts are hashed (the default) rather than ordered.
 #[cfg(test)]
-pub fn key_name(keynum: u64, ordered: bool) -> String {
+pub fn key_name(keynum: u64, order: InsertOrder) -> String {
     let mut name = String::new();
-    write_key_name(keynum, ordered, &mut name);
+    write_key_name(keynum, order, &mut name);
     name
 }
 
 /// `key_name` into a reused buffer: the benchmark loop allocates nothing.
-pub fn write_key_name(keynum: u64, ordered: bool, out: &mut String) {
-    let n = if ordered { keynum } else { fnvhash64(keynum) };
+pub fn write_key_name(keynum: u64, order: InsertOrder, out: &mut String) {
+    let n = match order {
+        InsertOrder::Ordered => keynum,
+        InsertOrder::Hashed => fnvhash64(keynum),
+    };
     out.clear();
     out.push_str("user");
     // Every target pays for the key's name; `write!` costs a few hundred
@@ -245,13 +258,14 @@ mod tests {
 
     #[test]
     fn fnv_matches_ycsb() {
+        use InsertOrder::{Hashed, Ordered};
         // YCSB's first two keys of a hashed load (workloada's user6284781860667377211).
-        assert_eq!(key_name(0, false), "user6284781860667377211");
-        assert_eq!(key_name(1, false), "user8517097267634966620");
+        assert_eq!(key_name(0, Hashed), "user6284781860667377211");
+        assert_eq!(key_name(1, Hashed), "user8517097267634966620");
         assert_eq!(fnvhash64(3), 4_052_466_453_699_787_802);
-        assert_eq!(key_name(0, true), "user0");
-        assert_eq!(key_name(7, true), "user7");
-        assert!(key_name(1, false).starts_with("user") && key_name(1, false) != "user1");
+        assert_eq!(key_name(0, Ordered), "user0");
+        assert_eq!(key_name(7, Ordered), "user7");
+        assert!(key_name(1, Hashed).starts_with("user") && key_name(1, Hashed) != "user1");
         for v in [1u64, 2, 1000, u64::MAX] {
             assert!(fnvhash64(v) <= i64::MAX as u64 + 1);
         }

@@ -4,6 +4,8 @@
 
 use clap::{Parser, Subcommand};
 
+use driver::Phase;
+
 mod compare;
 mod driver;
 mod generator;
@@ -55,14 +57,19 @@ enum Command {
 fn main() {
     let args = Args::parse();
     let result = match (args.command, args.workload) {
-        (Some(Command::Load(w)), _) => ycsb::run(w, true, false),
+        (Some(Command::Load(w)), _) => ycsb::run(w, &[Phase::Load]),
         (Some(Command::Run { workload, load }), _) => {
             let load = load || workload.server.is_none();
-            ycsb::run(workload, load, true)
+            let phases: &[Phase] = if load {
+                &[Phase::Load, Phase::Run]
+            } else {
+                &[Phase::Run]
+            };
+            ycsb::run(workload, phases)
         }
         (Some(Command::Compare(c)), _) => compare::run(c),
         (Some(Command::Micro(m)), _) => micro::run(m),
-        (None, Some(w)) => ycsb::run(w, true, true),
+        (None, Some(w)) => ycsb::run(w, &[Phase::Load, Phase::Run]),
         (None, None) => Err("give a workload (--workload FILE) or a subcommand; see --help".into()),
     };
     if let Err(e) = result {

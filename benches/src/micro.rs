@@ -148,6 +148,53 @@ fn key(i: u64, size: usize) -> Vec<u8> {
 }
 
 pub fn run(args: MicroArgs) -> Result<(), String> {
+    check(&args)?;
+    let target = Target::open(args.server.as_deref(), args.memory)?;
+    let mut loader = Client::connect(&target.address).map_err(|e| e.to_string())?;
+    let value = vec![0xabu8; args.value_size];
+    for i in 0..args.keys {
+        loader
+            .put(&key(i, args.key_size), &value)
+            .map_err(|e| e.to_string())?;
+    }
+    print_header(&args, &target);
+    let server_before = target.server.as_ref().map(|s| s.stats());
+    let mut baselines = Baselines::default();
+    let on_shm = matches!(Address::parse(&target.address)?, Address::Shm { .. });
+    for &threads in &args.threads {
+        for op in Op::ALL {
+            let chosen = args.ops.is_empty() || args.ops.iter().any(|o| o == op.name());
+            if !chosen || (op == Op::GetBound && !on_shm) {
+                continue;
+            }
+            if op == Op::Incr {
+                loader.delete(COUNTER).map_err(|e| e.to_string())?;
+            }
+            let r = run_loop(&target.address, op, threads, &args)?;
+            let note = match op {
+                Op::Incr => check_counter(&mut loader, &r)?,
+                Op::GetBatch => format!("  {} keys per call; latency per call", args.batch),
+                _ => String::new(),
+            };
+            let ratio = baselines.compare(op, r.latency.value_at_quantile(0.5));
+            print_line(op, threads, &r, &format!("{ratio}{note}"));
+        }
+    }
+    if let (Some(before), Some(server)) = (server_before, &target.server) {
+        let after = server.stats();
+        println!(
+            "server during the loops: {} control messages ({} heap leases), {} us of CPU, {} index resizes",
+            after.messages() - before.messages(),
+            after.leases - before.leases,
+            after.server_cpu_us - before.server_cpu_us,
+            after.resizes - before.resizes
+        );
+    }
+    Ok(())
+}
+
+/// Refuses arguments no loop can run with.
+fn check(args: &MicroArgs) -> Result<(), String> {
     if args.key_size == 0
         || args.keys == 0
         || args.warm_keys == 0
@@ -172,14 +219,10 @@ pub fn run(args: MicroArgs) -> Result<(), String> {
     if !(args.seconds.is_finite() && args.seconds > 0.0) {
         return Err("--seconds must be a positive number".into());
     }
-    let target = Target::open(args.server.as_deref(), args.memory)?;
-    let mut loader = Client::connect(&target.address).map_err(|e| e.to_string())?;
-    let value = vec![0xabu8; args.value_size];
-    for i in 0..args.keys {
-        loader
-            .put(&key(i, args.key_size), &value)
-            .map_err(|e| e.to_string())?;
-    }
+    Ok(())
+}
+
+fn print_header(args: &MicroArgs, target: &Target) {
     println!(
         "onekv micro-benchmark: {} keys of {} B, values of {} B, {} s per loop, server {}",
         args.keys, args.key_size, args.value_size, args.seconds, target.address
@@ -196,87 +239,68 @@ pub fn run(args: MicroArgs) -> Result<(), String> {
         "read B/op",
         "write B/op"
     );
-    let server_before = target.server.as_ref().map(|s| s.stats());
-    let mut baseline_p50 = [0u64; 3];
-    let on_shm = matches!(Address::parse(&target.address)?, Address::Shm { .. });
-    for &threads in &args.threads {
-        for op in Op::ALL {
-            let chosen = args.ops.is_empty() || args.ops.iter().any(|o| o == op.name());
-            if !chosen || (op == Op::GetBound && !on_shm) {
-                continue;
+}
+
+/// Every increment acknowledged is in the counter's sum, and each one a
+/// lost connection left unknown may be: the note that says so, or why not.
+fn check_counter(loader: &mut Client, r: &LoopResult) -> Result<String, String> {
+    let sum = loader.get_counter(COUNTER).map_err(|e| e.to_string())?;
+    let range = r.ops as i64..=(r.ops + r.unknown) as i64;
+    if !sum.is_some_and(|s| range.contains(&s)) {
+        return Err(format!(
+            "INCR: {} increments (+{} unknown), the counter holds {sum:?}",
+            r.ops, r.unknown
+        ));
+    }
+    Ok(match r.unknown {
+        0 => format!("  sum {} = increments", r.ops),
+        u => format!("  sum {sum:?}: {} increments, {u} outcomes unknown", r.ops),
+    })
+}
+
+/// The median latencies the other loops are compared with (0: not run).
+#[derive(Default)]
+struct Baselines {
+    raw_read: u64,
+    get_bound: u64,
+}
+
+impl Baselines {
+    /// Notes `p50` if `op` is a baseline; else how it compares with one.
+    fn compare(&mut self, op: Op, p50: u64) -> String {
+        match op {
+            Op::RawRead => self.raw_read = p50,
+            Op::GetBound => self.get_bound = p50,
+            _ => {}
+        }
+        match op {
+            Op::RawRead | Op::RawCas | Op::GetBound => String::new(),
+            Op::Get { .. } if self.get_bound > 0 => format!(
+                "  p50 = {:.2}x GET-bound",
+                p50 as f64 / self.get_bound as f64
+            ),
+            _ if self.raw_read > 0 => {
+                format!("  p50 = {:.1}x raw READ", p50 as f64 / self.raw_read as f64)
             }
-            if op == Op::Incr {
-                loader.delete(COUNTER).map_err(|e| e.to_string())?;
-            }
-            let r = run_loop(&target.address, op, threads, &args)?;
-            let note = match op {
-                // Every increment acknowledged is in the sum.
-                Op::Incr => {
-                    let sum = loader.get_counter(COUNTER).map_err(|e| e.to_string())?;
-                    // Each increment acknowledged is in the sum, and each
-                    // one a lost connection left unknown may be.
-                    let range = r.ops as i64..=(r.ops + r.unknown) as i64;
-                    if !sum.is_some_and(|s| range.contains(&s)) {
-                        return Err(format!(
-                            "INCR: {} increments (+{} unknown), the counter holds {sum:?}",
-                            r.ops, r.unknown
-                        ));
-                    }
-                    match r.unknown {
-                        0 => format!("  sum {} = increments", r.ops),
-                        u => format!("  sum {sum:?}: {} increments, {u} outcomes unknown", r.ops),
-                    }
-                }
-                Op::GetBatch => format!("  {} keys per call; latency per call", args.batch),
-                _ => String::new(),
-            };
-            let p50 = r.latency.value_at_quantile(0.5);
-            match op {
-                Op::RawRead => baseline_p50[0] = p50,
-                Op::RawCas => baseline_p50[1] = p50,
-                Op::GetBound => baseline_p50[2] = p50,
-                _ => {}
-            }
-            let per = |v: u64| v as f64 / r.ops.max(1) as f64;
-            let ratio = match op {
-                Op::RawRead | Op::RawCas | Op::GetBound => String::new(),
-                Op::Get { .. } if baseline_p50[2] > 0 => format!(
-                    "  p50 = {:.2}x GET-bound",
-                    p50 as f64 / baseline_p50[2] as f64
-                ),
-                _ if baseline_p50[0] > 0 => {
-                    format!(
-                        "  p50 = {:.1}x raw READ",
-                        p50 as f64 / baseline_p50[0] as f64
-                    )
-                }
-                _ => String::new(),
-            };
-            println!(
-                "{:<14} {:>7} {:>11.0} {:>8.2} {:>8.2} {:>9.2} {:>8.2} {:>10.0} {:>10.0}{ratio}{note}",
-                op.name(),
-                threads,
-                r.ops as f64 / r.elapsed.as_secs_f64(),
-                p50 as f64 / 1000.0,
-                r.latency.value_at_quantile(0.99) as f64 / 1000.0,
-                r.latency.value_at_quantile(0.999) as f64 / 1000.0,
-                per(r.verbs.round_trips),
-                per(r.verbs.bytes_read),
-                per(r.verbs.bytes_written),
-            );
+            _ => String::new(),
         }
     }
-    if let (Some(before), Some(server)) = (server_before, &target.server) {
-        let after = server.stats();
-        println!(
-            "server during the loops: {} control messages ({} heap leases), {} us of CPU, {} index resizes",
-            after.messages() - before.messages(),
-            after.leases - before.leases,
-            after.server_cpu_us - before.server_cpu_us,
-            after.resizes - before.resizes
-        );
-    }
-    Ok(())
+}
+
+fn print_line(op: Op, threads: usize, r: &LoopResult, notes: &str) {
+    let per = |v: u64| v as f64 / r.ops.max(1) as f64;
+    println!(
+        "{:<14} {:>7} {:>11.0} {:>8.2} {:>8.2} {:>9.2} {:>8.2} {:>10.0} {:>10.0}{notes}",
+        op.name(),
+        threads,
+        r.ops as f64 / r.elapsed.as_secs_f64(),
+        r.latency.value_at_quantile(0.5) as f64 / 1000.0,
+        r.latency.value_at_quantile(0.99) as f64 / 1000.0,
+        r.latency.value_at_quantile(0.999) as f64 / 1000.0,
+        per(r.verbs.round_trips),
+        per(r.verbs.bytes_read),
+        per(r.verbs.bytes_written),
+    );
 }
 
 fn run_loop(address: &str, op: Op, threads: usize, args: &MicroArgs) -> Result<LoopResult, String> {
@@ -284,8 +308,15 @@ fn run_loop(address: &str, op: Op, threads: usize, args: &MicroArgs) -> Result<L
     let results: Vec<Result<LoopResult, String>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..threads)
             .map(|t| {
-                let barrier = &barrier;
-                s.spawn(move || worker(address, op, t, barrier, args))
+                let th = LoopThread {
+                    address,
+                    op,
+                    t,
+                    barrier: &barrier,
+                    args,
+                    duration: Duration::from_secs_f64(args.seconds),
+                };
+                s.spawn(move || worker(&th))
             })
             .collect();
         handles
@@ -311,119 +342,147 @@ fn run_loop(address: &str, op: Op, threads: usize, args: &MicroArgs) -> Result<L
     Ok(total)
 }
 
-fn worker(
-    address: &str,
+/// What each thread of a loop is given.
+struct LoopThread<'a> {
+    address: &'a str,
     op: Op,
+    /// The thread's number.
     t: usize,
-    barrier: &Barrier,
-    args: &MicroArgs,
-) -> Result<LoopResult, String> {
-    let mut latency = new_histogram()?;
-    let duration = Duration::from_secs_f64(args.seconds);
-    let mut rng = 0x9e37_79b9_7f4a_7c15u64 ^ (t as u64 + 1).wrapping_mul(0x2545_f491_4f6c_dd1d);
+    /// Every thread of the loop starts timing together.
+    barrier: &'a Barrier,
+    args: &'a MicroArgs,
+    /// How long the loop runs.
+    duration: Duration,
+}
+
+/// One thread of a loop. Throughput counts the timed operations' time
+/// only, in every loop, so that they compare.
+fn worker(th: &LoopThread) -> Result<LoopResult, String> {
+    let mut rng = 0x9e37_79b9_7f4a_7c15u64 ^ (th.t as u64 + 1).wrapping_mul(0x2545_f491_4f6c_dd1d);
     let mut next = move || {
         rng ^= rng << 13;
         rng ^= rng >> 7;
         rng ^= rng << 17;
         rng
     };
-    let mut ops = 0u64;
-    let mut unknown = 0u64;
-    let (elapsed, verbs) = match op {
+    match th.op {
         Op::Get { .. }
         | Op::GetBatch
         | Op::Update { .. }
         | Op::Insert
         | Op::Delete { .. }
-        | Op::Incr => {
-            let mut kv = KvLoop::connect(address, op, t, args)?;
-            // Hints settle after every thread is ready, so none waits long
-            // enough here for its hints to go stale.
-            barrier.wait();
-            kv.settle_hints()?;
-            barrier.wait();
-            let start = Instant::now();
-            while start.elapsed() < duration {
-                ops += kv.step(&mut next, &mut latency)?;
-            }
-            // Throughput counts the timed operations' time only: a warm
-            // DELETE's set-up waits for hints to settle.
-            unknown = kv.unknown;
-            (kv.busy, kv.timed)
-        }
-        Op::GetBound => {
-            let (mut conn, g) = raw_connection(address)?;
-            let Address::Shm { region } = Address::parse(address)? else {
-                return Err("GET-bound runs on shm only".into());
-            };
-            let region =
-                SharedRegion::for_client(&region, g.region_len).map_err(|e| e.to_string())?;
-            let mut bound = BoundGet::new(&g, args.value_size);
-            barrier.wait();
-            let start = Instant::now();
-            let mut missed = 0u64;
-            // Throughput counts the timed operations' time only, in every
-            // loop, so that they compare.
-            let mut busy = Duration::ZERO;
-            while start.elapsed() < duration {
-                let k = key(next() % args.keys, args.key_size);
-                let t0 = Instant::now();
-                missed += u64::from(!bound.get(&region, &k)?);
-                let took = t0.elapsed();
-                latency.saturating_record(took.as_nanos() as u64);
-                busy += took;
-                ops += 1;
-            }
-            if missed > 0 {
-                // Only a resize after the geometry was read does that.
-                return Err(format!("GET-bound missed {missed} of {ops} keys"));
-            }
-            let _ = conn.call(&Request::Disconnect);
-            (busy, VerbStats::default())
-        }
-        Op::RawRead | Op::RawCas => {
-            let (mut conn, g) = raw_connection(address)?;
-            let before = *conn.stats();
-            barrier.wait();
-            let start = Instant::now();
-            let mut busy = Duration::ZERO;
-            while start.elapsed() < duration {
-                let verb = if op == Op::RawRead {
-                    let bucket = next() % g.bucket_count;
-                    // 16 buckets = 1 KiB, like a 1 KiB value.
-                    let first = bucket.min(g.bucket_count.saturating_sub(16));
-                    Verb::Read {
-                        remote: g.bucket_offset(first),
-                        local: 0,
-                        len: 1024,
-                    }
-                } else {
-                    // On the epoch word, expecting a value it never holds:
-                    // the CAS compares and never writes.
-                    Verb::Cas {
-                        remote: EPOCH_OFFSET,
-                        local: 2048,
-                        expect: u64::MAX,
-                        swap: u64::MAX,
-                    }
-                };
-                let t0 = Instant::now();
-                conn.post(&[verb]).map_err(|e| e.to_string())?;
-                let took = t0.elapsed();
-                latency.saturating_record(took.as_nanos() as u64);
-                busy += took;
-                ops += 1;
-            }
-            let _ = conn.call(&Request::Disconnect);
-            (busy, conn.stats().since(&before))
-        }
-    };
+        | Op::Incr => kv_worker(th, &mut next),
+        Op::GetBound => bound_worker(th, &mut next),
+        Op::RawRead | Op::RawCas => raw_worker(th, &mut next),
+    }
+}
+
+/// A thread of a key-value operation's loop, through a client.
+fn kv_worker(th: &LoopThread, next: &mut impl FnMut() -> u64) -> Result<LoopResult, String> {
+    let mut latency = new_histogram()?;
+    let mut ops = 0u64;
+    let mut kv = KvLoop::connect(th.address, th.op, th.t, th.args)?;
+    // Hints settle after every thread is ready, so none waits long
+    // enough here for its hints to go stale.
+    th.barrier.wait();
+    kv.settle_hints()?;
+    th.barrier.wait();
+    let start = Instant::now();
+    while start.elapsed() < th.duration {
+        ops += kv.step(next, &mut latency)?;
+    }
+    // Throughput counts the timed operations' time only: a warm
+    // DELETE's set-up waits for hints to settle.
     Ok(LoopResult {
         ops,
-        unknown,
-        elapsed,
+        unknown: kv.unknown,
+        elapsed: kv.busy,
         latency,
-        verbs,
+        verbs: kv.timed,
+    })
+}
+
+/// A thread of the GET-bound loop, on the mapping itself.
+fn bound_worker(th: &LoopThread, next: &mut impl FnMut() -> u64) -> Result<LoopResult, String> {
+    let args = th.args;
+    let mut latency = new_histogram()?;
+    let mut ops = 0u64;
+    let (mut conn, g) = raw_connection(th.address)?;
+    let Address::Shm { region } = Address::parse(th.address)? else {
+        return Err("GET-bound runs on shm only".into());
+    };
+    let region = SharedRegion::for_client(&region, g.region_len).map_err(|e| e.to_string())?;
+    let mut bound = BoundGet::new(&g, args.value_size);
+    th.barrier.wait();
+    let start = Instant::now();
+    let mut missed = 0u64;
+    let mut busy = Duration::ZERO;
+    while start.elapsed() < th.duration {
+        let k = key(next() % args.keys, args.key_size);
+        let t0 = Instant::now();
+        missed += u64::from(!bound.get(&region, &k)?);
+        let took = t0.elapsed();
+        latency.saturating_record(took.as_nanos() as u64);
+        busy += took;
+        ops += 1;
+    }
+    if missed > 0 {
+        // Only a resize after the geometry was read does that.
+        return Err(format!("GET-bound missed {missed} of {ops} keys"));
+    }
+    let _ = conn.call(&Request::Disconnect);
+    Ok(LoopResult {
+        ops,
+        unknown: 0,
+        elapsed: busy,
+        latency,
+        verbs: VerbStats::default(),
+    })
+}
+
+/// A thread of a raw verb's loop: a READ of 1 KiB, or a CAS.
+fn raw_worker(th: &LoopThread, next: &mut impl FnMut() -> u64) -> Result<LoopResult, String> {
+    let mut latency = new_histogram()?;
+    let mut ops = 0u64;
+    let (mut conn, g) = raw_connection(th.address)?;
+    let before = *conn.stats();
+    th.barrier.wait();
+    let start = Instant::now();
+    let mut busy = Duration::ZERO;
+    while start.elapsed() < th.duration {
+        let verb = if th.op == Op::RawRead {
+            let bucket = next() % g.bucket_count;
+            // 16 buckets = 1 KiB, like a 1 KiB value.
+            let first = bucket.min(g.bucket_count.saturating_sub(16));
+            Verb::Read {
+                remote: g.bucket_offset(first),
+                local: 0,
+                len: 1024,
+            }
+        } else {
+            // On the epoch word, expecting a value it never holds:
+            // the CAS compares and never writes.
+            Verb::Cas {
+                remote: EPOCH_OFFSET,
+                local: 2048,
+                expect: u64::MAX,
+                swap: u64::MAX,
+            }
+        };
+        let t0 = Instant::now();
+        conn.post(&[verb]).map_err(|e| e.to_string())?;
+        let took = t0.elapsed();
+        latency.saturating_record(took.as_nanos() as u64);
+        busy += took;
+        ops += 1;
+    }
+    let _ = conn.call(&Request::Disconnect);
+    Ok(LoopResult {
+        ops,
+        unknown: 0,
+        elapsed: busy,
+        latency,
+        verbs: conn.stats().since(&before),
     })
 }
 
@@ -594,9 +653,9 @@ impl<'a> KvLoop<'a> {
                 self.made += 1;
                 self.keys[(self.made % self.keys.len() as u64) as usize].clone()
             }
-            Op::Delete { warm } => {
+            Op::Delete { .. } => {
                 if self.keys.is_empty() {
-                    self.refill_deletes(warm)?;
+                    self.refill_deletes()?;
                 }
                 self.keys.pop().unwrap_or_default()
             }
@@ -649,15 +708,13 @@ impl<'a> KvLoop<'a> {
 
     /// Inserts the next keys to delete (untimed); for warm deletes, lets
     /// their hints settle.
-    fn refill_deletes(&mut self, warm: bool) -> Result<(), String> {
+    fn refill_deletes(&mut self) -> Result<(), String> {
         for _ in 0..self.args.warm_keys.max(1) {
             let k = self.fresh_key();
             self.kv.put(&k, &self.value).map_err(|e| e.to_string())?;
             self.keys.push(k);
         }
-        if warm {
-            self.settle_hints()?;
-        }
-        Ok(())
+        // Nothing for cold deletes, which need no hints.
+        self.settle_hints()
     }
 }

@@ -172,20 +172,11 @@ fn throughput_over_time(area: &Area, phases: &[Series]) -> Result<(), String> {
     legend(&mut chart)
 }
 
-/// One operation's latency percentiles in one series.
-struct Line {
-    name: String,
-    series: usize,
-    op: usize,
-    /// (percentile index, µs).
-    points: Vec<(f64, f64)>,
-}
-
-fn latency_percentiles(area: &Area, series: &[Series]) -> Result<(), String> {
-    // One line per (series, operation): its latency at each percentile, µs.
-    // A series keeps its colour across both panels; the operation picks
-    // the dash.
-    let lines: Vec<Line> = series
+/// One line per (series, operation): its latency at each percentile, µs.
+/// A series keeps its colour across both panels; the operation picks the
+/// dash.
+fn percentile_lines(series: &[Series]) -> Vec<Line> {
+    series
         .iter()
         .enumerate()
         .flat_map(|(i, s)| {
@@ -210,7 +201,20 @@ fn latency_percentiles(area: &Area, series: &[Series]) -> Result<(), String> {
                     }
                 })
         })
-        .collect();
+        .collect()
+}
+
+/// One operation's latency percentiles in one series.
+struct Line {
+    name: String,
+    series: usize,
+    op: usize,
+    /// (percentile index, µs).
+    points: Vec<(f64, f64)>,
+}
+
+fn latency_percentiles(area: &Area, series: &[Series]) -> Result<(), String> {
+    let lines = percentile_lines(series);
     let values = || lines.iter().flat_map(|l| l.points.iter().map(|&(_, v)| v));
     let low = values().fold(f64::MAX, f64::min).min(1.0);
     let high = values().fold(low * 10.0, f64::max);

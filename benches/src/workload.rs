@@ -4,7 +4,9 @@
 
 use std::time::Duration;
 
-use crate::generator::{Hotspot, KeyChooser, Rng, ScrambledZipfian, Zipfian, ZIPFIAN_CONSTANT};
+use crate::generator::{
+    Hotspot, InsertOrder, KeyChooser, Rng, ScrambledZipfian, Zipfian, ZIPFIAN_CONSTANT,
+};
 use crate::properties::Properties;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -37,7 +39,7 @@ pub struct Workload {
     pub zipfianconstant: f64,
     pub hotspotdatafraction: f64,
     pub hotspotopnfraction: f64,
-    pub ordered_inserts: bool,
+    pub insertorder: InsertOrder,
     pub insertstart: u64,
     pub insertcount: u64,
     pub writeallfields: bool,
@@ -116,6 +118,66 @@ impl Reader<'_> {
                 .map_err(|_| format!("{key}: '{v}' is not true or false")),
         }
     }
+
+    fn field_length_distribution(&self) -> Result<FieldLength, String> {
+        match self.0.get("fieldlengthdistribution").unwrap_or("constant") {
+            "constant" => Ok(FieldLength::Constant),
+            "uniform" => Ok(FieldLength::Uniform),
+            "zipfian" => Ok(FieldLength::Zipfian),
+            other => Err(format!(
+                "fieldlengthdistribution: '{other}' is not constant, uniform or zipfian"
+            )),
+        }
+    }
+
+    fn request_distribution(&self) -> Result<Distribution, String> {
+        match self.0.get("requestdistribution").unwrap_or("uniform") {
+            "uniform" => Ok(Distribution::Uniform),
+            "zipfian" => Ok(Distribution::Zipfian),
+            "latest" => Ok(Distribution::Latest),
+            "hotspot" => Ok(Distribution::Hotspot),
+            other => Err(format!(
+                "requestdistribution: '{other}' is not uniform, zipfian, latest or hotspot"
+            )),
+        }
+    }
+
+    fn zipfian_constant(&self) -> Result<f64, String> {
+        let Some(v) = self.0.get("zipfianconstant") else {
+            return Ok(ZIPFIAN_CONSTANT);
+        };
+        let t: f64 = v
+            .parse()
+            .map_err(|_| format!("zipfianconstant: '{v}' is not a number"))?;
+        if !(t > 0.0 && t < 1.0) {
+            return Err(format!(
+                "zipfianconstant: {t} must be between 0 and 1 (exclusive)"
+            ));
+        }
+        Ok(t)
+    }
+
+    fn insert_order(&self) -> Result<InsertOrder, String> {
+        match self.0.get("insertorder").unwrap_or("hashed") {
+            "hashed" => Ok(InsertOrder::Hashed),
+            "ordered" => Ok(InsertOrder::Ordered),
+            other => Err(format!("insertorder: '{other}' is not hashed or ordered")),
+        }
+    }
+
+    /// Operations per second; None: as fast as possible (0 or unset).
+    fn target(&self) -> Result<Option<f64>, String> {
+        let Some(v) = self.0.get("target") else {
+            return Ok(None);
+        };
+        let t: f64 = v
+            .parse()
+            .map_err(|_| format!("target: '{v}' is not a number"))?;
+        if t < 0.0 || !t.is_finite() {
+            return Err(format!("target: {t} must be zero or positive"));
+        }
+        Ok((t > 0.0).then_some(t))
+    }
 }
 
 impl Workload {
@@ -150,52 +212,16 @@ impl Workload {
             operationcount: r.count("operationcount", 0)?,
             fieldcount: r.count("fieldcount", 10)?,
             fieldlength: r.count("fieldlength", 100)?,
-            fieldlengthdistribution: match p.get("fieldlengthdistribution").unwrap_or("constant") {
-                "constant" => FieldLength::Constant,
-                "uniform" => FieldLength::Uniform,
-                "zipfian" => FieldLength::Zipfian,
-                other => {
-                    return Err(format!(
-                        "fieldlengthdistribution: '{other}' is not constant, uniform or zipfian"
-                    ))
-                }
-            },
+            fieldlengthdistribution: r.field_length_distribution()?,
             readproportion: r.fraction("readproportion", 0.95)?,
             updateproportion: r.fraction("updateproportion", 0.05)?,
             insertproportion: r.fraction("insertproportion", 0.0)?,
             readmodifywriteproportion: r.fraction("readmodifywriteproportion", 0.0)?,
-            requestdistribution: match p.get("requestdistribution").unwrap_or("uniform") {
-                "uniform" => Distribution::Uniform,
-                "zipfian" => Distribution::Zipfian,
-                "latest" => Distribution::Latest,
-                "hotspot" => Distribution::Hotspot,
-                other => {
-                    return Err(format!(
-                        "requestdistribution: '{other}' is not uniform, zipfian, latest or hotspot"
-                    ))
-                }
-            },
-            zipfianconstant: match p.get("zipfianconstant") {
-                None => ZIPFIAN_CONSTANT,
-                Some(v) => {
-                    let t: f64 = v
-                        .parse()
-                        .map_err(|_| format!("zipfianconstant: '{v}' is not a number"))?;
-                    if !(t > 0.0 && t < 1.0) {
-                        return Err(format!(
-                            "zipfianconstant: {t} must be between 0 and 1 (exclusive)"
-                        ));
-                    }
-                    t
-                }
-            },
+            requestdistribution: r.request_distribution()?,
+            zipfianconstant: r.zipfian_constant()?,
             hotspotdatafraction: r.fraction("hotspotdatafraction", 0.2)?,
             hotspotopnfraction: r.fraction("hotspotopnfraction", 0.8)?,
-            ordered_inserts: match p.get("insertorder").unwrap_or("hashed") {
-                "hashed" => false,
-                "ordered" => true,
-                other => return Err(format!("insertorder: '{other}' is not hashed or ordered")),
-            },
+            insertorder: r.insert_order()?,
             insertstart,
             insertcount,
             writeallfields: r.flag("writeallfields", false)?,
@@ -205,51 +231,46 @@ impl Workload {
             },
             threadcount: r.count("threadcount", 1)? as usize,
             batchsize: r.count("batchsize", 1)? as usize,
-            target: match p.get("target") {
-                None => None,
-                Some(v) => {
-                    let t: f64 = v
-                        .parse()
-                        .map_err(|_| format!("target: '{v}' is not a number"))?;
-                    if t < 0.0 || !t.is_finite() {
-                        return Err(format!("target: {t} must be zero or positive"));
-                    }
-                    (t > 0.0).then_some(t)
-                }
-            },
+            target: r.target()?,
         };
-        let sum = w.readproportion
-            + w.updateproportion
-            + w.insertproportion
-            + w.readmodifywriteproportion
+        w.check(scan)?;
+        Ok((w, warnings))
+    }
+
+    /// Refuses a workload whose properties do not fit together.
+    fn check(&self, scan: f64) -> Result<(), String> {
+        let sum = self.readproportion
+            + self.updateproportion
+            + self.insertproportion
+            + self.readmodifywriteproportion
             + scan;
         if (sum - 1.0).abs() > 1e-6 {
             return Err(format!(
-                "readproportion + updateproportion + insertproportion + readmodifywriteproportion + \
-                 scanproportion = {sum}, must be 1"
+                "readproportion + updateproportion + insertproportion + readmodifywriteproportion \
+                 + scanproportion = {sum}, must be 1"
             ));
         }
-        if w.fieldcount == 0 {
+        if self.fieldcount == 0 {
             return Err("fieldcount: must be at least 1".into());
         }
-        if w.fieldlength == 0 {
+        if self.fieldlength == 0 {
             return Err("fieldlength: must be at least 1".into());
         }
-        if w.threadcount == 0 {
+        if self.threadcount == 0 {
             return Err("threadcount: must be at least 1".into());
         }
-        if !(1..=MAX_BATCH).contains(&w.batchsize) {
+        if !(1..=MAX_BATCH).contains(&self.batchsize) {
             return Err(format!("batchsize: must be from 1 to {MAX_BATCH}"));
         }
-        if w.operationcount > 0
-            && w.insertcount == 0
-            && w.readproportion + w.updateproportion + w.readmodifywriteproportion > 0.0
+        if self.operationcount > 0
+            && self.insertcount == 0
+            && self.readproportion + self.updateproportion + self.readmodifywriteproportion > 0.0
         {
             return Err(
                 "recordcount: must be at least 1 for a workload that reads or updates".into(),
             );
         }
-        Ok((w, warnings))
+        Ok(())
     }
 
     /// The run phase's key chooser (YCSB's CoreWorkload.init).
@@ -380,7 +401,7 @@ mod tests {
         let w = workload("recordcount=10\noperationcount=5\n").unwrap();
         assert_eq!((w.fieldcount, w.fieldlength, w.threadcount), (10, 100, 1));
         assert_eq!(w.requestdistribution, Distribution::Uniform);
-        assert!(!w.writeallfields && !w.ordered_inserts);
+        assert!(!w.writeallfields && w.insertorder == InsertOrder::Hashed);
         assert_eq!(w.insertcount, 10);
         let (_, warnings) = Workload::from_properties(&Properties::parse(
             "recordcount=1\nmongodb.url=x\nworkload=y\n",

@@ -112,7 +112,8 @@ pub fn memory_for(w: &Workload) -> u64 {
     (records * record * 3).max(64 << 20) + (64 << 20)
 }
 
-pub fn run(args: WorkloadArgs, load: bool, run: bool) -> Result<(), String> {
+/// Runs `phases` of the workload, in order, on onekv.
+pub fn run(args: WorkloadArgs, phases: &[Phase]) -> Result<(), String> {
     let w = args.workload()?;
     let target = Target::open(args.server.as_deref(), args.memory)?;
     let store = Onekv {
@@ -132,10 +133,7 @@ pub fn run(args: WorkloadArgs, load: bool, run: bool) -> Result<(), String> {
     let options = RunOptions::for_terminal(args.seed, args.status_interval()?);
     let mut results = Vec::new();
     let mut out = std::io::stdout().lock();
-    for (wanted, phase) in [(load, Phase::Load), (run, Phase::Run)] {
-        if !wanted {
-            continue;
-        }
+    for &phase in phases {
         let result = run_phase(&store, &w, phase, &options)?;
         report::print_ycsb(&mut out, &result).map_err(|e| e.to_string())?;
         results.push(result);

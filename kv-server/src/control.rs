@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use kv_common::layout::{Geometry, SLOTS_PER_BUCKET};
 use kv_common::mapping::SharedRegion;
 use kv_common::protocol::{
-    ConnectInfo, ErrorKind, GeometryInfo, Request, Response, ServerStats, PROTOCOL_VERSION,
+    ConnectInfo, ErrorKind, Extent, GeometryInfo, Request, Response, ServerStats, PROTOCOL_VERSION,
 };
 use kv_common::transport::{ControlListener, ControlPeer, Fenced};
 use kv_common::Address;
@@ -339,54 +339,7 @@ pub fn handle(
                 secret,
             },
             None,
-        ) => {
-            if protocol_version != PROTOCOL_VERSION {
-                c.refuse(Refusal::Version);
-                let m =
-                    format!("client speaks protocol {protocol_version}, server {PROTOCOL_VERSION}");
-                return (error(ErrorKind::VersionMismatch, m), After::Close);
-            }
-            // The server's own resize connection: admitted past the limit.
-            let mover = same_secret(&shared.mover_token, &secret);
-            if let Some(expected) = shared.secret.as_ref().filter(|_| !mover) {
-                if !same_secret(expected, &secret) {
-                    c.refuse(Refusal::Secret);
-                    tracing::warn!("refused a client with a wrong secret");
-                    return (error(ErrorKind::BadSecret, "wrong secret"), After::Close);
-                }
-            }
-            if !mover && c.connected.load(Relaxed) >= shared.max_clients {
-                c.refuse(Refusal::Clients);
-                let m = format!("the server serves at most {} clients", shared.max_clients);
-                return (error(ErrorKind::TooManyClients, m), After::Close);
-            }
-            // The epoch first: the key admit hands out is then at least as
-            // new as the geometry (see `tell_geometry`).
-            let id = shared.next_client.fetch_add(1, Relaxed);
-            let geometry = shared.tell_geometry(id);
-            let region = match peer.admit() {
-                Ok(r) => r,
-                Err(e) => {
-                    shared.forget_client(id);
-                    c.refuse(Refusal::Admission);
-                    return (
-                        error(ErrorKind::TooManyClients, e.to_string()),
-                        After::Close,
-                    );
-                }
-            };
-            session.client = Some(id);
-            c.connects.fetch_add(1, Relaxed);
-            c.connected.fetch_add(1, Relaxed);
-            tracing::debug!(client = id, "connected");
-            let info = ConnectInfo {
-                client_id: id,
-                region,
-                geometry,
-                op_deadline_us: shared.op_deadline.as_micros() as u64,
-            };
-            (Response::Connected(info), After::Stay)
-        }
+        ) => connect(shared, session, peer, protocol_version, &secret),
         (Request::Connect { .. }, Some(_)) => {
             c.malformed.fetch_add(1, Relaxed);
             let after = offence(session);
@@ -399,149 +352,25 @@ pub fn handle(
                 After::Close,
             )
         }
-        (Request::Lease { min_len }, Some(id)) => {
-            c.leases.fetch_add(1, Relaxed);
-            let chunk_size = shared.geometry().chunk_size;
-            if min_len == 0 || min_len > chunk_size {
-                let m = format!("lease of {min_len} bytes; chunks are {chunk_size}");
-                let after = offence(session);
-                return (error(ErrorKind::Malformed, m), after);
-            }
-            let (leased, held) = match shared.pool.lock() {
-                Ok(mut p) => {
-                    let leased = p.lease(id, min_len);
-                    let held = leased
-                        .is_err()
-                        .then(|| (p.retired_bytes(), p.aging_bytes(), p.leased_bytes()));
-                    (leased, held)
-                }
-                Err(_) => (Err(LeaseRefusal::Full), None),
-            };
-            // Where the heap is, for a refusal.
-            let held = || {
-                let (retired, aging, leased) = held.unwrap_or_default();
-                format!(
-                    "{} bytes live at the last collection, {retired} awaiting a collection, \
-                     {aging} awaiting their grace period, {leased} leased to clients",
-                    c.live_bytes.load(Relaxed)
-                )
-            };
-            let can_grow = shared.geometry().region_len < shared.limits.max_region;
-            let mostly_live = || {
-                let g = shared.geometry();
-                c.live_bytes.load(Relaxed) >= g.heap_size / 2
-            };
-            // Collecting cannot help a heap that is mostly live: grow it.
-            let leased = match leased {
-                Err(LeaseRefusal::Busy) if can_grow && mostly_live() => {
-                    shared.want_growth(|w| w.heap = true);
-                    Err(LeaseRefusal::Busy)
-                }
-                Err(LeaseRefusal::Full) if can_grow => {
-                    shared.want_growth(|w| w.heap = true);
-                    Err(LeaseRefusal::Busy)
-                }
-                other => other,
-            };
-            match leased {
-                Ok(extents) => {
-                    tracing::trace!(client = id, extents = extents.len(), "leased");
-                    (Response::Leased(extents), After::Stay)
-                }
-                Err(LeaseRefusal::Busy) => {
-                    shared.wake_reclaimer();
-                    let m = format!(
-                        "no free heap space right now; space is being reclaimed ({})",
-                        held()
-                    );
-                    (error(ErrorKind::HeapBusy, m), After::Stay)
-                }
-                Err(LeaseRefusal::Full) => {
-                    shared.wake_reclaimer();
-                    let m = format!(
-                        "no free heap space left after a collection, and the region is at its cap of \
-                         {} bytes (--max-memory): {}",
-                        shared.limits.max_region,
-                        held()
-                    );
-                    (error(ErrorKind::HeapFull, m), After::Stay)
-                }
-                Err(LeaseRefusal::TooManyExtents) => {
-                    let m = "this client holds too many extents; give some back first";
-                    (error(ErrorKind::BadExtent, m), After::Stay)
-                }
-            }
-        }
-        (Request::GiveBack { extents }, Some(id)) => {
-            c.give_backs.fetch_add(1, Relaxed);
-            let result = match shared.pool.lock() {
-                Ok(mut p) => p.give_back(id, &extents),
-                Err(_) => Err("heap pool unavailable".into()),
-            };
-            match result {
-                Ok(()) => (Response::GivenBack, After::Stay),
-                Err(m) => {
-                    c.refused_give_backs.fetch_add(1, Relaxed);
-                    tracing::warn!(client = id, "refused give-back: {m}");
-                    let after = offence(session);
-                    (error(ErrorKind::BadExtent, m), after)
-                }
-            }
-        }
+        (Request::Lease { min_len }, Some(id)) => lease(shared, session, id, min_len),
+        (Request::GiveBack { extents }, Some(id)) => give_back(shared, session, id, &extents),
         (Request::Geometry, Some(id)) => {
             c.geometry_requests.fetch_add(1, Relaxed);
-            match shared.geometry_info(id, peer) {
-                Ok(info) => (Response::Geometry(info), After::Stay),
-                Err(m) => (error(ErrorKind::NotConnected, m), After::Close),
-            }
+            geometry_reply(shared, id, peer)
         }
         (Request::Resize { epoch, full_key }, Some(id)) => {
             c.geometry_requests.fetch_add(1, Relaxed);
-            let current = shared.geometry();
-            if epoch == current.epoch
-                && !shared.resizing.load(Relaxed)
-                && !index_load::resize_warranted(
-                    &shared.region,
-                    &current,
-                    shared.limits.resize,
-                    full_key.as_deref(),
-                )
-            {
-                // Answered with the geometry, not resizing: the client
-                // redoes its operation, or reports the refusal.
-                c.declined_resizes.fetch_add(1, Relaxed);
-            } else if epoch == current.epoch && !shared.resizing.load(Relaxed) {
-                if let Some(why) = shared.resize_refusal(epoch) {
-                    return (error(ErrorKind::IndexFull, why), After::Stay);
-                }
-                if current.bucket_count * 2 > shared.limits.max_buckets {
-                    let m = format!(
-                        "the index has {} buckets, the cap (--max-buckets) is {}",
-                        current.bucket_count, shared.limits.max_buckets
-                    );
-                    return (error(ErrorKind::IndexFull, m), After::Stay);
-                }
-                // Said before the reply, so the client sees it resizing;
-                // under the grow lock, which the grow thread clears it under.
-                shared.want_growth(|w| {
-                    shared.resizing.store(true, Relaxed);
-                    w.resize = Some(current.bucket_count);
-                });
+            if let Err(why) = consider_resize(shared, epoch, full_key.as_deref()) {
+                return (error(ErrorKind::IndexFull, why), After::Stay);
             }
-            match shared.geometry_info(id, peer) {
-                Ok(info) => (Response::Geometry(info), After::Stay),
-                Err(m) => (error(ErrorKind::NotConnected, m), After::Close),
-            }
+            geometry_reply(shared, id, peer)
         }
         (Request::StrayFrozen { epoch }, Some(id)) => {
             c.geometry_requests.fetch_add(1, Relaxed);
             if epoch == shared.geometry().epoch && !shared.resizing.load(Relaxed) {
                 shared.want_growth(|w| w.thaw = true);
             }
-            match shared.geometry_info(id, peer) {
-                Ok(info) => (Response::Geometry(info), After::Stay),
-                Err(m) => (error(ErrorKind::NotConnected, m), After::Close),
-            }
+            geometry_reply(shared, id, peer)
         }
         (Request::Stats, Some(_)) => {
             c.stats_requests.fetch_add(1, Relaxed);
@@ -557,21 +386,237 @@ pub fn handle(
     }
 }
 
+/// A `Connect` on a fresh channel: checks the version, the secret and the
+/// client limit, then admits the client to the data path.
+fn connect(
+    shared: &Shared,
+    session: &mut Session,
+    peer: &mut dyn ControlPeer,
+    protocol_version: u32,
+    secret: &[u8],
+) -> (Response, After) {
+    let c = &shared.counters;
+    if protocol_version != PROTOCOL_VERSION {
+        c.refuse(Refusal::Version);
+        let m = format!("client speaks protocol {protocol_version}, server {PROTOCOL_VERSION}");
+        return (error(ErrorKind::VersionMismatch, m), After::Close);
+    }
+    // The server's own resize connection: admitted past the limit.
+    let mover = same_secret(&shared.mover_token, secret);
+    if let Some(expected) = shared.secret.as_ref().filter(|_| !mover) {
+        if !same_secret(expected, secret) {
+            c.refuse(Refusal::Secret);
+            tracing::warn!("refused a client with a wrong secret");
+            return (error(ErrorKind::BadSecret, "wrong secret"), After::Close);
+        }
+    }
+    if !mover && c.connected.load(Relaxed) >= shared.max_clients {
+        c.refuse(Refusal::Clients);
+        let m = format!("the server serves at most {} clients", shared.max_clients);
+        return (error(ErrorKind::TooManyClients, m), After::Close);
+    }
+    // The epoch first: the key admit hands out is then at least as
+    // new as the geometry (see `tell_geometry`).
+    let id = shared.next_client.fetch_add(1, Relaxed);
+    let geometry = shared.tell_geometry(id);
+    let region = match peer.admit() {
+        Ok(r) => r,
+        Err(e) => {
+            shared.forget_client(id);
+            c.refuse(Refusal::Admission);
+            return (
+                error(ErrorKind::TooManyClients, e.to_string()),
+                After::Close,
+            );
+        }
+    };
+    session.client = Some(id);
+    c.connects.fetch_add(1, Relaxed);
+    c.connected.fetch_add(1, Relaxed);
+    tracing::debug!(client = id, "connected");
+    let info = ConnectInfo {
+        client_id: id,
+        region,
+        geometry,
+        op_deadline_us: shared.op_deadline.as_micros() as u64,
+    };
+    (Response::Connected(info), After::Stay)
+}
+
+/// A `Lease`: heap extents for client `id`, or why there are none now.
+fn lease(shared: &Shared, session: &mut Session, id: ClientId, min_len: u64) -> (Response, After) {
+    let c = &shared.counters;
+    c.leases.fetch_add(1, Relaxed);
+    let chunk_size = shared.geometry().chunk_size;
+    if min_len == 0 || min_len > chunk_size {
+        let m = format!("lease of {min_len} bytes; chunks are {chunk_size}");
+        let after = offence(session);
+        return (error(ErrorKind::Malformed, m), after);
+    }
+    let (leased, held) = match shared.pool.lock() {
+        Ok(mut p) => {
+            let leased = p.lease(id, min_len);
+            let held = leased
+                .is_err()
+                .then(|| (p.retired_bytes(), p.aging_bytes(), p.leased_bytes()));
+            (leased, held)
+        }
+        Err(_) => (Err(LeaseRefusal::Full), None),
+    };
+    // Where the heap is, for a refusal.
+    let held = || {
+        let (retired, aging, leased) = held.unwrap_or_default();
+        format!(
+            "{} bytes live at the last collection, {retired} awaiting a collection, \
+             {aging} awaiting their grace period, {leased} leased to clients",
+            c.live_bytes.load(Relaxed)
+        )
+    };
+    match grow_instead_of_collecting(shared, leased) {
+        Ok(extents) => {
+            tracing::trace!(client = id, extents = extents.len(), "leased");
+            (Response::Leased(extents), After::Stay)
+        }
+        Err(LeaseRefusal::Busy) => {
+            shared.wake_reclaimer();
+            let m = format!(
+                "no free heap space right now; space is being reclaimed ({})",
+                held()
+            );
+            (error(ErrorKind::HeapBusy, m), After::Stay)
+        }
+        Err(LeaseRefusal::Full) => {
+            shared.wake_reclaimer();
+            let m = format!(
+                "no free heap space left after a collection, and the region is at its cap of \
+                 {} bytes (--max-memory): {}",
+                shared.limits.max_region,
+                held()
+            );
+            (error(ErrorKind::HeapFull, m), After::Stay)
+        }
+        Err(LeaseRefusal::TooManyExtents) => {
+            let m = "this client holds too many extents; give some back first";
+            (error(ErrorKind::BadExtent, m), After::Stay)
+        }
+    }
+}
+
+/// A `GiveBack`: the pool takes back what client `id` no longer writes
+/// into; naming space it does not hold is an offence.
+fn give_back(
+    shared: &Shared,
+    session: &mut Session,
+    id: ClientId,
+    extents: &[Extent],
+) -> (Response, After) {
+    let c = &shared.counters;
+    c.give_backs.fetch_add(1, Relaxed);
+    let result = match shared.pool.lock() {
+        Ok(mut p) => p.give_back(id, extents),
+        Err(_) => Err("heap pool unavailable".into()),
+    };
+    match result {
+        Ok(()) => (Response::GivenBack, After::Stay),
+        Err(m) => {
+            c.refused_give_backs.fetch_add(1, Relaxed);
+            tracing::warn!(client = id, "refused give-back: {m}");
+            let after = offence(session);
+            (error(ErrorKind::BadExtent, m), after)
+        }
+    }
+}
+
+/// A refused lease, where the region may still grow, asks the `kv-grow`
+/// thread for more heap: collecting cannot help a heap that is mostly live,
+/// and a full heap is only busy while it grows.
+fn grow_instead_of_collecting<T>(
+    shared: &Shared,
+    leased: Result<T, LeaseRefusal>,
+) -> Result<T, LeaseRefusal> {
+    let c = &shared.counters;
+    let can_grow = shared.geometry().region_len < shared.limits.max_region;
+    let mostly_live = || {
+        let g = shared.geometry();
+        c.live_bytes.load(Relaxed) >= g.heap_size / 2
+    };
+    match leased {
+        Err(LeaseRefusal::Busy) if can_grow && mostly_live() => {
+            shared.want_growth(|w| w.heap = true);
+            Err(LeaseRefusal::Busy)
+        }
+        Err(LeaseRefusal::Full) if can_grow => {
+            shared.want_growth(|w| w.heap = true);
+            Err(LeaseRefusal::Busy)
+        }
+        other => other,
+    }
+}
+
+/// A `Resize` of the index of `epoch`: declined when the index is not
+/// loaded enough, refused (Err: why the index is full) when there is no
+/// room or the cap is reached, else handed to the `kv-grow` thread. A
+/// resize already under way, or an epoch already past, asks nothing.
+fn consider_resize(shared: &Shared, epoch: u64, full_key: Option<&[u8]>) -> Result<(), String> {
+    let current = shared.geometry();
+    if epoch != current.epoch || shared.resizing.load(Relaxed) {
+        return Ok(());
+    }
+    if !index_load::resize_warranted(&shared.region, &current, shared.limits.resize, full_key) {
+        // Answered with the geometry, not resizing: the client
+        // redoes its operation, or reports the refusal.
+        shared.counters.declined_resizes.fetch_add(1, Relaxed);
+        return Ok(());
+    }
+    if let Some(why) = shared.resize_refusal(epoch) {
+        return Err(why);
+    }
+    if current.bucket_count * 2 > shared.limits.max_buckets {
+        let m = format!(
+            "the index has {} buckets, the cap (--max-buckets) is {}",
+            current.bucket_count, shared.limits.max_buckets
+        );
+        return Err(m);
+    }
+    // Said before the reply, so the client sees it resizing;
+    // under the grow lock, which the grow thread clears it under.
+    shared.want_growth(|w| {
+        shared.resizing.store(true, Relaxed);
+        w.resize = Some(current.bucket_count);
+    });
+    Ok(())
+}
+
+/// The geometry as a reply; a client whose channel cannot say how it
+/// reaches the region is hung up on.
+fn geometry_reply(shared: &Shared, id: ClientId, peer: &mut dyn ControlPeer) -> (Response, After) {
+    match shared.geometry_info(id, peer) {
+        Ok(info) => (Response::Geometry(info), After::Stay),
+        Err(m) => (error(ErrorKind::NotConnected, m), After::Close),
+    }
+}
+
+/// How a channel came to close.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ending {
+    /// The client said goodbye, or the server is shutting down: nothing to
+    /// count as a departure.
+    Goodbye,
+    /// The channel broke, timed out or was hung up on: a departure, whose
+    /// verbs may still be in flight.
+    Unannounced,
+}
+
 /// Ends a session: a connected client is cut off the data path, and what
 /// it still holds is retired (reclaimed once the fence has settled).
-pub fn end_session(
-    shared: &Shared,
-    session: &Session,
-    peer: &mut dyn ControlPeer,
-    said_goodbye: bool,
-) {
+pub fn end_session(shared: &Shared, session: &Session, peer: &mut dyn ControlPeer, ending: Ending) {
     let Some(id) = session.client else {
         return;
     };
     let fenced = peer.fence();
     // A client that said goodbye, or whose process has exited, has no verb
     // in flight; any other may have one, which lands within a grace period.
-    let eligible = if said_goodbye || fenced == Fenced::Exited {
+    let eligible = if ending == Ending::Goodbye || fenced == Fenced::Exited {
         Instant::now()
     } else {
         Instant::now() + shared.grace()
@@ -584,7 +629,7 @@ pub fn end_session(
     shared.want_growth(|_| {});
     let c = &shared.counters;
     c.connected.fetch_sub(1, Relaxed);
-    if !said_goodbye {
+    if ending == Ending::Unannounced {
         c.departures.fetch_add(1, Relaxed);
         tracing::info!(
             client = id,

@@ -16,7 +16,7 @@ use kv_common::protocol::{self, ErrorKind, Request};
 use kv_common::transport::{ControlPeer, Received, TransportError};
 use polling::{Event, Events, PollMode, Poller};
 
-use crate::control::{self, After, Session, Shared};
+use crate::control::{self, After, Ending, Session, Shared};
 
 /// Requests taken from one channel before the others get a turn.
 const FAIRNESS: usize = 16;
@@ -114,7 +114,7 @@ impl EventLoop {
         // of theirs is a departure to count or log.
         let ids: Vec<usize> = self.channels.keys().copied().collect();
         for id in ids {
-            self.close(id, true);
+            self.close(id, Ending::Goodbye);
         }
     }
 
@@ -175,7 +175,7 @@ impl EventLoop {
         let Some(ch) = self.channels.get_mut(&id) else {
             return;
         };
-        let mut close: Option<bool> = None;
+        let mut close: Option<Ending> = None;
         let mut drained = false;
         for _ in 0..FAIRNESS {
             let bytes = match ch.peer.try_recv() {
@@ -185,7 +185,7 @@ impl EventLoop {
                     break;
                 }
                 Ok(Received::Closed) => {
-                    close = Some(false);
+                    close = Some(Ending::Unannounced);
                     break;
                 }
                 Err(TransportError::Codec(e)) => {
@@ -199,22 +199,26 @@ impl EventLoop {
                     if let Ok(b) = protocol::encode(&reply) {
                         let _ = ch.peer.send(&b);
                     }
-                    close = Some(false);
+                    close = Some(Ending::Unannounced);
                     break;
                 }
                 Err(_) => {
-                    close = Some(false);
+                    close = Some(Ending::Unannounced);
                     break;
                 }
             };
             ch.last_seen = Instant::now();
             let (reply, after) = match protocol::decode::<Request>(&bytes) {
                 Ok(request) => {
-                    let goodbye = request == Request::Disconnect;
+                    let ending = if request == Request::Disconnect {
+                        Ending::Goodbye
+                    } else {
+                        Ending::Unannounced
+                    };
                     let (reply, after) =
                         control::handle(&shared, &mut ch.session, &mut *ch.peer, request);
                     if after == After::Close {
-                        close = Some(goodbye);
+                        close = Some(ending);
                     }
                     (reply, after)
                 }
@@ -222,7 +226,7 @@ impl EventLoop {
                     c.malformed.fetch_add(1, Relaxed);
                     let after = control::offence(&mut ch.session);
                     if after == After::Close {
-                        close = Some(false);
+                        close = Some(Ending::Unannounced);
                     }
                     (control::error(ErrorKind::Malformed, e.to_string()), after)
                 }
@@ -232,14 +236,14 @@ impl EventLoop {
                 .and_then(|b| ch.peer.send(&b));
             if let Err(e) = sent {
                 tracing::debug!(client = ch.session.client, "reply not delivered: {e}");
-                close.get_or_insert(false);
+                close.get_or_insert(Ending::Unannounced);
             }
             if after == After::Close || close.is_some() {
                 break;
             }
         }
-        if let Some(goodbye) = close {
-            self.close(id, goodbye);
+        if let Some(ending) = close {
+            self.close(id, ending);
         } else if !drained {
             self.unfinished.push(id);
         }
@@ -263,18 +267,18 @@ impl EventLoop {
             if let Some(ch) = self.channels.get(&id) {
                 tracing::debug!(client = ch.session.client, "control connection timed out");
             }
-            self.close(id, false);
+            self.close(id, Ending::Unannounced);
         }
     }
 
-    fn close(&mut self, id: usize, said_goodbye: bool) {
+    fn close(&mut self, id: usize, ending: Ending) {
         let Some(mut ch) = self.channels.remove(&id) else {
             return;
         };
         for &fd in &ch.fds {
             self.forget_fd(fd);
         }
-        control::end_session(&self.shared, &ch.session, &mut *ch.peer, said_goodbye);
+        control::end_session(&self.shared, &ch.session, &mut *ch.peer, ending);
         self.shared.counters.connections.fetch_sub(1, Relaxed);
     }
 

@@ -44,7 +44,7 @@ use kv_common::layout::{
 use kv_common::protocol::{Extent, Request, Response, PROTOCOL_VERSION};
 use kv_common::transport::{self, read_u64, Connection, TransportError, Verb};
 
-use crate::control::{self, Shared};
+use crate::control::{self, GrowRequests, Shared};
 use crate::{header, index_load, region};
 
 /// Growth steps: the region's size, at least 64 MiB and at most 1 GiB (so
@@ -64,18 +64,8 @@ pub fn run(shared: Arc<Shared>) {
     let mut registrations_since: Option<u64> = None;
     let mut last_thaw = None;
     loop {
-        let wanted = {
-            let (wanted, cv) = &shared.grow;
-            let Ok(mut w) = wanted.lock() else {
-                return;
-            };
-            if w.resize.is_none() && !w.heap && !w.thaw {
-                w = match cv.wait_timeout(w, SAMPLE_EVERY) {
-                    Ok((w, _)) => w,
-                    Err(_) => return,
-                };
-            }
-            std::mem::take(&mut *w)
+        let Some(wanted) = next_requests(&shared) else {
+            return;
         };
         if shared.stopping.load(Relaxed) {
             return;
@@ -102,56 +92,81 @@ pub fn run(shared: Arc<Shared>) {
             thaw_stray(&shared);
             last_thaw = Some(Instant::now());
         }
-        let g = shared.geometry();
-        let asked = wanted.resize == Some(g.bucket_count);
-        if asked || should_resize(&shared, &g) {
-            shared.resizing.store(true, Relaxed);
-            let started = Instant::now();
-            match resize(&shared) {
-                Ok((old, new, copied)) => {
-                    old_indexes.push((old, new.epoch));
-                    let slots = g.index_buckets() * SLOTS_PER_BUCKET as u64;
-                    tracing::info!(
-                        occupancy = format!("{:.3}", copied as f64 / slots as f64),
-                        keys = copied,
-                        buckets = new.bucket_count,
-                        epoch = new.epoch,
-                        took_ms = started.elapsed().as_millis() as u64,
-                        "index resized"
-                    );
-                }
-                Err(ResizeError::Refused(e)) => {
-                    tracing::warn!("index resize refused: {e}");
-                    if let Ok(mut f) = shared.refused_resize.lock() {
-                        *f = Some((shared.geometry().epoch, e, Instant::now()));
-                    }
-                }
-                Err(ResizeError::Failed(e)) => tracing::warn!("index resize failed: {e}"),
-            }
-        }
-        // A request for an index that has grown since needs nothing more;
-        // one that came meanwhile keeps it said.
-        if let Ok(w) = shared.grow.0.lock() {
-            if w.resize.is_none() {
-                shared.resizing.store(false, Relaxed);
-            }
-        }
+        resize_if_due(&shared, wanted.resize, &mut old_indexes);
         release_old_indexes(&shared, &mut old_indexes);
         if shared.counters.growths.load(Relaxed) > growths_before {
             registrations_since = Some(shared.geometry().epoch);
         }
-        // Registrations of the region's earlier sizes, once every client
-        // holds the newest key (it asked for a geometry since the growth).
-        if let Some(epoch) = registrations_since {
-            if shared
-                .oldest_client_epoch()
-                .is_none_or(|oldest| oldest >= epoch)
-            {
-                shared.listener.forget_earlier();
-                registrations_since = None;
-            }
-        }
+        forget_earlier_registrations(&shared, &mut registrations_since);
         control::account_cpu(&shared.counters, &mut cpu_mark);
+    }
+}
+
+/// What the thread is asked to do next: waits for a request, or at most
+/// until the occupancy is due to be sampled again. None: the server is
+/// going down (a poisoned lock).
+fn next_requests(shared: &Shared) -> Option<GrowRequests> {
+    let (wanted, cv) = &shared.grow;
+    let mut w = wanted.lock().ok()?;
+    if w.resize.is_none() && !w.heap && !w.thaw {
+        w = cv.wait_timeout(w, SAMPLE_EVERY).ok()?.0;
+    }
+    Some(std::mem::take(&mut *w))
+}
+
+/// Resizes the index if a client asked for it at its present size
+/// (`asked_at`, in buckets), or if it is full enough; the old index joins
+/// `old_indexes`. Afterwards `resizing` is cleared, unless another request
+/// came meanwhile.
+fn resize_if_due(shared: &Shared, asked_at: Option<u64>, old_indexes: &mut Vec<(Extent, u64)>) {
+    let g = shared.geometry();
+    let asked = asked_at == Some(g.bucket_count);
+    if asked || should_resize(shared, &g) {
+        shared.resizing.store(true, Relaxed);
+        let started = Instant::now();
+        match resize(shared) {
+            Ok((old, new, copied)) => {
+                old_indexes.push((old, new.epoch));
+                let slots = g.index_buckets() * SLOTS_PER_BUCKET as u64;
+                tracing::info!(
+                    occupancy = format!("{:.3}", copied as f64 / slots as f64),
+                    keys = copied,
+                    buckets = new.bucket_count,
+                    epoch = new.epoch,
+                    took_ms = started.elapsed().as_millis() as u64,
+                    "index resized"
+                );
+            }
+            Err(ResizeError::Refused(e)) => {
+                tracing::warn!("index resize refused: {e}");
+                if let Ok(mut f) = shared.refused_resize.lock() {
+                    *f = Some((shared.geometry().epoch, e, Instant::now()));
+                }
+            }
+            Err(ResizeError::Failed(e)) => tracing::warn!("index resize failed: {e}"),
+        }
+    }
+    // A request for an index that has grown since needs nothing more;
+    // one that came meanwhile keeps it said.
+    if let Ok(w) = shared.grow.0.lock() {
+        if w.resize.is_none() {
+            shared.resizing.store(false, Relaxed);
+        }
+    }
+}
+
+/// Drops the registrations of the region's earlier sizes (those before the
+/// growth at epoch `since`), once every client holds the newest key (it
+/// asked for a geometry since the growth).
+fn forget_earlier_registrations(shared: &Shared, since: &mut Option<u64>) {
+    if let Some(epoch) = *since {
+        if shared
+            .oldest_client_epoch()
+            .is_none_or(|oldest| oldest >= epoch)
+        {
+            shared.listener.forget_earlier();
+            *since = None;
+        }
     }
 }
 
@@ -408,7 +423,9 @@ fn thaw_stray(shared: &Shared) {
     let thawed = Mover::connect(shared).and_then(|mut mover| {
         // A client changing them as fast as they are thawed is left for
         // the next pass rather than holding this thread.
-        let thawed = mover.each_group(&g, groups, thaw_change, Some(16), |_| {});
+        let thawed = groups
+            .iter()
+            .try_for_each(|&first| mover.change_group(&g, first, thaw_change, Some(16)));
         mover.close();
         thawed
     });
@@ -442,6 +459,14 @@ fn release_now(shared: &Shared, e: Extent) {
     }
 }
 
+/// What the copy does with a counter whose creation has not settled.
+enum Unsettled<'a> {
+    /// Put it off into this list (the first pass).
+    PutOff(&'a mut Vec<Slot>),
+    /// Place it now (the last pass).
+    Place,
+}
+
 /// Builds the new index (in memory) from the frozen old one: the slots to
 /// store and how many were carried over, or None if some key found its
 /// buckets full.
@@ -469,16 +494,18 @@ fn copy(
     // wins over them (their creators start over); given-up ones are dropped.
     let mut unsettled = Vec::new();
     // Places one old slot; false if its key's buckets are full.
-    let mut place = |slot: Slot, pending_pass: bool, unsettled: &mut Vec<Slot>| -> bool {
+    let mut place = |slot: Slot, unsettled: Unsettled<'_>| -> bool {
         let Some((k, state)) = blocks.key(slot) else {
             damaged += 1;
             return true;
         };
         match state {
             Some(CounterState::Abandoned) => return true,
-            Some(CounterState::Pending) if !pending_pass => {
-                unsettled.push(slot);
-                return true;
+            Some(CounterState::Pending) => {
+                if let Unsettled::PutOff(later) = unsettled {
+                    later.push(slot);
+                    return true;
+                }
             }
             _ => {}
         }
@@ -506,12 +533,12 @@ fn copy(
         if n == halfway {
             fault_point("copying");
         }
-        if !place(slot, false, &mut unsettled) {
+        if !place(slot, Unsettled::PutOff(&mut unsettled)) {
             return Ok(None);
         }
     }
     for slot in std::mem::take(&mut unsettled) {
-        if !place(slot, true, &mut Vec::new()) {
+        if !place(slot, Unsettled::Place) {
             return Ok(None);
         }
     }
@@ -634,74 +661,66 @@ impl Mover {
     /// Sets the frozen bit of every slot of `g`'s index.
     fn freeze(&mut self, g: &Geometry) -> Result<(), TransportError> {
         let halfway = g.index_buckets() / 2;
-        self.each_group(
-            g,
-            all_groups(g),
-            |w| (!Slot(w).is_frozen()).then(|| Slot(w).frozen().0),
-            None,
-            |first| {
-                if first >= halfway && first < halfway + FREEZE_BUCKETS {
-                    fault_point("freezing");
-                }
-            },
-        )
+        let freeze = |w| (!Slot(w).is_frozen()).then(|| Slot(w).frozen().0);
+        for first in all_groups(g) {
+            self.change_group(g, first, freeze, None)?;
+            if first >= halfway && first < halfway + FREEZE_BUCKETS {
+                fault_point("freezing");
+            }
+        }
+        Ok(())
     }
 
     /// Clears the frozen bits again (a resize that could not finish).
     fn thaw(&mut self, g: &Geometry) -> Result<(), TransportError> {
-        self.each_group(g, all_groups(g), thaw_change, None, |_| {})
+        all_groups(g).try_for_each(|first| self.change_group(g, first, thaw_change, None))
     }
 
-    /// For each group of buckets (the `FREEZE_BUCKETS` from each of
-    /// `firsts`): read it, CAS every word `change` maps to a new value, and
-    /// repeat while a CAS failed (a client CAS landed between the read and
-    /// ours), at most `rounds` times if given: two round trips per group
-    /// when none did.
-    fn each_group(
+    /// For the group of `FREEZE_BUCKETS` buckets from `first`: read it, CAS
+    /// every word `change` maps to a new value, and repeat while a CAS
+    /// failed (a client CAS landed between the read and ours), at most
+    /// `rounds` times if given: two round trips when none did.
+    fn change_group(
         &mut self,
         g: &Geometry,
-        firsts: impl IntoIterator<Item = u64>,
+        first: u64,
         change: impl Fn(u64) -> Option<u64>,
         rounds: Option<usize>,
-        mut after_group: impl FnMut(u64),
     ) -> Result<(), TransportError> {
-        for first in firsts {
-            let n = FREEZE_BUCKETS.min(g.index_buckets() - first);
-            let remote = g.bucket_offset(first);
-            for _ in 0..rounds.unwrap_or(usize::MAX) {
-                self.conn.post(&[Verb::Read {
-                    remote,
-                    local: 0,
-                    len: (n * BUCKET_BYTES) as usize,
-                }])?;
-                let local = self.conn.local();
-                let cas: Vec<Verb> = (0..n as usize * SLOTS_PER_BUCKET)
-                    .filter_map(|i| {
-                        let w = read_u64(local, i * 8);
-                        change(w).map(|swap| Verb::Cas {
-                            remote: remote + i as u64 * 8,
-                            local: CAS_AT + i * 8,
-                            expect: w,
-                            swap,
-                        })
+        let n = FREEZE_BUCKETS.min(g.index_buckets() - first);
+        let remote = g.bucket_offset(first);
+        for _ in 0..rounds.unwrap_or(usize::MAX) {
+            self.conn.post(&[Verb::Read {
+                remote,
+                local: 0,
+                len: (n * BUCKET_BYTES) as usize,
+            }])?;
+            let local = self.conn.local();
+            let cas: Vec<Verb> = (0..n as usize * SLOTS_PER_BUCKET)
+                .filter_map(|i| {
+                    let w = read_u64(local, i * 8);
+                    change(w).map(|swap| Verb::Cas {
+                        remote: remote + i as u64 * 8,
+                        local: CAS_AT + i * 8,
+                        expect: w,
+                        swap,
                     })
-                    .collect();
-                if cas.is_empty() {
-                    break;
-                }
-                self.conn.post(&cas)?;
-                let local = self.conn.local();
-                let all_swapped = cas.iter().all(|v| match *v {
-                    Verb::Cas {
-                        local: at, expect, ..
-                    } => read_u64(local, at) == expect,
-                    _ => true,
-                });
-                if all_swapped {
-                    break;
-                }
+                })
+                .collect();
+            if cas.is_empty() {
+                break;
             }
-            after_group(first);
+            self.conn.post(&cas)?;
+            let local = self.conn.local();
+            let all_swapped = cas.iter().all(|v| match *v {
+                Verb::Cas {
+                    local: at, expect, ..
+                } => read_u64(local, at) == expect,
+                _ => true,
+            });
+            if all_swapped {
+                break;
+            }
         }
         Ok(())
     }

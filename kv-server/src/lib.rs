@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use kv_common::layout::{Geometry, Slot, KEY_TABLE_ENTRIES, MAX_BUCKETS};
 use kv_common::protocol::{Extent, ServerStats};
+use kv_common::transport::shm::SharedRegion;
 use kv_common::transport::{self, ControlListener, ControlPeer, TransportError};
 use kv_common::Address;
 use polling::Poller;
@@ -192,17 +193,7 @@ impl Server {
         }
         .min(MAX_REGION);
         let mut listener = transport::bind(&config.address)?;
-        if let Address::Shm { region } = &config.address {
-            // Connecting to a Unix socket takes write permission on it:
-            // the same users as may map the region.
-            use std::os::unix::fs::PermissionsExt;
-            let socket = Address::shm_socket(region);
-            let mode = std::fs::Permissions::from_mode(region::file_mode(config.group_access));
-            std::fs::set_permissions(&socket, mode).map_err(|e| ServerError::Region {
-                path: socket.clone(),
-                reason: format!("cannot set the control socket's permissions: {e}"),
-            })?;
-        }
+        restrict_control_socket(&config)?;
         let opened = region::open_or_create(
             &path,
             &wanted,
@@ -214,129 +205,26 @@ impl Server {
         // Revokes every key of an earlier registration.
         listener.register(region.clone())?;
         if !opened.created {
-            // Verbs of the previous server's clients that were under way
-            // when their keys were revoked land within a grace period.
-            std::thread::sleep(config.grace());
-            // Nobody is admitted yet: a resize that died unpublished is
-            // undone with plain stores.
-            let thawed = region::thaw_index(&region, &geometry)?;
-            // The epoch word or the twin record may lag a header switch
-            // the crash interrupted.
-            if header::finish_switch(&region, &geometry)? {
-                tracing::info!(epoch = geometry.epoch, "finished the header's last switch");
-            }
-            if thawed > 0 {
-                tracing::warn!(
-                    thawed,
-                    "a resize was interrupted; the index it was migrating is in force again"
-                );
-            }
+            settle_previous_server(&region, &geometry, config.grace())?;
         }
-        let scan_started = Instant::now();
-        let scan = region::scan_index(&region, &geometry)?;
-        let mut pool = heap::HeapPool::new(
-            geometry.heap_offset,
-            geometry.region_len,
-            geometry.chunk_size,
-        );
-        pool.reserve_at(Extent {
-            offset: geometry.index_offset,
-            len: geometry.index_bytes(),
-        });
-        // Nobody can write now: what the index does not reference is free.
-        pool.collect(scan_started, scan.live, Instant::now());
-        let counters = Counters::default();
-        counters.index_scans.store(1, Ordering::Relaxed);
-        counters
-            .live_slots
-            .store(scan.live_slots, Ordering::Relaxed);
-        counters
-            .live_bytes
-            .store(scan.live_bytes, Ordering::Relaxed);
-        counters
-            .corrupt_slots
-            .store(scan.corrupt_slots, Ordering::Relaxed);
-        tracing::info!(
-            address = %config.address,
-            created = opened.created,
-            region_bytes = geometry.region_len,
-            buckets = geometry.bucket_count,
-            heap_bytes = geometry.heap_size,
-            chunk_bytes = geometry.chunk_size,
-            live_slots = scan.live_slots,
-            corrupt_slots = scan.corrupt_slots,
-            "serving"
-        );
-        let listener: Arc<dyn ControlListener> = Arc::from(listener);
-        let shared = Arc::new(Shared {
-            geometry: RwLock::new(geometry),
-            region: region.clone(),
-            listener: listener.clone(),
-            address: config.address.clone(),
-            limits: Limits {
-                max_region: max_memory.max(geometry.region_len).min(region.max_len()),
-                max_buckets: config.max_buckets.unwrap_or(MAX_BUCKETS),
-                resize: index_load::ResizePolicy {
-                    resize_at: config.resize_at,
-                    on_request_up_to: config.resize_on_request_up_to,
-                },
-            },
-            resizing: AtomicBool::new(false),
-            grow: (Mutex::new(GrowRequests::default()), Condvar::new()),
-            client_epochs: Mutex::new(HashMap::new()),
-            refused_resize: Mutex::new(None),
-            mover_token: grow::mover_token(),
-            secret: config.secret.clone(),
-            op_deadline: config.op_deadline,
-            max_clients: config.max_clients,
-            pool: Mutex::new(pool),
+        let (pool, counters) = rebuild_heap(&region, &geometry)?;
+        log_serving(&config, opened.created, &geometry, &counters);
+        let found = Found {
+            geometry,
+            limits: limits(&config, max_memory, &geometry, &region),
+            pool,
             counters,
-            next_client: AtomicU64::new(1),
-            stopping: AtomicBool::new(false),
-            reclaim: (Mutex::new(false), Condvar::new()),
-            collecting: Mutex::new(()),
-            stats_wanted: AtomicBool::new(false),
             region_file: opened.lock.try_clone().map_err(TransportError::Io)?,
-            failure: Mutex::new(None),
-        });
+        };
+        let listener: Arc<dyn ControlListener> = Arc::from(listener);
+        let shared = Arc::new(new_shared(&config, region, listener.clone(), found));
         // Bound before any thread starts, so a taken port fails the start.
         let metrics = match config.metrics_listen {
             Some(at) => Some(MetricsEndpoint::start(at, shared.clone())?),
             None => None,
         };
         let poller = Arc::new(Poller::new().map_err(TransportError::Io)?);
-        let (to_loop, incoming) = mpsc::channel();
-        let max_channels = channel_cap(config.max_clients);
-        let event_loop = event_loop::EventLoop::new(
-            shared.clone(),
-            poller.clone(),
-            incoming,
-            max_channels,
-            config.timeouts,
-        );
-        let mut threads = Vec::new();
-        let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
-            std::thread::Builder::new()
-                .name(name.into())
-                .spawn(f)
-                .map_err(|e| ServerError::Config(format!("cannot start threads: {e}")))
-        };
-        threads.push(spawn("kv-control", Box::new(move || event_loop.run()))?);
-        {
-            let shared = shared.clone();
-            threads.push(spawn("kv-reclaim", Box::new(move || reclaim::run(shared)))?);
-        }
-        {
-            let shared = shared.clone();
-            threads.push(spawn("kv-grow", Box::new(move || grow::run(shared)))?);
-        }
-        {
-            let (shared, listener, poller) = (shared.clone(), listener.clone(), poller.clone());
-            threads.push(spawn(
-                "kv-accept",
-                Box::new(move || accept_loop(shared, listener, to_loop, poller)),
-            )?);
-        }
+        let threads = start_threads(&config, &shared, &listener, &poller)?;
         Ok(Server {
             shared,
             metrics,
@@ -432,6 +320,199 @@ impl Drop for Server {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// Connecting to a Unix socket takes write permission on it: a shm
+/// server's control socket gets the same users as may map the region.
+fn restrict_control_socket(config: &ServerConfig) -> Result<(), ServerError> {
+    use std::os::unix::fs::PermissionsExt;
+    let Address::Shm { region } = &config.address else {
+        return Ok(());
+    };
+    let socket = Address::shm_socket(region);
+    let mode = std::fs::Permissions::from_mode(region::file_mode(config.group_access));
+    std::fs::set_permissions(&socket, mode).map_err(|e| ServerError::Region {
+        path: socket.clone(),
+        reason: format!("cannot set the control socket's permissions: {e}"),
+    })
+}
+
+/// Makes a reopened region safe to serve: the previous server's clients
+/// are waited out, and what a crash left half done is finished or undone.
+fn settle_previous_server(
+    region: &SharedRegion,
+    geometry: &Geometry,
+    grace: Duration,
+) -> Result<(), ServerError> {
+    // Verbs of the previous server's clients that were under way
+    // when their keys were revoked land within a grace period.
+    std::thread::sleep(grace);
+    // Nobody is admitted yet: a resize that died unpublished is
+    // undone with plain stores.
+    let thawed = region::thaw_index(region, geometry)?;
+    // The epoch word or the twin record may lag a header switch
+    // the crash interrupted.
+    if header::finish_switch(region, geometry)? {
+        tracing::info!(epoch = geometry.epoch, "finished the header's last switch");
+    }
+    if thawed > 0 {
+        tracing::warn!(
+            thawed,
+            "a resize was interrupted; the index it was migrating is in force again"
+        );
+    }
+    Ok(())
+}
+
+/// The heap's free space, rebuilt from a scan of the index, and the
+/// counters starting from that scan's findings.
+fn rebuild_heap(
+    region: &SharedRegion,
+    geometry: &Geometry,
+) -> Result<(heap::HeapPool, Counters), ServerError> {
+    let scan_started = Instant::now();
+    let scan = region::scan_index(region, geometry)?;
+    let mut pool = heap::HeapPool::new(
+        geometry.heap_offset,
+        geometry.region_len,
+        geometry.chunk_size,
+    );
+    pool.reserve_at(Extent {
+        offset: geometry.index_offset,
+        len: geometry.index_bytes(),
+    });
+    // Nobody can write now: what the index does not reference is free.
+    pool.collect(scan_started, scan.live, Instant::now());
+    let counters = Counters::default();
+    counters.index_scans.store(1, Ordering::Relaxed);
+    counters
+        .live_slots
+        .store(scan.live_slots, Ordering::Relaxed);
+    counters
+        .live_bytes
+        .store(scan.live_bytes, Ordering::Relaxed);
+    counters
+        .corrupt_slots
+        .store(scan.corrupt_slots, Ordering::Relaxed);
+    Ok((pool, counters))
+}
+
+fn log_serving(config: &ServerConfig, created: bool, geometry: &Geometry, counters: &Counters) {
+    tracing::info!(
+        address = %config.address,
+        created,
+        region_bytes = geometry.region_len,
+        buckets = geometry.bucket_count,
+        heap_bytes = geometry.heap_size,
+        chunk_bytes = geometry.chunk_size,
+        live_slots = counters.live_slots.load(Ordering::Relaxed),
+        corrupt_slots = counters.corrupt_slots.load(Ordering::Relaxed),
+        "serving"
+    );
+}
+
+/// How far the region may grow (within what it was mapped for), and when
+/// the index grows on its own.
+fn limits(
+    config: &ServerConfig,
+    max_memory: u64,
+    geometry: &Geometry,
+    region: &SharedRegion,
+) -> Limits {
+    Limits {
+        max_region: max_memory.max(geometry.region_len).min(region.max_len()),
+        max_buckets: config.max_buckets.unwrap_or(MAX_BUCKETS),
+        resize: index_load::ResizePolicy {
+            resize_at: config.resize_at,
+            on_request_up_to: config.resize_on_request_up_to,
+        },
+    }
+}
+
+/// What the server found in its region at the start, to serve from.
+struct Found {
+    geometry: Geometry,
+    limits: Limits,
+    pool: heap::HeapPool,
+    counters: Counters,
+    /// A second handle on the (locked) region file.
+    region_file: File,
+}
+
+/// The control plane's shared state, with no client and nothing asked yet.
+fn new_shared(
+    config: &ServerConfig,
+    region: Arc<SharedRegion>,
+    listener: Arc<dyn ControlListener>,
+    found: Found,
+) -> Shared {
+    Shared {
+        geometry: RwLock::new(found.geometry),
+        region,
+        listener,
+        address: config.address.clone(),
+        limits: found.limits,
+        resizing: AtomicBool::new(false),
+        grow: (Mutex::new(GrowRequests::default()), Condvar::new()),
+        client_epochs: Mutex::new(HashMap::new()),
+        refused_resize: Mutex::new(None),
+        mover_token: grow::mover_token(),
+        secret: config.secret.clone(),
+        op_deadline: config.op_deadline,
+        max_clients: config.max_clients,
+        pool: Mutex::new(found.pool),
+        counters: found.counters,
+        next_client: AtomicU64::new(1),
+        stopping: AtomicBool::new(false),
+        reclaim: (Mutex::new(false), Condvar::new()),
+        collecting: Mutex::new(()),
+        stats_wanted: AtomicBool::new(false),
+        region_file: found.region_file,
+        failure: Mutex::new(None),
+    }
+}
+
+/// The server's threads: the control event loop, the reclaimer, the
+/// grower and the acceptor that feeds the event loop.
+fn start_threads(
+    config: &ServerConfig,
+    shared: &Arc<Shared>,
+    listener: &Arc<dyn ControlListener>,
+    poller: &Arc<Poller>,
+) -> Result<Vec<JoinHandle<()>>, ServerError> {
+    let (to_loop, incoming) = mpsc::channel();
+    let max_channels = channel_cap(config.max_clients);
+    let event_loop = event_loop::EventLoop::new(
+        shared.clone(),
+        poller.clone(),
+        incoming,
+        max_channels,
+        config.timeouts,
+    );
+    let mut threads = Vec::new();
+    let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
+        std::thread::Builder::new()
+            .name(name.into())
+            .spawn(f)
+            .map_err(|e| ServerError::Config(format!("cannot start threads: {e}")))
+    };
+    threads.push(spawn("kv-control", Box::new(move || event_loop.run()))?);
+    {
+        let shared = shared.clone();
+        threads.push(spawn("kv-reclaim", Box::new(move || reclaim::run(shared)))?);
+    }
+    {
+        let shared = shared.clone();
+        threads.push(spawn("kv-grow", Box::new(move || grow::run(shared)))?);
+    }
+    {
+        let (shared, listener, poller) = (shared.clone(), listener.clone(), poller.clone());
+        threads.push(spawn(
+            "kv-accept",
+            Box::new(move || accept_loop(shared, listener, to_loop, poller)),
+        )?);
+    }
+    Ok(threads)
 }
 
 /// Largest region a slot's offset can address.

@@ -18,7 +18,9 @@ use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::{Registry, Unit};
 
-use crate::control::{Refusal, Shared};
+use kv_common::protocol::ServerStats;
+
+use crate::control::{Counters, Refusal, Shared};
 use crate::http::{Answer, HttpServer, Request};
 use crate::ServerError;
 
@@ -84,186 +86,11 @@ impl Collector for ServerCollector {
         shared.stats_wanted.store(true, Relaxed);
         shared.wake_reclaimer();
         let s = shared.stats();
-        let c = &shared.counters;
-        let bytes = Some(&Unit::Bytes);
-
-        gauge(
-            &mut out,
-            "clients_connected",
-            "Clients connected now.",
-            None,
-            s.clients_connected,
-        )?;
-        gauge(
-            &mut out,
-            "control_connections",
-            "Control channels open, connected or not yet.",
-            None,
-            s.connections,
-        )?;
-        counter(&mut out, "connects", "Clients admitted.", None, s.connects)?;
-        {
-            let family = ConstCounter::new(0u64);
-            let mut m = out.encode_descriptor(
-                "connects_refused",
-                "Connections refused, by reason.",
-                None,
-                family.metric_type(),
-            )?;
-            for why in Refusal::ALL {
-                let labels = [("reason", why.label())];
-                ConstCounter::new(c.refused(why)).encode(m.encode_family(&labels)?)?;
-            }
-        }
-        counter(
-            &mut out,
-            "disconnects",
-            "Clients that said goodbye.",
-            None,
-            s.disconnects,
-        )?;
-        counter(&mut out, "departures", "Clients that left without a goodbye (crashed, timed out, cut off); their space was reclaimed.", None, s.departures)?;
-        counter(
-            &mut out,
-            "leases",
-            "Heap chunks leased to clients.",
-            None,
-            s.leases,
-        )?;
-        counter(
-            &mut out,
-            "give_backs",
-            "Extents clients gave back.",
-            None,
-            s.give_backs,
-        )?;
-        counter(
-            &mut out,
-            "give_backs_refused",
-            "Give-backs refused: they named space the client did not hold.",
-            None,
-            s.refused_give_backs,
-        )?;
-        counter(
-            &mut out,
-            "malformed_messages",
-            "Control messages that could not be decoded or made no sense.",
-            None,
-            s.malformed,
-        )?;
-        gauge(
-            &mut out,
-            "heap_size",
-            "Heap bytes in the region.",
-            bytes,
-            s.heap_size,
-        )?;
-        gauge(
-            &mut out,
-            "heap_leased",
-            "Heap bytes leased to connected clients.",
-            bytes,
-            s.heap_leased,
-        )?;
-        gauge(
-            &mut out,
-            "heap_free",
-            "Heap bytes free, including those waiting out their grace period.",
-            bytes,
-            s.heap_free,
-        )?;
-        gauge(
-            &mut out,
-            "live",
-            "Bytes of the blocks the index references (last scan).",
-            bytes,
-            s.live_bytes,
-        )?;
-        gauge(
-            &mut out,
-            "region_size",
-            "Size of the region now.",
-            bytes,
-            s.region_bytes,
-        )?;
-        gauge(
-            &mut out,
-            "region_max_size",
-            "Size the region may grow to.",
-            bytes,
-            s.max_region_bytes,
-        )?;
-        counter(&mut out, "growths", "Times the heap grew.", None, s.growths)?;
-        gauge(
-            &mut out,
-            "index_slots",
-            "Slots of the index in force.",
-            None,
-            s.index_slots,
-        )?;
-        gauge(
-            &mut out,
-            "index_slots_used",
-            "Slots in use (last scan).",
-            None,
-            s.live_slots,
-        )?;
-        emit(
-            &mut out,
-            "index_occupancy_ratio",
-            "Fraction of the index's slots in use (last scan); it doubles at --resize-at.",
-            None,
-            ConstGauge::new(s.occupancy()),
-        )?;
-        counter(
-            &mut out,
-            "index_scans",
-            "Scans of the index (reclamation, stats).",
-            None,
-            s.index_scans,
-        )?;
-        counter(
-            &mut out,
-            "resizes",
-            "Index resizes this server completed.",
-            None,
-            s.resizes,
-        )?;
-        counter(
-            &mut out,
-            "resizes_declined",
-            "Resize requests declined: the index was not full enough to warrant one.",
-            None,
-            s.declined_resizes,
-        )?;
-        gauge(
-            &mut out,
-            "frozen_slots",
-            "Frozen slots in the index at the last scan (outside a resize: stray bits about to be thawed).",
-            None,
-            s.frozen_slots,
-        )?;
-        counter(
-            &mut out,
-            "thawed_slots",
-            "Stray frozen slots thawed (found by a scan or reported by a writer).",
-            None,
-            s.thawed_slots,
-        )?;
-        gauge(
-            &mut out,
-            "resizing",
-            "1 while a resize migrates the index.",
-            None,
-            u64::from(s.resizing),
-        )?;
-        gauge(
-            &mut out,
-            "epoch",
-            "Changes of the geometry since the region was created.",
-            None,
-            s.epoch,
-        )?;
+        clients(&mut out, &s, &shared.counters)?;
+        requests(&mut out, &s)?;
+        heap(&mut out, &s)?;
+        index(&mut out, &s)?;
+        resizes(&mut out, &s)?;
         gauge(
             &mut out,
             "corrupt_slots",
@@ -279,6 +106,213 @@ impl Collector for ServerCollector {
             ConstCounter::new(s.server_cpu_us as f64 / 1e6),
         )
     }
+}
+
+/// Who is connected, who was admitted or refused, and how they left.
+fn clients(
+    out: &mut DescriptorEncoder,
+    s: &ServerStats,
+    c: &Counters,
+) -> Result<(), std::fmt::Error> {
+    gauge(
+        out,
+        "clients_connected",
+        "Clients connected now.",
+        None,
+        s.clients_connected,
+    )?;
+    gauge(
+        out,
+        "control_connections",
+        "Control channels open, connected or not yet.",
+        None,
+        s.connections,
+    )?;
+    counter(out, "connects", "Clients admitted.", None, s.connects)?;
+    {
+        let family = ConstCounter::new(0u64);
+        let mut m = out.encode_descriptor(
+            "connects_refused",
+            "Connections refused, by reason.",
+            None,
+            family.metric_type(),
+        )?;
+        for why in Refusal::ALL {
+            let labels = [("reason", why.label())];
+            ConstCounter::new(c.refused(why)).encode(m.encode_family(&labels)?)?;
+        }
+    }
+    counter(
+        out,
+        "disconnects",
+        "Clients that said goodbye.",
+        None,
+        s.disconnects,
+    )?;
+    counter(out, "departures", "Clients that left without a goodbye (crashed, timed out, cut off); their space was reclaimed.", None, s.departures)?;
+    Ok(())
+}
+
+/// What connected clients asked of the control plane.
+fn requests(out: &mut DescriptorEncoder, s: &ServerStats) -> Result<(), std::fmt::Error> {
+    counter(
+        out,
+        "leases",
+        "Heap chunks leased to clients.",
+        None,
+        s.leases,
+    )?;
+    counter(
+        out,
+        "give_backs",
+        "Extents clients gave back.",
+        None,
+        s.give_backs,
+    )?;
+    counter(
+        out,
+        "give_backs_refused",
+        "Give-backs refused: they named space the client did not hold.",
+        None,
+        s.refused_give_backs,
+    )?;
+    counter(
+        out,
+        "malformed_messages",
+        "Control messages that could not be decoded or made no sense.",
+        None,
+        s.malformed,
+    )?;
+    Ok(())
+}
+
+/// The heap and the region it lives in.
+fn heap(out: &mut DescriptorEncoder, s: &ServerStats) -> Result<(), std::fmt::Error> {
+    let bytes = Some(&Unit::Bytes);
+    gauge(
+        out,
+        "heap_size",
+        "Heap bytes in the region.",
+        bytes,
+        s.heap_size,
+    )?;
+    gauge(
+        out,
+        "heap_leased",
+        "Heap bytes leased to connected clients.",
+        bytes,
+        s.heap_leased,
+    )?;
+    gauge(
+        out,
+        "heap_free",
+        "Heap bytes free, including those waiting out their grace period.",
+        bytes,
+        s.heap_free,
+    )?;
+    gauge(
+        out,
+        "live",
+        "Bytes of the blocks the index references (last scan).",
+        bytes,
+        s.live_bytes,
+    )?;
+    gauge(
+        out,
+        "region_size",
+        "Size of the region now.",
+        bytes,
+        s.region_bytes,
+    )?;
+    gauge(
+        out,
+        "region_max_size",
+        "Size the region may grow to.",
+        bytes,
+        s.max_region_bytes,
+    )?;
+    counter(out, "growths", "Times the heap grew.", None, s.growths)?;
+    Ok(())
+}
+
+/// How full the index is, as the last scan found it.
+fn index(out: &mut DescriptorEncoder, s: &ServerStats) -> Result<(), std::fmt::Error> {
+    gauge(
+        out,
+        "index_slots",
+        "Slots of the index in force.",
+        None,
+        s.index_slots,
+    )?;
+    gauge(
+        out,
+        "index_slots_used",
+        "Slots in use (last scan).",
+        None,
+        s.live_slots,
+    )?;
+    emit(
+        out,
+        "index_occupancy_ratio",
+        "Fraction of the index's slots in use (last scan); it doubles at --resize-at.",
+        None,
+        ConstGauge::new(s.occupancy()),
+    )?;
+    counter(
+        out,
+        "index_scans",
+        "Scans of the index (reclamation, stats).",
+        None,
+        s.index_scans,
+    )?;
+    Ok(())
+}
+
+/// Resizes of the index and the geometry's changes.
+fn resizes(out: &mut DescriptorEncoder, s: &ServerStats) -> Result<(), std::fmt::Error> {
+    counter(
+        out,
+        "resizes",
+        "Index resizes this server completed.",
+        None,
+        s.resizes,
+    )?;
+    counter(
+        out,
+        "resizes_declined",
+        "Resize requests declined: the index was not full enough to warrant one.",
+        None,
+        s.declined_resizes,
+    )?;
+    gauge(
+        out,
+        "frozen_slots",
+        "Frozen slots in the index at the last scan (outside a resize: stray bits about to be thawed).",
+        None,
+        s.frozen_slots,
+    )?;
+    counter(
+        out,
+        "thawed_slots",
+        "Stray frozen slots thawed (found by a scan or reported by a writer).",
+        None,
+        s.thawed_slots,
+    )?;
+    gauge(
+        out,
+        "resizing",
+        "1 while a resize migrates the index.",
+        None,
+        u64::from(s.resizing),
+    )?;
+    gauge(
+        out,
+        "epoch",
+        "Changes of the geometry since the region was created.",
+        None,
+        s.epoch,
+    )?;
+    Ok(())
 }
 
 fn emit(

@@ -488,8 +488,28 @@ pub fn check(path: &Path, mode: CheckMode) -> Result<CheckReport, ServerError> {
     if report.header_repaired {
         header::finish_switch(&region, &g).map_err(|e| region_error(path, e))?;
     }
-    let mut spans: Vec<(u64, u64, SlotPos, Slot)> = Vec::new();
-    for_each_word(&region, &g, |pos, slot| {
+    let spans = check_slots(&region, &g, &mut report).map_err(|e| region_error(path, e))?;
+    report.damaged.extend(overlaps(spans));
+    if let CheckMode::Repair { .. } = mode {
+        repair_slots(&region, &g, &mut report).map_err(|e| region_error(path, e))?;
+    }
+    Ok(report)
+}
+
+/// Where a sound block lies, and the slot that references it: (offset,
+/// length, position, slot).
+type Span = (u64, u64, SlotPos, Slot);
+
+/// Checks every slot on its own, counting slots and frozen bits and noting
+/// damage in `report`; the spans of the sound blocks are left to check
+/// against each other.
+fn check_slots(
+    region: &SharedRegion,
+    g: &Geometry,
+    report: &mut CheckReport,
+) -> Result<Vec<Span>, TransportError> {
+    let mut spans: Vec<Span> = Vec::new();
+    for_each_word(region, g, |pos, slot| {
         // A frozen slot is an interrupted resize's, or a stray bit: the
         // next server thaws it, and so does `--repair`.
         report.frozen += u64::from(slot.is_frozen());
@@ -509,7 +529,7 @@ pub fn check(path: &Path, mode: CheckMode) -> Result<CheckReport, ServerError> {
                 .push(damage("class or offset outside the heap"));
             return;
         };
-        let Some(bytes) = read_block(&region, &g, live) else {
+        let Some(bytes) = read_block(region, g, live) else {
             report.damaged.push(damage("unreadable"));
             return;
         };
@@ -526,15 +546,20 @@ pub fn check(path: &Path, mode: CheckMode) -> Result<CheckReport, ServerError> {
                 }
             }
         }
-    })
-    .map_err(|e| region_error(path, e))?;
+    })?;
+    Ok(spans)
+}
+
+/// The slots whose blocks overlap an earlier one's.
+fn overlaps(mut spans: Vec<Span>) -> Vec<Damage> {
+    let mut damaged = Vec::new();
     // Sorted by offset, a block overlaps an earlier one iff it starts before
     // the furthest end seen so far (not only the previous block's end).
     spans.sort_by_key(|s| s.0);
     let mut furthest: Option<(u64, SlotPos)> = None;
     for &(offset, len, pos, slot) in &spans {
         match furthest {
-            Some((end, owner)) if offset < end => report.damaged.push(Damage {
+            Some((end, owner)) if offset < end => damaged.push(Damage {
                 pos,
                 slot,
                 what: format!(
@@ -548,19 +573,26 @@ pub fn check(path: &Path, mode: CheckMode) -> Result<CheckReport, ServerError> {
             furthest = Some((offset + len, pos));
         }
     }
-    if let CheckMode::Repair { .. } = mode {
-        for d in &report.damaged {
-            // Only the value that was found damaged is removed.
-            if matches!(region.cas(g.slot_offset(d.pos), d.slot.0, 0), Ok(old) if old == d.slot.0) {
-                report.repaired += 1;
-            }
+    damaged
+}
+
+/// Empties the damaged slots, thaws the index and writes the region back.
+fn repair_slots(
+    region: &SharedRegion,
+    g: &Geometry,
+    report: &mut CheckReport,
+) -> Result<(), TransportError> {
+    for d in &report.damaged {
+        // Only the value that was found damaged is removed.
+        if matches!(region.cas(g.slot_offset(d.pos), d.slot.0, 0), Ok(old) if old == d.slot.0) {
+            report.repaired += 1;
         }
-        // After the damaged slots went (their frozen values are what they
-        // were found with).
-        report.thawed = thaw_index(&region, &g).map_err(|e| region_error(path, e))?;
-        region.flush().map_err(|e| region_error(path, e))?;
     }
-    Ok(report)
+    // After the damaged slots went (their frozen values are what they
+    // were found with).
+    report.thawed = thaw_index(region, g)?;
+    region.flush()?;
+    Ok(())
 }
 
 /// The geometry to check the slots against, and what is wrong with the
