@@ -15,8 +15,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use kv_common::layout::{Geometry, Slot, KEY_TABLE_ENTRIES, MAX_BUCKETS};
+use kv_common::mapping::SharedRegion;
 use kv_common::protocol::{Extent, ServerStats};
-use kv_common::transport::shm::SharedRegion;
 use kv_common::transport::{self, ControlListener, ControlPeer, TransportError};
 use kv_common::Address;
 use polling::Poller;

@@ -41,6 +41,7 @@ fn wrong_or_missing_secret_is_refused() {
 }
 
 #[test]
+#[allow(clippy::too_many_lines)] // one scenario, read top to bottom
 fn garbage_on_the_control_socket_does_not_hurt_the_server() {
     let srv = TestServer::start(|_| {});
     // Not our framing at all: an HTTP request. Its first bytes read as a huge

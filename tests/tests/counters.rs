@@ -154,6 +154,7 @@ enum Event {
 }
 
 #[test]
+#[allow(clippy::too_many_lines)] // one scenario, read top to bottom
 fn counter_histories_with_deletes_and_puts_are_linearizable_under_aggressive_reuse() {
     const THREADS: usize = 4;
     const KEYS: usize = 2;

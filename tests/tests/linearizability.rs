@@ -263,6 +263,7 @@ struct Run {
 }
 
 /// Runs the workload and checks every round's history.
+#[allow(clippy::too_many_lines)] // one scenario, read top to bottom
 fn check_histories(workload: Workload) -> Run {
     let Workload {
         resize_at,
