@@ -154,7 +154,7 @@ pub fn run(args: MicroArgs) -> Result<(), String> {
     let value = vec![0xabu8; args.value_size];
     for i in 0..args.keys {
         loader
-            .put(&key(i, args.key_size), &value)
+            .put(key(i, args.key_size), &value)
             .map_err(|e| e.to_string())?;
     }
     print_header(&args, &target);
@@ -584,10 +584,8 @@ struct KvLoop<'a> {
 
 impl<'a> KvLoop<'a> {
     fn connect(address: &str, op: Op, t: usize, args: &'a MicroArgs) -> Result<Self, String> {
-        let options = kv_client::ClientOptions {
-            slot_cache_entries: Some(if op.warm() { 65_536 } else { 0 }),
-            ..Default::default()
-        };
+        let entries = if op.warm() { 65_536 } else { 0 };
+        let options = kv_client::ClientOptions::default().with_slot_cache_entries(entries);
         let kv = Client::connect_with(address, options).map_err(|e| e.to_string())?;
         let threads = args.threads.iter().max().copied().unwrap_or(1);
         let mut l = KvLoop {

@@ -54,34 +54,35 @@ pub struct Onekv {
     pub slot_cache_entries: Option<usize>,
 }
 
+impl Onekv {
+    /// The options every connection of the run uses.
+    fn options(&self) -> kv_client::ClientOptions {
+        let options = kv_client::ClientOptions::default();
+        match &self.secret {
+            Some(secret) => options.with_secret(secret.clone()),
+            None => options,
+        }
+    }
+}
+
 impl StoreFactory for Onekv {
     fn open(&self) -> Result<Box<dyn Store>, String> {
-        let options = kv_client::ClientOptions {
-            secret: self.secret.clone(),
-            slot_cache_entries: self.slot_cache_entries,
-            ..Default::default()
-        };
+        let options = self
+            .options()
+            .with_slot_cache_entries(self.slot_cache_entries);
         let client = kv_client::Client::connect_with(&self.address, options)
             .map_err(|e| format!("onekv at {}: {e}", self.address))?;
         Ok(Box::new(client))
     }
 
     fn server_cpu_us(&self) -> Option<u64> {
-        let options = kv_client::ClientOptions {
-            secret: self.secret.clone(),
-            ..Default::default()
-        };
-        let mut client = kv_client::Client::connect_with(&self.address, options).ok()?;
+        let mut client = kv_client::Client::connect_with(&self.address, self.options()).ok()?;
         client.server_stats().ok().map(|s| s.server_cpu_us)
     }
 
     fn settle(&self) -> Result<Duration, String> {
-        let options = kv_client::ClientOptions {
-            secret: self.secret.clone(),
-            ..Default::default()
-        };
-        let mut client =
-            kv_client::Client::connect_with(&self.address, options).map_err(|e| e.to_string())?;
+        let mut client = kv_client::Client::connect_with(&self.address, self.options())
+            .map_err(|e| e.to_string())?;
         let start = Instant::now();
         let mut stats = || client.server_stats().map_err(|e| e.to_string());
         // The server looks at its occupancy twice a second, so a resize the

@@ -386,7 +386,7 @@ impl Client {
         clock: OpClock,
     ) -> Result<Created> {
         let used = counter_block_len(key.len());
-        let class = class_for(used).ok_or(Error::Protocol("no size class for a counter".into()))?;
+        let class = class_for(used).ok_or(Error::Internal("no size class for a counter".into()))?;
         let index = (
             self.info.geometry.index_offset,
             self.info.geometry.bucket_count,

@@ -46,7 +46,7 @@ impl Client {
             clock: published,
         } = mine;
         let Some(my_index) = kh.slot_index(mine) else {
-            return Err(Error::Protocol("inserted outside the key's buckets".into()));
+            return Err(Error::Internal("inserted outside the key's buckets".into()));
         };
         let mut corrupt = CorruptSlot::default();
         let backoff = Backoff::new();

@@ -3,7 +3,11 @@ use kv_common::transport::TransportError;
 
 /// Why a call failed. [`Error::is_retryable`] tells the errors worth trying
 /// again from those about the request or the region.
+///
+/// Match on the variants, never on the text: the messages are for people
+/// and may change. New variants may be added in a minor release.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// Keys are 1 to [`MAX_KEY`](crate::MAX_KEY) bytes.
     #[error("key is empty")]
@@ -24,9 +28,14 @@ pub enum Error {
         /// This server's limit.
         max: usize,
     },
-    /// No server answers at the address (or the address is malformed).
+    /// The address is not a onekv address (`shm:///ABSOLUTE/PATH` or
+    /// `rdma://HOST:PORT`); the message says what is wrong with it.
+    #[error("invalid address: {0}")]
+    InvalidAddress(String),
+    /// No server answers at the address; [`source`](std::error::Error::source)
+    /// is the transport's error, and its source the operating system's.
     #[error("server unreachable: {0}")]
-    Unreachable(String),
+    Unreachable(#[source] TransportError),
     /// The server turned the connection down: a wrong secret, or too many
     /// clients (the message says which).
     #[error("server refused the connection: {0}")]
@@ -85,19 +94,30 @@ pub enum Error {
     /// races against other writers of the key.
     #[error("gave up after {0} attempts under contention")]
     Contended(u32),
-    /// The server answered something this client does not expect.
+    /// The server kept its index mid-change longer than this client waits:
+    /// a resize that did not finish, or slots left frozen with no resize
+    /// under way (the message says which).
+    #[error("the server's index did not settle: {0}")]
+    Stalled(String),
+    /// The server answered something this client does not expect, or
+    /// described a region it cannot use.
     #[error("unexpected reply from server: {0}")]
     Protocol(String),
+    /// A bug in this client: an invariant it relies on did not hold. Not
+    /// caused by the request or the server; please report it.
+    #[error("internal error in kv-client (a bug): {0}")]
+    Internal(String),
     /// The transport failed (a verb was refused, the device reported an
-    /// error) and reconnecting did not help.
+    /// error, the connection was lost) and reconnecting did not help;
+    /// [`source`](std::error::Error::source) is the transport's error.
     #[error("transport: {0}")]
-    Transport(TransportError),
+    Transport(#[source] TransportError),
 }
 
 impl From<TransportError> for Error {
     fn from(e: TransportError) -> Self {
         match e {
-            TransportError::Unreachable { .. } => Error::Unreachable(e.to_string()),
+            TransportError::Unreachable { .. } => Error::Unreachable(e),
             TransportError::Codec(c) => Error::Protocol(c.to_string()),
             other => Error::Transport(other),
         }

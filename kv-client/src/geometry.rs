@@ -65,7 +65,7 @@ impl Client {
             }
             was_resizing = info.resizing;
             if Instant::now() > give_up {
-                return Err(Error::Protocol(format!(
+                return Err(Error::Stalled(format!(
                     "the server's index resize did not finish within {RESIZE_WAIT:?}"
                 )));
             }
@@ -97,7 +97,7 @@ impl Client {
             reported: None,
         });
         if now.duration_since(w.since) > STRAY_FROZEN_WAIT {
-            return Err(Error::Protocol(format!(
+            return Err(Error::Stalled(format!(
                 "index slots stayed frozen for {STRAY_FROZEN_WAIT:?} with no resize under way \
                  (the server was told; a client may be setting them)"
             )));

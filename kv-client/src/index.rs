@@ -633,7 +633,7 @@ impl Client {
     /// or preempted host would, one time in four the whole pause, otherwise
     /// up to a quarter of it.
     pub(crate) fn pause_if_slow(&mut self) {
-        if let Some(max) = self.options.pause_after_index_read {
+        if let Some(max) = self.options.pause_after_index_read() {
             let r = self.random();
             let pause = match r % 4 {
                 0 => max,

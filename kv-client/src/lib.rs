@@ -32,7 +32,10 @@ use std::time::Duration;
 pub use kv_common::layout::{Geometry, COUNTER_MAX, MAX_KEY};
 pub use kv_common::protocol::ServerStats;
 use kv_common::protocol::{ConnectInfo, Request, Response, PROTOCOL_VERSION};
-use kv_common::transport::{self, ConnectOptions, Connection, ReadOrder};
+/// Test hook (feature `test-hooks`): see [`ClientOptions::with_read_order`].
+#[cfg(feature = "test-hooks")]
+pub use kv_common::transport::ReadOrder;
+use kv_common::transport::{self, ConnectOptions, Connection};
 pub use kv_common::transport::{TransportError, VerbStats};
 pub use kv_common::Address;
 
@@ -95,30 +98,32 @@ const RESIZE_WAIT: Duration = Duration::from_secs(600);
 const MAX_DECLINED_RESIZES: u32 = 3;
 /// How long a PUT waits for heap space while the server reclaims or grows.
 const SPACE_WAIT: Duration = Duration::from_secs(30);
+/// How long a dropped [`Client`] waits for each step of its goodbye
+/// (sending it, then the server's reply) before leaving without one; the
+/// server then reclaims the client's space once it notices the closed
+/// connection. [`Client::close`] waits the full reply timeout instead.
+const DROP_GOODBYE_WAIT: Duration = Duration::from_millis(100);
 
-/// How a [`Client`] connects and behaves; `Default` suits most programs.
+/// How a [`Client`] connects and behaves; `Default` suits most programs,
+/// and the `with_…` methods change one setting each.
 ///
 /// ```no_run
-/// let options = kv_client::ClientOptions {
-///     secret: Some(std::fs::read("/etc/onekv/secret")?),
-///     ..Default::default()
-/// };
+/// let options = kv_client::ClientOptions::default()
+///     .with_secret(std::fs::read("/etc/onekv/secret")?)
+///     .with_reply_timeout(std::time::Duration::from_secs(2));
 /// let kv = kv_client::Client::connect_with("shm:///dev/shm/onekv", options)?;
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
+///
+/// The fields can be read; new ones may be added in a minor release, so
+/// the struct is built with `default()` and the `with_…` methods.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct ClientOptions {
     /// Presented at connect when the server requires a secret.
     pub secret: Option<Vec<u8>>,
     /// Attempts of one operation under contention before giving up.
     pub max_attempts: u32,
-    /// Test hook (fault injection): after reading the index, before
-    /// reading the blocks it points at (and so before any CAS based on it),
-    /// and before a counter's atomic through a remembered slot, sleep as a
-    /// client on a slow or preempted host would: one time in four this
-    /// long, otherwise up to a quarter of it.
-    #[doc(hidden)]
-    pub pause_after_index_read: Option<Duration>,
     /// Keys whose slot is remembered, so that an operation on a key seen
     /// recently takes one round trip: a GET reads the buckets and the block
     /// in one batch, an update writes and publishes in one, a delete is one
@@ -128,11 +133,16 @@ pub struct ClientOptions {
     /// lookup does (measured with `kv-bench micro --slot-cache-entries`).
     pub slot_cache_entries: Option<usize>,
     /// How long to wait for the server's reply to a control message
-    /// (connect, lease, stats) before giving the connection up.
+    /// (connect, lease, stats, the goodbye of [`Client::close`]) before
+    /// giving the connection up.
     pub reply_timeout: Duration,
-    /// Test hook: the order in which the transport executes the READs of a
-    /// batch (a NIC may read host memory for them in any order).
-    #[doc(hidden)]
+    /// Test hook (feature `test-hooks`): see
+    /// [`ClientOptions::with_pause_after_index_read`].
+    #[cfg(feature = "test-hooks")]
+    pub pause_after_index_read: Option<Duration>,
+    /// Test hook (feature `test-hooks`): see
+    /// [`ClientOptions::with_read_order`].
+    #[cfg(feature = "test-hooks")]
     pub read_order: ReadOrder,
 }
 
@@ -141,11 +151,93 @@ impl Default for ClientOptions {
         ClientOptions {
             secret: None,
             max_attempts: 10_000,
-            pause_after_index_read: None,
             slot_cache_entries: None,
             reply_timeout: transport::DEFAULT_REPLY_TIMEOUT,
+            #[cfg(feature = "test-hooks")]
+            pause_after_index_read: None,
+            #[cfg(feature = "test-hooks")]
             read_order: ReadOrder::Posted,
         }
+    }
+}
+
+impl ClientOptions {
+    /// Presents `secret` at connect (for a server started with a secret
+    /// file; see `kv_common::secret::read_secret_file`).
+    #[must_use]
+    pub fn with_secret(mut self, secret: impl Into<Vec<u8>>) -> Self {
+        self.secret = Some(secret.into());
+        self
+    }
+
+    /// Gives up an operation with [`Error::Contended`] after losing this
+    /// many races against other writers of its key (default 10 000).
+    #[must_use]
+    pub fn with_max_attempts(mut self, attempts: u32) -> Self {
+        self.max_attempts = attempts;
+        self
+    }
+
+    /// Remembers the slots of up to `entries` keys (0 turns the cache off;
+    /// None, the default, chooses by transport: see
+    /// [`ClientOptions::slot_cache_entries`]).
+    #[must_use]
+    pub fn with_slot_cache_entries(mut self, entries: impl Into<Option<usize>>) -> Self {
+        self.slot_cache_entries = entries.into();
+        self
+    }
+
+    /// Waits this long for the server's reply to a control message
+    /// (default 10 s).
+    #[must_use]
+    pub fn with_reply_timeout(mut self, timeout: Duration) -> Self {
+        self.reply_timeout = timeout;
+        self
+    }
+
+    /// Test hook (fault injection, feature `test-hooks`): after reading the
+    /// index, before reading the blocks it points at (and so before any CAS
+    /// based on it), and before a counter's atomic through a remembered
+    /// slot, sleep as a client on a slow or preempted host would: one time
+    /// in four `pause`, otherwise up to a quarter of it. None: no pause.
+    #[cfg(feature = "test-hooks")]
+    #[must_use]
+    pub fn with_pause_after_index_read(mut self, pause: impl Into<Option<Duration>>) -> Self {
+        self.pause_after_index_read = pause.into();
+        self
+    }
+
+    /// Test hook (feature `test-hooks`): the order in which the transport
+    /// executes the READs of a batch (a NIC may read host memory for them
+    /// in any order).
+    #[cfg(feature = "test-hooks")]
+    #[must_use]
+    pub fn with_read_order(mut self, order: ReadOrder) -> Self {
+        self.read_order = order;
+        self
+    }
+
+    /// The fault hook's pause; always None without the `test-hooks` feature.
+    #[inline]
+    pub(crate) fn pause_after_index_read(&self) -> Option<Duration> {
+        #[cfg(feature = "test-hooks")]
+        return self.pause_after_index_read;
+        #[cfg(not(feature = "test-hooks"))]
+        None
+    }
+
+    /// What the transport is asked for.
+    fn connect_options(&self) -> ConnectOptions {
+        #[cfg_attr(not(feature = "test-hooks"), allow(unused_mut))]
+        let mut connect = ConnectOptions {
+            reply_timeout: self.reply_timeout,
+            ..ConnectOptions::default()
+        };
+        #[cfg(feature = "test-hooks")]
+        {
+            connect.read_order = self.read_order;
+        }
+        connect
     }
 }
 
@@ -154,15 +246,19 @@ impl Default for ClientOptions {
 /// one key are linearizable across all clients.
 ///
 /// A lost connection (the server restarted, or cut this client off) is
-/// replaced at the next call, which is then redone; dropping the client says
-/// goodbye, so the server reclaims its leased space at once.
+/// replaced at the next call, which is then redone. [`Client::close`] says
+/// goodbye, so the server reclaims the client's leased space at once;
+/// dropping the client tries the same but waits at most a fraction of a
+/// second for a server that does not answer.
 ///
 /// # Errors of every call
 ///
 /// Besides those each call lists: [`Error::Unreachable`] or
 /// [`Error::Transport`] when the connection is lost and a new one cannot be
 /// made, [`Error::Protocol`] when the server answers what this client does
-/// not expect ([`Error::is_retryable`] tells which may succeed later).
+/// not expect, [`Error::Stalled`] when the server's index stays mid-resize
+/// too long, [`Error::Internal`] for a bug in this client
+/// ([`Error::is_retryable`] tells which may succeed later).
 pub struct Client {
     address: Address,
     options: ClientOptions,
@@ -217,12 +313,12 @@ impl Client {
     ///
     /// # Errors
     ///
-    /// [`Error::Unreachable`] when no server answers at the address, or it is
-    /// malformed; [`Error::Refused`] for a wrong secret or too many clients;
+    /// [`Error::InvalidAddress`] when the address is malformed;
+    /// [`Error::Unreachable`] when no server answers at it; [`Error::Refused`] for a wrong secret or too many clients;
     /// [`Error::VersionMismatch`] for a server of another protocol version;
     /// [`Error::Transport`] when the device or the mapping fails.
     pub fn connect_with(address: &str, options: ClientOptions) -> Result<Client> {
-        let address = Address::parse(address).map_err(Error::Unreachable)?;
+        let address = Address::parse(address).map_err(Error::InvalidAddress)?;
         let (conn, info, layout) = open(&address, &options)?;
         let cache_entries = options.slot_cache_entries.unwrap_or(match address {
             Address::Rdma { .. } => 65_536,
@@ -328,9 +424,9 @@ impl Client {
     /// [`Error::EmptyKey`], [`Error::KeyTooLarge`]; [`Error::Corrupt`] when
     /// the key's slot points at a block that fails validation every time;
     /// [`Error::Contended`] after too many lost races.
-    pub fn get(&mut self, key: &[u8]) -> Result<Option<Vec<u8>>> {
+    pub fn get(&mut self, key: impl AsRef<[u8]>) -> Result<Option<Vec<u8>>> {
         let mut out = Vec::new();
-        Ok(self.get_into(key, &mut out)?.then_some(out))
+        Ok(self.get_into_bytes(key.as_ref(), &mut out)?.then_some(out))
     }
 
     /// Reads the value of `key` into `out` (reusing its allocation); false if
@@ -350,7 +446,11 @@ impl Client {
     /// # Errors
     ///
     /// As [`Client::get`].
-    pub fn get_into(&mut self, key: &[u8], out: &mut Vec<u8>) -> Result<bool> {
+    pub fn get_into(&mut self, key: impl AsRef<[u8]>, out: &mut Vec<u8>) -> Result<bool> {
+        self.get_into_bytes(key.as_ref(), out)
+    }
+
+    fn get_into_bytes(&mut self, key: &[u8], out: &mut Vec<u8>) -> Result<bool> {
         check_key(key)?;
         self.run(|c| {
             Ok(c.get_once(key)?.map(|value| match value {
@@ -436,7 +536,7 @@ impl Client {
                 // The single path reconnects, as every call does (a redone
                 // PUT is safe: see `run`).
                 Err(e) if e.is_connection_lost() => {
-                    self.put(rest[0].0, rest[0].1)?;
+                    self.put_bytes(rest[0].0, rest[0].1)?;
                     1
                 }
                 Err(e) => return Err(e),
@@ -469,7 +569,7 @@ impl Client {
             for i in unsettled {
                 // A copy the batch removed counts even if the redo finds
                 // none left.
-                out[i] |= self.delete(keys[i])?;
+                out[i] |= self.delete_bytes(keys[i])?;
             }
         }
         Ok(out)
@@ -502,10 +602,14 @@ impl Client {
     /// atomic was posted (read the counter to find out);
     /// [`Error::RegionFull`] or [`Error::IndexFull`] when a new counter finds
     /// no room; the key errors of [`Client::get`].
-    pub fn incr(&mut self, key: &[u8], delta: i64) -> Result<i64> {
+    pub fn incr(&mut self, key: impl AsRef<[u8]>, delta: i64) -> Result<i64> {
+        self.incr_bytes(key.as_ref(), delta)
+    }
+
+    fn incr_bytes(&mut self, key: &[u8], delta: i64) -> Result<i64> {
         check_key(key)?;
         let new = self.run(|c| c.counter_once(key, CounterOp::Add(delta)))?;
-        new.ok_or(Error::Protocol("an increment found no counter".into()))
+        new.ok_or(Error::Internal("an increment found no counter".into()))
     }
 
     /// The value of the counter `key`, or None if there is none.
@@ -514,7 +618,11 @@ impl Client {
     ///
     /// [`Error::NotACounter`] if `key` holds a value PUT stored; otherwise as
     /// [`Client::get`].
-    pub fn get_counter(&mut self, key: &[u8]) -> Result<Option<i64>> {
+    pub fn get_counter(&mut self, key: impl AsRef<[u8]>) -> Result<Option<i64>> {
+        self.get_counter_bytes(key.as_ref())
+    }
+
+    fn get_counter_bytes(&mut self, key: &[u8]) -> Result<Option<i64>> {
         check_key(key)?;
         self.run(|c| {
             let found = c.get_once(key)?;
@@ -545,7 +653,21 @@ impl Client {
     /// [`Error::NotACounter`], [`Error::CounterOverflow`];
     /// [`Error::OutcomeUnknown`] when the connection was lost after the CAS
     /// was posted; the key errors of [`Client::get`].
-    pub fn compare_and_set(&mut self, key: &[u8], expected: i64, new: i64) -> Result<Option<i64>> {
+    pub fn compare_and_set(
+        &mut self,
+        key: impl AsRef<[u8]>,
+        expected: i64,
+        new: i64,
+    ) -> Result<Option<i64>> {
+        self.compare_and_set_bytes(key.as_ref(), expected, new)
+    }
+
+    fn compare_and_set_bytes(
+        &mut self,
+        key: &[u8],
+        expected: i64,
+        new: i64,
+    ) -> Result<Option<i64>> {
         check_key(key)?;
         if kv_common::layout::counter_sealed(expected as u64) {
             // Beyond ±2^62: no counter holds it (a CAS expecting it could
@@ -553,7 +675,7 @@ impl Client {
             if new.unsigned_abs() > COUNTER_MAX as u64 {
                 return Err(Error::CounterOverflow(new.into()));
             }
-            return self.get_counter(key);
+            return self.get_counter_bytes(key);
         }
         self.run(|c| {
             c.counter_once(
@@ -579,7 +701,11 @@ impl Client {
     /// its cap (after a collection was tried); [`Error::IndexFull`] when the
     /// key's buckets are full and the index cannot grow; [`Error::Corrupt`],
     /// [`Error::Contended`] as for [`Client::get`].
-    pub fn put(&mut self, key: &[u8], value: &[u8]) -> Result<()> {
+    pub fn put(&mut self, key: impl AsRef<[u8]>, value: impl AsRef<[u8]>) -> Result<()> {
+        self.put_bytes(key.as_ref(), value.as_ref())
+    }
+
+    fn put_bytes(&mut self, key: &[u8], value: &[u8]) -> Result<()> {
         check_key(key)?;
         if value.len() > self.max_value {
             return Err(Error::ValueTooLarge {
@@ -596,7 +722,11 @@ impl Client {
     ///
     /// [`Error::EmptyKey`], [`Error::KeyTooLarge`]; [`Error::Corrupt`],
     /// [`Error::Contended`] as for [`Client::get`].
-    pub fn delete(&mut self, key: &[u8]) -> Result<bool> {
+    pub fn delete(&mut self, key: impl AsRef<[u8]>) -> Result<bool> {
+        self.delete_bytes(key.as_ref())
+    }
+
+    fn delete_bytes(&mut self, key: &[u8]) -> Result<bool> {
         check_key(key)?;
         let mut unlinked = false;
         self.run(|c| c.delete_once(key, &mut unlinked))
@@ -610,7 +740,8 @@ impl Client {
     /// [`Error::ResizeDeclined`] when the index is not full enough to
     /// warrant a doubling (beyond a small size, at least half as full as
     /// the server's resize threshold); [`Error::IndexFull`] when it cannot
-    /// grow; connection errors as for any call.
+    /// grow; [`Error::Stalled`] when the resize does not finish within ten
+    /// minutes; connection errors as for any call.
     pub fn resize(&mut self) -> Result<Geometry> {
         let before = self.info.geometry.bucket_count;
         // The heap growing meanwhile is a newer epoch too: ask again.
@@ -694,16 +825,21 @@ impl Client {
         Ok(())
     }
 
-    /// Says goodbye: the server reclaims what this client held (also done
-    /// on drop).
+    /// Says goodbye and waits for the server's answer (up to
+    /// [`ClientOptions::reply_timeout`]): the server reclaims what this
+    /// client held at once. Dropping a client does the same but waits only
+    /// a fraction of a second, and cannot report a failure.
     ///
     /// # Errors
     ///
     /// Only [those of every call](Client#errors-of-every-call): the goodbye
-    /// could not be sent (the server reclaims the space anyway once it
-    /// notices).
+    /// could not be sent or was not answered (the server reclaims the space
+    /// anyway once it notices the connection closed).
     pub fn close(mut self) -> Result<()> {
-        self.disconnect()
+        let said = self.disconnect();
+        // Drop has nothing left to say.
+        self.conn = Box::new(transport::Closed);
+        said
     }
 
     fn disconnect(&mut self) -> Result<()> {
@@ -716,8 +852,15 @@ impl Client {
 }
 
 impl Drop for Client {
+    /// A best-effort goodbye that never holds the dropping thread long:
+    /// sending it and waiting for the answer are each bounded by
+    /// `DROP_GOODBYE_WAIT` (the transport's bound replaces the reply
+    /// timeout), so a server that is stopped or overloaded costs at most
+    /// twice that, not the reply timeout.
     fn drop(&mut self) {
-        let _ = self.disconnect();
+        if self.conn.set_reply_timeout(DROP_GOODBYE_WAIT).is_ok() {
+            let _ = self.disconnect();
+        }
     }
 }
 
@@ -740,11 +883,7 @@ fn open(
     address: &Address,
     options: &ClientOptions,
 ) -> Result<(Box<dyn Connection>, ConnectInfo, LocalLayout)> {
-    let connect = ConnectOptions {
-        reply_timeout: options.reply_timeout,
-        read_order: options.read_order,
-    };
-    let mut conn = transport::connect(address, &connect)?;
+    let mut conn = transport::connect(address, &options.connect_options())?;
     let secret = options.secret.clone().unwrap_or_default();
     let info = match conn.call(&Request::Connect {
         protocol_version: PROTOCOL_VERSION,

@@ -89,15 +89,15 @@ impl Case<'_> {
     fn apply(&mut self, op: &Op) -> Result<(), TestCaseError> {
         match op {
             Op::Put(k, v) => {
-                self.client.put(&self.key(*k), v).map_err(fail)?;
+                self.client.put(self.key(*k), v).map_err(fail)?;
                 self.model.insert(*k, Held::Bytes(v.clone()));
             }
             Op::Get(k) => {
-                let got = self.client.get(&self.key(*k)).map_err(fail)?;
+                let got = self.client.get(self.key(*k)).map_err(fail)?;
                 prop_assert_eq!(got, self.get(*k), "get of key {}", k);
             }
             Op::Delete(k) => {
-                let existed = self.client.delete(&self.key(*k)).map_err(fail)?;
+                let existed = self.client.delete(self.key(*k)).map_err(fail)?;
                 prop_assert_eq!(
                     existed,
                     self.model.remove(k).is_some(),
@@ -133,7 +133,7 @@ impl Case<'_> {
     }
 
     fn incr(&mut self, k: u8, d: i64) -> Result<(), TestCaseError> {
-        let got = self.client.incr(&self.key(k), d);
+        let got = self.client.incr(self.key(k), d);
         match self.model.get(&k) {
             Some(Held::Bytes(_)) => {
                 prop_assert!(
@@ -189,7 +189,7 @@ fn agrees_with_the_model(server: &TestServer, options: ClientOptions) {
         }
         // Whatever path wrote them, every key reads back as the model has it.
         for k in 0..KEYS {
-            let got = case.client.get(&case.key(k)).map_err(fail)?;
+            let got = case.client.get(case.key(k)).map_err(fail)?;
             prop_assert_eq!(got, case.get(k), "final get of key {}", k);
         }
         Ok(())
@@ -210,10 +210,7 @@ fn options(hints: Hints) -> ClientOptions {
         Hints::On => 65_536,
         Hints::Off => 0,
     };
-    ClientOptions {
-        slot_cache_entries: Some(entries),
-        ..ClientOptions::default()
-    }
+    ClientOptions::default().with_slot_cache_entries(entries)
 }
 
 #[test]

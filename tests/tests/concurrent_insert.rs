@@ -23,10 +23,8 @@ fn concurrent_inserts_of_one_key_leave_exactly_one_slot() {
             s.spawn(move || {
                 // Inserters pause between reading the buckets and their CAS,
                 // widening the window in which they race.
-                let options = ClientOptions {
-                    pause_after_index_read: (t > 0).then_some(Duration::from_micros(400)),
-                    ..ClientOptions::default()
-                };
+                let options = ClientOptions::default()
+                    .with_pause_after_index_read((t > 0).then_some(Duration::from_micros(400)));
                 let mut kv = or_abort(Client::connect_with(&srv.address, options), "connect");
                 for round in 0..ROUNDS {
                     let key = format!("fresh-{round}");

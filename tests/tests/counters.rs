@@ -27,10 +27,7 @@ fn deadline(shm_ms: u64) -> Duration {
 }
 
 fn hinted(address: &str, entries: usize) -> Client {
-    let options = ClientOptions {
-        slot_cache_entries: Some(entries),
-        ..ClientOptions::default()
-    };
+    let options = ClientOptions::default().with_slot_cache_entries(entries);
     or_abort(Client::connect_with(address, options), "connect")
 }
 
@@ -181,13 +178,11 @@ fn counter_histories_with_deletes_and_puts_are_linearizable_under_aggressive_reu
         for t in 0..THREADS {
             let (log, barrier, starts, address) = (&log, &barrier, &starts, &srv.address);
             s.spawn(move || {
-                let options = ClientOptions {
-                    slot_cache_entries: Some(if t % 2 == 0 { 1024 } else { 0 }),
+                let options = ClientOptions::default()
+                    .with_slot_cache_entries(if t % 2 == 0 { 1024 } else { 0 })
                     // One client at times stalls between reading the index
                     // and acting on it for longer than the grace period.
-                    pause_after_index_read: (t == 1).then_some(deadline(20)),
-                    ..ClientOptions::default()
-                };
+                    .with_pause_after_index_read((t == 1).then_some(deadline(20)));
                 let mut kv = or_abort(Client::connect_with(address, options), "connect");
                 let mut rng = 0x9e37_79b9_7f4a_7c15u64.wrapping_mul(t as u64 + 1);
                 for _ in 0..rounds {
@@ -316,11 +311,9 @@ fn a_late_increment_never_lands_on_reused_space() {
     std::thread::scope(|s| {
         let (done, address) = (&done, &srv.address);
         s.spawn(move || {
-            let options = ClientOptions {
-                slot_cache_entries: Some(64),
-                pause_after_index_read: Some(deadline(12)),
-                ..ClientOptions::default()
-            };
+            let options = ClientOptions::default()
+                .with_slot_cache_entries(64)
+                .with_pause_after_index_read(deadline(12));
             let mut kv = or_abort(Client::connect_with(address, options), "connect");
             for i in 0..200u64 {
                 // Eight counters in turn: each one's remembered slot is old

@@ -32,7 +32,7 @@ fn stored_keys() -> Stored {
     let server = Server::start(config.clone()).unwrap();
     let mut kv = Client::connect(&config.address.to_string()).unwrap();
     for i in 0..200 {
-        kv.put(format!("key{i}").as_bytes(), &value(i)).unwrap();
+        kv.put(format!("key{i}").as_bytes(), value(i)).unwrap();
     }
     Stored {
         dir,
@@ -273,7 +273,7 @@ fn a_region_file_truncated_under_the_daemon_stops_it_with_a_clear_error() {
     let daemon = onekv_tests::Daemon::start(&address, &path, &["--memory", "16MiB"]);
     let mut kv = Client::connect(&address.to_string()).unwrap();
     for i in 0..200 {
-        kv.put(format!("key{i}").as_bytes(), &value(i)).unwrap();
+        kv.put(format!("key{i}").as_bytes(), value(i)).unwrap();
     }
     kv.close().unwrap();
     std::fs::OpenOptions::new()

@@ -21,7 +21,7 @@ fn value(i: usize) -> Vec<u8> {
 /// Puts keys `from..to`, all acknowledged.
 fn put_keys(kv: &mut Client, from: usize, to: usize) {
     for i in from..to {
-        kv.put(format!("key{i}").as_bytes(), &value(i)).unwrap();
+        kv.put(format!("key{i}").as_bytes(), value(i)).unwrap();
     }
 }
 

@@ -53,7 +53,7 @@ fn honest_value(i: usize) -> Vec<u8> {
 fn honest_client(srv: &TestServer) -> Client {
     let mut kv = Client::connect(&srv.address).unwrap();
     for i in 0..300 {
-        kv.put(format!("honest-{i}").as_bytes(), &honest_value(i))
+        kv.put(format!("honest-{i}").as_bytes(), honest_value(i))
             .unwrap();
     }
     kv

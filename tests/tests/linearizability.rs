@@ -8,9 +8,8 @@ use std::sync::{Barrier, Mutex};
 
 use std::time::Duration;
 
-use kv_client::{Client, ClientOptions};
+use kv_client::{Client, ClientOptions, ReadOrder};
 use kv_common::protocol::ServerStats;
-use kv_common::transport::ReadOrder;
 use onekv_tests::{
     aggressive_reuse, or_abort, parse_tagged, tagged_value, wait_or_abort, TestServer,
 };
@@ -137,13 +136,11 @@ fn a_reader_whose_reads_run_backwards_never_returns_an_overwritten_value() {
                 seq += 1;
             }
         });
-        let options = ClientOptions {
-            slot_cache_entries: Some(16),
-            read_order: ReadOrder::Reversed {
+        let options = ClientOptions::default()
+            .with_slot_cache_entries(16)
+            .with_read_order(ReadOrder::Reversed {
                 pause: deadline / 4,
-            },
-            ..ClientOptions::default()
-        };
+            });
         let mut kv = or_abort(Client::connect_with(address, options), "connect");
         wait_or_abort("the first write", WAIT_LIMIT, || {
             acked.load(Ordering::SeqCst) > 0
@@ -207,10 +204,7 @@ fn a_slow_batch_reader_never_takes_a_recycled_block_for_the_key() {
                 seq += 1;
             }
         });
-        let options = ClientOptions {
-            pause_after_index_read: Some(deadline * 25),
-            ..ClientOptions::default()
-        };
+        let options = ClientOptions::default().with_pause_after_index_read(deadline * 25);
         let mut kv = or_abort(Client::connect_with(address, options), "connect");
         wait_or_abort("the first writes", WAIT_LIMIT, || {
             acked[1].load(Ordering::SeqCst) > 0
@@ -306,12 +300,10 @@ fn check_histories(workload: Workload) -> Run {
                 // period: it holds old offsets while their blocks are freed
                 // and rewritten, and must notice it was too slow.
                 // Half the clients use slot hints (1-round-trip GETs), half not.
-                let options = ClientOptions {
-                    slot_cache_entries: Some(if t % 2 == 0 { 4096 } else { 0 }),
-                    pause_after_index_read: (t == 1).then_some(Duration::from_millis(12)),
-                    read_order,
-                    ..ClientOptions::default()
-                };
+                let options = ClientOptions::default()
+                    .with_slot_cache_entries(if t % 2 == 0 { 4096 } else { 0 })
+                    .with_pause_after_index_read((t == 1).then_some(Duration::from_millis(12)))
+                    .with_read_order(read_order);
                 let mut kv = or_abort(Client::connect_with(address, options), "connect");
                 let mut rng = 0x2545_f491_4f6c_dd1du64.wrapping_mul(t as u64 + 1);
                 for round in 0..ROUNDS {
@@ -448,7 +440,7 @@ fn check_histories(workload: Workload) -> Run {
                         or_abort(
                             kv.put(
                                 churn.as_bytes(),
-                                &tagged_value(&churn, "churn", n as u64, pad),
+                                tagged_value(&churn, "churn", n as u64, pad),
                             ),
                             "put",
                         );

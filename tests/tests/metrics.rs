@@ -64,19 +64,13 @@ fn the_metrics_follow_clients_leases_refusals_and_the_index() {
     assert!(sample(&before, "onekv_heap_size_bytes") > 0.0);
     assert!(sample(&before, "onekv_region_size_bytes") >= 16.0 * 1024.0 * 1024.0);
 
-    let options = ClientOptions {
-        secret: Some(b"sesame".to_vec()),
-        ..ClientOptions::default()
-    };
+    let options = ClientOptions::default().with_secret(b"sesame".to_vec());
     let mut kv = Client::connect_with(&t.address, options).expect("client connects");
     for i in 0..200 {
-        kv.put(format!("key{i}").as_bytes(), &[7u8; 100])
+        kv.put(format!("key{i}").as_bytes(), [7u8; 100])
             .expect("put");
     }
-    let wrong = ClientOptions {
-        secret: Some(b"open up".to_vec()),
-        ..ClientOptions::default()
-    };
+    let wrong = ClientOptions::default().with_secret(b"open up".to_vec());
     assert!(matches!(
         Client::connect_with(&t.address, wrong),
         Err(Error::Refused(_))

@@ -12,17 +12,14 @@ fn steady_loop_sends_no_control_messages_beyond_leases() {
     let srv = TestServer::start(|_| {});
     let mut kv = Client::connect(&srv.address).unwrap();
     for i in 0..200 {
-        kv.put(format!("warm-{i}").as_bytes(), &[7u8; 1024])
-            .unwrap();
+        kv.put(format!("warm-{i}").as_bytes(), [7u8; 1024]).unwrap();
     }
     let before = srv.server.stats();
     let mut value = Vec::new();
     for i in 0..20_000u32 {
         let key = format!("warm-{}", i % 200);
         match i % 4 {
-            0 => kv
-                .put(key.as_bytes(), &i.to_le_bytes().repeat(256))
-                .unwrap(),
+            0 => kv.put(key.as_bytes(), i.to_le_bytes().repeat(256)).unwrap(),
             3 if i % 40 == 3 => {
                 kv.delete(key.as_bytes()).unwrap();
             }
@@ -47,10 +44,7 @@ fn steady_loop_sends_no_control_messages_beyond_leases() {
 
 /// Clients with slot hints on (the default over rdma, off over shm).
 fn hinted(address: &str, entries: usize) -> Client {
-    let options = ClientOptions {
-        slot_cache_entries: Some(entries),
-        ..ClientOptions::default()
-    };
+    let options = ClientOptions::default().with_slot_cache_entries(entries);
     Client::connect_with(address, options).unwrap()
 }
 
@@ -77,7 +71,7 @@ fn operations_take_the_promised_round_trips() {
             assert_eq!(took(kv, get), 1, "warm get");
         }
     };
-    let put = |v: u8| move |kv: &mut Client| kv.put(b"k", &[v; 1024]).unwrap();
+    let put = |v: u8| move |kv: &mut Client| kv.put(b"k", [v; 1024]).unwrap();
     let get = |v: u8| move |kv: &mut Client| assert_eq!(kv.get(b"k").unwrap(), Some(vec![v; 1024]));
 
     assert_eq!(
@@ -143,7 +137,7 @@ fn operations_take_the_promised_round_trips() {
         took(&mut kv, &missing) <= 2,
         "missing key: buckets (and a fingerprint false positive at most)"
     );
-    cold.put(b"k", &[6; 1024]).unwrap();
+    cold.put(b"k", [6; 1024]).unwrap();
     assert_eq!(
         took(&mut cold, &delete),
         3,
@@ -172,7 +166,7 @@ fn a_batch_of_gets_takes_two_round_trips_cold_and_one_warm() {
     let mut writer = hinted(&srv.address, 0);
     let keys: Vec<String> = (0..16).map(|i| format!("batch-{i}")).collect();
     for (i, k) in keys.iter().enumerate() {
-        writer.put(k.as_bytes(), &[i as u8; 1000]).unwrap();
+        writer.put(k.as_bytes(), [i as u8; 1000]).unwrap();
     }
     writer.incr(b"batch-counter", 7).unwrap();
     let mut asked = keys.clone();
@@ -294,8 +288,8 @@ fn a_get_reads_only_the_blocks_it_needs() {
     let (first, second) = keys_sharing_a_fingerprint(kv.geometry().bucket_count);
     // In an empty index the first insert takes the first slot of the lower
     // window and the second the next bucket's: the first is the lower slot.
-    kv.put(&first, &[1; 1000]).unwrap();
-    kv.put(&second, &[2; 1000]).unwrap();
+    kv.put(&first, [1; 1000]).unwrap();
+    kv.put(&second, [2; 1000]).unwrap();
     let block = 1280; // the size class of a 1000-byte value with its key
     let windows = 2 * 192;
     let read = |kv: &mut Client, key: &[u8]| {
@@ -326,7 +320,7 @@ fn a_get_after_a_pause_longer_than_the_deadline_reads_again_and_finds_the_value(
     let deadline = Duration::from_millis(500);
     let srv = TestServer::start(|c| c.op_deadline = deadline);
     let mut kv = hinted(&srv.address, 0);
-    kv.put(b"paused", &[7; 100]).unwrap();
+    kv.put(b"paused", [7; 100]).unwrap();
     let get = |kv: &mut Client| {
         let before = kv.verb_stats();
         assert_eq!(kv.get(b"paused").unwrap(), Some(vec![7; 100]));

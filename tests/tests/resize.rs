@@ -16,7 +16,7 @@ fn gets_never_miss_present_keys_across_resizes() {
     let fixed: Vec<String> = (0..40).map(|i| format!("fixed-{i}")).collect();
     let mut kv = or_abort(Client::connect(&srv.address), "connect");
     for k in &fixed {
-        or_abort(kv.put(k.as_bytes(), &tagged_value(k, "w", 0, 200)), "put");
+        or_abort(kv.put(k.as_bytes(), tagged_value(k, "w", 0, 200)), "put");
     }
     let stop = AtomicBool::new(false);
     let reads = AtomicU64::new(0);
@@ -24,10 +24,8 @@ fn gets_never_miss_present_keys_across_resizes() {
         for t in 0..2 {
             let (stop, reads, fixed, address) = (&stop, &reads, &fixed, &srv.address);
             s.spawn(move || {
-                let options = ClientOptions {
-                    slot_cache_entries: Some(if t == 0 { 4096 } else { 0 }),
-                    ..ClientOptions::default()
-                };
+                let options =
+                    ClientOptions::default().with_slot_cache_entries(if t == 0 { 4096 } else { 0 });
                 let mut kv = or_abort(Client::connect_with(address, options), "connect");
                 while !stop.load(Ordering::SeqCst) {
                     for k in fixed {
@@ -49,7 +47,7 @@ fn gets_never_miss_present_keys_across_resizes() {
         for i in 0..3000 {
             let k = format!("more-{i}");
             or_abort(
-                grower.put(k.as_bytes(), &tagged_value(&k, "w", i, 50)),
+                grower.put(k.as_bytes(), tagged_value(&k, "w", i, 50)),
                 "put",
             );
             if i % 1000 == 999 {
@@ -79,10 +77,8 @@ fn concurrent_inserts_during_a_migration_leave_one_copy() {
             s.spawn(move || {
                 // Paused between reading the buckets and the CAS, so the
                 // freeze often lands inside the insert.
-                let options = ClientOptions {
-                    pause_after_index_read: Some(Duration::from_micros(300)),
-                    ..ClientOptions::default()
-                };
+                let options = ClientOptions::default()
+                    .with_pause_after_index_read(Duration::from_micros(300));
                 let mut kv = or_abort(Client::connect_with(address, options), "connect");
                 for round in 0..ROUNDS {
                     barrier.wait();
@@ -165,7 +161,7 @@ fn loading_far_more_than_the_initial_region_grows_it() {
                 let mut kv = or_abort(Client::connect(address), "connect");
                 for i in (t..KEYS).step_by(2) {
                     let k = format!("load-{i}");
-                    or_abort(kv.put(k.as_bytes(), &tagged_value(&k, "w", i, 2000)), "put");
+                    or_abort(kv.put(k.as_bytes(), tagged_value(&k, "w", i, 2000)), "put");
                 }
             });
         }
@@ -194,7 +190,7 @@ fn the_heap_is_full_only_at_its_cap_and_says_so() {
     let err = loop {
         let i = *stored.lock().unwrap();
         let k = format!("fill-{i}");
-        match kv.put(k.as_bytes(), &vec![7u8; 4000]) {
+        match kv.put(k.as_bytes(), vec![7u8; 4000]) {
             Ok(()) => *stored.lock().unwrap() += 1,
             Err(e) => break e,
         }
@@ -228,7 +224,7 @@ fn space_another_client_deleted_is_reused_before_the_region_is_full() {
     let mut stored = 0;
     let err = loop {
         let k = format!("fill-{stored}");
-        match writer.put(k.as_bytes(), &vec![7u8; 4000]) {
+        match writer.put(k.as_bytes(), vec![7u8; 4000]) {
             Ok(()) => stored += 1,
             Err(e) => break e,
         }
@@ -247,7 +243,7 @@ fn space_another_client_deleted_is_reused_before_the_region_is_full() {
     }
     for i in 0..stored / 4 {
         let k = format!("again-{i}");
-        if let Err(e) = writer.put(k.as_bytes(), &vec![8u8; 4000]) {
+        if let Err(e) = writer.put(k.as_bytes(), vec![8u8; 4000]) {
             panic!("put {i} of {} after half was deleted: {e}", stored / 4);
         }
     }
@@ -284,7 +280,7 @@ fn writes_into_space_a_resize_grew_the_heap_by_are_carried_over() {
                 let i = seq % KEYS;
                 let k = format!("big-{i}");
                 or_abort(
-                    kv.put(k.as_bytes(), &tagged_value(&k, "w", seq, 3000)),
+                    kv.put(k.as_bytes(), tagged_value(&k, "w", seq, 3000)),
                     "put",
                 );
                 last.lock().unwrap()[i as usize] = seq;

@@ -39,7 +39,7 @@ fn data_survives_restart_and_clients_reconnect() {
     // New writes land in free space, not on top of live blocks.
     let mut other = Client::connect(&address).unwrap();
     for i in 0..500 {
-        other.put(format!("n{i}").as_bytes(), &[b'x'; 300]).unwrap();
+        other.put(format!("n{i}").as_bytes(), [b'x'; 300]).unwrap();
     }
     for i in 0..500 {
         assert_eq!(

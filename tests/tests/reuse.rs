@@ -20,7 +20,7 @@ fn update_only_workload_runs_in_bounded_memory() {
                 let mut kv = or_abort(Client::connect(address), "connect");
                 for i in 0..15_000u32 {
                     let key = format!("t{t}-{}", i % 64);
-                    or_abort(kv.put(key.as_bytes(), &[i as u8; 1024]), "put");
+                    or_abort(kv.put(key.as_bytes(), [i as u8; 1024]), "put");
                 }
             });
         }
@@ -46,7 +46,7 @@ fn mixed_sizes_and_deletes_do_not_strand_space() {
             // Each phase favours one size, so freed blocks of the other
             // sizes must be given back and merged to be useful.
             let size = sizes[(i / 1200 + i % 2) % sizes.len()];
-            kv.put(key.as_bytes(), &vec![b'v'; size]).unwrap();
+            kv.put(key.as_bytes(), vec![b'v'; size]).unwrap();
         }
     }
     kv.close().unwrap();

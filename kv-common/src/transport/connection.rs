@@ -12,6 +12,11 @@ use crate::protocol::{RemoteRegion, Request, Response};
 pub trait Connection: Send {
     /// Sends a control request and waits for its reply (two-sided).
     fn call(&mut self, request: &Request) -> Result<Response, TransportError>;
+    /// Bounds each later [`call`](Connection::call) by `limit` (sending the
+    /// request and waiting for its reply) in place of the connection's
+    /// reply timeout: a client dropped with a server that does not answer
+    /// says a goodbye that waits only this long.
+    fn set_reply_timeout(&mut self, limit: std::time::Duration) -> Result<(), TransportError>;
     /// Makes the remote region reachable by verbs and sets up a local
     /// registered buffer of `local_len` bytes.
     fn attach(&mut self, region: &RemoteRegion, local_len: usize) -> Result<(), TransportError>;
@@ -57,6 +62,9 @@ pub struct Closed;
 impl Connection for Closed {
     fn call(&mut self, _: &Request) -> Result<Response, TransportError> {
         Err(TransportError::Disconnected("connection closed".into()))
+    }
+    fn set_reply_timeout(&mut self, _: std::time::Duration) -> Result<(), TransportError> {
+        Ok(())
     }
     fn attach(&mut self, _: &RemoteRegion, _: usize) -> Result<(), TransportError> {
         Err(TransportError::Disconnected("connection closed".into()))

@@ -107,7 +107,7 @@ fn main() -> ExitCode {
 fn run(args: Args) -> Result<ExitCode, String> {
     let mut options = ClientOptions::default();
     if let Some(path) = &args.secret_file {
-        options.secret = Some(kv_common::secret::read_secret_file(path)?);
+        options = options.with_secret(kv_common::secret::read_secret_file(path)?);
     }
     let mut kv = Client::connect_with(&args.server, options).map_err(|e| e.to_string())?;
     let code = match args.command {

@@ -312,6 +312,8 @@ pub struct RdmaConnection {
     remote: Option<RemoteRegion>,
     stats: VerbStats,
     reply_timeout: Duration,
+    /// How long a control message may take to be sent (a completion).
+    send_timeout: Duration,
     read_order: ReadOrder,
 }
 
@@ -345,6 +347,7 @@ impl RdmaConnection {
             remote: None,
             stats: VerbStats::default(),
             reply_timeout: options.reply_timeout,
+            send_timeout: COMPLETION_TIMEOUT,
             read_order: options.read_order,
         })
     }
@@ -394,7 +397,7 @@ impl RdmaConnection {
 impl Connection for RdmaConnection {
     fn call(&mut self, request: &Request) -> Result<Response, TransportError> {
         let bytes = protocol::encode(request)?;
-        self.channel.send(&bytes, COMPLETION_TIMEOUT)?;
+        self.channel.send(&bytes, self.send_timeout)?;
         let deadline = Instant::now() + self.reply_timeout;
         loop {
             if let Some(reply) = self.channel.take_received()? {
@@ -407,6 +410,12 @@ impl Connection for RdmaConnection {
             }
             std::thread::yield_now();
         }
+    }
+
+    fn set_reply_timeout(&mut self, limit: Duration) -> Result<(), TransportError> {
+        self.reply_timeout = limit;
+        self.send_timeout = COMPLETION_TIMEOUT.min(limit);
+        Ok(())
     }
 
     fn attach(&mut self, region: &RemoteRegion, local_len: usize) -> Result<(), TransportError> {

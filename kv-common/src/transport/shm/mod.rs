@@ -116,6 +116,15 @@ impl Connection for ShmConnection {
         }
     }
 
+    fn set_reply_timeout(&mut self, limit: Duration) -> Result<(), TransportError> {
+        // A zero timeout means "none" to the socket: wait at least 1 ms.
+        let limit = limit.max(Duration::from_millis(1));
+        self.stream.set_read_timeout(Some(limit))?;
+        self.stream.set_write_timeout(Some(limit))?;
+        self.reply_timeout = limit;
+        Ok(())
+    }
+
     fn attach(&mut self, remote: &RemoteRegion, local_len: usize) -> Result<(), TransportError> {
         let region = SharedRegion::for_client(&self.region_path, remote.len)?;
         if region.len() < remote.len {
