@@ -94,7 +94,7 @@ impl Client {
         let mut windows: SmallVec<[usize; BATCH_KEYS]> = SmallVec::new();
         for (i, first) in firsts.iter().enumerate() {
             match *first {
-                First::Sole(sole) => match self.sole_value(keys[i], sole, clock) {
+                First::Sole(sole) => match self.sole_value(keys[i], &sole, clock) {
                     Some(value) => copy_out(self.conn.local(), value, out[i].insert(Vec::new())),
                     None => unsettled.push(i),
                 },

@@ -46,6 +46,7 @@ pub(crate) struct SoleRead {
 }
 
 impl SoleRead {
+    #[inline(always)]
     pub fn verbs(&self) -> [Verb; 2] {
         [self.word, self.block]
     }
@@ -211,7 +212,7 @@ impl Client {
             Some(first) => self.conn.post(&[first, sole.word, sole.block])?,
             None => self.conn.post(&sole.verbs())?,
         }
-        Ok(match self.sole_value(key, sole, clock) {
+        Ok(match self.sole_value(key, &sole, clock) {
             Some(value) => Sighting::Held {
                 value,
                 clock,
@@ -222,6 +223,7 @@ impl Client {
     }
 
     /// The reads a sole hint needs, its slot's word landing at `word_at`.
+    #[inline(always)]
     pub(crate) fn sole_read(&self, hint: Hint, block: Verb, word_at: usize) -> SoleRead {
         let word = Verb::Read {
             remote: self.info.geometry.slot_offset(hint.pos),
@@ -234,10 +236,11 @@ impl Client {
     /// What a `SoleRead` timed by `clock` shows: the key's value if the
     /// slot still held the hinted value, in time, and the block holds the
     /// key. The hint is confirmed, or dropped.
+    #[inline(always)]
     pub(crate) fn sole_value(
         &mut self,
         key: &[u8],
-        sole: SoleRead,
+        sole: &SoleRead,
         clock: OpClock,
     ) -> Option<Value> {
         let hint = sole.hint;

@@ -27,6 +27,7 @@ fn local_words(local: &mut [u64], at: usize, len: usize) -> Result<&mut [u64], T
 
 /// Executes a batch as a NIC would: the access key first, then each verb
 /// in turn, each checked against the registered range before it runs.
+#[inline]
 pub(super) fn execute(
     region: &SharedRegion,
     remote: &RemoteRegion,
