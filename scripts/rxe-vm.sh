@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 WORK=${RXE_WORK:-$ROOT/target/rxe-vm}
 GUEST_IP=10.0.2.15
-TESTS=(linearizability counters concurrent_insert one_sided reuse restart crash_recovery fencing resize header_damage)
+TESTS=(linearizability counters concurrent_insert one_sided reuse restart crash_recovery fencing resize header_damage batch_model)
 mkdir -p "$WORK"
 
 log() { echo "rxe-vm: $*" >&2; }

@@ -21,7 +21,7 @@
 //! failing validation, reads too slow, a resize under way, a CAS that
 //! lost, more blocks than fit) goes to the single-key path.
 
-use kv_common::layout::{block_len, class_for, encode_block, KeyHash, Slot, SlotPos};
+use kv_common::layout::{block_len, class_for, encode_block, Geometry, KeyHash, Slot, SlotPos};
 use kv_common::transport::{read_u64, Verb, MAX_BATCH_VERBS};
 use smallvec::SmallVec;
 
@@ -240,6 +240,8 @@ enum Publish {
 /// A multi-key PUT under way: its pairs (those one batch holds), their
 /// hashes, the slots that publish their new blocks, and each key's plan.
 struct PutBatch<'p> {
+    /// The geometry the batch started under.
+    g: Geometry,
     pairs: &'p [(&'p [u8], &'p [u8])],
     hashes: Hashes,
     news: SmallVec<[Slot; BATCH_KEYS]>,
@@ -260,11 +262,13 @@ impl Client {
     pub(crate) fn put_batch(&mut self, pairs: &[(&[u8], &[u8])]) -> Result<usize> {
         let blocks = self.stage_blocks(pairs)?;
         let pairs = &pairs[..blocks.len()];
-        let hashes = hash_keys(pairs.iter().map(|p| p.0), self.info.geometry.bucket_count);
+        let g = self.info.geometry;
+        let hashes = hash_keys(pairs.iter().map(|p| p.0), g.bucket_count);
         let news = (0..pairs.len())
             .map(|i| Slot::new(hashes[i].fingerprint, blocks[i].1, blocks[i].0))
             .collect();
         let mut put = PutBatch {
+            g,
             pairs,
             hashes,
             news,
@@ -318,7 +322,7 @@ impl Client {
     /// The first batch: every block's WRITE, and each key's settled hint's
     /// CAS or its windows. Returns its clock.
     fn put_first_batch(&mut self, put: &mut PutBatch, blocks: &[Staged]) -> Result<OpClock> {
-        let g = self.info.geometry;
+        let g = put.g;
         let mut verbs = Verbs::new();
         for (i, (key, value)) in put.pairs.iter().enumerate() {
             let (offset, _, local) = blocks[i];
@@ -416,7 +420,7 @@ impl Client {
     /// duplicate check of an insert; posted only while the reads that chose
     /// them are in time. Returns its clock.
     fn publish(&mut self, put: &mut PutBatch, clock: OpClock) -> Result<OpClock> {
-        let g = self.info.geometry;
+        let g = put.g;
         let mut verbs = Verbs::new();
         let in_time = clock.in_time();
         let published = self.timing.start();
@@ -455,7 +459,7 @@ impl Client {
         clock: OpClock,
         published: OpClock,
     ) -> Result<()> {
-        let g = self.info.geometry;
+        let g = put.g;
         // Every outcome is taken from the buffer before anything else is
         // posted: a duplicate check or a single-path redo may follow a
         // resize or growth, which replaces the buffer.

@@ -17,17 +17,13 @@ use crate::protocol::RemoteRegion;
 ///
 /// # Errors
 ///
-/// `LocalAccess` for a batch of more than [`MAX_BATCH_VERBS`]; whatever
-/// `run` returns, at the first verb that fails.
+/// Whatever `run` returns, at the first verb that fails.
 #[inline]
 pub(crate) fn run_batch(
     order: ReadOrder,
     verbs: &[Verb],
     mut run: impl FnMut(&[Verb]) -> Result<(), TransportError>,
 ) -> Result<(), TransportError> {
-    if verbs.len() > MAX_BATCH_VERBS {
-        return Err(batch_too_long(verbs.len()));
-    }
     match order {
         // The data path.
         ReadOrder::Posted => run(verbs),
@@ -44,6 +40,20 @@ pub(crate) fn run_batch(
             Ok(())
         }
     }
+}
+
+/// Whether a batch fits a send queue: checked before anything else of it,
+/// as posting it would fail.
+///
+/// # Errors
+///
+/// `LocalAccess` for a batch of more than [`MAX_BATCH_VERBS`].
+#[inline]
+pub(crate) fn batch_len(verbs: &[Verb]) -> Result<(), TransportError> {
+    if verbs.len() > MAX_BATCH_VERBS {
+        return Err(batch_too_long(verbs.len()));
+    }
+    Ok(())
 }
 
 #[cold]
@@ -131,7 +141,8 @@ mod tests {
     #[test]
     fn a_batch_too_long_and_ranges_outside_are_refused() {
         let long = vec![read(0); MAX_BATCH_VERBS + 1];
-        let e = run_batch(ReadOrder::Posted, &long, |_| Ok(())).unwrap_err();
+        assert!(batch_len(&long[1..]).is_ok());
+        let e = batch_len(&long).unwrap_err();
         assert!(matches!(e, TransportError::LocalAccess(_)), "{e}");
         let remote = RemoteRegion {
             base: 0,

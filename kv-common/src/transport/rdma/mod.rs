@@ -436,6 +436,7 @@ impl Connection for RdmaConnection {
     }
 
     fn post(&mut self, verbs: &[Verb]) -> Result<(), TransportError> {
+        check::batch_len(verbs)?;
         // One doorbell per part (the whole batch but in the paused test
         // order); an RC queue pair executes in posting order.
         check::run_batch(self.read_order, verbs, |part| {

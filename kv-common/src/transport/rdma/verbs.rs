@@ -839,6 +839,15 @@ impl Qp {
 
     /// Posts one receive of `len` bytes at `offset` in `mr`.
     pub fn post_recv(&self, wr_id: u64, mr: &Mr, offset: usize, len: usize) -> io::Result<()> {
+        if offset.checked_add(len).is_none_or(|end| end > mr.len()) || len > u32::MAX as usize {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "receive of {offset}+{len} outside a {}-byte buffer",
+                    mr.len()
+                ),
+            ));
+        }
         let mut sge = ibv_sge {
             addr: mr.addr() + offset as u64,
             length: len as u32,
@@ -851,7 +860,8 @@ impl Qp {
             num_sge: 1,
         };
         let mut bad = std::ptr::null_mut();
-        // SAFETY: the range lies in `mr`, which outlives the queue pair's use of it.
+        // SAFETY: the range lies in `mr` (checked above), which outlives the
+        // queue pair's use of it.
         let rc = unsafe { ibv_post_recv(self.qp, &mut wr, &mut bad) };
         if rc != 0 {
             return Err(io::Error::from_raw_os_error(rc));

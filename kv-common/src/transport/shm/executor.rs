@@ -16,13 +16,25 @@ use crate::words::{compare_and_swap, fetch_and_add, load_words, prefetch_lines, 
 /// The words of a local buffer covering `[at, at + len)`.
 #[inline]
 fn local_words(local: &mut [u64], at: usize, len: usize) -> Result<&mut [u64], TransportError> {
-    check::local_range(local.len() * 8, at, len)?;
-    if !(at | len).is_multiple_of(8) {
-        return Err(TransportError::LocalAccess(format!(
-            "local range {at}+{len} is not 8-byte aligned (shm copies whole words)"
-        )));
+    let local_len = local.len() * 8;
+    let aligned = (at | len).is_multiple_of(8);
+    if aligned && at.checked_add(len).is_some_and(|end| end <= local_len) {
+        return Ok(&mut local[at / 8..(at + len) / 8]);
     }
-    Ok(&mut local[at / 8..(at + len) / 8])
+    Err(local_refusal(local_len, at, len))
+}
+
+/// Why `local_words` refused a range: the transports' range check, or
+/// the alignment shm's word copies need.
+#[cold]
+#[inline(never)]
+fn local_refusal(local_len: usize, at: usize, len: usize) -> TransportError {
+    match check::local_range(local_len, at, len) {
+        Err(e) => e,
+        Ok(()) => TransportError::LocalAccess(format!(
+            "local range {at}+{len} is not 8-byte aligned (shm copies whole words)"
+        )),
+    }
 }
 
 /// Executes a batch as a NIC would: the access key first, then each verb
@@ -35,6 +47,7 @@ pub(super) fn execute(
     local: &mut [u64],
     verbs: &[Verb],
 ) -> Result<(), TransportError> {
+    check::batch_len(verbs)?;
     // As a NIC checks the rkey and the queue pair's state: a client the
     // server cut off, or one of an earlier registration, is refused.
     let key = region.span_within(key_word(remote.key_slot)?, 8, u64::MAX);
