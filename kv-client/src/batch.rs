@@ -360,15 +360,7 @@ impl Client {
         for (i, (key, _)) in put.pairs.iter().enumerate() {
             if let Publish::Blind(hint) = put.plan[i] {
                 if read_u64(self.conn.local(), self.layout.batch_word(i)) == hint.slot.0 {
-                    self.replaced(
-                        key,
-                        Seen {
-                            pos: hint.pos,
-                            slot: hint.slot,
-                            clock,
-                        },
-                        put.news[i],
-                    );
+                    self.replaced(key, Seen::new((hint.pos, hint.slot), clock), put.news[i]);
                     put.plan[i] = Publish::Done;
                 } else {
                     self.cache.forget(key);
