@@ -225,7 +225,15 @@ impl Client {
             let clock = self.read_windows(&kh, None)?;
             let slots = self.slots();
             let mode = ScanMode::AllCopies { known: None };
-            let copies = match self.scan(key, &kh, &WindowsRead { slots, clock }, mode)? {
+            let copies = match self.scan(
+                key,
+                &kh,
+                &WindowsRead {
+                    slots: &slots,
+                    clock,
+                },
+                mode,
+            )? {
                 Scan::Found(copies) => copies,
                 Scan::Retry(suspect) => {
                     corrupt.saw(key, suspect)?;
@@ -465,7 +473,10 @@ impl Client {
                 false => match self.scan(
                     key,
                     kh,
-                    &WindowsRead { slots, clock },
+                    &WindowsRead {
+                        slots: &slots,
+                        clock,
+                    },
                     ScanMode::AllCopies { known: Some(new) },
                 )? {
                     Scan::Found(copies) => Some(copies),

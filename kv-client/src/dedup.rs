@@ -69,7 +69,15 @@ impl Client {
             // key sooner than a grace period after we published it.
             let known = published.in_time().then_some(new);
             let mode = ScanMode::AllCopies { known };
-            let copies = match self.scan(key, kh, &WindowsRead { slots, clock }, mode)? {
+            let copies = match self.scan(
+                key,
+                kh,
+                &WindowsRead {
+                    slots: &slots,
+                    clock,
+                },
+                mode,
+            )? {
                 Scan::Retry(suspect) => {
                     corrupt.saw(key, suspect)?;
                     continue;

@@ -81,8 +81,9 @@ impl Client {
                 ),
                 None => (self.read_windows(&kh, None)?, ReaderScan::Lowest),
             };
+            let slots = self.slots();
             let read = WindowsRead {
-                slots: self.slots(),
+                slots: &slots,
                 clock,
             };
             match self.lowest_copy(key, &kh, &read, mode)? {

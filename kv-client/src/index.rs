@@ -25,8 +25,8 @@ type ScanCandidates = SmallVec<[(usize, Slot, u64, usize); 4]>;
 /// A key's candidate slots as one READ of its windows showed them, and the
 /// clock of that read.
 #[derive(Debug, Clone, Copy)]
-pub struct WindowsRead {
-    pub slots: Slots,
+pub struct WindowsRead<'s> {
+    pub slots: &'s Slots,
     pub clock: OpClock,
 }
 
@@ -322,7 +322,7 @@ impl Client {
         read: &WindowsRead,
         mode: ScanMode,
     ) -> Result<Scan> {
-        let (slots, clock) = (&read.slots, read.clock);
+        let (slots, clock) = (read.slots, read.clock);
         let reads_at = self.layout.reads;
         let known = match mode {
             ScanMode::AllCopies { known } => known,
@@ -398,6 +398,7 @@ impl Client {
     /// can read whole becomes a candidate (index, slot, offset, length), any
     /// other slot is suspect. Returns the candidates, the first suspect, and
     /// whether a slot points past the region this client knows.
+    #[inline]
     fn scan_candidates(
         &self,
         kh: &KeyHash,
@@ -496,7 +497,7 @@ impl Client {
     /// below a slot past the region is the key's whatever that slot holds,
     /// as the lowest copy wins.
     fn scan_lowest(&mut self, key: &[u8], kh: &KeyHash, read: &WindowsRead) -> Result<LowestCopy> {
-        let (slots, clock) = (&read.slots, read.clock);
+        let (slots, clock) = (read.slots, read.clock);
         let mut check_epoch = meets_resize(slots);
         let mut epoch_read = false;
         self.pause_if_slow();

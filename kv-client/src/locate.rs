@@ -89,7 +89,15 @@ impl Client {
         }
         let mode = ScanMode::AllCopies { known: None };
         Ok(
-            match self.scan(key, kh, &WindowsRead { slots, clock }, mode)? {
+            match self.scan(
+                key,
+                kh,
+                &WindowsRead {
+                    slots: &slots,
+                    clock,
+                },
+                mode,
+            )? {
                 Scan::Found(copies) => match copies.slots.first() {
                     Some(&(pos, slot)) => {
                         // Hints name only copies a reader sees.
