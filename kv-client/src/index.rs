@@ -22,6 +22,18 @@ pub type Slots = [Slot; CANDIDATE_SLOTS];
 /// length of its block.
 type ScanCandidates = SmallVec<[(usize, Slot, u64, usize); 4]>;
 
+/// What a scan finds among its slots before it reads a block.
+struct ScanStart {
+    /// The writer's own copy, known without reading it.
+    copies: Copies,
+    /// The blocks to read.
+    candidates: ScanCandidates,
+    /// The first slot whose block cannot be read whole.
+    suspect: Option<(SlotPos, Slot)>,
+    /// Whether a slot points past the region this client knows.
+    past_region: bool,
+}
+
 /// A key's candidate slots as one READ of its windows showed them, and the
 /// clock of that read.
 #[derive(Debug, Clone, Copy)]
@@ -328,23 +340,27 @@ impl Client {
             ScanMode::AllCopies { known } => known,
             ScanMode::Lowest | ScanMode::Readable => None,
         };
-        let mut copies = Copies {
-            slots: SmallVec::new(),
-            kinds: SmallVec::new(),
-            value: None,
-            exact: true,
+        let mut start = ScanStart {
+            copies: Copies {
+                slots: SmallVec::new(),
+                kinds: SmallVec::new(),
+                value: None,
+                exact: true,
+            },
+            candidates: ScanCandidates::new(),
+            suspect: None,
+            past_region: false,
         };
-        let (candidates, mut suspect, past_region) =
-            self.scan_candidates(kh, slots, known, &mut copies);
-        let check_epoch = meets_resize(slots) || past_region;
+        self.scan_candidates(kh, slots, known, &mut start);
+        let check_epoch = meets_resize(slots) || start.past_region;
         self.pause_if_slow();
-        if candidates.is_empty() && check_epoch && self.read_epoch_changed()? {
+        if start.candidates.is_empty() && check_epoch && self.read_epoch_changed()? {
             return Ok(Scan::Moved);
         }
         let mut next = 0;
-        while next < candidates.len() {
+        while next < start.candidates.len() {
             let epoch = check_epoch.then(|| self.epoch_read());
-            let batch = self.read_candidates(&candidates[next..], epoch)?;
+            let batch = self.read_candidates(&start.candidates[next..], epoch)?;
             next += batch;
             if check_epoch && self.epoch_changed() {
                 return Ok(Scan::Moved);
@@ -356,75 +372,70 @@ impl Client {
                 return Ok(Scan::Retry(None));
             }
             let mut at = reads_at;
-            for &(i, slot, _, len) in &candidates[next - batch..next] {
+            for &(i, slot, _, len) in &start.candidates[next - batch..next] {
                 let holds = self.holds(key, at..at + len, mode);
                 at += len;
                 match holds {
                     Holds::Damaged => {
-                        suspect.get_or_insert((kh.slot_pos(i), slot));
+                        start.suspect.get_or_insert((kh.slot_pos(i), slot));
                     }
                     Holds::OtherKey => {}
-                    Holds::Pending => copies.exact = false,
+                    Holds::Pending => start.copies.exact = false,
                     Holds::Sealed { state_word } => {
                         self.wait_on_lock(key, slot, state_word, clock)?;
                         return Ok(Scan::Retry(None));
                     }
                     Holds::Copy(kind, value) => {
-                        if copies.slots.is_empty() {
-                            copies.value = Some(value);
+                        if start.copies.slots.is_empty() {
+                            start.copies.value = Some(value);
                         }
-                        copies.slots.push((kh.slot_pos(i), slot));
-                        copies.kinds.push(kind);
+                        start.copies.slots.push((kh.slot_pos(i), slot));
+                        start.copies.kinds.push(kind);
                         if mode == ScanMode::Lowest {
-                            copies.exact = false;
-                            return Ok(Scan::Found(copies));
+                            start.copies.exact = false;
+                            return Ok(Scan::Found(start.copies));
                         }
                     }
                 }
             }
         }
-        if suspect.is_some() {
-            if copies.slots.is_empty() {
-                return Ok(Scan::Retry(suspect));
+        if start.suspect.is_some() {
+            if start.copies.slots.is_empty() {
+                return Ok(Scan::Retry(start.suspect));
             }
-            copies.exact = false;
+            start.copies.exact = false;
         }
-        copies.sort();
-        Ok(Scan::Found(copies))
+        start.copies.sort();
+        Ok(Scan::Found(start.copies))
     }
 
-    /// The slots of a scan whose fingerprint matches, sorted: the writer's
-    /// own copy (`known`) goes straight into `copies`, a block this client
-    /// can read whole becomes a candidate (index, slot, offset, length), any
-    /// other slot is suspect. Returns the candidates, the first suspect, and
-    /// whether a slot points past the region this client knows.
+    /// Sorts the slots of a scan whose fingerprint matches into `start`
+    /// (filled in place: it is too large to return cheaply): the writer's
+    /// own copy (`known`) goes straight into its copies, a block this client
+    /// can read whole becomes a candidate, any other slot is suspect.
     #[inline]
     fn scan_candidates(
         &self,
         kh: &KeyHash,
         slots: &Slots,
         known: Option<Slot>,
-        copies: &mut Copies,
-    ) -> (ScanCandidates, Option<(SlotPos, Slot)>, bool) {
-        let mut candidates = ScanCandidates::new();
-        let mut suspect = None;
-        let mut past_region = false;
+        start: &mut ScanStart,
+    ) {
         for i in set_bits(kh.matches(slots)) {
             let s = slots[i];
             if Some(s) == known {
-                copies.slots.push((kh.slot_pos(i), s));
-                copies.kinds.push(Kind::Known);
+                start.copies.slots.push((kh.slot_pos(i), s));
+                start.copies.kinds.push(Kind::Known);
                 continue;
             }
             match self.readable_span(s) {
-                Some((offset, len)) => candidates.push((i, s, offset, len)),
+                Some((offset, len)) => start.candidates.push((i, s, offset, len)),
                 None => {
-                    past_region |= self.past_region(s);
-                    suspect.get_or_insert((kh.slot_pos(i), s));
+                    start.past_region |= self.past_region(s);
+                    start.suspect.get_or_insert((kh.slot_pos(i), s));
                 }
             }
         }
-        (candidates, suspect, past_region)
     }
 
     /// Reads the blocks of the leading `candidates` that fit the read area
