@@ -142,7 +142,7 @@ impl Client {
                     let pos = hashes[i].slot_pos(index);
                     self.saw(
                         keys[i],
-                        Seen { pos, slot, clock },
+                        Seen::new((pos, slot), clock),
                         Alone::proven_if(alone),
                         kind.settled_counter(),
                     );
@@ -481,15 +481,7 @@ impl Client {
                     put.plan[i] = Publish::Done;
                     if !moved {
                         let pos = put.hashes[i].slot_pos(index);
-                        self.replaced(
-                            key,
-                            Seen {
-                                pos,
-                                slot: old,
-                                clock,
-                            },
-                            put.news[i],
-                        );
+                        self.replaced(key, Seen::new((pos, old), clock), put.news[i]);
                     }
                 }
                 Publish::Insert { index } => {

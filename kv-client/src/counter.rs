@@ -225,15 +225,7 @@ impl Client {
             let clock = self.read_windows(&kh, None)?;
             let slots = self.slots();
             let mode = ScanMode::AllCopies { known: None };
-            let copies = match self.scan(
-                key,
-                &kh,
-                &WindowsRead {
-                    slots: &slots,
-                    clock,
-                },
-                mode,
-            )? {
+            let copies = match self.scan(key, &kh, &WindowsRead::new(&slots, clock), mode)? {
                 Scan::Found(copies) => copies,
                 Scan::Retry(suspect) => {
                     corrupt.saw(key, suspect)?;
@@ -263,7 +255,7 @@ impl Client {
                                 let alone = copies.exact && copies.slots.len() == 1;
                                 self.saw(
                                     key,
-                                    Seen { pos, slot, clock },
+                                    Seen::new((pos, slot), clock),
                                     Alone::proven_if(alone),
                                     Some(now),
                                 );
@@ -473,10 +465,7 @@ impl Client {
                 false => match self.scan(
                     key,
                     kh,
-                    &WindowsRead {
-                        slots: &slots,
-                        clock,
-                    },
+                    &WindowsRead::new(&slots, clock),
                     ScanMode::AllCopies { known: Some(new) },
                 )? {
                     Scan::Found(copies) => Some(copies),
@@ -584,7 +573,7 @@ impl Client {
                 (CounterState::Pending, Some(_)) => false,
             };
             if give_up {
-                self.unlink_unsettled(key, Seen { pos, slot, clock }, Slot::EMPTY)?;
+                self.unlink_unsettled(key, Seen::new((pos, slot), clock), Slot::EMPTY)?;
             }
         }
         Ok(())

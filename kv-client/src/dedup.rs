@@ -69,15 +69,7 @@ impl Client {
             // key sooner than a grace period after we published it.
             let known = published.in_time().then_some(new);
             let mode = ScanMode::AllCopies { known };
-            let copies = match self.scan(
-                key,
-                kh,
-                &WindowsRead {
-                    slots: &slots,
-                    clock,
-                },
-                mode,
-            )? {
+            let copies = match self.scan(key, kh, &WindowsRead::new(&slots, clock), mode)? {
                 Scan::Retry(suspect) => {
                     corrupt.saw(key, suspect)?;
                     continue;
@@ -98,7 +90,7 @@ impl Client {
                 .zip(&copies.kinds)
                 .find(|(&(pos, _), kind)| pos < mine && !kind.is_readable());
             if let Some((&(pos, slot), _)) = unseen_below {
-                self.unlink_unsettled(key, Seen { pos, slot, clock }, Slot::EMPTY)?;
+                self.unlink_unsettled(key, Seen::new((pos, slot), clock), Slot::EMPTY)?;
                 backoff.snooze();
                 continue;
             }

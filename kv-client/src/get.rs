@@ -82,10 +82,7 @@ impl Client {
                 None => (self.read_windows(&kh, None)?, ReaderScan::Lowest),
             };
             let slots = self.slots();
-            let read = WindowsRead {
-                slots: &slots,
-                clock,
-            };
+            let read = WindowsRead::new(&slots, clock);
             match self.lowest_copy(key, &kh, &read, mode)? {
                 LowestCopy::Found {
                     pos,
@@ -96,7 +93,7 @@ impl Client {
                 } => {
                     self.saw(
                         key,
-                        Seen { pos, slot, clock },
+                        Seen::new((pos, slot), clock),
                         Alone::proven_if(alone),
                         kind.settled_counter(),
                     );

@@ -42,6 +42,12 @@ pub struct WindowsRead<'s> {
     pub clock: OpClock,
 }
 
+impl<'s> WindowsRead<'s> {
+    pub fn new(slots: &'s Slots, clock: OpClock) -> WindowsRead<'s> {
+        WindowsRead { slots, clock }
+    }
+}
+
 /// How much of a key's copies a scan must find. Readers do not see a
 /// counter that is not settled (its insert may still lose to another
 /// copy, see `counter`); writers do, and treat it as any copy.

@@ -89,15 +89,7 @@ impl Client {
         }
         let mode = ScanMode::AllCopies { known: None };
         Ok(
-            match self.scan(
-                key,
-                kh,
-                &WindowsRead {
-                    slots: &slots,
-                    clock,
-                },
-                mode,
-            )? {
+            match self.scan(key, kh, &WindowsRead::new(&slots, clock), mode)? {
                 Scan::Found(copies) => match copies.slots.first() {
                     Some(&(pos, slot)) => {
                         // Hints name only copies a reader sees.
@@ -106,7 +98,7 @@ impl Client {
                             let counter = copies.kinds[0].settled_counter();
                             self.saw(
                                 key,
-                                Seen { pos, slot, clock },
+                                Seen::new((pos, slot), clock),
                                 Alone::proven_if(alone),
                                 counter,
                             );

@@ -100,15 +100,7 @@ impl Client {
             self.cache.forget(key);
             return Ok(false);
         }
-        self.replaced(
-            key,
-            Seen {
-                pos,
-                slot: old,
-                clock,
-            },
-            new,
-        );
+        self.replaced(key, Seen::new((pos, old), clock), new);
         // Copies above ours belong to inserts still in flight, which remove
         // them themselves; trying here only helps.
         let above = target + 1..copies.slots.len();
