@@ -360,6 +360,7 @@ impl Client {
         for (i, (key, _)) in put.pairs.iter().enumerate() {
             if let Publish::Blind(hint) = put.plan[i] {
                 if read_u64(self.conn.local(), self.layout.batch_word(i)) == hint.slot.0 {
+                    self.unlinked(hint.slot);
                     self.replaced(key, Seen::new((hint.pos, hint.slot), clock), put.news[i]);
                     put.plan[i] = Publish::Done;
                 } else {
@@ -479,6 +480,7 @@ impl Client {
             match put.plan[i] {
                 Publish::Update { index, old } => {
                     put.plan[i] = Publish::Done;
+                    self.unlinked(old);
                     if !moved {
                         let pos = put.hashes[i].slot_pos(index);
                         self.replaced(key, Seen::new((pos, old), clock), put.news[i]);
@@ -543,7 +545,7 @@ impl Client {
         let mut located: SmallVec<[bool; BATCH_KEYS]> = SmallVec::new();
         for (i, hint) in blind.iter().enumerate() {
             if let Some(hint) = hint {
-                match self.batch_cas_held(i, hint.slot) {
+                match self.batch_cas_won(i, hint.slot) {
                     true => out[i] = true,
                     false => unsettled.push(i),
                 }
@@ -594,7 +596,7 @@ impl Client {
         }
         let mut failed = Unsettled::new();
         for &(k, _, slot) in cases {
-            match self.batch_cas_held(k, slot) {
+            match self.batch_cas_won(k, slot) {
                 true => out[k] = true,
                 false => failed.push(k),
             }
@@ -681,8 +683,13 @@ impl Client {
         }
     }
 
-    /// Whether key `k`'s CAS found the value it expected.
-    fn batch_cas_held(&self, k: usize, expect: Slot) -> bool {
-        read_u64(self.conn.local(), self.layout.batch_word(k)) == expect.0
+    /// Whether key `k`'s CAS found the value it expected (whose block this
+    /// client has then unlinked, and reports).
+    fn batch_cas_won(&mut self, k: usize, expect: Slot) -> bool {
+        let held = read_u64(self.conn.local(), self.layout.batch_word(k)) == expect.0;
+        if held {
+            self.unlinked(expect);
+        }
+        held
     }
 }

@@ -314,9 +314,15 @@ impl Client {
         read_u64(self.conn.local(), self.layout.cas) == expect.0
     }
 
+    /// CASes the slot at `pos`; true if it held `expect`, whose block (if
+    /// any) this client has then unlinked and reports.
     pub(crate) fn cas(&mut self, pos: SlotPos, expect: Slot, swap: Slot) -> Result<bool> {
         self.conn.post(&[self.cas_verb(pos, expect, swap)])?;
-        Ok(self.cas_held(expect))
+        let held = self.cas_held(expect);
+        if held {
+            self.unlinked(expect);
+        }
+        Ok(held)
     }
 
     /// Reads the blocks of the slots whose fingerprint matches and keeps

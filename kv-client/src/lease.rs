@@ -1,14 +1,27 @@
 //! Heap space for new blocks: carved from extents the server leases to this
-//! client (`alloc`), which are given back whole when used up. The server
-//! keeps the blocks in them that the index references and reclaims the rest.
+//! client (`alloc`), which are given back whole when used up, with where
+//! each block starts. And the other half of reclamation: the blocks this
+//! client unlinks, reported in batches, which the server frees once it has
+//! checked them. The server keeps the blocks the index references and
+//! reclaims the rest.
 
 use std::time::Instant;
 
-use kv_common::layout::class_size;
-use kv_common::protocol::{ErrorKind, Extent, Request, Response};
+use kv_common::layout::{class_size, Slot};
+use kv_common::protocol::{ErrorKind, Request, Response, Spent, Unlinked, MAX_MESSAGE};
 
 use crate::geometry::Ask;
 use crate::{unexpected, Client, Error, Result, SPACE_WAIT};
+
+/// Unlinked blocks reported in one message: one control round trip per
+/// this many updates or deletes.
+pub const REPORT_BATCH: usize = 2048;
+/// Most bytes one report or one given-back extent (besides its starts)
+/// takes encoded.
+const REPORT_BYTES: usize = 12;
+const SPENT_BYTES: usize = 32;
+/// What one message may carry, well inside the limit.
+const MESSAGE_BUDGET: usize = MAX_MESSAGE - 8 * 1024;
 
 impl Client {
     /// A block of `class`. When no leased extent has room, what this client
@@ -60,16 +73,66 @@ impl Client {
         }
     }
 
-    pub(crate) fn give_back(&mut self, extents: Vec<Extent>) -> Result<()> {
-        // Stay well inside the control message size limit.
-        for part in extents.chunks(2048) {
-            match self.conn.call(&Request::GiveBack {
-                extents: part.to_vec(),
-            })? {
-                Response::GivenBack => {}
-                other => return Err(unexpected(other)),
+    /// Gives `spent` back, with the reports not yet sent, in messages
+    /// that stay well inside the control message limit.
+    pub(crate) fn give_back(&mut self, spent: Vec<Spent>) -> Result<()> {
+        let mut unlinked = std::mem::take(&mut self.unlinked);
+        if unlinked.len() * REPORT_BYTES > MESSAGE_BUDGET / 2 {
+            self.send_reports(std::mem::take(&mut unlinked))?;
+        }
+        let mut message: Vec<Spent> = Vec::new();
+        let mut bytes = unlinked.len() * REPORT_BYTES;
+        for mut s in spent {
+            if s.starts.len() + SPENT_BYTES > MESSAGE_BUDGET {
+                // More than a message holds (a chunk larger than any this
+                // client makes): given back undeclared, for a scan.
+                s = Spent::undeclared(s.extent);
             }
+            if bytes + s.starts.len() + SPENT_BYTES > MESSAGE_BUDGET {
+                self.give_back_call(std::mem::take(&mut message), std::mem::take(&mut unlinked))?;
+                bytes = 0;
+            }
+            bytes += s.starts.len() + SPENT_BYTES;
+            message.push(s);
+        }
+        if !message.is_empty() || !unlinked.is_empty() {
+            self.give_back_call(message, unlinked)?;
         }
         Ok(())
+    }
+
+    fn give_back_call(&mut self, spent: Vec<Spent>, unlinked: Vec<Unlinked>) -> Result<()> {
+        match self.conn.call(&Request::GiveBack { spent, unlinked })? {
+            Response::GivenBack => Ok(()),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// This client's CAS replaced or emptied a slot that held `old`: its
+    /// block is garbage once the server has checked it. Reports go out in
+    /// batches; sending one that fails is not this operation's failure
+    /// (what a lost report named is reclaimed by a scan).
+    pub(crate) fn unlinked(&mut self, old: Slot) {
+        let old = old.thawed();
+        if old.is_empty() {
+            return;
+        }
+        self.unlinked.push(Unlinked {
+            offset: old.offset(),
+            class: old.class(),
+        });
+        if self.unlinked.len() >= REPORT_BATCH {
+            let reports = std::mem::take(&mut self.unlinked);
+            // A broken connection shows in the next operation; the
+            // blocks are left to a scan.
+            let _ = self.send_reports(reports);
+        }
+    }
+
+    fn send_reports(&mut self, blocks: Vec<Unlinked>) -> Result<()> {
+        match self.conn.call(&Request::Unlinked { blocks })? {
+            Response::Noted => Ok(()),
+            other => Err(unexpected(other)),
+        }
     }
 }

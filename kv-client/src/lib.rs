@@ -98,6 +98,10 @@ const RESIZE_WAIT: Duration = Duration::from_secs(600);
 const MAX_DECLINED_RESIZES: u32 = 3;
 /// How long a PUT waits for heap space while the server reclaims or grows.
 const SPACE_WAIT: Duration = Duration::from_secs(30);
+
+/// Keys whose slot a client remembers unless told otherwise (about 5 MiB
+/// of table once all are in use).
+pub const DEFAULT_SLOT_CACHE_ENTRIES: usize = 65_536;
 /// How long a dropped [`Client`] waits for each step of its goodbye
 /// (sending it, then the server's reply) before leaving without one; the
 /// server then reclaims the client's space once it notices the closed
@@ -128,9 +132,9 @@ pub struct ClientOptions {
     /// recently takes one round trip: a GET reads the buckets and the block
     /// in one batch, an update writes and publishes in one, a delete is one
     /// CAS, an increment one atomic (0 turns it off; PUT and DELETE over a
-    /// counter read it first). None: 65 536 over rdma, where a round trip
-    /// costs microseconds; off over shm, where it costs about what the
-    /// lookup does (measured with `kv-bench micro --slot-cache-entries`).
+    /// counter read it first). None: [`DEFAULT_SLOT_CACHE_ENTRIES`], on
+    /// every transport (a lookup costs a hash of the key and no
+    /// allocation; the table grows to this as keys are seen).
     pub slot_cache_entries: Option<usize>,
     /// How long to wait for the server's reply to a control message
     /// (connect, lease, stats, the goodbye of [`Client::close`]) before
@@ -268,6 +272,8 @@ pub struct Client {
     layout: LocalLayout,
     max_value: usize,
     alloc: BlockAllocator,
+    /// Blocks this client unlinked and has not reported yet.
+    unlinked: Vec<kv_common::protocol::Unlinked>,
     /// Verb counters of connections replaced after a server restart.
     retired_stats: VerbStats,
     jitter: u64,
@@ -320,10 +326,9 @@ impl Client {
     pub fn connect_with(address: &str, options: ClientOptions) -> Result<Client> {
         let address = Address::parse(address).map_err(Error::InvalidAddress)?;
         let (conn, info, layout) = open(&address, &options)?;
-        let cache_entries = options.slot_cache_entries.unwrap_or(match address {
-            Address::Rdma { .. } => 65_536,
-            Address::Shm { .. } => 0,
-        });
+        let cache_entries = options
+            .slot_cache_entries
+            .unwrap_or(DEFAULT_SLOT_CACHE_ENTRIES);
         Ok(Client {
             address,
             options,
@@ -333,6 +338,7 @@ impl Client {
             info,
             layout,
             alloc: BlockAllocator::default(),
+            unlinked: Vec::new(),
             retired_stats: VerbStats::default(),
             // Seeded apart in every client: settled counters take their
             // lock generations from it.
@@ -842,8 +848,12 @@ impl Client {
         said
     }
 
+    /// Gives back what this client holds, with what it has not reported,
+    /// so that the server frees its garbage without a scan; then says
+    /// goodbye.
     fn disconnect(&mut self) -> Result<()> {
-        self.alloc.reset();
+        let spent = self.alloc.drain();
+        self.give_back(spent)?;
         match self.conn.call(&Request::Disconnect)? {
             Response::Goodbye => Ok(()),
             other => Err(unexpected(other)),
@@ -853,10 +863,11 @@ impl Client {
 
 impl Drop for Client {
     /// A best-effort goodbye that never holds the dropping thread long:
-    /// sending it and waiting for the answer are each bounded by
-    /// `DROP_GOODBYE_WAIT` (the transport's bound replaces the reply
-    /// timeout), so a server that is stopped or overloaded costs at most
-    /// twice that, not the reply timeout.
+    /// sending each of its messages (the give-back, the goodbye) and
+    /// waiting for each answer are bounded by `DROP_GOODBYE_WAIT` (the
+    /// transport's bound replaces the reply timeout), so a server that is
+    /// stopped or overloaded costs a fraction of a second, not the reply
+    /// timeout.
     fn drop(&mut self) {
         if self.conn.set_reply_timeout(DROP_GOODBYE_WAIT).is_ok() {
             let _ = self.disconnect();

@@ -77,6 +77,7 @@ impl Client {
         let cas = self.cas_verb(hint.pos, hint.slot, new);
         self.conn.post(&[write, cas])?;
         if self.cas_held(hint.slot) {
+            self.unlinked(hint.slot);
             self.replaced(key, Seen::new((hint.pos, hint.slot), clock), new);
             return Ok(true);
         }

@@ -25,8 +25,10 @@ pub struct RemoteRegion {
 /// read that found no copy, which clients' settled hints rely on; 5:
 /// counter blocks, which older clients would take for damage; 6: a settled
 /// counter is sealed before it is unlinked, which one-round-trip atomics
-/// rely on; 7: a resize request names the key that found no room).
-pub const PROTOCOL_VERSION: u32 = 7;
+/// rely on; 7: a resize request names the key that found no room; 8:
+/// clients report the blocks they unlink and declare the blocks of the
+/// space they give back).
+pub const PROTOCOL_VERSION: u32 = 8;
 /// Largest encoded message either side accepts.
 pub const MAX_MESSAGE: usize = 64 * 1024;
 
@@ -35,6 +37,43 @@ pub const MAX_MESSAGE: usize = 64 * 1024;
 pub struct Extent {
     pub offset: u64,
     pub len: u64,
+}
+
+/// Bytes of heap one bit of [`Spent::starts`] stands for (every block
+/// starts on such a boundary).
+pub const START_GRANULE: u64 = crate::layout::BLOCK_ALIGN;
+
+/// Leased space given back, with what its client wrote there: blocks were
+/// carved front to back from `extent.offset` up to `carved` bytes in, and
+/// bit `i` of `starts` (byte `i / 8`, bit `i % 8`) says that one begins at
+/// `extent.offset + i * START_GRANULE`. The server believes this only about
+/// the client's own space (only it wrote there): it is what lets a report
+/// of an unlinked block free that block without an index scan.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Spent {
+    pub extent: Extent,
+    pub carved: u64,
+    pub starts: Vec<u8>,
+}
+
+impl Spent {
+    /// Space given back with nothing said about it: it is reclaimed by an
+    /// index scan.
+    pub fn undeclared(extent: Extent) -> Spent {
+        Spent {
+            extent,
+            carved: extent.len,
+            starts: Vec::new(),
+        }
+    }
+}
+
+/// A block a client unlinked: the slot its CAS replaced or emptied named
+/// it. Reports are checked, never trusted (see `kv-server`'s `registry`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Unlinked {
+    pub offset: u64,
+    pub class: u8,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -53,8 +92,16 @@ pub enum Request {
     /// extent it has filled, or all it holds at disconnect). It may hold live
     /// blocks: the server frees only what the index does not reference. Only
     /// space leased to this client is accepted, all of a message or none.
+    /// `unlinked` are reports as in [`Request::Unlinked`], taken first.
     GiveBack {
-        extents: Vec<Extent>,
+        spent: Vec<Spent>,
+        unlinked: Vec<Unlinked>,
+    },
+    /// Blocks this client unlinked since its last report: the server frees
+    /// each once it has checked that nothing references it (and, for a
+    /// block in space still leased, once that space is given back).
+    Unlinked {
+        blocks: Vec<Unlinked>,
     },
     /// The current geometry and how to reach the region (a client asks
     /// when it met a frozen slot, a block past the region it knows, or an
@@ -141,6 +188,16 @@ pub struct ServerStats {
     pub give_backs: u64,
     /// Give-backs refused because they named space the client does not hold.
     pub refused_give_backs: u64,
+    /// `Unlinked` messages (reports also ride on give-backs).
+    pub report_messages: u64,
+    /// Unlinked blocks clients reported.
+    pub reported_blocks: u64,
+    /// Reported blocks freed (after a check, without an index scan).
+    pub freed_on_report: u64,
+    /// Reports that freed nothing: the block was still referenced, not
+    /// declared by its writer, already freed, or the queue was full (an
+    /// index scan finds what they named, if it is garbage).
+    pub refused_reports: u64,
     /// Stats requests answered.
     pub stats_requests: u64,
     /// Clients that said goodbye.
@@ -212,6 +269,7 @@ impl ServerStats {
             + self.rejected_connects
             + self.leases
             + self.give_backs
+            + self.report_messages
             + self.stats_requests
             + self.geometry_requests
             + self.disconnects
@@ -224,10 +282,15 @@ pub enum Response {
     Connected(ConnectInfo),
     Leased(Vec<Extent>),
     GivenBack,
+    /// Reports of unlinked blocks were taken (to be checked).
+    Noted,
     Geometry(GeometryInfo),
     Stats(ServerStats),
     Goodbye,
-    Error { kind: ErrorKind, message: String },
+    Error {
+        kind: ErrorKind,
+        message: String,
+    },
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -266,9 +329,23 @@ mod tests {
             },
             Request::Lease { min_len: 4096 },
             Request::GiveBack {
-                extents: vec![Extent {
-                    offset: 8192,
-                    len: 64,
+                spent: vec![Spent {
+                    extent: Extent {
+                        offset: 8192,
+                        len: 4096,
+                    },
+                    carved: 128,
+                    starts: vec![0b1_0001],
+                }],
+                unlinked: vec![Unlinked {
+                    offset: 4096,
+                    class: 3,
+                }],
+            },
+            Request::Unlinked {
+                blocks: vec![Unlinked {
+                    offset: 1 << 40,
+                    class: 0,
                 }],
             },
             Request::Stats,

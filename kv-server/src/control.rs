@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 use kv_common::layout::{Geometry, SLOTS_PER_BUCKET};
 use kv_common::mapping::SharedRegion;
 use kv_common::protocol::{
-    ConnectInfo, ErrorKind, Extent, GeometryInfo, Request, Response, ServerStats, PROTOCOL_VERSION,
+    ConnectInfo, ErrorKind, GeometryInfo, Request, Response, ServerStats, Spent, Unlinked,
+    PROTOCOL_VERSION,
 };
 use kv_common::transport::{ControlListener, ControlPeer, Fenced};
 use kv_common::Address;
@@ -33,6 +34,10 @@ pub struct Counters {
     pub leases: AtomicU64,
     pub give_backs: AtomicU64,
     pub refused_give_backs: AtomicU64,
+    pub report_messages: AtomicU64,
+    pub reported_blocks: AtomicU64,
+    pub freed_on_report: AtomicU64,
+    pub refused_reports: AtomicU64,
     pub stats_requests: AtomicU64,
     pub disconnects: AtomicU64,
     pub departures: AtomicU64,
@@ -102,8 +107,9 @@ pub struct GrowRequests {
     /// Resize the index while it has this many buckets (a client found no
     /// room, or an operator asked).
     pub resize: Option<u64>,
-    /// Leases are failing and most of the heap is live: grow it.
-    pub heap: bool,
+    /// Grow the heap, if the region is still this long (a request made
+    /// before a growth is answered by it).
+    pub heap: Option<u64>,
     /// Frozen slots were seen with no resize under way: thaw them.
     pub thaw: bool,
 }
@@ -156,6 +162,9 @@ pub struct Shared {
     pub region_file: std::fs::File,
     /// Why the server cannot go on serving, once it cannot.
     pub failure: Mutex<Option<String>>,
+    /// Free heap bytes (aging included) the reclaimer keeps for the rate
+    /// at which clients write (see `reclaim.rs`).
+    pub headroom: AtomicU64,
 }
 
 impl Shared {
@@ -233,6 +242,16 @@ impl Shared {
         })
     }
 
+    /// Whether the heap may grow to keep its headroom: the region is under
+    /// its cap, and the heap under twice the live data (as of the last
+    /// scan) and the headroom — the bound on memory under a steady load.
+    pub fn may_grow_for_headroom(&self, g: &Geometry) -> bool {
+        let live = self.counters.live_bytes.load(Relaxed);
+        let headroom = self.headroom.load(Relaxed);
+        g.region_len < self.limits.max_region
+            && g.heap_size < live.saturating_add(headroom).saturating_mul(2)
+    }
+
     pub fn wake_reclaimer(&self) {
         let (flag, cv) = &self.reclaim;
         if let Ok(mut f) = flag.lock() {
@@ -259,6 +278,10 @@ impl Shared {
             leases: c.leases.load(Relaxed),
             give_backs: c.give_backs.load(Relaxed),
             refused_give_backs: c.refused_give_backs.load(Relaxed),
+            report_messages: c.report_messages.load(Relaxed),
+            reported_blocks: c.reported_blocks.load(Relaxed),
+            freed_on_report: c.freed_on_report.load(Relaxed),
+            refused_reports: c.refused_reports.load(Relaxed),
             stats_requests: c.stats_requests.load(Relaxed),
             disconnects: c.disconnects.load(Relaxed),
             departures: c.departures.load(Relaxed),
@@ -353,7 +376,15 @@ pub fn handle(
             )
         }
         (Request::Lease { min_len }, Some(id)) => lease(shared, session, id, min_len),
-        (Request::GiveBack { extents }, Some(id)) => give_back(shared, session, id, &extents),
+        (Request::GiveBack { spent, unlinked }, Some(id)) => {
+            report(shared, &unlinked);
+            give_back(shared, session, id, &spent)
+        }
+        (Request::Unlinked { blocks }, Some(_)) => {
+            c.report_messages.fetch_add(1, Relaxed);
+            report(shared, &blocks);
+            (Response::Noted, After::Stay)
+        }
         (Request::Geometry, Some(id)) => {
             c.geometry_requests.fetch_add(1, Relaxed);
             geometry_reply(shared, id, peer)
@@ -502,22 +533,44 @@ fn lease(shared: &Shared, session: &mut Session, id: ClientId, min_len: u64) -> 
     }
 }
 
+/// Reports of unlinked blocks, from any client: queued for the reclaimer
+/// to check (a report is never an offence: a client may report a block
+/// another unlinked first, and nothing is freed without a check).
+fn report(shared: &Shared, blocks: &[Unlinked]) {
+    if blocks.is_empty() {
+        return;
+    }
+    let c = &shared.counters;
+    c.reported_blocks.fetch_add(blocks.len() as u64, Relaxed);
+    let (dropped, ready) = match shared.pool.lock() {
+        Ok(mut p) => (p.report(blocks), p.ready_reports()),
+        Err(_) => (blocks.len() as u64, 0),
+    };
+    c.refused_reports.fetch_add(dropped, Relaxed);
+    if ready > 0 {
+        shared.wake_reclaimer();
+    }
+}
+
 /// A `GiveBack`: the pool takes back what client `id` no longer writes
 /// into; naming space it does not hold is an offence.
 fn give_back(
     shared: &Shared,
     session: &mut Session,
     id: ClientId,
-    extents: &[Extent],
+    spent: &[Spent],
 ) -> (Response, After) {
     let c = &shared.counters;
     c.give_backs.fetch_add(1, Relaxed);
     let result = match shared.pool.lock() {
-        Ok(mut p) => p.give_back(id, extents),
+        Ok(mut p) => p.give_back(id, spent),
         Err(_) => Err("heap pool unavailable".into()),
     };
     match result {
-        Ok(()) => (Response::GivenBack, After::Stay),
+        Ok(()) => {
+            shared.wake_reclaimer();
+            (Response::GivenBack, After::Stay)
+        }
         Err(m) => {
             c.refused_give_backs.fetch_add(1, Relaxed);
             tracing::warn!(client = id, "refused give-back: {m}");
@@ -528,25 +581,27 @@ fn give_back(
 }
 
 /// A refused lease, where the region may still grow, asks the `kv-grow`
-/// thread for more heap: collecting cannot help a heap that is mostly live,
-/// and a full heap is only busy while it grows.
+/// thread for more heap: when most of the heap is live (collecting cannot
+/// help), or when the heap is under what the write rate calls for (the
+/// reclaimer grows it ahead of need; this is for a burst it did not see
+/// coming). A full heap is only busy while it grows.
 fn grow_instead_of_collecting<T>(
     shared: &Shared,
     leased: Result<T, LeaseRefusal>,
 ) -> Result<T, LeaseRefusal> {
-    let c = &shared.counters;
-    let can_grow = shared.geometry().region_len < shared.limits.max_region;
-    let mostly_live = || {
-        let g = shared.geometry();
-        c.live_bytes.load(Relaxed) >= g.heap_size / 2
+    let g = shared.geometry();
+    let can_grow = g.region_len < shared.limits.max_region;
+    let wanted = || {
+        shared.counters.live_bytes.load(Relaxed) >= g.heap_size / 2
+            || shared.may_grow_for_headroom(&g)
     };
     match leased {
-        Err(LeaseRefusal::Busy) if can_grow && mostly_live() => {
-            shared.want_growth(|w| w.heap = true);
+        Err(LeaseRefusal::Busy) if can_grow && wanted() => {
+            shared.want_growth(|w| w.heap = Some(g.region_len));
             Err(LeaseRefusal::Busy)
         }
         Err(LeaseRefusal::Full) if can_grow => {
-            shared.want_growth(|w| w.heap = true);
+            shared.want_growth(|w| w.heap = Some(g.region_len));
             Err(LeaseRefusal::Busy)
         }
         other => other,
@@ -622,7 +677,7 @@ pub fn end_session(shared: &Shared, session: &Session, peer: &mut dyn ControlPee
         Instant::now() + shared.grace()
     };
     if let Ok(mut p) = shared.pool.lock() {
-        p.depart(id, eligible);
+        p.depart(id, eligible, ending == Ending::Goodbye);
     }
     shared.forget_client(id);
     // It may have been the last holding back an old index.

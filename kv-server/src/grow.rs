@@ -78,7 +78,7 @@ pub fn run(shared: Arc<Shared>) {
             return;
         }
         let growths_before = shared.counters.growths.load(Relaxed);
-        if wanted.heap {
+        if wanted.heap == Some(shared.geometry().region_len) {
             if let Err(e) = grow_heap(&shared, 0) {
                 tracing::warn!("the heap cannot grow: {e}");
             }
@@ -108,7 +108,7 @@ pub fn run(shared: Arc<Shared>) {
 fn next_requests(shared: &Shared) -> Option<GrowRequests> {
     let (wanted, cv) = &shared.grow;
     let mut w = wanted.lock().ok()?;
-    if w.resize.is_none() && !w.heap && !w.thaw {
+    if w.resize.is_none() && w.heap.is_none() && !w.thaw {
         w = cv.wait_timeout(w, SAMPLE_EVERY).ok()?.0;
     }
     Some(std::mem::take(&mut *w))

@@ -32,7 +32,9 @@ mod index_load;
 mod metrics;
 mod reclaim;
 pub mod region;
+mod registry;
 mod units;
+mod unlinked;
 
 pub use control::thread_cpu_us;
 use control::{Counters, GrowRequests, Limits, Shared};
@@ -469,6 +471,7 @@ fn new_shared(
         stats_wanted: AtomicBool::new(false),
         region_file: found.region_file,
         failure: Mutex::new(None),
+        headroom: AtomicU64::new(0),
     }
 }
 

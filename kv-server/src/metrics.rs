@@ -178,6 +178,27 @@ fn requests(out: &mut DescriptorEncoder, s: &ServerStats) -> Result<(), std::fmt
     )?;
     counter(
         out,
+        "unlinked_reports",
+        "Unlinked blocks clients reported.",
+        None,
+        s.reported_blocks,
+    )?;
+    counter(
+        out,
+        "freed_on_report",
+        "Reported blocks freed after a check, without an index scan.",
+        None,
+        s.freed_on_report,
+    )?;
+    counter(
+        out,
+        "unlinked_reports_refused",
+        "Reports that freed nothing: still referenced, undeclared, already freed, or dropped.",
+        None,
+        s.refused_reports,
+    )?;
+    counter(
+        out,
         "malformed_messages",
         "Control messages that could not be decoded or made no sense.",
         None,

@@ -1,10 +1,22 @@
 //! The reclaimer: a thread that turns unreferenced heap space back into
-//! leasable space (see the ownership argument in `heap.rs`). It scans the
-//! index when a lease went wanting, when a departed client's space has
-//! settled, or (at most once a second) when free space runs low; when it
-//! finds more than half the heap live, it asks for the heap to grow. The scan
-//! reads the region without the pool's lock; only the short sweep over the
-//! unit map takes it.
+//! leasable space (see the ownership argument in `heap.rs`). Each time it
+//! wakes it frees the blocks clients reported unlinked (`unlinked.rs`),
+//! then paces the heap against the rate at which clients lease it:
+//!
+//! - it keeps a **headroom** of free space (aging included) worth two grace
+//!   periods of writing plus two chunks: space a writer unlinks comes back
+//!   a grace period later, so less than that and writers run dry;
+//! - short of it, it **grows** the heap, unless the space neither free nor
+//!   leased holds much more than the last scan found live — garbage nobody
+//!   reported (clients that died, a reopened region), which a **scan**
+//!   reclaims instead — and never past twice the live data and the
+//!   headroom (`Shared::may_grow_for_headroom`), so that reclamation that
+//!   falls behind cannot make the region grow without end.
+//!
+//! It also scans when a lease went wanting or a departed client's space
+//! has settled, and after a scan that finds more than half the heap live it
+//! grows the heap. The scan reads the region without the pool's lock; only
+//! the short sweep over the unit map takes it.
 
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
@@ -12,7 +24,51 @@ use std::time::{Duration, Instant};
 
 use crate::control::{self, Shared};
 use crate::heap::Need;
-use crate::region;
+use crate::{region, unlinked};
+
+/// Grace periods of writing the heap keeps free: what writers lease while
+/// what they unlinked waits out its grace period, and as much again for
+/// the reclaimer's own pace.
+const HEADROOM_GRACES: u32 = 2;
+
+/// The rate at which clients lease heap space, and the headroom it calls
+/// for. The rate follows a rise at once and a fall slowly, so that a burst
+/// is met at its start and a pause does not shrink what the next needs.
+struct Pace {
+    at: Instant,
+    leased: u64,
+    bytes_per_sec: f64,
+}
+
+impl Pace {
+    fn new(at: Instant) -> Pace {
+        Pace {
+            at,
+            leased: 0,
+            bytes_per_sec: 0.0,
+        }
+    }
+
+    /// Free bytes (aging included) to keep, given that `leased_total`
+    /// bytes have been leased by `now`.
+    fn headroom(&mut self, now: Instant, leased_total: u64, grace: Duration, chunk: u64) -> u64 {
+        let elapsed = now.saturating_duration_since(self.at).as_secs_f64();
+        // Samples closer than a tenth of a second say little about a rate
+        // that moves in chunks.
+        if elapsed >= 0.1 {
+            let rate = leased_total.saturating_sub(self.leased) as f64 / elapsed;
+            self.bytes_per_sec = if rate >= self.bytes_per_sec {
+                rate
+            } else {
+                0.8 * self.bytes_per_sec + 0.2 * rate
+            };
+            self.at = now;
+            self.leased = leased_total;
+        }
+        let writing = self.bytes_per_sec * (grace * HEADROOM_GRACES).as_secs_f64();
+        writing as u64 + 2 * chunk
+    }
+}
 
 pub fn run(shared: Arc<Shared>) {
     let grace = shared.grace();
@@ -21,6 +77,7 @@ pub fn run(shared: Arc<Shared>) {
     let tick = (grace / 4).clamp(Duration::from_millis(2), Duration::from_millis(250));
     let mut cpu_mark = control::thread_cpu_us();
     let mut last_scan: Option<(Instant, Duration)> = None;
+    let mut pace = Pace::new(Instant::now());
     loop {
         {
             let (flag, cv) = &shared.reclaim;
@@ -38,14 +95,25 @@ pub fn run(shared: Arc<Shared>) {
         if shared.stopping.load(Relaxed) {
             return;
         }
+        unlinked::free_reported(&shared);
         let now = Instant::now();
-        let need = match shared.pool.lock() {
+        let g = shared.geometry();
+        let live = shared.counters.live_bytes.load(Relaxed);
+        let (need, grow) = match shared.pool.lock() {
             Ok(mut p) => {
                 p.mature(now);
-                p.need(now)
+                let headroom = pace.headroom(now, p.leased_total(), grace, g.chunk_size);
+                shared.headroom.store(headroom, Relaxed);
+                let grow = p.short_of(headroom)
+                    && !p.unreported_garbage(headroom, live)
+                    && shared.may_grow_for_headroom(&g);
+                (p.need(now, headroom, live), grow)
             }
             Err(_) => return,
         };
+        if grow {
+            shared.want_growth(|w| w.heap = Some(g.region_len));
+        }
         let took = last_scan.map_or(Duration::ZERO, |(_, took)| took);
         let stats_due = shared.stats_wanted.swap(false, Relaxed);
         // Back-to-back scans would only burn CPU: leave a gap of a few
@@ -103,7 +171,7 @@ pub fn collect(shared: &Shared) {
     // More than half the heap live: collections would come ever more often
     // and free ever less. Grow instead (the heap stays under ~2x the data).
     if scan.live_bytes > g.heap_size / 2 && g.region_len < shared.limits.max_region {
-        shared.want_growth(|w| w.heap = true);
+        shared.want_growth(|w| w.heap = Some(g.region_len));
     }
     let ready_at = Instant::now() + shared.grace();
     let freed = match shared.pool.lock() {

@@ -1,11 +1,13 @@
-//! A bitmap over the heap in 64-byte units: which units something (a live
+//! A bitmap over the heap in 16-byte units: which units something (a live
 //! block, a lease, free space) occupies. A collection marks everything that
-//! must stay, and the units left unmarked are garbage. 64 bytes is the
-//! smallest block, so a 1 GiB heap takes a 2 MiB map.
+//! must stay, and the units left unmarked are garbage. 16 bytes is the
+//! blocks' alignment, so no unit is shared by two blocks (or by a block and
+//! space freed on report) and a collection frees exactly the dead blocks; a
+//! 1 GiB heap takes an 8 MiB map, for the length of a collection.
 
 use kv_common::protocol::Extent;
 
-pub const UNIT: u64 = 64;
+pub const UNIT: u64 = kv_common::layout::BLOCK_ALIGN;
 
 pub struct UnitMap {
     start: u64,
@@ -102,28 +104,27 @@ mod tests {
 
     #[test]
     fn unmarked_runs_are_the_complement_of_what_was_marked() {
-        let mut m = UnitMap::new(4096, 4096 + 64 * 200);
-        assert_eq!(m.unmarked_runs(), vec![ext(4096, 64 * 200)]);
-        m.mark(4096 + 10, 100); // touches units 0 and 1
-        m.mark(4096 + 64 * 70, 64 * 64); // a whole word's worth, unaligned
-        m.mark(4096 + 64 * 199, 1 << 20); // clipped at the end
+        let u = UNIT;
+        let mut m = UnitMap::new(4096, 4096 + u * 200);
+        assert_eq!(m.unmarked_runs(), vec![ext(4096, u * 200)]);
+        m.mark(4096 + 1, u); // touches units 0 and 1
+        m.mark(4096 + u * 70, u * 64); // a whole word's worth, unaligned
+        m.mark(4096 + u * 199, 1 << 20); // clipped at the end
         m.mark(0, 10); // before the map: ignored
         assert_eq!(
             m.unmarked_runs(),
-            vec![ext(4096 + 128, 64 * 68), ext(4096 + 64 * 134, 64 * 65)]
+            vec![ext(4096 + 2 * u, u * 68), ext(4096 + u * 134, u * 65)]
         );
     }
 
     #[test]
     fn a_fully_marked_map_has_no_runs() {
-        let mut m = UnitMap::new(0, 64 * 1000);
-        m.mark(0, 64 * 1000);
+        let u = UNIT;
+        let mut m = UnitMap::new(0, u * 1000);
+        m.mark(0, u * 1000);
         assert!(m.unmarked_runs().is_empty());
-        let mut m = UnitMap::new(0, 64 * 128);
-        m.mark(64 * 64, 64);
-        assert_eq!(
-            m.unmarked_runs(),
-            vec![ext(0, 64 * 64), ext(64 * 65, 64 * 63)]
-        );
+        let mut m = UnitMap::new(0, u * 128);
+        m.mark(u * 64, u);
+        assert_eq!(m.unmarked_runs(), vec![ext(0, u * 64), ext(u * 65, u * 63)]);
     }
 }

@@ -7,7 +7,7 @@ use std::os::unix::net::UnixStream;
 
 use kv_client::{Client, ClientOptions, Error};
 use kv_common::layout::{Geometry, MAX_KEY};
-use kv_common::protocol::{self, ErrorKind, Extent, Request, Response, PROTOCOL_VERSION};
+use kv_common::protocol::{self, ErrorKind, Extent, Request, Response, Spent, PROTOCOL_VERSION};
 use kv_common::transport::{read_frame, write_frame};
 use kv_common::Address;
 use kv_server::{Server, ServerConfig, ServerError};
@@ -116,10 +116,11 @@ fn garbage_on_the_control_socket_does_not_hurt_the_server() {
         ));
     }
     let outside = Request::GiveBack {
-        extents: vec![Extent {
+        spent: vec![Spent::undeclared(Extent {
             offset: 0,
             len: 4096,
-        }],
+        })],
+        unlinked: vec![],
     };
     assert!(matches!(
         call(&mut s, &outside),

@@ -8,7 +8,9 @@ use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
 use kv_client::{Client, Error};
-use kv_common::protocol::{ErrorKind, Extent, Request, Response, ServerStats, PROTOCOL_VERSION};
+use kv_common::protocol::{
+    ErrorKind, Extent, Request, Response, ServerStats, Spent, PROTOCOL_VERSION,
+};
 use kv_common::Address;
 use onekv_tests::{control_call as call, TestServer};
 
@@ -32,7 +34,14 @@ fn lease(s: &mut UnixStream) -> Extent {
 }
 
 fn give_back(s: &mut UnixStream, extents: Vec<Extent>) -> Option<Response> {
-    call(s, &Request::GiveBack { extents })
+    let spent = extents.into_iter().map(Spent::undeclared).collect();
+    call(
+        s,
+        &Request::GiveBack {
+            spent,
+            unlinked: vec![],
+        },
+    )
 }
 
 fn is_refused(r: &Option<Response>) -> bool {

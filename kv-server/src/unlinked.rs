@@ -1,0 +1,118 @@
+//! Freeing reported blocks: the reclaimer's work in the steady state, at a
+//! cost proportional to the garbage rather than to the index. A report is
+//! checked in three steps, the first two before the region is read:
+//!
+//! 1. the pool: the block lies in space given back (nobody writes there
+//!    any more, so nobody will publish it again) and is one its writer
+//!    declared (`registry.rs`);
+//! 2. the block: its size class is the one its lengths call for, and its
+//!    key is the key it was published under (nobody has written there
+//!    since);
+//! 3. the index: no slot of that key's two windows references it — the
+//!    only slots a reader of the key follows.
+//!
+//! The first step comes first because it is what makes the third final: a
+//! block in space still leased may be published after the index was read.
+//! Checks run under the collection lock, so no scan frees the space between
+//! the steps and no old index is released while it is read.
+
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::Instant;
+
+use kv_common::layout::{
+    class_for, class_size, lengths_of, Geometry, KeyHash, Slot, BLOCK_HEADER, BUCKET_BYTES,
+    MAX_KEY, SLOTS_PER_BUCKET,
+};
+use kv_common::mapping::SharedRegion;
+use kv_common::protocol::Extent;
+
+use crate::control::Shared;
+
+/// Reports checked per turn of the pool's lock.
+const BATCH: usize = 512;
+
+/// Checks and frees the reports waiting in the pool; returns the bytes
+/// freed.
+pub fn free_reported(shared: &Shared) -> u64 {
+    let Ok(_no_scan) = shared.collecting.lock() else {
+        return 0;
+    };
+    let mut freed = 0;
+    let c = &shared.counters;
+    loop {
+        let (taken, candidates): (usize, Vec<Extent>) = match shared.pool.lock() {
+            Ok(mut p) => {
+                let taken = p.take_ready(BATCH);
+                let may = taken.iter().filter_map(|&u| p.reported_block(u)).collect();
+                (taken.len(), may)
+            }
+            Err(_) => return freed,
+        };
+        if taken == 0 {
+            return freed;
+        }
+        let g = shared.geometry();
+        let mut unreferenced: Vec<Extent> = candidates
+            .into_iter()
+            .filter(|&e| unreferenced(&shared.region, &g, e))
+            .collect();
+        unreferenced.sort_by_key(|e| e.offset);
+        let ready_at = Instant::now() + shared.grace();
+        let Ok(mut p) = shared.pool.lock() else {
+            return freed;
+        };
+        // Step 1 still holds: under the collection lock, space given back
+        // stays so and its declared starts are cleared only here.
+        let bytes = p.free_reported(&unreferenced, ready_at);
+        freed += bytes;
+        let blocks = unreferenced.len() as u64;
+        c.freed_on_report.fetch_add(blocks, Relaxed);
+        c.refused_reports.fetch_add(taken as u64 - blocks, Relaxed);
+    }
+}
+
+/// Steps 2 and 3: whether `block` holds a block of its class whose key's
+/// windows (in the index of `g`) hold no slot that references it. Only the
+/// header and the key are read: the block lies in space its writer gave
+/// back, so its bytes are the ones it published (a block damaged since
+/// could not be read by anyone anyway).
+fn unreferenced(region: &SharedRegion, g: &Geometry, block: Extent) -> bool {
+    let mut head = [0u64; 2];
+    if region.read(block.offset, &mut head).is_err() {
+        return false;
+    }
+    let (key_len, used) = lengths_of(head[1]);
+    if key_len == 0 || key_len > MAX_KEY || class_for(used).map(class_size) != Some(block.len) {
+        return false;
+    }
+    let mut key_words = [0u64; MAX_KEY / 8];
+    let key_words = &mut key_words[..key_len.div_ceil(8)];
+    if region
+        .read(block.offset + BLOCK_HEADER as u64, key_words)
+        .is_err()
+    {
+        return false;
+    }
+    let mut key = [0u8; MAX_KEY];
+    for (chunk, w) in key.chunks_exact_mut(8).zip(key_words.iter()) {
+        chunk.copy_from_slice(&w.to_le_bytes());
+    }
+    let h = KeyHash::new(&key[..key_len], g.bucket_count);
+    let mut words = [0u64; SLOTS_PER_BUCKET];
+    for bucket in h.buckets() {
+        if region
+            .read(g.index_offset + bucket * BUCKET_BYTES, &mut words)
+            .is_err()
+        {
+            return false;
+        }
+        let names_it = |w: &u64| {
+            let slot = Slot(*w).thawed();
+            !slot.is_empty() && slot.offset() == block.offset
+        };
+        if words.iter().any(names_it) {
+            return false;
+        }
+    }
+    true
+}
