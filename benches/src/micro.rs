@@ -570,8 +570,9 @@ struct KvLoop<'a> {
     keys: Vec<Vec<u8>>,
     value: Vec<u8>,
     out: Vec<u8>,
-    /// The keys of one GET-batch call.
+    /// The keys of one GET-batch call, and the buffers it reads into.
     batch: Vec<Vec<u8>>,
+    values: kv_client::Values,
     /// Names keys this loop creates.
     prefix: String,
     made: u64,
@@ -596,6 +597,7 @@ impl<'a> KvLoop<'a> {
             value: vec![t as u8; args.value_size],
             out: Vec::with_capacity(args.value_size),
             batch: Vec::new(),
+            values: kv_client::Values::new(),
             prefix: format!("micro-{}-{t}-{}", op.name(), std::process::id()),
             made: 0,
             timed: VerbStats::default(),
@@ -680,7 +682,9 @@ impl<'a> KvLoop<'a> {
                 self.kv.delete(&key).map_err(err)?;
             }
             Op::GetBatch => {
-                self.kv.get_many(&self.batch).map_err(err)?;
+                self.kv
+                    .get_many_into(&self.batch, &mut self.values)
+                    .map_err(err)?;
             }
             Op::Incr => match self.kv.incr(&key, 1) {
                 Ok(_) => {}

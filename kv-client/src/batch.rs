@@ -74,16 +74,20 @@ enum Lowest {
 }
 
 impl Client {
-    /// Reads up to `BATCH_KEYS` keys into `out`; returns the keys it could
-    /// not settle, for the single-key path.
+    /// Reads up to `BATCH_KEYS` keys into `values` (each cleared and
+    /// filled), setting `found`; returns the keys it could not settle, for
+    /// the single-key path.
     pub(crate) fn get_batch(
         &mut self,
         keys: &[&[u8]],
-        out: &mut [Option<Vec<u8>>],
+        values: &mut [Vec<u8>],
+        found: &mut [bool],
     ) -> Result<Unsettled> {
-        debug_assert!(keys.len() <= BATCH_KEYS && keys.len() == out.len());
+        debug_assert!(keys.len() <= BATCH_KEYS && keys.len() == values.len());
         let hashes = hash_keys(keys.iter().copied(), self.info.geometry.bucket_count);
-        let (verbs, firsts, at) = self.get_first_batch(keys, &hashes);
+        let mut verbs = Verbs::new();
+        let mut firsts = SmallVec::new();
+        let at = self.get_first_batch(keys, &hashes, &mut verbs, &mut firsts);
         let clock = self.timing.start();
         self.conn.post(&verbs)?;
         self.pause_if_slow();
@@ -95,7 +99,10 @@ impl Client {
         for (i, first) in firsts.iter().enumerate() {
             match *first {
                 First::Sole(sole) => match self.sole_value(keys[i], &sole, clock) {
-                    Some(value) => copy_out(self.conn.local(), value, out[i].insert(Vec::new())),
+                    Some(value) => {
+                        copy_out(self.conn.local(), value, &mut values[i]);
+                        found[i] = true;
+                    }
                     None => unsettled.push(i),
                 },
                 First::Windows => windows.push(i),
@@ -137,7 +144,8 @@ impl Client {
         for i in read {
             match self.lowest_candidate(keys[i], &reads, i) {
                 Lowest::Found(index, slot, kind, value) => {
-                    copy_out(self.conn.local(), value, out[i].insert(Vec::new()));
+                    copy_out(self.conn.local(), value, &mut values[i]);
+                    found[i] = true;
                     let alone = matching[i] == 1;
                     let pos = hashes[i].slot_pos(index);
                     self.saw(
@@ -149,7 +157,7 @@ impl Client {
                 }
                 Lowest::Suspect => unsettled.push(i),
                 Lowest::Absent => {
-                    out[i] = None;
+                    found[i] = false;
                     self.cache.forget(keys[i]);
                 }
             }
@@ -158,16 +166,17 @@ impl Client {
     }
 
     /// The first batch of a multi-key GET: each key's windows, or its
-    /// settled hint's slot word and block. Returns the batch, what it
-    /// reads for each key, and where the hinted blocks end.
+    /// settled hint's slot word and block, into `verbs`, and what it reads
+    /// for each key into `firsts` (both filled in place: they are large to
+    /// move). Returns where the hinted blocks end.
     fn get_first_batch(
         &mut self,
         keys: &[&[u8]],
         hashes: &Hashes,
-    ) -> (Verbs, SmallVec<[First; BATCH_KEYS]>, usize) {
+        verbs: &mut Verbs,
+        firsts: &mut SmallVec<[First; BATCH_KEYS]>,
+    ) -> usize {
         let g = self.info.geometry;
-        let mut verbs = Verbs::new();
-        let mut firsts: SmallVec<[First; BATCH_KEYS]> = SmallVec::new();
         let mut at = self.layout.reads;
         for (i, key) in keys.iter().enumerate() {
             let hinted = self
@@ -184,16 +193,16 @@ impl Client {
                     };
                     at += len;
                     let sole = self.sole_read(hint, block, self.layout.batch_word(i));
-                    verbs.extend(sole.verbs());
+                    verbs.extend_from_slice(&sole.verbs());
                     firsts.push(First::Sole(sole));
                 }
                 None => {
-                    verbs.extend(self.batch_window_reads(i, &hashes[i]));
+                    verbs.extend_from_slice(&self.batch_window_reads(i, &hashes[i]));
                     firsts.push(First::Windows);
                 }
             }
         }
-        (verbs, firsts, at)
+        at
     }
 
     /// The lowest of key `k`'s candidates that holds it, as a reader
@@ -342,7 +351,7 @@ impl Client {
                     put.plan.push(Publish::Blind(hint));
                 }
                 None => {
-                    verbs.extend(self.batch_window_reads(i, &put.hashes[i]));
+                    verbs.extend_from_slice(&self.batch_window_reads(i, &put.hashes[i]));
                     put.plan.push(Publish::Located);
                 }
             }
@@ -434,7 +443,7 @@ impl Client {
                 swap: put.news[i].0,
             });
             if let Publish::Insert { .. } = put.plan[i] {
-                verbs.extend(self.batch_window_reads(i, &put.hashes[i]));
+                verbs.extend_from_slice(&self.batch_window_reads(i, &put.hashes[i]));
             }
         }
         if !verbs.is_empty() {
@@ -533,7 +542,7 @@ impl Client {
             self.cache.forget(key);
             match hint {
                 Some(hint) => verbs.push(self.batch_cas(i, hint.pos, hint.slot, Slot::EMPTY)),
-                None => verbs.extend(self.batch_window_reads(i, &hashes[i])),
+                None => verbs.extend_from_slice(&self.batch_window_reads(i, &hashes[i])),
             }
             blind.push(hint);
         }

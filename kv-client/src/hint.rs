@@ -7,7 +7,8 @@
 //! break, and `confirmed`, when `pos` last held `slot`.
 //!
 //! **Fresh hints cannot name a reused block.** Space is reused only a grace
-//! period after a collection found it unreferenced, and a block is never
+//! period after the server found it unreferenced (a collection's scan, or
+//! the check of a client's report that it unlinked it), and a block is never
 //! linked again once unlinked. The slot held `slot` after `confirmed`, so
 //! `slot`'s block cannot be rewritten before `confirmed + G`, and no slot
 //! can hold the value `slot` again before then either (that needs the block

@@ -58,6 +58,7 @@ mod locate;
 mod pool;
 mod put;
 mod slot_cache;
+mod values;
 
 use alloc::BlockAllocator;
 use clock::Timing;
@@ -68,6 +69,7 @@ use index::Value;
 use local::{LocalLayout, BATCH_KEYS};
 pub use pool::{ClientPool, PooledClient};
 use slot_cache::SlotCache;
+pub use values::Values;
 
 impl Client {
     /// A pseudo-random number (xorshift; not for secrets).
@@ -485,23 +487,55 @@ impl Client {
     ///
     /// The first error any key meets, as [`Client::get`]'s.
     pub fn get_many<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<Vec<Option<Vec<u8>>>> {
-        let keys: Vec<&[u8]> = keys.iter().map(AsRef::as_ref).collect();
-        for key in &keys {
-            check_key(key)?;
+        let mut values = Values::new();
+        self.get_many_into(keys, &mut values)?;
+        Ok(values.iter().map(|v| v.map(<[u8]>::to_vec)).collect())
+    }
+
+    /// [`Client::get_many`] into buffers the caller keeps: `values` is
+    /// cleared and refilled, one buffer per key, each keeping its capacity,
+    /// so that a loop of batches allocates nothing once the buffers have
+    /// grown to the values' sizes.
+    ///
+    /// ```no_run
+    /// # let mut kv = kv_client::Client::connect("shm:///dev/shm/onekv")?;
+    /// let mut values = kv_client::Values::new();
+    /// for _ in 0..3 {
+    ///     kv.get_many_into(&[b"user1", b"user2"], &mut values)?;
+    ///     assert_eq!(values.len(), 2);
+    ///     if let Some(v) = values.get(0) {
+    ///         println!("user1: {} bytes", v.len());
+    ///     }
+    /// }
+    /// # Ok::<(), kv_client::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// The first error any key meets, as [`Client::get`]'s; `values` then
+    /// holds what was read before it.
+    pub fn get_many_into<K: AsRef<[u8]>>(&mut self, keys: &[K], values: &mut Values) -> Result<()> {
+        for key in keys {
+            check_key(key.as_ref())?;
         }
-        let mut out = vec![None; keys.len()];
-        for (keys, out) in keys.chunks(BATCH_KEYS).zip(out.chunks_mut(BATCH_KEYS)) {
-            let unsettled = match self.get_batch(keys, out) {
+        values.reset(keys.len());
+        for (n, chunk) in keys.chunks(BATCH_KEYS).enumerate() {
+            let first = n * BATCH_KEYS;
+            let keys: smallvec::SmallVec<[&[u8]; BATCH_KEYS]> =
+                chunk.iter().map(AsRef::as_ref).collect();
+            let (bufs, found) = values.slice_mut(first..first + keys.len());
+            let unsettled = match self.get_batch(&keys, bufs, found) {
                 Ok(unsettled) => unsettled,
                 // The single path reconnects, as every call does.
                 Err(e) if e.is_connection_lost() => (0..keys.len()).collect(),
                 Err(e) => return Err(e),
             };
             for i in unsettled {
-                out[i] = self.get(keys[i])?;
+                let (bufs, found) = values.slice_mut(first + i..first + i + 1);
+                found[0] = self.get_into_bytes(keys[i], &mut bufs[0])?;
             }
         }
-        Ok(out)
+        Ok(())
     }
 
     /// Stores many key-value pairs, each as [`Client::put`] does (not

@@ -2,16 +2,19 @@
 //! key's hash, cheap enough to consult on every operation. What a hint
 //! allows, and when, is `hint`'s business.
 //!
-//! Each entry is found at one place (the hash's low bits) and overwrites
-//! whatever was there: no probing, no allocation per key, no recency to
+//! A key has one set of [`WAYS`] entries (the hash's low bits pick it): a
+//! lookup compares four tags, an insert takes a free entry of the set or
+//! the next in turn — no probing, no allocation per key, no recency to
 //! track. An entry holds the key's hash and either the key itself (up to
 //! [`INLINE_KEY`] bytes, compared byte for byte) or, for a longer key, a
-//! second, independent hash of it: a hint is never taken for another key's
-//! (a 128-bit collision is as likely as a memory error). The table starts
-//! small and doubles as it fills, up to its capacity, so that a client with
-//! few keys pays for few.
+//! second hash of it keyed with a secret of this table (SipHash), so that
+//! nobody can choose two long keys that the table takes for one: a hint is
+//! never taken for another key's. The table starts small and doubles as it
+//! fills, up to its capacity, so that a client with few keys pays for few.
 
-use kv_common::layout::KeyHash;
+use std::hash::{BuildHasher, RandomState};
+
+use xxhash_rust::xxh3::xxh3_64;
 
 use crate::hint::Hint;
 
@@ -19,6 +22,9 @@ use crate::hint::Hint;
 pub const INLINE_KEY: usize = 24;
 /// Entries a table starts with.
 const FIRST_SIZE: usize = 256;
+/// Entries of one set (two hot keys whose hashes share low bits do not
+/// take turns evicting each other).
+const WAYS: usize = 4;
 
 #[derive(Clone, Copy)]
 struct Entry {
@@ -45,17 +51,16 @@ struct Tag {
 }
 
 impl Tag {
-    fn of(key: &[u8]) -> Tag {
-        let [hash, second] = KeyHash::hashes(key);
+    fn of(key: &[u8], keyed: &RandomState) -> Tag {
         let mut tag = Tag {
-            hash,
+            hash: xxh3_64(key),
             key_len: key.len().min(usize::from(u16::MAX)) as u16,
             key: [0; INLINE_KEY],
         };
         if key.len() <= INLINE_KEY {
             tag.key[..key.len()].copy_from_slice(key);
         } else {
-            tag.key[..8].copy_from_slice(&second.to_le_bytes());
+            tag.key[..8].copy_from_slice(&keyed.hash_one(key).to_le_bytes());
         }
         tag
     }
@@ -67,9 +72,13 @@ impl Tag {
 
 pub struct SlotCache {
     entries: Vec<Entry>,
+    /// Per set, the way its next eviction takes.
+    victims: Vec<u8>,
     /// Entries in use.
     used: usize,
     capacity: usize,
+    /// The secret of long keys' second hash.
+    keyed: RandomState,
 }
 
 impl SlotCache {
@@ -78,12 +87,14 @@ impl SlotCache {
     pub fn new(capacity: usize) -> SlotCache {
         let capacity = match capacity {
             0 => 0,
-            c => 1 << c.ilog2(),
+            c => 1usize.checked_shl(c.ilog2()).unwrap_or(0).max(WAYS),
         };
         SlotCache {
             entries: Vec::new(),
+            victims: Vec::new(),
             used: 0,
             capacity,
+            keyed: RandomState::new(),
         }
     }
 
@@ -96,13 +107,11 @@ impl SlotCache {
         if self.used == 0 {
             return None;
         }
-        let tag = Tag::of(key);
-        let e = &self.entries[self.index(tag.hash)];
-        if tag.matches(e) {
-            e.hint
-        } else {
-            None
-        }
+        let tag = Tag::of(key, &self.keyed);
+        self.set(tag.hash)
+            .iter()
+            .find(|e| tag.matches(e))
+            .and_then(|e| e.hint)
     }
 
     pub fn remember(&mut self, key: &[u8], hint: Hint) {
@@ -112,28 +121,52 @@ impl SlotCache {
         if self.entries.len() < self.capacity && self.used >= self.entries.len() / 2 {
             self.double();
         }
-        let tag = Tag::of(key);
-        let i = self.index(tag.hash);
-        let e = &mut self.entries[i];
-        if e.key_len == 0 {
-            self.used += 1;
-        }
-        *e = Entry {
+        let tag = Tag::of(key, &self.keyed);
+        let entry = Entry {
             key_len: tag.key_len,
             hash: tag.hash,
             key: tag.key,
             hint: Some(hint),
         };
+        self.put(entry);
+    }
+
+    /// Puts `entry` in its set: over its key's entry, else in a free one,
+    /// else over the set's next victim.
+    fn put(&mut self, entry: Entry) {
+        let first = self.first(entry.hash);
+        let set = &self.entries[first..first + WAYS];
+        let tag = Tag {
+            hash: entry.hash,
+            key_len: entry.key_len,
+            key: entry.key,
+        };
+        let way = match set.iter().position(|e| tag.matches(e)) {
+            Some(w) => w,
+            None => match set.iter().position(|e| e.key_len == 0) {
+                Some(w) => {
+                    self.used += 1;
+                    w
+                }
+                None => {
+                    let v = &mut self.victims[first / WAYS];
+                    let w = usize::from(*v);
+                    *v = ((w + 1) % WAYS) as u8;
+                    w
+                }
+            },
+        };
+        self.entries[first + way] = entry;
     }
 
     pub fn forget(&mut self, key: &[u8]) {
         if self.used == 0 {
             return;
         }
-        let tag = Tag::of(key);
-        let i = self.index(tag.hash);
-        if tag.matches(&self.entries[i]) {
-            self.entries[i] = EMPTY;
+        let tag = Tag::of(key, &self.keyed);
+        let first = self.first(tag.hash);
+        if let Some(w) = self.set(tag.hash).iter().position(|e| tag.matches(e)) {
+            self.entries[first + w] = EMPTY;
             self.used -= 1;
         }
     }
@@ -143,22 +176,26 @@ impl SlotCache {
         self.used = 0;
     }
 
-    fn index(&self, hash: u64) -> usize {
-        (hash as usize) & (self.entries.len() - 1)
+    /// The first entry of the set `hash` belongs to.
+    fn first(&self, hash: u64) -> usize {
+        let sets = self.entries.len() / WAYS;
+        (hash as usize & (sets - 1)) * WAYS
+    }
+
+    fn set(&self, hash: u64) -> &[Entry] {
+        let first = self.first(hash);
+        &self.entries[first..first + WAYS]
     }
 
     /// Twice the entries (the first table at first use), each kept entry
-    /// at its place in the new one.
+    /// moved to its set in the new one.
     fn double(&mut self) {
         let size = (self.entries.len() * 2).clamp(FIRST_SIZE.min(self.capacity), self.capacity);
         let old = std::mem::replace(&mut self.entries, vec![EMPTY; size]);
+        self.victims = vec![0; size / WAYS];
         self.used = 0;
         for e in old.into_iter().filter(|e| e.key_len != 0) {
-            let i = self.index(e.hash);
-            if self.entries[i].key_len == 0 {
-                self.used += 1;
-            }
-            self.entries[i] = e;
+            self.put(e);
         }
     }
 }

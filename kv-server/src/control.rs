@@ -567,7 +567,8 @@ fn give_back(
         Err(_) => Err("heap pool unavailable".into()),
     };
     match result {
-        Ok(()) => {
+        Ok(dropped) => {
+            c.refused_reports.fetch_add(dropped, Relaxed);
             shared.wake_reclaimer();
             (Response::GivenBack, After::Stay)
         }

@@ -141,11 +141,13 @@ pub struct HeapPool {
     registry: BlockRegistry,
     /// Reports whose space is given back, to be checked.
     ready: VecDeque<Unlinked>,
-    /// Bytes leased since the pool was made (the reclaimer derives the
-    /// write rate from it).
+    /// Bytes carved out of space given back since the pool was made (the
+    /// reclaimer derives the write rate from it; space leased and given
+    /// back unused does not count).
     leased_total: u64,
-    /// Since when space given back may hold blocks a departed client
-    /// unlinked and never reported (see `Lease::outlived_departure`).
+    /// From when a scan should look for blocks a departed client unlinked
+    /// and never reported: the last return of a lease it outlived (see
+    /// `Lease::outlived_departure`), or its fence settling.
     orphans_retired: Option<Instant>,
     /// When a lease last failed for want of space, if no collection began
     /// since.
@@ -266,11 +268,17 @@ impl HeapPool {
     /// life no longer holds.
     fn lease_out(&mut self, e: Extent, client: ClientId) {
         self.registry.forget_range(e);
-        self.leased_total += e.len;
         self.add_lease(e.offset, e.len, client, Vec::new());
     }
 
-    /// Bytes leased since the pool was made.
+    /// A scan should look for orphans once `from` has passed (the latest
+    /// such time wins: a scan that began before it may have missed some).
+    fn look_for_orphans(&mut self, from: Instant) {
+        self.orphans_retired = self.orphans_retired.max(Some(from));
+    }
+
+    /// Bytes clients wrote into the space they gave back (as they declare
+    /// it: the rate the reclaimer paces the heap by).
     pub fn leased_total(&self) -> u64 {
         self.leased_total
     }
@@ -294,7 +302,8 @@ impl HeapPool {
     /// two may overlap; otherwise the whole message is refused and nothing
     /// changes. What the client says it never carved is free at once;
     /// reports waiting on the space are now checked.
-    pub fn give_back(&mut self, client: ClientId, spent: &[Spent]) -> Result<(), String> {
+    /// Returns how many waiting reports were dropped (the queue was full).
+    pub fn give_back(&mut self, client: ClientId, spent: &[Spent]) -> Result<u64, String> {
         let mut sorted: Vec<&Spent> = spent.iter().collect();
         sorted.sort_by_key(|s| s.extent.offset);
         let mut splits = 0usize;
@@ -332,10 +341,11 @@ impl HeapPool {
             ));
         }
         let now = Instant::now();
+        let mut dropped = 0;
         for s in sorted {
             let e = s.extent;
             let reports = self.remove_lease_part(e);
-            self.queue_ready(reports);
+            dropped += self.queue_ready(reports);
             self.registry.declare(s);
             let carved = s
                 .carved
@@ -348,6 +358,7 @@ impl HeapPool {
                     len: e.len - carved,
                 });
             }
+            self.leased_total += carved;
             if carved > 0 {
                 self.retired.push(Retired {
                     extent: Extent {
@@ -359,7 +370,7 @@ impl HeapPool {
                 });
             }
         }
-        Ok(())
+        Ok(dropped)
     }
 
     /// Takes reports of unlinked blocks: those in leased space wait with
@@ -383,24 +394,23 @@ impl HeapPool {
                     Some(lease) if lease.has_room() => lease.reports.push(u),
                     _ => dropped += 1,
                 },
-                None => dropped += u64::from(!self.queue_ready(Some(u))),
+                None => dropped += self.queue_ready(Some(u)),
             }
         }
         dropped
     }
 
-    /// Queues reports to be checked; false if the queue had no room for
-    /// some.
-    fn queue_ready(&mut self, reports: impl IntoIterator<Item = Unlinked>) -> bool {
-        let mut all = true;
+    /// Queues reports to be checked; returns how many found no room.
+    fn queue_ready(&mut self, reports: impl IntoIterator<Item = Unlinked>) -> u64 {
+        let mut dropped = 0;
         for u in reports {
             if self.ready.len() < MAX_READY_REPORTS {
                 self.ready.push_back(u);
             } else {
-                all = false;
+                dropped += 1;
             }
         }
-        all
+        dropped
     }
 
     /// Up to `n` reports to check, oldest first.
@@ -427,12 +437,17 @@ impl HeapPool {
 
     /// Frees reported blocks (ascending) that [`HeapPool::reported_block`]
     /// named and that were found unreferenced: leasable from `ready_at`,
-    /// adjacent ones as one extent. Returns the bytes freed.
-    pub fn free_reported(&mut self, blocks: &[Extent], ready_at: Instant) -> u64 {
+    /// adjacent ones as one extent. A block named twice is freed once.
+    /// Returns the blocks and bytes freed.
+    pub fn free_reported(&mut self, blocks: &[Extent], ready_at: Instant) -> (u64, u64) {
         let mut run: Option<Extent> = None;
-        let mut freed = 0;
+        let (mut count, mut freed) = (0, 0);
         for &e in blocks {
+            if !self.registry.is_block(e.offset, e.len) {
+                continue;
+            }
             self.registry.forget(e.offset);
+            count += 1;
             freed += e.len;
             run = match run {
                 Some(r) if r.offset + r.len == e.offset => Some(Extent {
@@ -449,7 +464,7 @@ impl HeapPool {
         if let Some(r) = run {
             self.push_aging(ready_at, r);
         }
-        freed
+        (count, freed)
     }
 
     /// Whether nothing but settled or retired space lies in `e`: no free,
@@ -485,6 +500,8 @@ impl HeapPool {
             for l in self.leases.values_mut() {
                 l.outlived_departure |= l.client != client;
             }
+            // And in space already given back.
+            self.look_for_orphans(eligible);
         }
         let mine: Vec<Extent> = self
             .leases
@@ -543,7 +560,7 @@ impl HeapPool {
         if self.wanted_since.is_some_and(|t| t <= scan_started) {
             self.wanted_since = None;
         }
-        if self.orphans_retired.is_some_and(|t| t < scan_started) {
+        if self.orphans_retired.is_some_and(|t| t <= scan_started) {
             self.orphans_retired = None;
         }
         self.last_scan = Some(scan_started);
@@ -560,7 +577,8 @@ impl HeapPool {
     /// only pays when garbage nobody reported has piled up.
     pub fn need(&self, now: Instant, headroom: u64, live: u64) -> Need {
         let departed_settled = self.retired.iter().any(|r| r.departed && r.eligible <= now);
-        if self.wanted_since.is_some() || departed_settled || self.orphans_retired.is_some() {
+        let orphans = self.orphans_retired.is_some_and(|t| t <= now);
+        if self.wanted_since.is_some() || departed_settled || orphans {
             Need::Now
         } else if self.last_lease > self.last_scan
             && self.short_of(headroom)
@@ -749,7 +767,7 @@ impl HeapPool {
             }
         }
         if lease.outlived_departure {
-            self.orphans_retired.get_or_insert(Instant::now());
+            self.look_for_orphans(Instant::now());
         }
         inside
     }
@@ -787,7 +805,7 @@ mod tests {
     /// Gives `extents` back with nothing declared of them.
     fn give_back(p: &mut HeapPool, client: ClientId, extents: &[Extent]) -> Result<(), String> {
         let spent: Vec<Spent> = extents.iter().map(|&e| Spent::undeclared(e)).collect();
-        p.give_back(client, &spent)
+        p.give_back(client, &spent).map(|_| ())
     }
 
     /// A pool over [0, len) whose first collection found `live` in use.
@@ -1116,7 +1134,8 @@ mod tests {
             .expect("a declared block in given-back space");
         let free = p.free_bytes();
         let now = Instant::now();
-        assert_eq!(p.free_reported(&[e], now), 128);
+        // Named twice in one batch: freed once.
+        assert_eq!(p.free_reported(&[e, e], now), (1, 128));
         p.mature(now);
         assert_eq!(p.free_bytes(), free + 128);
         // Reported again: already freed, nothing more.

@@ -39,36 +39,43 @@ pub fn free_reported(shared: &Shared) -> u64 {
     };
     let mut freed = 0;
     let c = &shared.counters;
-    loop {
-        let (taken, candidates): (usize, Vec<Extent>) = match shared.pool.lock() {
+    // What was queued on entry, and no more: reports arriving meanwhile (a
+    // flood of them) wait for the next turn, so that scans, growth and the
+    // release of old indexes, which take the same lock, are not held off.
+    let mut left = shared.pool.lock().map_or(0, |p| p.ready_reports());
+    while left > 0 {
+        let (taken, mut candidates): (usize, Vec<Extent>) = match shared.pool.lock() {
             Ok(mut p) => {
-                let taken = p.take_ready(BATCH);
+                let taken = p.take_ready(BATCH.min(left));
+                left -= taken.len();
                 let may = taken.iter().filter_map(|&u| p.reported_block(u)).collect();
                 (taken.len(), may)
             }
             Err(_) => return freed,
         };
         if taken == 0 {
-            return freed;
+            break;
         }
+        // Ascending, each once (a block reported twice is checked once).
+        candidates.sort_by_key(|e| e.offset);
+        candidates.dedup();
         let g = shared.geometry();
-        let mut unreferenced: Vec<Extent> = candidates
+        let unreferenced: Vec<Extent> = candidates
             .into_iter()
             .filter(|&e| unreferenced(&shared.region, &g, e))
             .collect();
-        unreferenced.sort_by_key(|e| e.offset);
         let ready_at = Instant::now() + shared.grace();
         let Ok(mut p) = shared.pool.lock() else {
             return freed;
         };
         // Step 1 still holds: under the collection lock, space given back
         // stays so and its declared starts are cleared only here.
-        let bytes = p.free_reported(&unreferenced, ready_at);
+        let (blocks, bytes) = p.free_reported(&unreferenced, ready_at);
         freed += bytes;
-        let blocks = unreferenced.len() as u64;
         c.freed_on_report.fetch_add(blocks, Relaxed);
         c.refused_reports.fetch_add(taken as u64 - blocks, Relaxed);
     }
+    freed
 }
 
 /// Steps 2 and 3: whether `block` holds a block of its class whose key's

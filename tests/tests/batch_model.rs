@@ -7,7 +7,7 @@
 use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
 
-use kv_client::{Client, ClientOptions, Error};
+use kv_client::{Client, ClientOptions, Error, Values};
 use onekv_tests::TestServer;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
@@ -71,6 +71,9 @@ struct Case<'c> {
     client: &'c mut Client,
     prefix: u64,
     model: BTreeMap<u8, Held>,
+    /// Kept across the case's multi-key GETs, as a caller reusing its
+    /// buffers would.
+    values: Values,
 }
 
 impl Case<'_> {
@@ -118,8 +121,17 @@ impl Case<'_> {
                 }
             }
             Op::GetMany(ks) => {
-                let got = self.client.get_many(&self.keys(ks)).map_err(fail)?;
+                let keys = self.keys(ks);
                 let want: Vec<Option<Vec<u8>>> = ks.iter().map(|&k| self.get(k)).collect();
+                // Into reused buffers every other time.
+                let got = if ks.len() % 2 == 0 {
+                    self.client.get_many(&keys).map_err(fail)?
+                } else {
+                    self.client
+                        .get_many_into(&keys, &mut self.values)
+                        .map_err(fail)?;
+                    self.values.iter().map(|v| v.map(<[u8]>::to_vec)).collect()
+                };
                 prop_assert_eq!(got, want, "get_many of {:?}", ks);
             }
             Op::DeleteMany(ks) => {
@@ -189,6 +201,7 @@ fn agrees_with_the_model(server: &TestServer, options: ClientOptions) {
             client: &mut client,
             prefix: prefix.get(),
             model: BTreeMap::new(),
+            values: Values::new(),
         };
         for op in &ops {
             case.apply(op)?;
@@ -236,4 +249,32 @@ fn single_and_batch_calls_agree_with_a_model_while_the_index_resizes() {
     // Eight buckets: the index doubles again and again under the calls.
     let server = TestServer::start(|c| c.buckets = Some(8));
     agrees_with_the_model(&server, options(Hints::On));
+}
+
+#[test]
+fn get_many_into_refills_the_same_buffers() {
+    let srv = TestServer::start(|_| {});
+    let mut kv = Client::connect(&srv.address).unwrap();
+    // More keys than one batch holds; every third absent.
+    let keys: Vec<String> = (0..70).map(|i| format!("buf-{i}")).collect();
+    for (i, k) in keys.iter().enumerate().filter(|(i, _)| i % 3 != 0) {
+        kv.put(k, vec![i as u8; 100 + i]).unwrap();
+    }
+    let mut values = Values::new();
+    kv.get_many_into(&keys, &mut values).unwrap();
+    let first: Vec<Option<*const u8>> = values.iter().map(|v| v.map(<[u8]>::as_ptr)).collect();
+    for round in 0..3 {
+        kv.get_many_into(&keys, &mut values).unwrap();
+        assert_eq!(values.len(), keys.len());
+        for (i, v) in values.iter().enumerate() {
+            let want = (i % 3 != 0).then(|| vec![i as u8; 100 + i]);
+            assert_eq!(v.map(<[u8]>::to_vec), want, "round {round} key {i}");
+            // The same buffer, refilled: nothing allocated for it.
+            assert_eq!(v.map(<[u8]>::as_ptr), first[i], "round {round} key {i}");
+        }
+    }
+    // Fewer keys: the rest of the buffers are kept, not reported.
+    kv.get_many_into(&keys[..2], &mut values).unwrap();
+    assert_eq!(values.len(), 2);
+    assert_eq!(values.get(2), None);
 }
