@@ -246,13 +246,6 @@ pub fn grow_heap(shared: &Shared, at_least: u64) -> Result<(), String> {
         .region
         .grow(new_len)
         .map_err(|e| format!("growing the region file to {new_len} bytes: {e}"))?;
-    // Nobody has the new part yet (not the device, not a client): it is
-    // put on huge pages now, as a new region is, so that writes streaming
-    // through it do not miss the TLB at every few blocks. Copying pages
-    // nobody wrote costs ~0.4 s/GiB, here, ahead of the writers' need.
-    if let Err(e) = shared.region.make_huge(g.region_len, new_len) {
-        tracing::debug!("the grown part keeps small pages: {e}");
-    }
     shared.listener.extend().map_err(|e| e.to_string())?;
     let new = Geometry {
         region_len: new_len,
