@@ -25,11 +25,12 @@
 //! is unreferenced for good, and every reader that could still hold its
 //! offset started before it was seen.
 //!
-//! - **Reports**, the steady state, at a cost proportional to the garbage:
-//!   a reported block is freed once its space is given back and the block
-//!   is one its writer declared (`registry.rs`) and no slot of its key's
-//!   windows references it (`unlinked.rs`). A report of a block in space
-//!   still leased waits with that lease.
+//! - **Reports**, at a cost proportional to the garbage: a reported block is
+//!   counted dead once its space is given back, the block is one its writer
+//!   declared (`registry.rs`), and no slot of its key's windows references
+//!   it (`unlinked.rs`); a declared extent whose blocks are all dead is
+//!   freed whole. A report of a block in space still leased waits with that
+//!   lease.
 //! - **Collections**, for what no report names (blocks unlinked by clients
 //!   that died before reporting, space departed clients left, a reopened
 //!   region): a scan of the index marks the blocks it references, marks
@@ -111,9 +112,6 @@ struct Retired {
     extent: Extent,
     /// A collection that starts after this may reclaim it.
     eligible: Instant,
-    /// Left by a departed client (its space is worth a prompt collection),
-    /// rather than given back by a live one.
-    departed: bool,
 }
 
 pub struct HeapPool {
@@ -145,6 +143,10 @@ pub struct HeapPool {
     /// reclaimer derives the write rate from it; space leased and given
     /// back unused does not count).
     leased_total: u64,
+    /// When the space of each departed client in `retired` becomes
+    /// eligible (few: `retired` itself holds every give-back since the last
+    /// scan, too many to look through at every turn).
+    departed_eligible: Vec<Instant>,
     /// From when a scan should look for blocks a departed client unlinked
     /// and never reported: the last return of a lease it outlived (see
     /// `Lease::outlived_departure`), or its fence settling.
@@ -194,6 +196,7 @@ impl HeapPool {
             ready: VecDeque::new(),
             leased_total: 0,
             orphans_retired: None,
+            departed_eligible: Vec::new(),
             wanted_since: None,
             short_since: None,
             last_lease: None,
@@ -366,7 +369,6 @@ impl HeapPool {
                         len: carved,
                     },
                     eligible: now,
-                    departed: false,
                 });
             }
         }
@@ -423,46 +425,38 @@ impl HeapPool {
         self.ready.len()
     }
 
-    /// The block a report names, if the report may free it: a block its
-    /// writer declared, in space given back that nothing else holds. (The
-    /// caller then checks that no slot references it, and frees it with
-    /// [`HeapPool::free_reported`].)
+    /// The block a report names, if the report may count it dead: a block
+    /// its writer declared in space it gave back (a declaration lasts only
+    /// while nothing else holds any of its extent). The caller then checks
+    /// that no slot references it, and counts it with
+    /// [`HeapPool::free_reported`].
     pub fn reported_block(&self, u: Unlinked) -> Option<Extent> {
         let e = Extent {
             offset: u.offset,
             len: class_size(u.class),
         };
-        (self.registry.is_block(e.offset, e.len) && self.settled(e)).then_some(e)
+        self.registry.is_block(e.offset, e.len).then_some(e)
     }
 
-    /// Frees reported blocks (ascending) that [`HeapPool::reported_block`]
-    /// named and that were found unreferenced: leasable from `ready_at`,
-    /// adjacent ones as one extent. A block named twice is freed once.
-    /// Returns the blocks and bytes freed.
+    /// Counts dead the reported blocks that [`HeapPool::reported_block`]
+    /// named and that were found unreferenced (a block named twice counts
+    /// once); a declared extent dead whole is freed, leasable from
+    /// `ready_at`. Returns the blocks counted and the bytes freed.
     pub fn free_reported(&mut self, blocks: &[Extent], ready_at: Instant) -> (u64, u64) {
-        let mut run: Option<Extent> = None;
         let (mut count, mut freed) = (0, 0);
         for &e in blocks {
             if !self.registry.is_block(e.offset, e.len) {
                 continue;
             }
-            self.registry.forget(e.offset);
             count += 1;
-            freed += e.len;
-            run = match run {
-                Some(r) if r.offset + r.len == e.offset => Some(Extent {
-                    offset: r.offset,
-                    len: r.len + e.len,
-                }),
-                Some(r) => {
-                    self.push_aging(ready_at, r);
-                    Some(e)
+            if let Some(whole) = self.registry.dead(e.offset, e.len) {
+                // Nothing else may hold any of it (a writer's declaration
+                // is believed only about its own space).
+                if self.settled(whole) {
+                    freed += whole.len;
+                    self.push_aging(ready_at, whole);
                 }
-                None => Some(e),
-            };
-        }
-        if let Some(r) = run {
-            self.push_aging(ready_at, r);
+            }
         }
         (count, freed)
     }
@@ -517,8 +511,8 @@ impl HeapPool {
             self.retired.push(Retired {
                 extent: e,
                 eligible,
-                departed: true,
             });
+            self.departed_eligible.push(eligible);
         }
         self.extents_held.remove(&client);
     }
@@ -540,6 +534,7 @@ impl HeapPool {
         }
         // Retired after the scan began: it may hold blocks the scan missed.
         self.retired.retain(|r| r.eligible > scan_started);
+        self.departed_eligible.retain(|&t| t > scan_started);
         for r in &self.retired {
             live.mark(r.extent.offset, r.extent.len);
         }
@@ -576,7 +571,7 @@ impl HeapPool {
     /// that scan found live): reports free what clients unlink, so a scan
     /// only pays when garbage nobody reported has piled up.
     pub fn need(&self, now: Instant, headroom: u64, live: u64) -> Need {
-        let departed_settled = self.retired.iter().any(|r| r.departed && r.eligible <= now);
+        let departed_settled = self.departed_eligible.iter().any(|&t| t <= now);
         let orphans = self.orphans_retired.is_some_and(|t| t <= now);
         if self.wanted_since.is_some() || departed_settled || orphans {
             Need::Now
@@ -1126,7 +1121,7 @@ mod tests {
         // Client 2 unlinked a block client 1 wrote: it waits with the lease.
         assert_eq!(p.report(&[report(a.offset + 128, 128)]), 0);
         assert!(p.take_ready(10).is_empty());
-        p.give_back(1, &[carved(a, 128, 4)]).unwrap();
+        p.give_back(1, &[carved(a, 128, 2)]).unwrap();
         let ready = p.take_ready(10);
         assert_eq!(ready, vec![report(a.offset + 128, 128)]);
         let e = p
@@ -1134,12 +1129,15 @@ mod tests {
             .expect("a declared block in given-back space");
         let free = p.free_bytes();
         let now = Instant::now();
-        // Named twice in one batch: freed once.
-        assert_eq!(p.free_reported(&[e, e], now), (1, 128));
+        // Named twice in one batch: counted once; its extent still holds a
+        // live block.
+        assert_eq!(p.free_reported(&[e, e], now), (1, 0));
+        assert_eq!(p.reported_block(ready[0]), None, "counted dead twice");
+        // The other block dies: the extent is free whole.
+        let other = p.reported_block(report(a.offset, 128)).unwrap();
+        assert_eq!(p.free_reported(&[other], now), (1, 256));
         p.mature(now);
-        assert_eq!(p.free_bytes(), free + 128);
-        // Reported again: already freed, nothing more.
-        assert_eq!(p.reported_block(ready[0]), None);
+        assert_eq!(p.free_bytes(), free + 256);
     }
 
     #[test]
@@ -1185,7 +1183,8 @@ mod tests {
         let now = Instant::now() + Duration::from_millis(1);
         collect_at(&mut p, now, &[ext(a.offset, 256)]);
         assert_eq!(p.reported_block(u), None, "freed twice");
-        // A block the scan found live stays declared, for its report.
-        assert!(p.reported_block(report(a.offset + 128, 128)).is_some());
+        // Its extent is no longer freed whole: the blocks the scan left
+        // live are for the next scan.
+        assert!(p.reported_block(report(a.offset + 128, 128)).is_none());
     }
 }

@@ -1,7 +1,9 @@
 //! The reclaimer: a thread that turns unreferenced heap space back into
 //! leasable space (see the ownership argument in `heap.rs`). Each time it
-//! wakes it frees the blocks clients reported unlinked (`unlinked.rs`),
-//! then paces the heap against the rate at which clients lease it:
+//! wakes it deals with the blocks clients reported unlinked — it checks
+//! them (`unlinked.rs`), or, when a scan frees more space per second of
+//! work (as measured) and space runs short, scans instead — then paces the
+//! heap against the rate at which clients write it:
 //!
 //! - it keeps a **headroom** of free space (aging included) worth two grace
 //!   periods of writing plus two chunks: space a writer unlinks comes back
@@ -25,6 +27,68 @@ use std::time::{Duration, Instant};
 use crate::control::{self, Shared};
 use crate::heap::Need;
 use crate::{region, unlinked};
+
+/// How the reclaimer turns reported garbage into free space this turn.
+#[derive(Debug, PartialEq, Eq)]
+enum Reclaim {
+    /// Reports wait: none is waiting, or none is due.
+    Wait,
+    /// Check each waiting report (`unlinked.rs`).
+    Check,
+    /// Scan the index instead, which frees what the reports would (and all
+    /// else dead), and drops them.
+    Scan,
+}
+
+/// What to do with `ready` reports: check them every grace period
+/// (`due`) while checking frees space at least as fast per second of work
+/// as a scan does, or while either is unmeasured; when space runs `short`,
+/// whichever of the two frees more per second of work. Checks free a
+/// declared extent only once all of it is dead, so under updates scattered
+/// over many keys they free little and scans win; under a hot set of keys
+/// whole extents die and checks win. (Measured, not assumed: which one
+/// wins also depends on the index's size against the garbage's.)
+fn reclaim_by(
+    ready: usize,
+    short: bool,
+    due: bool,
+    checks: Option<f64>,
+    scans: Option<f64>,
+) -> Reclaim {
+    if ready == 0 {
+        return Reclaim::Wait;
+    }
+    let checks_win = match (checks, scans) {
+        (Some(c), Some(s)) => c >= s,
+        _ => true,
+    };
+    match (short, checks_win) {
+        (true, false) => Reclaim::Scan,
+        (_, true) if short || due => Reclaim::Check,
+        _ => Reclaim::Wait,
+    }
+}
+
+/// Bytes one way of reclaiming frees per second of its work, as measured
+/// (a running average).
+#[derive(Default)]
+struct Yield {
+    rate: Option<f64>,
+}
+
+impl Yield {
+    fn record(&mut self, freed: u64, took: Duration) {
+        let secs = took.as_secs_f64();
+        if secs <= 0.0 {
+            return;
+        }
+        let rate = freed as f64 / secs;
+        self.rate = Some(match self.rate {
+            Some(before) => 0.75 * before + 0.25 * rate,
+            None => rate,
+        });
+    }
+}
 
 /// Grace periods of writing the heap keeps free: what writers lease while
 /// what they unlinked waits out its grace period, and as much again for
@@ -76,85 +140,156 @@ pub fn run(shared: Arc<Shared>) {
     // long after it, rarely enough to cost nothing when idle.
     let tick = (grace / 4).clamp(Duration::from_millis(2), Duration::from_millis(250));
     let mut cpu_mark = control::thread_cpu_us();
-    let mut last_scan: Option<(Instant, Duration)> = None;
-    let mut pace = Pace::new(Instant::now());
-    loop {
-        {
-            let (flag, cv) = &shared.reclaim;
-            let Ok(mut woken) = flag.lock() else {
-                return;
-            };
-            if !*woken {
-                woken = match cv.wait_timeout(woken, tick) {
-                    Ok((w, _)) => w,
-                    Err(_) => return,
-                };
-            }
-            *woken = false;
-        }
-        if shared.stopping.load(Relaxed) {
+    let mut r = Reclaimer {
+        grace,
+        pace: Pace::new(Instant::now()),
+        checks: Yield::default(),
+        scans: Yield::default(),
+        last_check: Instant::now(),
+        last_scan: None,
+    };
+    while wait_for_work(&shared, tick) {
+        r.deal_with_reports(&shared);
+        let Some(need) = r.pace_heap(&shared) else {
             return;
-        }
-        unlinked::free_reported(&shared);
-        let now = Instant::now();
-        let g = shared.geometry();
-        let live = shared.counters.live_bytes.load(Relaxed);
-        let (need, grow) = match shared.pool.lock() {
-            Ok(mut p) => {
-                p.mature(now);
-                let headroom = pace.headroom(now, p.leased_total(), grace, g.chunk_size);
-                shared.headroom.store(headroom, Relaxed);
-                let grow = p.short_of(headroom)
-                    && !p.unreported_garbage(headroom, live)
-                    && shared.may_grow_for_headroom(&g);
-                (p.need(now, headroom, live), grow)
-            }
-            Err(_) => return,
         };
-        if grow {
-            shared.want_growth(|w| w.heap = Some(g.region_len));
+        if r.scan_due(&shared, need) {
+            r.scan(&shared);
         }
-        let took = last_scan.map_or(Duration::ZERO, |(_, took)| took);
-        let stats_due = shared.stats_wanted.swap(false, Relaxed);
-        // Back-to-back scans would only burn CPU: leave a gap of a few
-        // scans' time when space is wanted now, more when it merely runs
-        // low, and for fresh stats a second or eight scans' time (start to
-        // start), so that stats requests and scrapes, however many, cost at
-        // most an eighth of a core.
-        let gap = match need {
-            Need::Now => took * 4,
-            Need::Soon => (took * 8).max(grace),
-            Need::No if stats_due => (took * 8).max(Duration::from_secs(1)),
-            Need::No => {
-                control::account_cpu(&shared.counters, &mut cpu_mark);
-                continue;
-            }
-        };
-        if last_scan.is_some_and(|(at, _)| at.elapsed() < gap) {
-            if stats_due {
-                shared.stats_wanted.store(true, Relaxed);
-            }
-            continue;
-        }
-        let started = Instant::now();
-        collect(&shared);
-        last_scan = Some((started, started.elapsed()));
         control::account_cpu(&shared.counters, &mut cpu_mark);
     }
 }
 
-/// One collection: scan the index, then free what nothing holds.
-pub fn collect(shared: &Shared) {
+/// Waits until woken (a lease went wanting, a client left, reports came)
+/// or `tick` passed; false once the server stops.
+fn wait_for_work(shared: &Shared, tick: Duration) -> bool {
+    let (flag, cv) = &shared.reclaim;
+    let Ok(mut woken) = flag.lock() else {
+        return false;
+    };
+    if !*woken {
+        woken = match cv.wait_timeout(woken, tick) {
+            Ok((w, _)) => w,
+            Err(_) => return false,
+        };
+    }
+    *woken = false;
+    !shared.stopping.load(Relaxed)
+}
+
+/// The reclaimer's own state from one turn to the next.
+struct Reclaimer {
+    grace: Duration,
+    pace: Pace,
+    checks: Yield,
+    scans: Yield,
+    last_check: Instant,
+    /// When the last scan began, and how long it took.
+    last_scan: Option<(Instant, Duration)>,
+}
+
+impl Reclaimer {
+    /// Checks the waiting reports, or scans instead, or lets them wait
+    /// (see `reclaim_by`).
+    fn deal_with_reports(&mut self, shared: &Shared) {
+        let now = Instant::now();
+        let g = shared.geometry();
+        let (short, ready) = match shared.pool.lock() {
+            Ok(mut p) => {
+                p.mature(now);
+                let headroom = self.headroom(now, p.leased_total(), g.chunk_size);
+                (p.short_of(headroom), p.ready_reports())
+            }
+            Err(_) => return,
+        };
+        let due = self.last_check.elapsed() >= self.grace;
+        match reclaim_by(ready, short, due, self.checks.rate, self.scans.rate) {
+            Reclaim::Wait => {}
+            Reclaim::Check => {
+                let started = Instant::now();
+                let freed = unlinked::free_reported(shared);
+                self.checks.record(freed, started.elapsed());
+                self.last_check = Instant::now();
+            }
+            Reclaim::Scan => {
+                self.scan(shared);
+                self.last_check = Instant::now();
+            }
+        }
+    }
+
+    /// Keeps the headroom: asks for growth where it is short and growing
+    /// is what helps. Returns how much a scan is wanted (None: the server
+    /// is going down).
+    fn pace_heap(&mut self, shared: &Shared) -> Option<Need> {
+        let now = Instant::now();
+        let g = shared.geometry();
+        let live = shared.counters.live_bytes.load(Relaxed);
+        let mut p = shared.pool.lock().ok()?;
+        p.mature(now);
+        let headroom = self.headroom(now, p.leased_total(), g.chunk_size);
+        shared.headroom.store(headroom, Relaxed);
+        let grow = p.short_of(headroom)
+            && !p.unreported_garbage(headroom, live)
+            && shared.may_grow_for_headroom(&g);
+        let need = p.need(now, headroom, live);
+        drop(p);
+        if grow {
+            shared.want_growth(|w| w.heap = Some(g.region_len));
+        }
+        Some(need)
+    }
+
+    /// Whether to scan now for `need`. Back-to-back scans would only burn
+    /// CPU: it leaves a gap of a few scans' time when space is wanted now,
+    /// more when it merely runs low, and for fresh stats a second or eight
+    /// scans' time (start to start), so that stats requests and scrapes,
+    /// however many, cost at most an eighth of a core.
+    fn scan_due(&self, shared: &Shared, need: Need) -> bool {
+        let took = self.last_scan.map_or(Duration::ZERO, |(_, took)| took);
+        let stats_due = shared.stats_wanted.swap(false, Relaxed);
+        let gap = match need {
+            Need::Now => took * 4,
+            Need::Soon => (took * 8).max(self.grace),
+            Need::No if stats_due => (took * 8).max(Duration::from_secs(1)),
+            Need::No => return false,
+        };
+        let due = self.last_scan.is_none_or(|(at, _)| at.elapsed() >= gap);
+        if !due && stats_due {
+            shared.stats_wanted.store(true, Relaxed);
+        }
+        due
+    }
+
+    fn scan(&mut self, shared: &Shared) {
+        let started = Instant::now();
+        let freed = collect(shared);
+        let took = started.elapsed();
+        self.scans.record(freed, took);
+        self.last_scan = Some((started, took));
+    }
+
+    fn headroom(&mut self, now: Instant, leased_total: u64, chunk: u64) -> u64 {
+        self.pace.headroom(now, leased_total, self.grace, chunk)
+    }
+}
+
+/// One collection: scan the index, then free what nothing holds. Returns
+/// the bytes freed.
+pub fn collect(shared: &Shared) -> u64 {
     let Ok(_one_at_a_time) = shared.collecting.lock() else {
-        return;
+        return 0;
     };
     let started = Instant::now();
+    // Reports waiting now name space given back before the scan began: it
+    // frees what they would, so they are done with.
+    let subsumed = shared.pool.lock().map_or(0, |p| p.ready_reports());
     let g = shared.geometry();
     let scan = match region::scan_index(&shared.region, &g) {
         Ok(s) => s,
         Err(e) => {
             tracing::error!("index scan failed: {e}");
-            return;
+            return 0;
         }
     };
     let c = &shared.counters;
@@ -175,8 +310,11 @@ pub fn collect(shared: &Shared) {
     }
     let ready_at = Instant::now() + shared.grace();
     let freed = match shared.pool.lock() {
-        Ok(mut p) => p.collect(started, scan.live, ready_at),
-        Err(_) => return,
+        Ok(mut p) => {
+            p.take_ready(subsumed);
+            p.collect(started, scan.live, ready_at)
+        }
+        Err(_) => return 0,
     };
     tracing::debug!(
         freed,
@@ -184,4 +322,26 @@ pub fn collect(shared: &Shared) {
         took_us = started.elapsed().as_micros() as u64,
         "collected"
     );
+    freed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reports_are_checked_while_checks_free_space_as_fast_as_scans() {
+        use Reclaim::*;
+        let (slow, fast) = (Some(1e6), Some(1e9));
+        // Nothing waiting: wait.
+        assert_eq!(reclaim_by(0, true, true, fast, slow), Wait);
+        // Unmeasured, or checks at least as good: checked when due or short.
+        assert_eq!(reclaim_by(10, false, true, None, None), Check);
+        assert_eq!(reclaim_by(10, false, false, None, None), Wait);
+        assert_eq!(reclaim_by(10, true, false, fast, slow), Check);
+        // Scans better: they run only when space is short; till then the
+        // reports wait (a scan frees what they name).
+        assert_eq!(reclaim_by(10, false, true, slow, fast), Wait);
+        assert_eq!(reclaim_by(10, true, true, slow, fast), Scan);
+    }
 }

@@ -8,10 +8,18 @@
 //! come from the only client that wrote the space: the one it was leased
 //! to, which declares where each of its blocks starts when it gives the
 //! space back (a client lying there misleads the server only about its own
-//! blocks). A report frees a block only if the block lies inside one
+//! blocks). A report counts a block dead only if the block lies inside one
 //! declared extent, starts where a start was declared, and covers no other
-//! declared start. A start is forgotten when its block is freed (by a
-//! report or by a scan), so a second report of it frees nothing.
+//! declared start; the start is then forgotten, so a second report of it
+//! counts nothing.
+//!
+//! A declared extent is freed whole, once every byte carved in it is dead:
+//! one free per extent rather than one per block keeps the free map from
+//! shattering into holes the size of a block (which a write-heavy load with
+//! scattered keys would otherwise make by the million, each costing every
+//! lease and free a few tree lookups). An extent in which some blocks live
+//! on is left to a scan, which frees all the dead blocks between them at
+//! once; a scan that frees part of a declared extent drops its declaration.
 
 use std::collections::BTreeMap;
 
@@ -22,8 +30,15 @@ pub struct BlockRegistry {
     /// One bit per granule of the heap from `start`: a declared block
     /// begins there and has not been freed.
     starts: Vec<u64>,
-    /// Declared extents, offset → end; never overlapping.
-    declared: BTreeMap<u64, u64>,
+    /// Declared extents by offset; never overlapping.
+    declared: BTreeMap<u64, Declared>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Declared {
+    end: u64,
+    /// Carved bytes not yet reported dead.
+    live: u64,
 }
 
 impl BlockRegistry {
@@ -68,7 +83,9 @@ impl BlockRegistry {
             }
         }
         if any {
-            self.declared.insert(e.offset, e.offset + carved);
+            let end = e.offset + granules as u64 * START_GRANULE;
+            let live = end - e.offset;
+            self.declared.insert(e.offset, Declared { end, live });
         }
     }
 
@@ -78,49 +95,66 @@ impl BlockRegistry {
         let Some(end) = offset.checked_add(len) else {
             return false;
         };
-        let inside = self
-            .declared
-            .range(..=offset)
-            .next_back()
-            .is_some_and(|(_, &declared_end)| end <= declared_end);
+        let inside = self.extent_of(offset).is_some_and(|(_, d)| end <= d.end);
         inside
             && offset.is_multiple_of(START_GRANULE)
             && self.get(offset)
             && !self.any_set(offset + START_GRANULE, end)
     }
 
-    /// The block at `offset` was freed.
-    pub fn forget(&mut self, offset: u64) {
+    /// The block `[offset, offset + len)`, which [`BlockRegistry::is_block`]
+    /// names, is dead (checked unreferenced): its start is forgotten. Returns
+    /// its declared extent if that is now dead whole (and forgets it).
+    pub fn dead(&mut self, offset: u64, len: u64) -> Option<Extent> {
         self.set(offset, false);
+        let (at, d) = self.extent_of(offset)?;
+        let live = d.live.saturating_sub(len);
+        if live > 0 {
+            self.declared.insert(at, Declared { live, ..d });
+            return None;
+        }
+        self.declared.remove(&at);
+        Some(Extent {
+            offset: at,
+            len: d.end - at,
+        })
     }
 
     /// A scan freed `run`: the blocks that begin in it are free now (a
-    /// unit is a granule, so no block reaches into a run from outside).
+    /// unit is a granule, so no block reaches into a run from outside), and
+    /// no declared extent it touches can be freed whole any more.
     pub fn forget_freed_run(&mut self, run: Extent) {
         self.clear(run.offset, run.offset + run.len);
+        self.drop_declared(run);
     }
 
     /// Space that is leased again, or left by a client that departed: no
     /// declaration of its earlier life holds.
     pub fn forget_range(&mut self, e: Extent) {
+        self.clear(e.offset, e.offset + e.len);
+        self.drop_declared(e);
+    }
+
+    /// Drops the declared extents that overlap `e` (the starts left in them
+    /// name no declared extent, so they free nothing).
+    fn drop_declared(&mut self, e: Extent) {
         let end = e.offset + e.len;
-        self.clear(e.offset, end);
-        let overlapping: Vec<(u64, u64)> = self
+        let overlapping: Vec<u64> = self
             .declared
             .range(..end)
             .rev()
-            .take_while(|&(_, &d_end)| d_end > e.offset)
-            .map(|(&o, &d_end)| (o, d_end))
+            .take_while(|&(_, d)| d.end > e.offset)
+            .map(|(&o, _)| o)
             .collect();
-        for (o, d_end) in overlapping {
+        for o in overlapping {
             self.declared.remove(&o);
-            if o < e.offset {
-                self.declared.insert(o, e.offset);
-            }
-            if d_end > end {
-                self.declared.insert(end, d_end);
-            }
         }
+    }
+
+    /// The declared extent that holds `offset`.
+    fn extent_of(&self, offset: u64) -> Option<(u64, Declared)> {
+        let (&at, &d) = self.declared.range(..=offset).next_back()?;
+        (offset < d.end).then_some((at, d))
     }
 
     fn index(&self, offset: u64) -> Option<(usize, u64)> {
@@ -218,26 +252,27 @@ mod tests {
         assert!(!r.is_block(8192, 160));
         assert!(!r.is_block(8352, 512));
         assert!(!r.is_block(16384, 64));
-        r.forget(8272);
-        assert!(!r.is_block(8272, 80), "a freed block is freed once");
+        assert_eq!(r.dead(8272, 80), None);
+        assert!(!r.is_block(8272, 80), "a dead block is counted once");
         assert!(r.is_block(8192, 80));
+        // The extent is freed whole, once everything carved is dead.
+        assert_eq!(r.dead(8192, 80), None);
+        assert_eq!(r.dead(8352, 256), Some(ext(8192, 416)));
+        assert!(!r.is_block(8192, 80));
     }
 
     #[test]
     fn reuse_and_scans_drop_what_they_cover() {
         let mut r = BlockRegistry::new(0, 1 << 20);
         r.declare(&spent(ext(0, 4096), &[64; 64]));
-        // Leased again in the middle: both sides stay declared.
+        r.declare(&spent(ext(8192, 4096), &[64; 64]));
+        // Leased again in part: that declaration is gone whole.
         r.forget_range(ext(1024, 1024));
-        assert!(r.is_block(960, 64) && r.is_block(2048, 64));
-        assert!(!r.is_block(1024, 64));
-        // A scan that frees a block forgets it, and only it.
-        let mut r = BlockRegistry::new(0, 1 << 20);
-        r.declare(&spent(ext(0, 4096), &[16 * 5, 16 * 20, 64]));
-        r.forget_freed_run(ext(80, 320));
-        assert!(r.is_block(0, 80));
-        assert!(!r.is_block(80, 320));
-        assert!(r.is_block(400, 64));
+        assert!(!r.is_block(960, 64) && !r.is_block(2048, 64));
+        assert!(r.is_block(8192, 64));
+        // A scan that frees part of one: the same.
+        r.forget_freed_run(ext(8192 + 64, 64));
+        assert!(!r.is_block(8192, 64));
     }
 
     #[test]

@@ -1,6 +1,8 @@
-//! Freeing reported blocks: the reclaimer's work in the steady state, at a
-//! cost proportional to the garbage rather than to the index. A report is
-//! checked in three steps, the first two before the region is read:
+//! Checking reported blocks: the reclaimer's work in the steady state, at a
+//! cost proportional to the garbage rather than to the index. A block that
+//! passes is counted dead, and its declared extent freed once all of it is
+//! (see `registry.rs`). A report is checked in three steps, the first
+//! before the region is read:
 //!
 //! 1. the pool: the block lies in space given back (nobody writes there
 //!    any more, so nobody will publish it again) and is one its writer
@@ -31,8 +33,8 @@ use crate::control::Shared;
 /// Reports checked per turn of the pool's lock.
 const BATCH: usize = 512;
 
-/// Checks and frees the reports waiting in the pool; returns the bytes
-/// freed.
+/// Checks the reports waiting in the pool, freeing what they show dead;
+/// returns the bytes freed.
 pub fn free_reported(shared: &Shared) -> u64 {
     let Ok(_no_scan) = shared.collecting.lock() else {
         return 0;
