@@ -228,16 +228,26 @@ fn a_client_killed_before_reporting_leaks_nothing_once_gone() {
             .stderr(Stdio::null())
             .spawn()
             .expect("start kv-churn");
-        std::thread::sleep(Duration::from_millis(300));
-        child.kill().unwrap();
-        child.wait().unwrap();
-        // The bystander keeps writing into its lease, and gives it back.
+        // The bystander writes the churner's keys meanwhile, into its own
+        // lease: the churner unlinks blocks there, and then dies.
         for i in 0..2000 {
             bystander
-                .put(format!("b{}", i % 20).as_bytes(), vec![round as u8; 900])
+                .put(format!("k{round}-{}", i % 40).as_bytes(), vec![7; 900])
                 .unwrap();
         }
+        std::thread::sleep(Duration::from_millis(100));
+        let scans = server.stats().index_scans;
+        child.kill().unwrap();
+        child.wait().unwrap();
+        // The scan its departure calls for comes and goes while the
+        // bystander's lease is still out (a scan does not look into one).
+        eventually("the departure's scan", Duration::from_secs(20), || {
+            server.stats().index_scans > scans
+        });
+        bystander.put(b"bystander", b"still here").unwrap();
     }
+    // Its lease comes back: only a scan after that finds what the dead
+    // clients unlinked there and never reported.
     bystander.close().unwrap();
     // Nobody asks for a collection: the server must see to it.
     eventually(
