@@ -163,9 +163,8 @@ impl SharedRegion {
     /// Grows the file to `new_len` bytes (allocating them, so a full file
     /// system fails here rather than with SIGBUS later) and maps the new
     /// part in place. Readers see the new length only once it is mapped.
-    /// The new part keeps small pages: collapsing it would copy it while
-    /// clients are served, and a restart that collapsed grown parts would
-    /// keep clients waiting (see `make_huge`).
+    /// The new part has small pages; the server puts it on huge pages
+    /// (`make_huge`) before anyone else maps it.
     pub fn grow(&self, new_len: u64) -> std::io::Result<()> {
         let _one = self
             .growing
