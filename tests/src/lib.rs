@@ -371,6 +371,25 @@ pub fn control_call<S: std::io::Read + std::io::Write>(
     Some(protocol::decode(&reply).expect("the server's reply decodes"))
 }
 
+/// A raw control connection to a shm test server that has sent Connect
+/// (for tests that speak the protocol as a hostile client would).
+pub fn connected_control(srv: &TestServer) -> std::os::unix::net::UnixStream {
+    use kv_common::protocol::{Request, Response, PROTOCOL_VERSION};
+    let socket = Address::shm_socket(&srv.region_path());
+    let mut s = std::os::unix::net::UnixStream::connect(socket).expect("control socket");
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("read timeout");
+    let hello = Request::Connect {
+        protocol_version: PROTOCOL_VERSION,
+        secret: vec![],
+    };
+    assert!(matches!(
+        control_call(&mut s, &hello),
+        Some(Response::Connected(_))
+    ));
+    s
+}
+
 /// Threads of this process whose name starts with `prefix` (the server's
 /// are all named `kv-…`), so that other tests' threads do not count.
 pub fn threads_named(prefix: &str) -> usize {

@@ -8,22 +8,12 @@ use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
 use kv_client::{Client, Error};
-use kv_common::protocol::{
-    ErrorKind, Extent, Request, Response, ServerStats, Spent, PROTOCOL_VERSION,
-};
-use kv_common::Address;
+use kv_common::protocol::{ErrorKind, Extent, Request, Response, ServerStats, Spent};
 use onekv_tests::{control_call as call, TestServer};
 
 /// A raw control connection that has sent Connect.
 fn liar(srv: &TestServer) -> UnixStream {
-    let mut s = UnixStream::connect(Address::shm_socket(&srv.region_path())).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let hello = Request::Connect {
-        protocol_version: PROTOCOL_VERSION,
-        secret: vec![],
-    };
-    assert!(matches!(call(&mut s, &hello), Some(Response::Connected(_))));
-    s
+    onekv_tests::connected_control(srv)
 }
 
 fn lease(s: &mut UnixStream) -> Extent {

@@ -9,8 +9,7 @@ use std::time::Duration;
 
 use kv_client::Client;
 use kv_common::layout::class_size;
-use kv_common::protocol::{Request, Response, Spent, Unlinked, PROTOCOL_VERSION, START_GRANULE};
-use kv_common::Address;
+use kv_common::protocol::{Request, Response, Spent, Unlinked, START_GRANULE};
 use kv_server::Server;
 use onekv_tests::{
     aggressive_reuse, control_call as call, eventually, or_abort, region_dir, test_config,
@@ -51,14 +50,7 @@ fn unlinked_blocks_are_reclaimed_without_anyone_asking() {
 
 /// A raw control connection that has sent Connect.
 fn liar(srv: &TestServer) -> UnixStream {
-    let mut s = UnixStream::connect(Address::shm_socket(&srv.region_path())).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let hello = Request::Connect {
-        protocol_version: PROTOCOL_VERSION,
-        secret: vec![],
-    };
-    assert!(matches!(call(&mut s, &hello), Some(Response::Connected(_))));
-    s
+    onekv_tests::connected_control(srv)
 }
 
 fn value(i: usize, round: usize) -> Vec<u8> {
