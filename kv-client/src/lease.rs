@@ -16,6 +16,9 @@ use crate::{unexpected, Client, Error, Result, SPACE_WAIT};
 /// Unlinked blocks reported in one message: one control round trip per
 /// this many updates or deletes.
 pub const REPORT_BATCH: usize = 2048;
+/// Unlinks not reported after the server said it wants no more reports
+/// (it reclaims by scanning then); the next report asks again.
+const REPORTS_HELD_BACK: u32 = 64 * REPORT_BATCH as u32;
 /// Most bytes one report or one given-back extent (besides its starts)
 /// takes encoded.
 const REPORT_BYTES: usize = 12;
@@ -117,6 +120,11 @@ impl Client {
         if old.is_empty() {
             return;
         }
+        if self.reports_held_back > 0 {
+            // The server reclaims by scanning for now.
+            self.reports_held_back -= 1;
+            return;
+        }
         self.unlinked.push(Unlinked {
             offset: old.offset(),
             class: old.class(),
@@ -131,7 +139,12 @@ impl Client {
 
     fn send_reports(&mut self, blocks: Vec<Unlinked>) -> Result<()> {
         match self.conn.call(&Request::Unlinked { blocks })? {
-            Response::Noted => Ok(()),
+            Response::Noted { more } => {
+                if !more {
+                    self.reports_held_back = REPORTS_HELD_BACK;
+                }
+                Ok(())
+            }
             other => Err(unexpected(other)),
         }
     }

@@ -290,6 +290,8 @@ pub struct Client {
     alloc: BlockAllocator,
     /// Blocks this client unlinked and has not reported yet.
     unlinked: Vec<kv_common::protocol::Unlinked>,
+    /// Unlinks not to report (the server said it wants no more for now).
+    reports_held_back: u32,
     /// Verb counters of connections replaced after a server restart.
     retired_stats: VerbStats,
     jitter: u64,
@@ -356,6 +358,7 @@ impl Client {
             layout,
             alloc: BlockAllocator::default(),
             unlinked: Vec::new(),
+            reports_held_back: 0,
             retired_stats: VerbStats::default(),
             // Seeded apart in every client: settled counters take their
             // lock generations from it.

@@ -282,8 +282,13 @@ pub enum Response {
     Connected(ConnectInfo),
     Leased(Vec<Extent>),
     GivenBack,
-    /// Reports of unlinked blocks were taken (to be checked).
-    Noted,
+    /// Reports of unlinked blocks were taken. `more`: whether the server
+    /// wants more now; false while index scans reclaim space at less cost
+    /// than checking reports does (updates scattered over many keys), and
+    /// the client then holds its reports back for a while.
+    Noted {
+        more: bool,
+    },
     Geometry(GeometryInfo),
     Stats(ServerStats),
     Goodbye,

@@ -165,6 +165,10 @@ pub struct Shared {
     /// Free heap bytes (aging included) the reclaimer keeps for the rate
     /// at which clients write (see `reclaim.rs`).
     pub headroom: AtomicU64,
+    /// Whether checking reports frees space at less cost than scanning
+    /// does (see `reclaim.rs`); while not, reports are not taken and
+    /// clients are told to hold them back.
+    pub reports_pay: AtomicBool,
 }
 
 impl Shared {
@@ -383,7 +387,8 @@ pub fn handle(
         (Request::Unlinked { blocks }, Some(_)) => {
             c.report_messages.fetch_add(1, Relaxed);
             report(shared, &blocks);
-            (Response::Noted, After::Stay)
+            let more = shared.reports_pay.load(Relaxed);
+            (Response::Noted { more }, After::Stay)
         }
         (Request::Geometry, Some(id)) => {
             c.geometry_requests.fetch_add(1, Relaxed);
@@ -542,6 +547,11 @@ fn report(shared: &Shared, blocks: &[Unlinked]) {
     }
     let c = &shared.counters;
     c.reported_blocks.fetch_add(blocks.len() as u64, Relaxed);
+    if !shared.reports_pay.load(Relaxed) {
+        // Scans reclaim space at less cost now: these are theirs.
+        c.refused_reports.fetch_add(blocks.len() as u64, Relaxed);
+        return;
+    }
     let (dropped, ready) = match shared.pool.lock() {
         Ok(mut p) => (p.report(blocks), p.ready_reports()),
         Err(_) => (blocks.len() as u64, 0),

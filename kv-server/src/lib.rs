@@ -472,6 +472,7 @@ fn new_shared(
         region_file: found.region_file,
         failure: Mutex::new(None),
         headroom: AtomicU64::new(0),
+        reports_pay: AtomicBool::new(true),
     }
 }
 

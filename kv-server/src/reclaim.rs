@@ -147,6 +147,7 @@ pub fn run(shared: Arc<Shared>) {
         scans: Yield::default(),
         last_check: Instant::now(),
         last_scan: None,
+        reports_off_since: None,
     };
     while wait_for_work(&shared, tick) {
         r.deal_with_reports(&shared);
@@ -186,7 +187,12 @@ struct Reclaimer {
     last_check: Instant,
     /// When the last scan began, and how long it took.
     last_scan: Option<(Instant, Duration)>,
+    /// Since when reports have not been taken (scans paid better).
+    reports_off_since: Option<Instant>,
 }
+
+/// How long reports stay unwanted before they are measured again.
+const REPORTS_RETRY: Duration = Duration::from_secs(10);
 
 impl Reclaimer {
     /// Checks the waiting reports, or scans instead, or lets them wait
@@ -202,6 +208,7 @@ impl Reclaimer {
             }
             Err(_) => return,
         };
+        self.ask_for_reports_while_they_pay(shared);
         let due = self.last_check.elapsed() >= self.grace;
         match reclaim_by(ready, short, due, self.checks.rate, self.scans.rate) {
             Reclaim::Wait => {}
@@ -259,6 +266,26 @@ impl Reclaimer {
             shared.stats_wanted.store(true, Relaxed);
         }
         due
+    }
+
+    /// Tells the control plane whether reports are worth taking: not while
+    /// scans have freed more per second of work than checks (their intake
+    /// alone costs the server a lookup per block). After a while without,
+    /// it asks again, to measure them anew.
+    fn ask_for_reports_while_they_pay(&mut self, shared: &Shared) {
+        let scans_win = matches!((self.checks.rate, self.scans.rate), (Some(c), Some(s)) if c < s);
+        match self.reports_off_since {
+            None if scans_win => {
+                shared.reports_pay.store(false, Relaxed);
+                self.reports_off_since = Some(Instant::now());
+            }
+            Some(since) if since.elapsed() >= REPORTS_RETRY => {
+                shared.reports_pay.store(true, Relaxed);
+                self.reports_off_since = None;
+                self.checks = Yield::default();
+            }
+            _ => {}
+        }
     }
 
     fn scan(&mut self, shared: &Shared) {
