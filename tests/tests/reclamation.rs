@@ -253,7 +253,7 @@ fn a_client_killed_before_reporting_leaks_nothing_once_gone() {
     std::thread::sleep(config.grace() * 4 + Duration::from_millis(500));
     let running = server.stats();
     drop(server);
-    let fresh = Server::start(config).unwrap().stats();
+    let fresh = onekv_tests::reopen(config).stats();
     assert_eq!(
         running.heap_free, fresh.heap_free,
         "space lost: running {running:?}, reopened {fresh:?}"
