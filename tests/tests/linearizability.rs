@@ -517,9 +517,13 @@ fn check_histories(workload: Workload) -> Run {
     }
     assert_eq!(rounds_checked, ROUNDS);
     // Tens of MiB went through a 4 MiB heap: the server reclaimed
-    // overwritten blocks, and never counted space twice.
+    // overwritten blocks (by scans, or on the clients' reports), and never
+    // counted space twice.
     let stats = srv.server.stats();
-    assert!(stats.index_scans > 1, "no space was reclaimed: {stats:?}");
+    assert!(
+        stats.index_scans > 1 || stats.freed_on_report > 0,
+        "no space was reclaimed: {stats:?}"
+    );
     assert!(
         stats.heap_free + stats.heap_leased <= stats.heap_size,
         "space counted twice: {stats:?}"
