@@ -167,7 +167,10 @@ fn a_reader_whose_reads_run_backwards_never_returns_an_overwritten_value() {
         stop.store(true, Ordering::SeqCst);
     });
     let stats = srv.server.stats();
-    assert!(stats.index_scans > 1, "no space was reclaimed: {stats:?}");
+    assert!(
+        stats.index_scans > 1 || stats.freed_on_report > 0,
+        "no space was reclaimed: {stats:?}"
+    );
 }
 
 /// A batch reader that stalls between reading the windows and reading the
