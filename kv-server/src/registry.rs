@@ -180,40 +180,39 @@ impl BlockRegistry {
 
     /// Whether a start is declared in `[from, to)`.
     fn any_set(&self, from: u64, to: u64) -> bool {
-        self.granules(from, to)
+        granules(self.start, self.starts.len(), from, to)
             .any(|(w, mask)| self.starts[w] & mask != 0)
     }
 
+    /// Clears the starts of `[from, to)` (on every lease: no allocation).
     fn clear(&mut self, from: u64, to: u64) {
-        let masks: Vec<(usize, u64)> = self.granules(from, to).collect();
-        for (w, mask) in masks {
+        for (w, mask) in granules(self.start, self.starts.len(), from, to) {
             self.starts[w] &= !mask;
         }
     }
+}
 
-    /// The words and bit masks that cover the granules of `[from, to)`
-    /// (clipped to the map).
-    fn granules(&self, from: u64, to: u64) -> impl Iterator<Item = (usize, u64)> {
-        let first = from.saturating_sub(self.start).div_ceil(START_GRANULE);
-        let last = (to.saturating_sub(self.start).div_ceil(START_GRANULE))
-            .min(self.starts.len() as u64 * 64);
-        let mut g = first;
-        std::iter::from_fn(move || {
-            if g >= last {
-                return None;
-            }
-            let w = g / 64;
-            let b = g % 64;
-            let n = (64 - b).min(last - g);
-            let mask = if n == 64 {
-                u64::MAX
-            } else {
-                ((1u64 << n) - 1) << b
-            };
-            g += n;
-            Some((w as usize, mask))
-        })
-    }
+/// The words and bit masks that cover the granules of `[from, to)` in a
+/// map of `words` words from `start` (clipped to the map).
+fn granules(start: u64, words: usize, from: u64, to: u64) -> impl Iterator<Item = (usize, u64)> {
+    let first = from.saturating_sub(start).div_ceil(START_GRANULE);
+    let last = (to.saturating_sub(start).div_ceil(START_GRANULE)).min(words as u64 * 64);
+    let mut g = first;
+    std::iter::from_fn(move || {
+        if g >= last {
+            return None;
+        }
+        let w = g / 64;
+        let b = g % 64;
+        let n = (64 - b).min(last - g);
+        let mask = if n == 64 {
+            u64::MAX
+        } else {
+            ((1u64 << n) - 1) << b
+        };
+        g += n;
+        Some((w as usize, mask))
+    })
 }
 
 #[cfg(test)]
