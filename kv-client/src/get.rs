@@ -5,8 +5,9 @@
 //! only its copies, they are read one at a time, lowest first, until one
 //! holds the key. With a fresh hint, the windows and the remembered
 //! block are read in one batch (see `hint` for why their order does not
-//! matter); if the slot changed, the windows just read go on to the scan,
-//! so a stale hint costs nothing. A sole hint needs no other slot: the
+//! matter; where READs run in the order posted, a hint past its life is
+//! used too); if the slot changed, the windows just read go on to the
+//! scan, so a stale hint costs nothing. A sole hint needs no other slot: the
 //! batch reads the slot's word and the block, two READs instead of three.
 
 use crossbeam::utils::Backoff;
@@ -58,7 +59,7 @@ impl Client {
     pub(crate) fn get_once(&mut self, key: &[u8]) -> Result<Step<Option<Value>>> {
         let kh = KeyHash::new(key, self.info.geometry.bucket_count);
         let mut read_already = None;
-        if let Some(hint) = self.fresh_hint(key) {
+        if let Some(hint) = self.hint_to_read(key) {
             match self.read_hinted(key, &kh, hint, None)? {
                 Sighting::Held { value, .. } => return Ok(Step::Done(Some(value))),
                 Sighting::WindowsOnly(clock) => read_already = Some(clock),
@@ -136,6 +137,7 @@ impl Client {
             return self.read_sole(key, hint, block, first);
         }
         let clock = self.timing.start();
+        // The windows before the block: a hint past its life needs it.
         let [a, b] = self.window_reads(kh);
         match first {
             Some(first) => self.conn.post(&[first, a, b, block])?,
@@ -155,7 +157,13 @@ impl Client {
             },
             false => None,
         };
-        if clock.in_time() && slots[at] == hint.slot {
+        if !clock.in_time() || slots[at] != hint.slot {
+            self.cache.forget(key);
+            return Ok(Sighting::WindowsOnly(clock));
+        }
+        // A hint past its life is remembered anew below, once the block
+        // shows what it holds.
+        if !hint.is_reread() {
             // The same copy, seen again (whatever else the batch shows).
             let seen = hint.confirmed(
                 hint.slot,
@@ -170,20 +178,28 @@ impl Client {
                 // settles.
                 return Ok(Sighting::WindowsOnly(clock));
             }
-        } else {
-            self.cache.forget(key);
-            return Ok(Sighting::WindowsOnly(clock));
         }
         if !hint.is_sole() && others_match(kh, &slots, at, Others::Lower) {
             // A lower slot might hold a copy: the scan decides.
             return Ok(Sighting::WindowsOnly(clock));
         }
         match counter.or_else(|| self.value_in(key, block)) {
-            Some(value) => Ok(Sighting::Held {
-                value,
-                clock,
-                alone,
-            }),
+            Some(value) => {
+                if hint.is_reread() {
+                    // A new sighting, as a scan of these windows makes.
+                    let counter = match value {
+                        Value::Counter(n) => Some(n),
+                        Value::Bytes(_) => None,
+                    };
+                    let seen = Seen::new((hint.pos, hint.slot), clock);
+                    self.saw(key, seen, Alone::proven_if(alone), counter);
+                }
+                Ok(Sighting::Held {
+                    value,
+                    clock,
+                    alone,
+                })
+            }
             None => {
                 // A fresh hint's block is the key's: this is damage, which
                 // the scan reports, or a counter being unlinked, which it

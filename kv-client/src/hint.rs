@@ -24,6 +24,17 @@
 //!   `confirmed`: no ABA. Every confirming sighting and every successful CAS
 //!   starts a new window.
 //!
+//! **Where READs run in the order posted (shm), a hint past its life
+//! still guides a reader.** The batch reads the windows, then the block:
+//! if the windows show `slot` at `pos`, the block was linked then, and it
+//! cannot be reused before a grace period after that (it is unlinked
+//! later, and reuse waits `G` after the unlink), longer than the batch
+//! runs. So the block read is the one `slot` named: exactly what reading
+//! the buckets and then the block in two batches would find. Nothing else
+//! the hint said holds (the slot may have lost the key and got it back
+//! since): it is read as a plain, unsettled hint (`Hint::reread`), and
+//! what the read finds is a new sighting.
+//!
 //! **Settled hints allow a blind CAS.** Readers take the lowest copy of a
 //! key, so a CAS on a hinted slot that is not the lowest copy, or that
 //! leaves another copy behind, can be lost or undone (see `dedup`). A second
@@ -64,6 +75,9 @@ pub struct Hint {
     /// The counter's value was last seen far from the limits: an increment
     /// may be a blind FETCH-AND-ADD (see `counter::FAA_ZONE`).
     far_from_limits: bool,
+    /// Past its life, taken for one read whose READs run in the order
+    /// posted (`Hint::reread`): a sighting by it is a new one.
+    reread: bool,
 }
 
 impl Hint {
@@ -85,7 +99,26 @@ impl Hint {
             sole: false,
             counter: false,
             far_from_limits: false,
+            reread: false,
         }
+    }
+
+    /// A hint past its life, as a reader whose READs run in the order
+    /// posted may still use it: only its slot and value, read windows
+    /// first (nothing it said about other copies or counters holds).
+    pub fn reread(self) -> Hint {
+        Hint {
+            sole: false,
+            counter: false,
+            far_from_limits: false,
+            reread: true,
+            ..self
+        }
+    }
+
+    /// Whether this is a hint past its life (`Hint::reread`).
+    pub fn is_reread(&self) -> bool {
+        self.reread
     }
 
     /// The hinted block is a settled counter, whose value was last seen as
@@ -187,6 +220,21 @@ impl Client {
         self.cache
             .get(key)
             .filter(|h| h.allows_blind_cas(&self.timing))
+    }
+
+    /// The key's hint, if a reader's batch posted now may use it: a fresh
+    /// one, or, where READs run in the order posted, one past its life
+    /// ([`Hint::reread`]; the batch must read the windows before the block).
+    pub(crate) fn hint_to_read(&mut self, key: &[u8]) -> Option<Hint> {
+        let hint = self.cache.get(key)?;
+        if hint.is_fresh(&self.timing) {
+            Some(hint)
+        } else if self.conn.reads_in_posted_order() {
+            Some(hint.reread())
+        } else {
+            self.cache.forget(key);
+            None
+        }
     }
 
     /// The key's hint, if a batch posted now may use it.

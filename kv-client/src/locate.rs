@@ -48,7 +48,7 @@ impl Client {
     ) -> Result<Located> {
         let mut held = None;
         // A counter's block must be read: its writers lock it first.
-        let clock = match self.fresh_hint(key).filter(|h| !h.is_counter()) {
+        let clock = match self.hint_to_read(key).filter(|h| !h.is_counter()) {
             Some(hint) => match self.read_hinted(key, kh, hint, first)? {
                 Sighting::Held {
                     value: Value::Counter(_),

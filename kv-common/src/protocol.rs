@@ -53,7 +53,53 @@ pub const START_GRANULE: u64 = crate::layout::BLOCK_ALIGN;
 pub struct Spent {
     pub extent: Extent,
     pub carved: u64,
+    #[serde(with = "byte_run")]
     pub starts: Vec<u8>,
+}
+
+/// A `Vec<u8>` encoded as serde bytes. In postcard that is the encoding of
+/// a sequence of `u8` (a varint length, then the bytes), so the wire does
+/// not change; decoding copies the run once instead of visiting each byte
+/// (a give-back of a fragmented lease carries a thousand bitmaps).
+mod byte_run {
+    use std::fmt;
+
+    use serde::de::{self, SeqAccess, Visitor};
+    use serde::{Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(bytes: &[u8], s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_bytes(bytes)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
+        d.deserialize_byte_buf(Run)
+    }
+
+    struct Run;
+
+    impl<'de> Visitor<'de> for Run {
+        type Value = Vec<u8>;
+
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("a run of bytes")
+        }
+
+        fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<Vec<u8>, E> {
+            Ok(v.to_vec())
+        }
+
+        fn visit_byte_buf<E: de::Error>(self, v: Vec<u8>) -> Result<Vec<u8>, E> {
+            Ok(v)
+        }
+
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<u8>, A::Error> {
+            let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(super::MAX_MESSAGE));
+            while let Some(b) = seq.next_element()? {
+                out.push(b);
+            }
+            Ok(out)
+        }
+    }
 }
 
 impl Spent {
@@ -324,6 +370,37 @@ pub fn decode<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, CodecError> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn starts_travel_as_a_plain_sequence_of_bytes() {
+        // What protocol 8 put on the wire before starts were decoded as one
+        // run: the same bytes both ways.
+        #[derive(Serialize, Deserialize)]
+        struct AsSequence {
+            extent: Extent,
+            carved: u64,
+            starts: Vec<u8>,
+        }
+        let starts: Vec<u8> = (0..=255).chain([0, 1, 0x80]).collect();
+        let spent = Spent {
+            extent: Extent {
+                offset: 1 << 20,
+                len: 4096,
+            },
+            carved: 2048,
+            starts: starts.clone(),
+        };
+        let seq = AsSequence {
+            extent: spent.extent,
+            carved: spent.carved,
+            starts,
+        };
+        let wire = postcard::to_allocvec(&seq).unwrap();
+        assert_eq!(postcard::to_allocvec(&spent).unwrap(), wire);
+        assert_eq!(postcard::from_bytes::<Spent>(&wire).unwrap(), spent);
+        let back: AsSequence = postcard::from_bytes(&wire).unwrap();
+        assert_eq!(back.starts, spent.starts);
+    }
 
     #[test]
     fn messages_round_trip() {

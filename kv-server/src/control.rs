@@ -380,8 +380,19 @@ pub fn handle(
             )
         }
         (Request::Lease { min_len }, Some(id)) => lease(shared, session, id, min_len),
-        (Request::GiveBack { spent, unlinked }, Some(id)) => {
+        (
+            Request::GiveBack {
+                mut spent,
+                unlinked,
+            },
+            Some(id),
+        ) => {
             report(shared, &unlinked);
+            if !shared.reports_pay.load(Relaxed) {
+                // Scans reclaim this space: where its blocks begin would
+                // only cost keeping.
+                spent.iter_mut().for_each(|s| s.starts = Vec::new());
+            }
             give_back(shared, session, id, &spent)
         }
         (Request::Unlinked { blocks }, Some(_)) => {

@@ -139,15 +139,13 @@ impl BlockRegistry {
     /// name no declared extent, so they free nothing).
     fn drop_declared(&mut self, e: Extent) {
         let end = e.offset + e.len;
-        let overlapping: Vec<u64> = self
-            .declared
-            .range(..end)
-            .rev()
-            .take_while(|&(_, d)| d.end > e.offset)
-            .map(|(&o, _)| o)
-            .collect();
-        for o in overlapping {
-            self.declared.remove(&o);
+        // Declared extents never overlap: those that overlap `e` are the
+        // last ones starting before its end, in a row.
+        while let Some((&at, d)) = self.declared.range(..end).next_back() {
+            if d.end <= e.offset {
+                break;
+            }
+            self.declared.remove(&at);
         }
     }
 

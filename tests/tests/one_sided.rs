@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use kv_client::{Client, ClientOptions};
+use kv_client::{Client, ClientOptions, ReadOrder};
 use onekv_tests::TestServer;
 
 #[test]
@@ -334,5 +334,49 @@ fn a_get_after_a_pause_longer_than_the_deadline_reads_again_and_finds_the_value(
         assert_eq!(after_pause, 4, "a late attempt, then buckets and block");
     } else {
         assert_eq!(after_pause, 2, "over rdma the clock is read at the start");
+    }
+}
+
+#[test]
+fn a_hint_past_its_life_still_guides_a_get_where_reads_run_in_order() {
+    // A short deadline: a hint lives two deadlines after it was confirmed.
+    let deadline = Duration::from_millis(5);
+    let srv = TestServer::start(|c| c.op_deadline = deadline);
+    let in_order = onekv_tests::rdma_host().is_none();
+    let mut kv = hinted(&srv.address, 1024);
+    let mut other = hinted(&srv.address, 0);
+    let rt = |kv: &Client| kv.verb_stats().round_trips;
+    let get = |kv: &mut Client, want: &[u8]| {
+        let at = rt(kv);
+        assert_eq!(kv.get(b"k").unwrap().as_deref(), Some(want));
+        rt(kv) - at
+    };
+    kv.put(b"k", b"one").unwrap();
+    get(&mut kv, b"one");
+    std::thread::sleep(deadline * 10);
+    // Over shm the batch reads the windows, then the block: one round
+    // trip. Over rdma its READs may pass each other: buckets, then block.
+    let (past_life, changed) = if in_order { (1, 2) } else { (2, 2) };
+    assert_eq!(get(&mut kv, b"one"), past_life, "a hint past its life");
+    // The key moved on: the windows read with the old hint lead to the
+    // new block, whatever became of the old one.
+    other.put(b"k", b"two").unwrap();
+    std::thread::sleep(deadline * 10);
+    assert_eq!(get(&mut kv, b"two"), changed, "a changed slot");
+    assert_eq!(get(&mut kv, b"two"), 1, "a fresh hint again");
+    if in_order {
+        // Where READs may run last to first, as a NIC may run them, only
+        // a fresh hint is used.
+        let options = ClientOptions::default()
+            .with_slot_cache_entries(1024)
+            .with_read_order(ReadOrder::Reversed {
+                pause: Duration::ZERO,
+            });
+        let mut reversed = Client::connect_with(&srv.address, options).unwrap();
+        assert_eq!(get(&mut reversed, b"two"), 2, "cold");
+        std::thread::sleep(deadline * 10);
+        // (More when the attempt's clock, read before the pause, has run
+        // out: see `a_get_after_a_pause_longer_than_the_deadline_...`.)
+        assert!(get(&mut reversed, b"two") >= 2, "past its life, reversed");
     }
 }

@@ -32,6 +32,13 @@ pub trait Connection: Send {
     fn batches_cost_round_trips(&self) -> bool {
         true
     }
+    /// Whether the READs of a batch read remote memory in the order they
+    /// were posted (see [`ReadOrder`]), each seeing memory no older than
+    /// the one before it saw. Over rdma they need not: the NIC's DMA reads
+    /// may pass each other.
+    fn reads_in_posted_order(&self) -> bool {
+        false
+    }
 }
 
 /// What cutting a client off established.

@@ -164,4 +164,10 @@ impl Connection for ShmConnection {
     fn batches_cost_round_trips(&self) -> bool {
         false
     }
+
+    /// Each READ's copy ends with an acquire fence (`load_words`), so the
+    /// next one's loads come after it; unless a test reverses them.
+    fn reads_in_posted_order(&self) -> bool {
+        self.read_order == ReadOrder::Posted
+    }
 }
