@@ -203,7 +203,8 @@ impl Client {
             None => {
                 // A fresh hint's block is the key's: this is damage, which
                 // the scan reports, or a counter being unlinked, which it
-                // waits on.
+                // waits on. (A hint past its life may name another key's
+                // block now: the scan finds the key's.)
                 self.cache.forget(key);
                 Ok(Sighting::WindowsOnly(clock))
             }

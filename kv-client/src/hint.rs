@@ -32,8 +32,8 @@
 //! runs. So the block read is the one `slot` named: exactly what reading
 //! the buckets and then the block in two batches would find. Nothing else
 //! the hint said holds (the slot may have lost the key and got it back
-//! since): it is read as a plain, unsettled hint (`Hint::reread`), and
-//! what the read finds is a new sighting.
+//! since): it is read as an unsettled hint (`Hint::reread`), and what the
+//! read finds is a new sighting.
 //!
 //! **Settled hints allow a blind CAS.** Readers take the lowest copy of a
 //! key, so a CAS on a hinted slot that is not the lowest copy, or that
@@ -104,12 +104,13 @@ impl Hint {
     }
 
     /// A hint past its life, as a reader whose READs run in the order
-    /// posted may still use it: only its slot and value, read windows
-    /// first (nothing it said about other copies or counters holds).
+    /// posted may still use it: its slot and value, read windows first.
+    /// Nothing it said about other copies holds, nor about a counter's
+    /// value; a counter's hint still asks that the block read as one
+    /// (writers leave such keys to the full path).
     pub fn reread(self) -> Hint {
         Hint {
             sole: false,
-            counter: false,
             far_from_limits: false,
             reread: true,
             ..self

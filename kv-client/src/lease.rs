@@ -86,10 +86,6 @@ impl Client {
         let mut message: Vec<Spent> = Vec::new();
         let mut bytes = unlinked.len() * REPORT_BYTES;
         for mut s in spent {
-            if self.reports_held_back > 0 {
-                // The server reclaims by scanning: it would not keep them.
-                s.starts = Vec::new();
-            }
             if s.starts.len() + SPENT_BYTES > MESSAGE_BUDGET {
                 // More than a message holds (a chunk larger than any this
                 // client makes): given back undeclared, for a scan.

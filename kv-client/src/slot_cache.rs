@@ -3,13 +3,14 @@
 //! allows, and when, is `hint`'s business.
 //!
 //! A key has one set of [`WAYS`] entries (the hash's low bits pick it): a
-//! lookup compares four tags, an insert takes a free entry of the set or
-//! the next in turn — no probing, no allocation per key, no recency to
-//! track. An entry holds the key's hash and either the key itself (up to
-//! [`INLINE_KEY`] bytes, compared byte for byte) or, for a longer key, a
-//! second hash of it keyed with a secret of this table (SipHash), so that
-//! nobody can choose two long keys that the table takes for one: a hint is
-//! never taken for another key's. The table starts small and doubles as it
+//! lookup compares the set's four tags, which share a cache line, and
+//! reads the one entry whose tag matches; an insert takes a free way of the
+//! set or the next in turn — no probing, no allocation per key, no recency
+//! to track. An entry holds either the key itself (up to [`INLINE_KEY`]
+//! bytes, compared byte for byte) or, for a longer key, a second hash of
+//! it keyed with a secret of this table (SipHash), so that nobody can
+//! choose two long keys that the table takes for one: a hint is never
+//! taken for another key's. The table starts small and doubles as it
 //! fills, up to its capacity, so that a client with few keys pays for few.
 
 use std::hash::{BuildHasher, RandomState};
@@ -26,19 +27,23 @@ const FIRST_SIZE: usize = 256;
 /// take turns evicting each other).
 const WAYS: usize = 4;
 
+/// A set's tags: each way's key hash with its low bit set, 0 where the
+/// way is empty. Aligned so that a lookup's compares touch one line.
+#[derive(Clone, Copy)]
+#[repr(align(32))]
+struct Tags([u64; WAYS]);
+
 #[derive(Clone, Copy)]
 struct Entry {
-    /// 0: the entry is empty (no key is empty).
     key_len: u16,
-    hash: u64,
     /// The key, or its second hash in the first eight bytes.
     key: [u8; INLINE_KEY],
+    /// None only in a way whose tag is 0.
     hint: Option<Hint>,
 }
 
 const EMPTY: Entry = Entry {
     key_len: 0,
-    hash: 0,
     key: [0; INLINE_KEY],
     hint: None,
 };
@@ -53,7 +58,7 @@ struct Tag {
 impl Tag {
     fn of(key: &[u8], keyed: &RandomState) -> Tag {
         let mut tag = Tag {
-            hash: xxh3_64(key),
+            hash: xxh3_64(key) | 1,
             key_len: key.len().min(usize::from(u16::MAX)) as u16,
             key: [0; INLINE_KEY],
         };
@@ -66,11 +71,13 @@ impl Tag {
     }
 
     fn matches(&self, e: &Entry) -> bool {
-        e.hash == self.hash && e.key_len == self.key_len && e.key == self.key
+        e.key_len == self.key_len && e.key == self.key
     }
 }
 
 pub struct SlotCache {
+    tags: Vec<Tags>,
+    /// `WAYS` per set, in the order of its tags.
     entries: Vec<Entry>,
     /// Per set, the way its next eviction takes.
     victims: Vec<u8>,
@@ -90,6 +97,7 @@ impl SlotCache {
             c => 1usize.checked_shl(c.ilog2()).unwrap_or(0).max(WAYS),
         };
         SlotCache {
+            tags: Vec::new(),
             entries: Vec::new(),
             victims: Vec::new(),
             used: 0,
@@ -108,10 +116,7 @@ impl SlotCache {
             return None;
         }
         let tag = Tag::of(key, &self.keyed);
-        self.set(tag.hash)
-            .iter()
-            .find(|e| tag.matches(e))
-            .and_then(|e| e.hint)
+        self.find(&tag).and_then(|at| self.entries[at].hint)
     }
 
     pub fn remember(&mut self, key: &[u8], hint: Hint) {
@@ -122,41 +127,7 @@ impl SlotCache {
             self.double();
         }
         let tag = Tag::of(key, &self.keyed);
-        let entry = Entry {
-            key_len: tag.key_len,
-            hash: tag.hash,
-            key: tag.key,
-            hint: Some(hint),
-        };
-        self.put(entry);
-    }
-
-    /// Puts `entry` in its set: over its key's entry, else in a free one,
-    /// else over the set's next victim.
-    fn put(&mut self, entry: Entry) {
-        let first = self.first(entry.hash);
-        let set = &self.entries[first..first + WAYS];
-        let tag = Tag {
-            hash: entry.hash,
-            key_len: entry.key_len,
-            key: entry.key,
-        };
-        let way = match set.iter().position(|e| tag.matches(e)) {
-            Some(w) => w,
-            None => match set.iter().position(|e| e.key_len == 0) {
-                Some(w) => {
-                    self.used += 1;
-                    w
-                }
-                None => {
-                    let v = &mut self.victims[first / WAYS];
-                    let w = usize::from(*v);
-                    *v = ((w + 1) % WAYS) as u8;
-                    w
-                }
-            },
-        };
-        self.entries[first + way] = entry;
+        self.put(&tag, hint);
     }
 
     pub fn forget(&mut self, key: &[u8]) {
@@ -164,38 +135,80 @@ impl SlotCache {
             return;
         }
         let tag = Tag::of(key, &self.keyed);
-        let first = self.first(tag.hash);
-        if let Some(w) = self.set(tag.hash).iter().position(|e| tag.matches(e)) {
-            self.entries[first + w] = EMPTY;
+        if let Some(at) = self.find(&tag) {
+            self.tags[at / WAYS].0[at % WAYS] = 0;
             self.used -= 1;
         }
     }
 
     pub fn clear(&mut self) {
-        self.entries.fill(EMPTY);
+        self.tags.fill(Tags([0; WAYS]));
         self.used = 0;
     }
 
-    /// The first entry of the set `hash` belongs to.
-    fn first(&self, hash: u64) -> usize {
-        let sets = self.entries.len() / WAYS;
-        (hash as usize & (sets - 1)) * WAYS
+    /// The set `hash` belongs to.
+    fn set_of(&self, hash: u64) -> usize {
+        hash as usize & (self.tags.len() - 1)
     }
 
-    fn set(&self, hash: u64) -> &[Entry] {
-        let first = self.first(hash);
-        &self.entries[first..first + WAYS]
+    /// The entry that holds `tag`'s key.
+    fn find(&self, tag: &Tag) -> Option<usize> {
+        let set = self.set_of(tag.hash);
+        let tags = &self.tags[set].0;
+        (0..WAYS)
+            .map(|w| set * WAYS + w)
+            .find(|&at| tags[at % WAYS] == tag.hash && tag.matches(&self.entries[at]))
+    }
+
+    /// Puts the hint in `tag`'s set: over its key's entry, else in a free
+    /// way, else over the set's next victim.
+    fn put(&mut self, tag: &Tag, hint: Hint) {
+        let set = self.set_of(tag.hash);
+        let at = match self.find(tag) {
+            Some(at) => at,
+            None => {
+                let way = match self.tags[set].0.iter().position(|&t| t == 0) {
+                    Some(w) => {
+                        self.used += 1;
+                        w
+                    }
+                    None => {
+                        let v = &mut self.victims[set];
+                        let w = usize::from(*v);
+                        *v = ((w + 1) % WAYS) as u8;
+                        w
+                    }
+                };
+                self.tags[set].0[way] = tag.hash;
+                set * WAYS + way
+            }
+        };
+        self.entries[at] = Entry {
+            key_len: tag.key_len,
+            key: tag.key,
+            hint: Some(hint),
+        };
     }
 
     /// Twice the entries (the first table at first use), each kept entry
     /// moved to its set in the new one.
     fn double(&mut self) {
         let size = (self.entries.len() * 2).clamp(FIRST_SIZE.min(self.capacity), self.capacity);
+        let sets = size / WAYS;
+        let old_tags = std::mem::replace(&mut self.tags, vec![Tags([0; WAYS]); sets]);
         let old = std::mem::replace(&mut self.entries, vec![EMPTY; size]);
-        self.victims = vec![0; size / WAYS];
+        self.victims = vec![0; sets];
         self.used = 0;
-        for e in old.into_iter().filter(|e| e.key_len != 0) {
-            self.put(e);
+        let kept = old_tags.iter().flat_map(|t| t.0).zip(old);
+        for (hash, e) in kept.filter(|&(hash, _)| hash != 0) {
+            let tag = Tag {
+                hash,
+                key_len: e.key_len,
+                key: e.key,
+            };
+            if let Some(hint) = e.hint {
+                self.put(&tag, hint);
+            }
         }
     }
 }

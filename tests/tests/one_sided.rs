@@ -42,7 +42,7 @@ fn steady_loop_sends_no_control_messages_beyond_leases() {
     );
 }
 
-/// Clients with slot hints on (the default over rdma, off over shm).
+/// Clients that keep the slot hints of `entries` keys (0: none).
 fn hinted(address: &str, entries: usize) -> Client {
     let options = ClientOptions::default().with_slot_cache_entries(entries);
     Client::connect_with(address, options).unwrap()
