@@ -146,9 +146,9 @@ impl SlotCache {
         self.used = 0;
     }
 
-    /// The set `hash` belongs to.
+    /// The set `hash` belongs to (by the bits above the one every tag sets).
     fn set_of(&self, hash: u64) -> usize {
-        hash as usize & (self.tags.len() - 1)
+        (hash >> 1) as usize & (self.tags.len() - 1)
     }
 
     /// The entry that holds `tag`'s key.
@@ -252,6 +252,21 @@ mod tests {
         let mut off = SlotCache::new(0);
         off.remember(b"a", hint(1));
         assert_eq!(off.get(b"a"), None);
+    }
+
+    #[test]
+    fn keys_spread_over_every_set() {
+        // A quarter as many keys as entries: the table holds them all.
+        let mut c = SlotCache::new(256);
+        for i in 0..64u64 {
+            c.remember(format!("key{i}").as_bytes(), hint(i));
+        }
+        let sets_used = c.tags.iter().filter(|t| t.0 != [0; WAYS]).count();
+        assert!(sets_used > c.tags.len() / 2, "{sets_used} sets in use");
+        for i in 0..64u64 {
+            let got = c.get(format!("key{i}").as_bytes()).map(|h| h.slot);
+            assert_eq!(got, Some(Slot(i)), "key{i} was evicted");
+        }
     }
 
     #[test]
