@@ -2,7 +2,7 @@
 //! key's hash, cheap enough to consult on every operation. What a hint
 //! allows, and when, is `hint`'s business.
 //!
-//! A key has one set of [`WAYS`] entries (the hash's low bits pick it): a
+//! A key has one set of [`WAYS`] entries (bits of its hash pick it): a
 //! lookup compares the set's four tags, which share a cache line, and
 //! reads the one entry whose tag matches; an insert takes a free way of the
 //! set or the next in turn — no probing, no allocation per key, no recency
