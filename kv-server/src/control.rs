@@ -380,20 +380,9 @@ pub fn handle(
             )
         }
         (Request::Lease { min_len }, Some(id)) => lease(shared, session, id, min_len),
-        (
-            Request::GiveBack {
-                mut spent,
-                unlinked,
-            },
-            Some(id),
-        ) => {
+        (Request::GiveBack { spent, unlinked }, Some(id)) => {
             report(shared, &unlinked);
-            if !shared.reports_pay.load(Relaxed) {
-                // Scans reclaim this space: where its blocks begin would
-                // only cost keeping.
-                spent.iter_mut().for_each(|s| s.starts = Vec::new());
-            }
-            give_back(shared, session, id, &spent)
+            give_back(shared, session, id, spent)
         }
         (Request::Unlinked { blocks }, Some(_)) => {
             c.report_messages.fetch_add(1, Relaxed);
@@ -579,12 +568,17 @@ fn give_back(
     shared: &Shared,
     session: &mut Session,
     id: ClientId,
-    spent: &[Spent],
+    mut spent: Vec<Spent>,
 ) -> (Response, After) {
     let c = &shared.counters;
     c.give_backs.fetch_add(1, Relaxed);
+    if !shared.reports_pay.load(Relaxed) {
+        // Scans reclaim this space: where its blocks begin would only
+        // cost keeping.
+        spent.iter_mut().for_each(|s| s.starts = Vec::new());
+    }
     let result = match shared.pool.lock() {
-        Ok(mut p) => p.give_back(id, spent),
+        Ok(mut p) => p.give_back(id, &spent),
         Err(_) => Err("heap pool unavailable".into()),
     };
     match result {
