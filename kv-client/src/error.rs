@@ -107,6 +107,21 @@ pub enum Error {
     /// caused by the request or the server; please report it.
     #[error("internal error in kv-client (a bug): {0}")]
     Internal(String),
+    /// A cluster's shard has no server that answers: its owner is down
+    /// (or not yet assigned); the other shards keep working.
+    #[error("shard {shard} (on server {server}) is unavailable: {reason}")]
+    ShardUnavailable {
+        /// The key's shard.
+        shard: u32,
+        /// The member that owns it in the map, or "none".
+        server: String,
+        /// What was tried.
+        reason: String,
+    },
+    /// The cluster's records could not be read (etcd unreachable, no such
+    /// cluster, damaged records); the message says which.
+    #[error("cluster: {0}")]
+    Cluster(String),
     /// The transport failed (a verb was refused, the device reported an
     /// error, the connection was lost) and reconnecting did not help;
     /// [`source`](std::error::Error::source) is the transport's error.

@@ -43,6 +43,8 @@ mod alloc;
 mod batch;
 mod candidates;
 mod clock;
+#[cfg(feature = "etcd")]
+mod cluster;
 mod corrupt;
 mod counter;
 mod dedup;
@@ -62,6 +64,8 @@ mod values;
 
 use alloc::BlockAllocator;
 use clock::Timing;
+#[cfg(feature = "etcd")]
+pub use cluster::ClusterClient;
 use counter::CounterOp;
 pub use error::Error;
 use geometry::{Ask, StrayFrozenWait};
@@ -342,6 +346,11 @@ impl Client {
     /// [`Error::VersionMismatch`] for a server of another protocol version;
     /// [`Error::Transport`] when the device or the mapping fails.
     pub fn connect_with(address: &str, options: ClientOptions) -> Result<Client> {
+        if address.starts_with("etcd://") {
+            return Err(Error::InvalidAddress(format!(
+                "'{address}' names a cluster: connect to it with kv_client::ClusterClient"
+            )));
+        }
         let address = Address::parse(address).map_err(Error::InvalidAddress)?;
         let (conn, info, layout) = open(&address, &options)?;
         let cache_entries = options.slot_cache_entries.unwrap_or(match address {

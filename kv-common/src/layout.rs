@@ -475,6 +475,23 @@ pub struct KeyHash {
 
 const SECOND_BUCKET_SEED: u64 = 0x6f6e_656b_765f_6232;
 
+/// Most shards a cluster may have (see [`shard_of`]).
+pub const MAX_SHARDS: u32 = 1 << 16;
+
+/// Which of a cluster's `shards` holds `key`. It is read from bits 40..56
+/// of the key's first hash: the buckets use at most the low 40
+/// (`MAX_BUCKETS`) and the fingerprint the top 8, so the keys of one shard
+/// still spread over all of its buckets, and their fingerprints over all
+/// values.
+#[inline]
+pub fn shard_of(key: &[u8], shards: u32) -> u32 {
+    debug_assert!(shards > 0 && shards <= MAX_SHARDS);
+    let bits = (xxh3_64(key) >> 40) & 0xffff;
+    // Scaling rather than a remainder keeps every shard within one key in
+    // 2^16 of its share for any count.
+    ((bits * u64::from(shards)) >> 16) as u32
+}
+
 /// Buckets one window covers.
 pub const WINDOW_BUCKETS: usize = 3;
 /// Slots a key may occupy: two windows.
@@ -806,6 +823,35 @@ pub fn decode_block(bytes: &[u8]) -> Result<BlockView<'_>, BlockError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn shards_spread_keys_and_do_not_steer_buckets_or_fingerprints() {
+        let shards = 7;
+        let mut per_shard = [0u32; 7];
+        let mut buckets_of_shard0 = std::collections::HashSet::new();
+        let mut fingerprints_of_shard0 = std::collections::HashSet::new();
+        for i in 0..70_000u32 {
+            let key = format!("user{i}");
+            let shard = shard_of(key.as_bytes(), shards);
+            per_shard[shard as usize] += 1;
+            if shard == 0 {
+                let hash = KeyHash::new(key.as_bytes(), 1024);
+                buckets_of_shard0.extend(hash.windows);
+                fingerprints_of_shard0.insert(hash.fingerprint);
+            }
+        }
+        for count in per_shard {
+            assert!((9_000..11_000).contains(&count), "{per_shard:?}");
+        }
+        // One shard's keys still reach (nearly) every bucket and fingerprint.
+        assert!(
+            buckets_of_shard0.len() > 1000,
+            "{}",
+            buckets_of_shard0.len()
+        );
+        assert_eq!(fingerprints_of_shard0.len(), 256);
+        assert_eq!(shard_of(b"any", 1), 0);
+    }
 
     #[test]
     fn fingerprint_matches_are_the_slots_in_use_with_the_fingerprint() {

@@ -33,6 +33,7 @@ mod metrics;
 mod reclaim;
 pub mod region;
 mod registry;
+pub mod shard_host;
 mod units;
 mod unlinked;
 

@@ -6,9 +6,12 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
+use kv_cluster::member::{MemberEvent, MemberSpec, Membership};
+use kv_cluster::{ClusterConfig, ClusterUrl};
 use kv_common::size::parse_size;
 use kv_common::Address;
 use kv_server::region::CheckMode;
+use kv_server::shard_host::ShardHost;
 use kv_server::{Server, ServerConfig};
 
 /// Serves a onekv region. Clients read and write it with one-sided verbs;
@@ -103,10 +106,32 @@ struct ServeArgs {
     /// Log the server's statistics this often, in seconds (0: only at exit).
     #[arg(long, default_value_t = 60)]
     stats_interval: u64,
+    /// Join the cluster etcd://HOST:PORT[,HOST:PORT...]/NAME (made with
+    /// `kv-server cluster create`) and serve the shards its map gives this
+    /// server. Each shard is a region of its own, served at an address
+    /// derived from --listen: shm NAME.shard-S, rdma PORT+1+S. The other
+    /// options apply to each shard.
+    #[arg(long, value_parser = ClusterUrl::parse)]
+    cluster: Option<ClusterUrl>,
+    /// This server's name in the cluster (default: its --listen address).
+    /// The map names shard owners by it: a restarted server must keep it to
+    /// serve its shards again.
+    #[arg(long, requires = "cluster")]
+    member_name: Option<String>,
+    /// Seconds of this server's etcd lease. A server that cannot renew it
+    /// for three quarters of this stops serving every shard, then joins
+    /// again.
+    #[arg(long, default_value_t = 3, requires = "cluster")]
+    lease_ttl: u64,
 }
 
 #[derive(Subcommand)]
 enum Command {
+    /// Make a cluster, or show one.
+    Cluster {
+        #[command(subcommand)]
+        action: ClusterCommand,
+    },
     /// Check a region file no server is using: both header records must be
     /// valid and the one in force current (when it was lost, the index is
     /// located in the heap instead); every slot must point at a block
@@ -126,6 +151,30 @@ enum Command {
         /// --repair waits four times this (at least a second) after revoking.
         #[arg(long, default_value_t = 50)]
         op_deadline_ms: u64,
+    },
+}
+
+#[derive(Subcommand)]
+enum ClusterCommand {
+    /// Record a new cluster in etcd. Servers then join it with
+    /// `kv-server --cluster URL --listen ADDR`.
+    Create {
+        /// etcd://HOST:PORT[,HOST:PORT...]/NAME
+        #[arg(value_parser = ClusterUrl::parse)]
+        url: ClusterUrl,
+        /// Shards of the cluster (fixed from now on); a key's shard comes
+        /// from its hash.
+        #[arg(long, default_value_t = kv_cluster::DEFAULT_SHARDS)]
+        shards: u32,
+        /// Servers that must have joined before the shards are dealt out
+        /// (so that all of them get a share from the start).
+        #[arg(long, default_value_t = 1)]
+        initial_members: u32,
+    },
+    /// Print the cluster's members and which shards each serves.
+    Status {
+        #[arg(value_parser = ClusterUrl::parse)]
+        url: ClusterUrl,
     },
 }
 
@@ -158,6 +207,7 @@ fn main() -> ExitCode {
             };
             (check(&region, mode), 2)
         }
+        Some(Command::Cluster { action }) => (cluster(action).map(|()| ExitCode::SUCCESS), 1),
         None => (serve(args.serve).map(|()| ExitCode::SUCCESS), 1),
     };
     result.unwrap_or_else(|e| {
@@ -212,10 +262,109 @@ fn check(path: &std::path::Path, mode: CheckMode) -> Result<ExitCode, String> {
     })
 }
 
+fn cluster(action: ClusterCommand) -> Result<(), String> {
+    use kv_cluster::etcd::BlockingEtcd;
+    match action {
+        ClusterCommand::Create {
+            url,
+            shards,
+            initial_members,
+        } => {
+            let config = ClusterConfig {
+                shards,
+                initial_members,
+            };
+            let mut etcd = BlockingEtcd::connect(&url).map_err(|e| e.to_string())?;
+            etcd.create(&config).map_err(|e| e.to_string())?;
+            println!(
+                "created {url}: {shards} shards, dealt once {initial_members} servers have joined"
+            );
+            Ok(())
+        }
+        ClusterCommand::Status { url } => {
+            let mut etcd = BlockingEtcd::connect(&url).map_err(|e| e.to_string())?;
+            let state = etcd.state().map_err(|e| e.to_string())?;
+            print!(
+                "{}",
+                kv_cluster::records::describe(&state.config, &state.members, state.shard_map())
+            );
+            Ok(())
+        }
+    }
+}
+
 fn serve(args: ServeArgs) -> Result<(), String> {
     let listen = args
         .listen
+        .clone()
         .ok_or("--listen is required to serve (see --help)")?;
+    let config = server_config(&args, listen)?;
+    let (stop_tx, stop_rx) = mpsc::channel();
+    ctrlc::set_handler(move || {
+        let _ = stop_tx.send(());
+    })
+    .map_err(|e| format!("cannot install signal handler: {e}"))?;
+    report_sigbus();
+    match args.cluster {
+        Some(url) => {
+            let name = args
+                .member_name
+                .unwrap_or_else(|| config.address.to_string());
+            let ttl = Duration::from_secs(args.lease_ttl.max(1));
+            serve_shards(ShardHost::new(config, name), url, ttl, &stop_rx)
+        }
+        None => serve_region(config, args.stats_interval, &stop_rx),
+    }
+}
+
+/// As a cluster member: serves what the map gives it while it holds its
+/// lease, nothing while it may not.
+fn serve_shards(
+    mut host: ShardHost,
+    url: ClusterUrl,
+    ttl: Duration,
+    stop: &mpsc::Receiver<()>,
+) -> Result<(), String> {
+    let (events_tx, events) = mpsc::channel();
+    let spec = MemberSpec {
+        id: host.member().to_string(),
+        listen: host.listen().to_string(),
+        ttl,
+    };
+    let membership = Membership::join(url, spec, events_tx).map_err(|e| e.to_string())?;
+    let mut joined = false;
+    while let Err(mpsc::TryRecvError::Empty) = stop.try_recv() {
+        if let Some(why) = host.failure() {
+            return Err(why);
+        }
+        match events.recv_timeout(Duration::from_millis(200)) {
+            Ok(MemberEvent::Joined { incarnation }) => {
+                tracing::info!(incarnation, "member of the cluster");
+                joined = true;
+            }
+            Ok(MemberEvent::State(state)) => {
+                if let (true, Some(map)) = (joined, state.shard_map()) {
+                    host.follow(map);
+                }
+            }
+            Ok(MemberEvent::Fenced { why }) => {
+                tracing::warn!("serving nothing until joined again: {why}");
+                joined = false;
+                host.stop_all();
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                return Err("the membership thread ended".into())
+            }
+        }
+    }
+    tracing::info!("leaving the cluster");
+    host.stop_all();
+    membership.leave();
+    Ok(())
+}
+
+fn server_config(args: &ServeArgs, listen: Address) -> Result<ServerConfig, String> {
     let mut config = ServerConfig::new(listen);
     config.memory = args.memory;
     config.max_memory = args.max_memory;
@@ -223,7 +372,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     config.max_buckets = args.max_buckets;
     config.resize_at = args.resize_at;
     config.resize_on_request_up_to = args.resize_on_request_up_to;
-    config.region_file = args.region_file;
+    config.region_file = args.region_file.clone();
     config.group_access = args.group_access;
     config.op_deadline = Duration::from_millis(args.op_deadline_ms);
     config.max_clients = args.max_clients;
@@ -233,19 +382,19 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     if let Some(path) = &args.secret_file {
         config.secret = Some(kv_common::secret::read_secret_file(path)?);
     }
+    Ok(config)
+}
 
-    let (stop_tx, stop_rx) = mpsc::channel();
-    ctrlc::set_handler(move || {
-        let _ = stop_tx.send(());
-    })
-    .map_err(|e| format!("cannot install signal handler: {e}"))?;
-
-    report_sigbus();
+fn serve_region(
+    config: ServerConfig,
+    stats_interval: u64,
+    stop_rx: &mpsc::Receiver<()>,
+) -> Result<(), String> {
     let server = Server::start(config).map_err(|e| e.to_string())?;
     if let Some(at) = server.metrics_address() {
         tracing::info!("metrics at http://{at}/metrics");
     }
-    let interval = match args.stats_interval {
+    let interval = match stats_interval {
         0 => Duration::MAX,
         s => Duration::from_secs(s),
     };

@@ -9,6 +9,8 @@ use kv_common::protocol::ServerStats;
 use kv_common::Address;
 use kv_server::{Server, ServerConfig};
 
+pub mod cluster;
+
 /// A directory for regions: /dev/shm when the machine has it.
 pub fn region_dir() -> tempfile::TempDir {
     let base = Path::new("/dev/shm");
@@ -216,7 +218,21 @@ impl Daemon {
     }
 
     /// Starts `command` and waits until it accepts control connections.
-    fn spawn(mut command: Command, address: &Address) -> Daemon {
+    fn spawn(command: Command, address: &Address) -> Daemon {
+        let daemon = Daemon::spawn_unwaited(command, address);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !daemon.listening() {
+            assert!(
+                Instant::now() < deadline,
+                "kv-server did not start listening"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        daemon
+    }
+
+    /// Starts `command` (a `kv-server`), its log drained as it comes.
+    pub fn spawn_unwaited(mut command: Command, address: &Address) -> Daemon {
         let child = command
             .stderr(Stdio::piped())
             .spawn()
@@ -229,20 +245,11 @@ impl Daemon {
                 log
             })
         });
-        let daemon = Daemon {
+        Daemon {
             child: Some(child),
             address: address.clone(),
             log,
-        };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while !daemon.listening() {
-            assert!(
-                Instant::now() < deadline,
-                "kv-server did not start listening"
-            );
-            std::thread::sleep(Duration::from_millis(20));
         }
-        daemon
     }
 
     fn listening(&self) -> bool {

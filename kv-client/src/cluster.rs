@@ -1,0 +1,206 @@
+//! A client of a cluster (feature `etcd`): each key goes to its shard
+//! ([`kv_common::layout::shard_of`]), through a connection to the server
+//! that owns the shard, made when the shard is first used. The shard map
+//! and the members come from etcd, read at connect and again when a
+//! shard's server cannot be reached; etcd is never on the data path.
+
+use kv_cluster::etcd::{BlockingEtcd, ClusterState};
+use kv_cluster::{shard_address, ClusterUrl};
+use kv_common::layout::shard_of;
+
+use crate::{Client, ClientOptions, Error, Result};
+
+/// A cluster, with the API of one server's [`Client`] for single keys.
+/// Like a `Client`, it is one thread's: give each thread its own.
+///
+/// ```no_run
+/// let mut kv = kv_client::ClusterClient::connect("etcd://127.0.0.1:2379/prod")?;
+/// kv.put(b"user1", b"hello")?;
+/// assert_eq!(kv.get(b"user1")?.as_deref(), Some(&b"hello"[..]));
+/// # Ok::<(), kv_client::Error>(())
+/// ```
+pub struct ClusterClient {
+    url: ClusterUrl,
+    options: ClientOptions,
+    etcd: BlockingEtcd,
+    state: ClusterState,
+    /// A connection per shard, once used.
+    shards: Vec<Option<Client>>,
+}
+
+fn cluster_error(e: kv_cluster::ClusterError) -> Error {
+    Error::Cluster(e.to_string())
+}
+
+impl ClusterClient {
+    /// Reads the cluster at `url` (`etcd://HOST:PORT[,HOST:PORT...]/NAME`)
+    /// with default options.
+    ///
+    /// # Errors
+    ///
+    /// As [`ClusterClient::connect_with`].
+    pub fn connect(url: &str) -> Result<ClusterClient> {
+        ClusterClient::connect_with(url, ClientOptions::default())
+    }
+
+    /// Reads the cluster's members and shard map from etcd; `options`
+    /// apply to each shard's connection.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidAddress`] for a malformed URL; [`Error::Cluster`]
+    /// when etcd cannot be reached or holds no such cluster.
+    pub fn connect_with(url: &str, options: ClientOptions) -> Result<ClusterClient> {
+        let url = ClusterUrl::parse(url).map_err(Error::InvalidAddress)?;
+        let mut etcd = BlockingEtcd::connect(&url).map_err(cluster_error)?;
+        let state = etcd.state().map_err(cluster_error)?;
+        let shards = (0..state.config.shards).map(|_| None).collect();
+        Ok(ClusterClient {
+            url,
+            options,
+            etcd,
+            state,
+            shards,
+        })
+    }
+
+    /// The cluster's shard count.
+    pub fn shards(&self) -> u32 {
+        self.state.config.shards
+    }
+
+    /// Which shard holds `key`.
+    pub fn shard_of(&self, key: impl AsRef<[u8]>) -> u32 {
+        shard_of(key.as_ref(), self.shards())
+    }
+
+    /// The member that owns `shard` in the map last read, if any.
+    pub fn owner(&self, shard: u32) -> Option<&str> {
+        self.state.shard_map()?.owner(shard)
+    }
+
+    /// The value of `key`, or None.
+    ///
+    /// # Errors
+    ///
+    /// As [`Client::get`], and [`Error::ShardUnavailable`] when the key's
+    /// shard has no server that answers.
+    pub fn get(&mut self, key: impl AsRef<[u8]>) -> Result<Option<Vec<u8>>> {
+        let key = key.as_ref();
+        self.on_shard(key, |c| c.get(key))
+    }
+
+    /// Stores `value` under `key`.
+    ///
+    /// # Errors
+    ///
+    /// As [`Client::put`], and [`Error::ShardUnavailable`].
+    pub fn put(&mut self, key: impl AsRef<[u8]>, value: impl AsRef<[u8]>) -> Result<()> {
+        let (key, value) = (key.as_ref(), value.as_ref());
+        self.on_shard(key, |c| c.put(key, value))
+    }
+
+    /// Removes `key`; false if it was absent.
+    ///
+    /// # Errors
+    ///
+    /// As [`Client::delete`], and [`Error::ShardUnavailable`].
+    pub fn delete(&mut self, key: impl AsRef<[u8]>) -> Result<bool> {
+        let key = key.as_ref();
+        self.on_shard(key, |c| c.delete(key))
+    }
+
+    /// Adds `delta` to the counter `key` and returns its new value.
+    ///
+    /// # Errors
+    ///
+    /// As [`Client::incr`], and [`Error::ShardUnavailable`].
+    pub fn incr(&mut self, key: impl AsRef<[u8]>, delta: i64) -> Result<i64> {
+        let key = key.as_ref();
+        self.on_shard(key, |c| c.incr(key, delta))
+    }
+
+    /// The counter `key`, or None.
+    ///
+    /// # Errors
+    ///
+    /// As [`Client::get_counter`], and [`Error::ShardUnavailable`].
+    pub fn get_counter(&mut self, key: impl AsRef<[u8]>) -> Result<Option<i64>> {
+        let key = key.as_ref();
+        self.on_shard(key, |c| c.get_counter(key))
+    }
+
+    /// Runs `op` on the connection to `key`'s shard. When the shard's
+    /// server cannot be reached, the map is read again (its owner may
+    /// have changed) and the operation tried once more there; if it is
+    /// still unreachable, the error names the shard and its server.
+    fn on_shard<T>(
+        &mut self,
+        key: &[u8],
+        mut op: impl FnMut(&mut Client) -> Result<T>,
+    ) -> Result<T> {
+        crate::check_key(key)?;
+        let shard = self.shard_of(key);
+        let mut reread = false;
+        loop {
+            let error = match self.connection(shard) {
+                Ok(client) => match op(client) {
+                    Err(e) if e.is_retryable() && !matches!(e, Error::Contended(_)) => e,
+                    done => return done,
+                },
+                Err(e) if e.is_retryable() || matches!(e, Error::ShardUnavailable { .. }) => e,
+                // A wrong secret, a version mismatch: the same anywhere.
+                Err(e) => return Err(e),
+            };
+            self.shards[shard as usize] = None;
+            if reread {
+                return Err(match error {
+                    Error::ShardUnavailable { .. } => error,
+                    other => self.unavailable(shard, &other.to_string()),
+                });
+            }
+            self.state = self.etcd.state().map_err(cluster_error)?;
+            if self.state.config.shards as usize != self.shards.len() {
+                return Err(Error::Cluster(format!(
+                    "{} now has {} shards (it was made anew): connect again",
+                    self.url, self.state.config.shards
+                )));
+            }
+            reread = true;
+        }
+    }
+
+    fn connection(&mut self, shard: u32) -> Result<&mut Client> {
+        let slot = shard as usize;
+        if self.shards[slot].is_none() {
+            let address = self.address_of(shard)?;
+            let client = Client::connect_with(&address, self.options.clone())?;
+            self.shards[slot] = Some(client);
+        }
+        self.shards[slot]
+            .as_mut()
+            .ok_or_else(|| Error::Internal("a shard's connection vanished".into()))
+    }
+
+    /// The address of `shard` at its owner, as the map last read says.
+    fn address_of(&self, shard: u32) -> Result<String> {
+        let owner = self
+            .owner(shard)
+            .ok_or_else(|| self.unavailable(shard, "no server owns it yet"))?;
+        let member = self
+            .state
+            .member(owner)
+            .ok_or_else(|| self.unavailable(shard, "its server is not a live member"))?;
+        let listen = kv_common::Address::parse(&member.listen).map_err(Error::Cluster)?;
+        let address = shard_address(&listen, shard).map_err(Error::Cluster)?;
+        Ok(address.to_string())
+    }
+
+    fn unavailable(&self, shard: u32, reason: &str) -> Error {
+        Error::ShardUnavailable {
+            shard,
+            server: self.owner(shard).unwrap_or("none").to_string(),
+            reason: format!("{reason} (cluster {})", self.url),
+        }
+    }
+}

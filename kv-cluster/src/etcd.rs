@@ -1,0 +1,261 @@
+//! The cluster's records in etcd: one consistent read of all of them, and
+//! the writes that change them (each a transaction that checks what it
+//! builds on). Only the v3 API that etcd 3.4 serves is used.
+
+use std::time::Duration;
+
+use etcd_client::{Client, Compare, CompareOp, ConnectOptions, GetOptions, PutOptions, Txn, TxnOp};
+
+use crate::records::{decode, encode, ClusterConfig, MemberRecord, ShardMap};
+use crate::url::ClusterUrl;
+use crate::ClusterError;
+
+/// The keys of one cluster.
+#[derive(Clone, Debug)]
+pub struct Keys {
+    prefix: String,
+}
+
+impl Keys {
+    pub fn new(name: &str) -> Keys {
+        Keys {
+            prefix: format!("/onekv/{name}/"),
+        }
+    }
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+    pub fn config(&self) -> String {
+        format!("{}config", self.prefix)
+    }
+    pub fn members(&self) -> String {
+        format!("{}members/", self.prefix)
+    }
+    pub fn member(&self, id: &str) -> String {
+        format!("{}members/{id}", self.prefix)
+    }
+    pub fn map(&self) -> String {
+        format!("{}map", self.prefix)
+    }
+    pub fn coordinator(&self) -> String {
+        format!("{}coordinator", self.prefix)
+    }
+}
+
+/// Everything etcd holds for a cluster, as of one revision.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClusterState {
+    pub config: ClusterConfig,
+    pub members: Vec<MemberRecord>,
+    /// The map and the revision it was last written at (what a change
+    /// must compare against); none before the first.
+    pub map: Option<(ShardMap, i64)>,
+    /// The store's revision when this was read: watch from the next one.
+    pub revision: i64,
+}
+
+impl ClusterState {
+    pub fn member(&self, id: &str) -> Option<&MemberRecord> {
+        self.members.iter().find(|m| m.id == id)
+    }
+    pub fn live_ids(&self) -> Vec<String> {
+        self.members.iter().map(|m| m.id.clone()).collect()
+    }
+    pub fn shard_map(&self) -> Option<&ShardMap> {
+        self.map.as_ref().map(|(m, _)| m)
+    }
+}
+
+/// How long one request to etcd may take before it is given up.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// A connection to the etcd that holds one cluster.
+#[derive(Clone)]
+pub struct Etcd {
+    pub client: Client,
+    pub keys: Keys,
+    url: ClusterUrl,
+}
+
+fn etcd_error(url: &ClusterUrl) -> impl Fn(etcd_client::Error) -> ClusterError + '_ {
+    move |e| ClusterError::Etcd(format!("{}: {e}", url))
+}
+
+impl Etcd {
+    pub async fn connect(url: &ClusterUrl) -> Result<Etcd, ClusterError> {
+        Etcd::connect_with(url, Some(REQUEST_TIMEOUT)).await
+    }
+
+    /// A connection whose requests may wait as long as they need (a
+    /// campaign is answered only once won).
+    pub async fn connect_untimed(url: &ClusterUrl) -> Result<Etcd, ClusterError> {
+        Etcd::connect_with(url, None).await
+    }
+
+    pub fn url(&self) -> &ClusterUrl {
+        &self.url
+    }
+
+    async fn connect_with(
+        url: &ClusterUrl,
+        timeout: Option<Duration>,
+    ) -> Result<Etcd, ClusterError> {
+        let mut options = ConnectOptions::new().with_connect_timeout(REQUEST_TIMEOUT);
+        if let Some(timeout) = timeout {
+            options = options.with_timeout(timeout);
+        }
+        let client = Client::connect(&url.endpoints, Some(options))
+            .await
+            .map_err(etcd_error(url))?;
+        Ok(Etcd {
+            client,
+            keys: Keys::new(&url.name),
+            url: url.clone(),
+        })
+    }
+
+    fn error(&self) -> impl Fn(etcd_client::Error) -> ClusterError + '_ {
+        etcd_error(&self.url)
+    }
+
+    /// Records a new cluster; refused if one of that name exists.
+    pub async fn create(&mut self, config: &ClusterConfig) -> Result<(), ClusterError> {
+        config.validate().map_err(ClusterError::Config)?;
+        let key = self.keys.config();
+        let txn = Txn::new()
+            .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
+            .and_then([TxnOp::put(key, encode(config), None)]);
+        let reply = self.client.txn(txn).await.map_err(self.error())?;
+        if reply.succeeded() {
+            return Ok(());
+        }
+        Err(ClusterError::Exists(self.url.to_string()))
+    }
+
+    /// All of the cluster's records, read at one revision.
+    pub async fn state(&mut self) -> Result<ClusterState, ClusterError> {
+        let prefix = self.keys.prefix().to_string();
+        let reply = self
+            .client
+            .get(prefix, Some(GetOptions::new().with_prefix()))
+            .await
+            .map_err(self.error())?;
+        let revision = reply.header().map_or(0, |h| h.revision());
+        let (mut config, mut map, mut members) = (None, None, Vec::new());
+        for kv in reply.kvs() {
+            let key = kv.key();
+            if key == self.keys.config().as_bytes() {
+                config = Some(decode::<ClusterConfig>("the cluster's config", kv.value())?);
+            } else if key == self.keys.map().as_bytes() {
+                map = Some((
+                    decode::<ShardMap>("the shard map", kv.value())?,
+                    kv.mod_revision(),
+                ));
+            } else if key.starts_with(self.keys.members().as_bytes()) {
+                members.push(decode::<MemberRecord>("a member record", kv.value())?);
+            }
+        }
+        let config = config.ok_or_else(|| ClusterError::NoSuchCluster(self.url.to_string()))?;
+        config.validate().map_err(ClusterError::Damaged)?;
+        if let Some((m, _)) = &map {
+            if m.owners.len() != config.shards as usize {
+                return Err(ClusterError::Damaged(format!(
+                    "the shard map has {} shards, the cluster {}",
+                    m.owners.len(),
+                    config.shards
+                )));
+            }
+        }
+        Ok(ClusterState {
+            config,
+            members,
+            map,
+            revision,
+        })
+    }
+
+    /// Writes `map` if the map is still as last read (`based_on`: its
+    /// revision, or none when there was no map) and, for a coordinator,
+    /// while `leader` (its election key) still exists. False when either
+    /// changed: someone else's change won.
+    pub async fn publish_map(
+        &mut self,
+        map: &ShardMap,
+        based_on: Option<i64>,
+        leader: Option<&[u8]>,
+    ) -> Result<bool, ClusterError> {
+        let key = self.keys.map();
+        let mut checks = vec![match based_on {
+            Some(revision) => Compare::mod_revision(key.clone(), CompareOp::Equal, revision),
+            None => Compare::create_revision(key.clone(), CompareOp::Equal, 0),
+        }];
+        if let Some(leader) = leader {
+            checks.push(Compare::version(leader.to_vec(), CompareOp::Greater, 0));
+        }
+        let txn = Txn::new()
+            .when(checks)
+            .and_then([TxnOp::put(key, encode(map), None)]);
+        let reply = self.client.txn(txn).await.map_err(self.error())?;
+        Ok(reply.succeeded())
+    }
+
+    /// Puts a member's record on its lease, unless a record of that id
+    /// exists: another server of the same name, or this one's previous
+    /// incarnation, whose lease has not run out yet.
+    pub async fn announce(
+        &mut self,
+        record: &MemberRecord,
+        lease: i64,
+    ) -> Result<(), ClusterError> {
+        let key = self.keys.member(&record.id);
+        let options = PutOptions::new().with_lease(lease);
+        let txn = Txn::new()
+            .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
+            .and_then([TxnOp::put(key, encode(record), Some(options))]);
+        let reply = self.client.txn(txn).await.map_err(self.error())?;
+        if reply.succeeded() {
+            return Ok(());
+        }
+        Err(ClusterError::Etcd(format!(
+            "member {} is already in the cluster (another server of that name, or this one \
+             before its old lease runs out)",
+            record.id
+        )))
+    }
+}
+
+/// etcd from code that does not run an async runtime (the `kv` CLI, the
+/// client library, `cluster create`): each call runs on a runtime of its
+/// own thread.
+pub struct BlockingEtcd {
+    runtime: tokio::runtime::Runtime,
+    etcd: Etcd,
+}
+
+impl BlockingEtcd {
+    pub fn connect(url: &ClusterUrl) -> Result<BlockingEtcd, ClusterError> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| ClusterError::Etcd(format!("cannot start a runtime: {e}")))?;
+        let etcd = runtime.block_on(Etcd::connect(url))?;
+        Ok(BlockingEtcd { runtime, etcd })
+    }
+
+    pub fn create(&mut self, config: &ClusterConfig) -> Result<(), ClusterError> {
+        self.runtime.block_on(self.etcd.create(config))
+    }
+
+    pub fn state(&mut self) -> Result<ClusterState, ClusterError> {
+        self.runtime.block_on(self.etcd.state())
+    }
+
+    pub fn publish_map(
+        &mut self,
+        map: &ShardMap,
+        based_on: Option<i64>,
+    ) -> Result<bool, ClusterError> {
+        self.runtime
+            .block_on(self.etcd.publish_map(map, based_on, None))
+    }
+}

@@ -1,0 +1,374 @@
+//! A server's membership: its record on an etcd lease it keeps alive, the
+//! cluster's state as it changes, and (when elected) the coordinator's
+//! work. It runs on a thread of its own; the server hears of it by
+//! [`MemberEvent`]s.
+//!
+//! **Fencing.** etcd lets a lease expire no sooner than `ttl` after it
+//! received the last renewal, which was after that renewal was sent. The
+//! member stops counting a lease as held `ttl − ttl/4` after sending the
+//! last renewal that was acknowledged, and then says [`MemberEvent::Fenced`]
+//! (the server stops serving every shard) before anyone can have seen the
+//! lease expire. It then joins again under a new lease: a new incarnation.
+
+use std::collections::VecDeque;
+use std::sync::mpsc::Sender;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use etcd_client::WatchOptions;
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use crate::etcd::{ClusterState, Etcd};
+use crate::placement::next_map;
+use crate::records::MemberRecord;
+use crate::url::ClusterUrl;
+use crate::ClusterError;
+
+/// What the server hears from its membership.
+#[derive(Debug)]
+pub enum MemberEvent {
+    /// The record is in etcd under a new lease.
+    Joined { incarnation: i64 },
+    /// The cluster as of a revision (sent after `Joined` and on every
+    /// change while joined).
+    State(Box<ClusterState>),
+    /// The lease may be gone: serve nothing until the next `Joined`.
+    Fenced { why: String },
+}
+
+/// A running membership; [`Membership::leave`] (or drop) ends it and
+/// revokes its lease, so its record goes at once.
+pub struct Membership {
+    stop: watch::Sender<bool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// Who joins and how long its lease lives.
+#[derive(Clone, Debug)]
+pub struct MemberSpec {
+    pub id: String,
+    pub listen: String,
+    pub ttl: Duration,
+}
+
+impl Membership {
+    pub fn join(
+        url: ClusterUrl,
+        spec: MemberSpec,
+        events: Sender<MemberEvent>,
+    ) -> Result<Membership, ClusterError> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| ClusterError::Etcd(format!("cannot start a runtime: {e}")))?;
+        let (stop, stopped) = watch::channel(false);
+        let thread = std::thread::Builder::new()
+            .name("kv-member".into())
+            .spawn(move || runtime.block_on(run(url, spec, events, stopped)))
+            .map_err(|e| ClusterError::Etcd(format!("cannot start the member thread: {e}")))?;
+        Ok(Membership {
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    pub fn leave(mut self) {
+        self.end();
+    }
+
+    fn end(&mut self) {
+        let _ = self.stop.send(true);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Membership {
+    fn drop(&mut self) {
+        self.end();
+    }
+}
+
+/// Pause between incarnations when etcd cannot be reached.
+const REJOIN_PAUSE: Duration = Duration::from_millis(500);
+
+async fn run(
+    url: ClusterUrl,
+    spec: MemberSpec,
+    events: Sender<MemberEvent>,
+    mut stopped: watch::Receiver<bool>,
+) {
+    loop {
+        let why = match incarnation(&url, &spec, &events, &mut stopped).await {
+            Ok(()) => return,
+            Err(e) => e.to_string(),
+        };
+        tracing::warn!(member = %spec.id, "{why}");
+        if events.send(MemberEvent::Fenced { why }).is_err() {
+            return;
+        }
+        tokio::select! {
+            _ = stopped.changed() => return,
+            () = tokio::time::sleep(REJOIN_PAUSE) => {}
+        }
+    }
+}
+
+/// One lease's life: Ok when told to stop, Err when the lease may be lost.
+async fn incarnation(
+    url: &ClusterUrl,
+    spec: &MemberSpec,
+    events: &Sender<MemberEvent>,
+    stopped: &mut watch::Receiver<bool>,
+) -> Result<(), ClusterError> {
+    let mut etcd = Etcd::connect(url).await?;
+    let state = etcd.state().await?;
+    let ttl_secs = spec.ttl.as_secs().max(1) as i64;
+    let lease = etcd
+        .client
+        .lease_grant(ttl_secs, None)
+        .await
+        .map_err(|e| ClusterError::Etcd(format!("{url}: lease: {e}")))?
+        .id();
+    let record = MemberRecord {
+        id: spec.id.clone(),
+        listen: spec.listen.clone(),
+        incarnation: lease,
+    };
+    etcd.announce(&record, lease).await?;
+    let renewal = Renewal::start(&mut etcd, lease, spec.ttl).await?;
+    send(events, MemberEvent::Joined { incarnation: lease })?;
+    tracing::info!(member = %spec.id, incarnation = lease, "joined {url}");
+    let (states, watched) = watch::channel(state);
+    let coordinator = tokio::spawn(coordinate(etcd.clone(), spec.id.clone(), lease, watched));
+    let result = serve_lease(&mut etcd, renewal, &states, events, stopped).await;
+    coordinator.abort();
+    if result.is_ok() {
+        // Leaving on purpose: the record goes now, not a TTL later.
+        let _ = etcd.client.lease_revoke(lease).await;
+    }
+    result
+}
+
+fn send(events: &Sender<MemberEvent>, event: MemberEvent) -> Result<(), ClusterError> {
+    events
+        .send(event)
+        .map_err(|_| ClusterError::Etcd("the server stopped listening".into()))
+}
+
+/// Keeping one lease alive, and when it must count as lost.
+struct Renewal {
+    keeper: etcd_client::LeaseKeeper,
+    acks: etcd_client::LeaseKeepAliveStream,
+    /// Send times of the renewals not yet acknowledged, oldest first.
+    unanswered: VecDeque<Instant>,
+    /// The lease is held until then.
+    held_until: Instant,
+    ttl: Duration,
+}
+
+impl Renewal {
+    async fn start(etcd: &mut Etcd, lease: i64, ttl: Duration) -> Result<Renewal, ClusterError> {
+        let granted = Instant::now();
+        let (keeper, acks) = etcd
+            .client
+            .lease_keep_alive(lease)
+            .await
+            .map_err(|e| ClusterError::Etcd(format!("lease keep-alive: {e}")))?;
+        Ok(Renewal {
+            keeper,
+            acks,
+            unanswered: VecDeque::new(),
+            held_until: granted + Self::margin(ttl),
+            ttl,
+        })
+    }
+
+    /// How long after a renewal was sent the lease still counts as held.
+    fn margin(ttl: Duration) -> Duration {
+        ttl - ttl / 4
+    }
+
+    async fn renew(&mut self) {
+        let sent = Instant::now();
+        if self.keeper.keep_alive().await.is_ok() {
+            self.unanswered.push_back(sent);
+        }
+    }
+
+    fn acknowledged(&mut self, ttl_left: i64) -> Result<(), ClusterError> {
+        let sent = self.unanswered.pop_front();
+        if ttl_left <= 0 {
+            return Err(ClusterError::LeaseLost(
+                "etcd says the lease expired".into(),
+            ));
+        }
+        if let Some(sent) = sent {
+            self.held_until = self.held_until.max(sent + Self::margin(self.ttl));
+        }
+        Ok(())
+    }
+}
+
+fn lease_lost(renewal: &Renewal) -> ClusterError {
+    ClusterError::LeaseLost(format!(
+        "no renewal of the etcd lease acknowledged for {:?}",
+        Renewal::margin(renewal.ttl)
+    ))
+}
+
+/// Holds the lease and follows the cluster until told to stop (Ok) or the
+/// lease may be lost (Err). The fence comes first whenever it is due, and
+/// every call to etcd is cut off at `held_until`, so neither a stalled etcd
+/// nor other work can delay it.
+async fn serve_lease(
+    etcd: &mut Etcd,
+    mut renewal: Renewal,
+    states: &watch::Sender<ClusterState>,
+    events: &Sender<MemberEvent>,
+    stopped: &mut watch::Receiver<bool>,
+) -> Result<(), ClusterError> {
+    let mut revision = states.borrow().revision;
+    send(
+        events,
+        MemberEvent::State(Box::new(states.borrow().clone())),
+    )?;
+    let pause = renewal.ttl / 6;
+    let mut tick = tokio::time::interval(pause);
+    let mut changes = None;
+    // The state must be read again (and the watch made) at `retry_at`.
+    let (mut stale, mut retry_at) = (true, Instant::now());
+    let mut acks_open = true;
+    loop {
+        if Instant::now() >= renewal.held_until {
+            return Err(lease_lost(&renewal));
+        }
+        tokio::select! {
+            biased;
+            () = tokio::time::sleep_until(renewal.held_until) => return Err(lease_lost(&renewal)),
+            _ = stopped.changed() => return Ok(()),
+            _ = tick.tick() => {
+                let _ = tokio::time::timeout_at(renewal.held_until, renewal.renew()).await;
+            }
+            ack = renewal.acks.message(), if acks_open => match ack {
+                Ok(Some(reply)) => renewal.acknowledged(reply.ttl())?,
+                // No more acknowledgements: the lease runs out at held_until.
+                Ok(None) | Err(_) => acks_open = false,
+            },
+            open = next_change(&mut changes), if changes.is_some() => {
+                if !open {
+                    changes = None;
+                }
+                (stale, retry_at) = (true, Instant::now());
+            }
+            () = tokio::time::sleep_until(retry_at), if stale => {
+                let read = tokio::time::timeout_at(renewal.held_until, etcd.state()).await;
+                let Ok(Ok(state)) = read else {
+                    retry_at = Instant::now() + pause;
+                    continue;
+                };
+                if state.revision != revision {
+                    revision = state.revision;
+                    send(events, MemberEvent::State(Box::new(state.clone())))?;
+                    let _ = states.send(state);
+                }
+                stale = false;
+                if changes.is_none() {
+                    let watch = tokio::time::timeout_at(renewal.held_until, watch_from(etcd, revision));
+                    changes = watch.await.ok().flatten();
+                    (stale, retry_at) = (changes.is_none(), Instant::now() + pause);
+                }
+            }
+        }
+    }
+}
+
+async fn watch_from(etcd: &mut Etcd, revision: i64) -> Option<etcd_client::WatchStream> {
+    let prefix = etcd.keys.prefix().to_string();
+    let options = WatchOptions::new()
+        .with_prefix()
+        .with_start_revision(revision + 1);
+    etcd.client.watch(prefix, Some(options)).await.ok()
+}
+
+/// Waits for a change under the prefix: true; false when the watch is gone
+/// (etcd away, or compacted past it) and must be made again. Messages
+/// without events (the watch's creation, progress) are skipped.
+async fn next_change(changes: &mut Option<etcd_client::WatchStream>) -> bool {
+    let Some(stream) = changes.as_mut() else {
+        return false;
+    };
+    loop {
+        match stream.message().await {
+            Ok(Some(reply)) if reply.canceled() => return false,
+            Ok(Some(reply)) if reply.events().is_empty() => continue,
+            Ok(Some(_)) => return true,
+            Ok(None) | Err(_) => return false,
+        }
+    }
+}
+
+/// Waits to be elected coordinator; its election key. etcd answers a
+/// campaign only once the candidate is elected, so it is made on a
+/// connection without a request timeout, and made again if it fails.
+async fn campaign(etcd: &Etcd, id: &str, lease: i64) -> Vec<u8> {
+    loop {
+        match Etcd::connect_untimed(etcd.url()).await {
+            Ok(mut candidate) => {
+                let election = candidate.keys.coordinator();
+                match candidate.client.campaign(election, id, lease).await {
+                    Ok(reply) => {
+                        if let Some(leader) = reply.leader() {
+                            return leader.key().to_vec();
+                        }
+                    }
+                    Err(e) => tracing::debug!("campaign for coordinator: {e}"),
+                }
+            }
+            Err(e) => tracing::debug!("campaign for coordinator: {e}"),
+        }
+        tokio::time::sleep(REJOIN_PAUSE).await;
+    }
+}
+
+/// Campaigns to be the coordinator; once elected, keeps the map complete
+/// as the cluster changes. Every map it writes is checked against the map
+/// it read and its own election key, so a coordinator that lost its lease
+/// (or a second one) cannot overwrite a newer map.
+async fn coordinate(
+    mut etcd: Etcd,
+    id: String,
+    lease: i64,
+    mut states: watch::Receiver<ClusterState>,
+) {
+    let leader = campaign(&etcd, &id, lease).await;
+    tracing::info!(member = %id, "coordinating");
+    loop {
+        // Read afresh: the copy watched may predate the election, and so
+        // list members whose leases (and election keys) ran out since.
+        states.borrow_and_update();
+        let state = match etcd.state().await {
+            Ok(state) => state,
+            Err(e) => {
+                tracing::warn!("reading the cluster: {e}");
+                tokio::time::sleep(REJOIN_PAUSE).await;
+                continue;
+            }
+        };
+        let map = state.shard_map();
+        if let Some(next) = next_map(&state.config, map, &state.live_ids()) {
+            let based_on = state.map.as_ref().map(|(_, r)| *r);
+            match etcd.publish_map(&next, based_on, Some(&leader)).await {
+                Ok(true) => tracing::info!(epoch = next.epoch, "published the shard map"),
+                Ok(false) => tracing::info!("the shard map changed meanwhile"),
+                Err(e) => tracing::warn!("publishing the shard map: {e}"),
+            }
+        }
+        tokio::select! {
+            changed = states.changed() => if changed.is_err() { return },
+            () = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
+    }
+}

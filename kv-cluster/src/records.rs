@@ -1,0 +1,201 @@
+//! What etcd holds for a cluster, under `/onekv/<name>/`, as JSON (so that
+//! `etcdctl get --prefix /onekv/` is readable by an operator):
+//!
+//! - `config`: the shard count, fixed at creation;
+//! - `members/<id>`: one record per live server, on that server's etcd
+//!   lease (it vanishes when the server stops renewing);
+//! - `map`: which member owns each shard, with an epoch; changed only by a
+//!   transaction that compares the map's revision (see `etcd`);
+//! - `coordinator`: the election that picks who changes the map.
+
+use kv_common::layout::MAX_SHARDS;
+use kv_common::Address;
+use serde::{Deserialize, Serialize};
+
+/// Shards of a cluster when `cluster create` is not told.
+pub const DEFAULT_SHARDS: u32 = 64;
+
+/// Set once, by `cluster create`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterConfig {
+    pub shards: u32,
+    /// Members that must have joined before the first map is made, so that
+    /// a cluster started with several servers spreads its shards over all
+    /// of them from the start.
+    pub initial_members: u32,
+}
+
+impl ClusterConfig {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.shards == 0 || self.shards > MAX_SHARDS {
+            return Err(format!(
+                "{} shards: a cluster has 1 to {MAX_SHARDS}",
+                self.shards
+            ));
+        }
+        if self.initial_members == 0 {
+            return Err("--initial-members must be at least 1".into());
+        }
+        Ok(())
+    }
+}
+
+/// A live server, as it announced itself.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemberRecord {
+    /// Stable across restarts (the map names owners by it), unique in the
+    /// cluster.
+    pub id: String,
+    /// Its `--listen` address; each shard it owns is served at
+    /// [`shard_address`] of it.
+    pub listen: String,
+    /// Changes each time the server (re)joins: its etcd lease.
+    pub incarnation: i64,
+}
+
+/// Which member owns each shard.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardMap {
+    /// Raised by every change.
+    pub epoch: u64,
+    /// `owners[shard]`: a member id, or none yet.
+    pub owners: Vec<Option<String>>,
+}
+
+impl ShardMap {
+    pub fn owner(&self, shard: u32) -> Option<&str> {
+        self.owners.get(shard as usize)?.as_deref()
+    }
+
+    /// The shards `member` owns.
+    pub fn shards_of<'a>(&'a self, member: &'a str) -> impl Iterator<Item = u32> + 'a {
+        self.owners
+            .iter()
+            .enumerate()
+            .filter(move |(_, o)| o.as_deref() == Some(member))
+            .map(|(s, _)| s as u32)
+    }
+}
+
+/// Where a member that listens at `listen` serves `shard`: each shard is
+/// one region as a single server's, with its own control endpoint.
+/// shm: the region file `NAME.shard-S` (socket `NAME.shard-S.sock`);
+/// rdma: port `PORT + 1 + S` (the member's own port stays free).
+pub fn shard_address(listen: &Address, shard: u32) -> Result<Address, String> {
+    match listen {
+        Address::Shm { region } => {
+            let mut name = region.as_os_str().to_owned();
+            name.push(format!(".shard-{shard}"));
+            Ok(Address::Shm {
+                region: name.into(),
+            })
+        }
+        Address::Rdma { host, port } => {
+            let port = u32::from(*port) + 1 + shard;
+            let port = u16::try_from(port).map_err(|_| {
+                format!("{listen}: shard {shard} would need port {port}; listen on a lower port")
+            })?;
+            Ok(Address::Rdma {
+                host: host.clone(),
+                port,
+            })
+        }
+    }
+}
+
+/// What `cluster status` prints: members, the shards each owns, and the
+/// shards whose owner is not live.
+pub fn describe(
+    config: &ClusterConfig,
+    members: &[MemberRecord],
+    map: Option<&ShardMap>,
+) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let _ = writeln!(out, "shards: {}", config.shards);
+    let Some(map) = map else {
+        let _ = writeln!(
+            out,
+            "map: none yet (dealt once {} servers have joined; {} have)",
+            config.initial_members,
+            members.len()
+        );
+        return out;
+    };
+    let _ = writeln!(out, "map epoch: {}", map.epoch);
+    for m in members {
+        let shards: Vec<String> = map.shards_of(&m.id).map(|s| s.to_string()).collect();
+        let _ = writeln!(
+            out,
+            "member {} at {} (incarnation {:x}): {} shards [{}]",
+            m.id,
+            m.listen,
+            m.incarnation,
+            shards.len(),
+            shards.join(" ")
+        );
+    }
+    let down: Vec<String> = (0..map.owners.len() as u32)
+        .filter(|&s| {
+            map.owner(s)
+                .is_none_or(|o| !members.iter().any(|m| m.id == o))
+        })
+        .map(|s| format!("{s}@{}", map.owner(s).unwrap_or("nobody")))
+        .collect();
+    if !down.is_empty() {
+        let _ = writeln!(
+            out,
+            "unavailable shards (owner not live): {}",
+            down.join(" ")
+        );
+    }
+    out
+}
+
+pub fn encode<T: Serialize>(record: &T) -> Vec<u8> {
+    // The records are plain structs of strings and numbers: nothing in
+    // them can fail to serialize.
+    serde_json::to_vec(record).unwrap_or_default()
+}
+
+/// A record read back from etcd; `what` names it in the error.
+pub fn decode<T: for<'de> Deserialize<'de>>(what: &str, bytes: &[u8]) -> Result<T, String> {
+    serde_json::from_slice(bytes).map_err(|e| format!("{what} in etcd is damaged: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shards_get_addresses_of_their_own() {
+        let shm = Address::parse("shm:///dev/shm/a").unwrap();
+        assert_eq!(
+            shard_address(&shm, 3).unwrap().to_string(),
+            "shm:///dev/shm/a.shard-3"
+        );
+        let rdma = Address::parse("rdma://10.0.0.1:7000").unwrap();
+        assert_eq!(
+            shard_address(&rdma, 0).unwrap().to_string(),
+            "rdma://10.0.0.1:7001"
+        );
+        let high = Address::parse("rdma://h:65500").unwrap();
+        assert!(shard_address(&high, 63).unwrap_err().contains("lower port"));
+    }
+
+    #[test]
+    fn records_round_trip_and_damage_is_named() {
+        let map = ShardMap {
+            epoch: 4,
+            owners: vec![Some("a".into()), None],
+        };
+        assert_eq!(decode::<ShardMap>("map", &encode(&map)).unwrap(), map);
+        assert_eq!(map.shards_of("a").collect::<Vec<_>>(), [0]);
+        assert!(decode::<ShardMap>("map", b"{").unwrap_err().contains("map"));
+        let bad = ClusterConfig {
+            shards: 0,
+            initial_members: 1,
+        };
+        assert!(bad.validate().is_err());
+    }
+}

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# A onekv cluster on this machine: etcd on a temporary directory, a cluster
+# of SHARDS shards, and three kv-server members over shm, until Ctrl-C.
+#
+#   scripts/local-cluster.sh [SHARDS]      (default 12)
+#
+# Needs etcd (Debian: etcd-server) and a build of kv-server (cargo build
+# --release -p kv-server; protoc, Debian protobuf-compiler, to build it).
+# Clients then connect with kv_client::ClusterClient::connect(URL), and
+# `kv-server cluster status URL` shows who serves which shards.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+shards=${1:-12}
+server=${KV_SERVER:-target/release/kv-server}
+command -v etcd >/dev/null || { echo "etcd not found: apt-get install etcd-server" >&2; exit 1; }
+[ -x "$server" ] || { echo "$server not built: cargo build --release -p kv-server" >&2; exit 1; }
+
+work=$(mktemp -d /dev/shm/onekv-cluster.XXXXXX)
+pids=()
+cleanup() {
+  kill "${pids[@]}" 2>/dev/null || true
+  wait 2>/dev/null || true
+  rm -rf "$work"
+}
+trap cleanup EXIT INT TERM
+
+port=${ETCD_PORT:-23790}
+etcd --name local --data-dir "$work/etcd" \
+  --listen-client-urls "http://127.0.0.1:$port" --advertise-client-urls "http://127.0.0.1:$port" \
+  --listen-peer-urls "http://127.0.0.1:$((port + 1))" \
+  --initial-advertise-peer-urls "http://127.0.0.1:$((port + 1))" \
+  --initial-cluster "local=http://127.0.0.1:$((port + 1))" >"$work/etcd.log" 2>&1 &
+pids+=($!)
+url="etcd://127.0.0.1:$port/local"
+for _ in $(seq 100); do
+  "$server" cluster create "$url" --shards "$shards" --initial-members 3 2>/dev/null && break
+  sleep 0.1
+done
+
+for m in a b c; do
+  "$server" --cluster "$url" --member-name "$m" --listen "shm://$work/$m" >"$work/$m.log" 2>&1 &
+  pids+=($!)
+done
+sleep 2
+"$server" cluster status "$url"
+echo "cluster $url is up (logs in $work); Ctrl-C stops it"
+wait

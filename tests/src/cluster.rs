@@ -1,0 +1,140 @@
+//! Clusters for tests: an etcd of their own (a temporary data directory,
+//! free ports) and `kv-server` members as processes.
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kv_common::Address;
+
+use crate::{workspace_bin, Daemon};
+
+/// An etcd server on loopback, stopped (and its data removed) on drop.
+pub struct EtcdServer {
+    child: Child,
+    port: u16,
+    _data: tempfile::TempDir,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind(("127.0.0.1", 0))
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+/// The etcd binary; installed from Debian's `etcd-server` when missing and
+/// the tests run as root, else the test fails naming the package.
+fn etcd_binary() -> std::path::PathBuf {
+    let found = || {
+        std::env::var_os("PATH")
+            .into_iter()
+            .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+            .map(|d| d.join("etcd"))
+            .find(|p| p.is_file())
+    };
+    if let Some(path) = found() {
+        return path;
+    }
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        let _ = Command::new("apt-get")
+            .args(["install", "-y", "-qq", "etcd-server"])
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .status();
+    }
+    found()
+        .expect("etcd is not installed: install Debian's etcd-server (apt-get install etcd-server)")
+}
+
+impl EtcdServer {
+    pub fn start() -> EtcdServer {
+        let data = tempfile::tempdir().expect("etcd data directory");
+        let (port, peer) = (free_port(), free_port());
+        let client_url = format!("http://127.0.0.1:{port}");
+        let peer_url = format!("http://127.0.0.1:{peer}");
+        let child = Command::new(etcd_binary())
+            .args(["--name", "onekv-test", "--data-dir"])
+            .arg(data.path())
+            .args(["--listen-client-urls", &client_url])
+            .args(["--advertise-client-urls", &client_url])
+            .args(["--listen-peer-urls", &peer_url])
+            .args(["--initial-advertise-peer-urls", &peer_url])
+            .arg("--initial-cluster")
+            .arg(format!("onekv-test={peer_url}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start etcd");
+        let etcd = EtcdServer {
+            child,
+            port,
+            _data: data,
+        };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "etcd did not start listening");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        etcd
+    }
+
+    /// The URL of cluster `name` in this etcd.
+    pub fn url(&self, name: &str) -> String {
+        format!("etcd://127.0.0.1:{}/{name}", self.port)
+    }
+
+    /// Sends `signal` (SIGSTOP, SIGCONT) to etcd.
+    pub fn signal(&self, signal: i32) {
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc::kill(self.child.id() as i32, signal) };
+    }
+}
+
+impl Drop for EtcdServer {
+    fn drop(&mut self) {
+        self.signal(libc::SIGCONT);
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `kv-server cluster create URL --shards S --initial-members M`.
+pub fn create_cluster(url: &str, shards: u32, initial_members: u32) {
+    let out = Command::new(workspace_bin("kv-server"))
+        .args(["cluster", "create", url, "--shards"])
+        .arg(shards.to_string())
+        .arg("--initial-members")
+        .arg(initial_members.to_string())
+        .output()
+        .expect("run kv-server cluster create");
+    assert!(
+        out.status.success(),
+        "cluster create failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// `kv-server cluster status URL`'s output.
+pub fn cluster_status(url: &str) -> String {
+    let out = Command::new(workspace_bin("kv-server"))
+        .args(["cluster", "status", url])
+        .output()
+        .expect("run kv-server cluster status");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A member `name` of the cluster at `url`, listening at `dir/name` (shm);
+/// not waited for (it serves once the map gives it shards).
+pub fn start_member(url: &str, dir: &Path, name: &str, extra: &[&str]) -> Daemon {
+    let listen = Address::Shm {
+        region: dir.join(name),
+    };
+    let mut command = Command::new(workspace_bin("kv-server"));
+    command
+        .args(["--cluster", url, "--member-name", name, "--listen"])
+        .arg(listen.to_string())
+        .args(["--memory", "8MiB", "--lease-ttl", "2"])
+        .args(extra);
+    Daemon::spawn_unwaited(command, &listen)
+}

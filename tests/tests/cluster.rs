@@ -1,0 +1,192 @@
+//! A cluster of `kv-server` processes over one etcd: keys spread over the
+//! members' shards, a dead member fails only its own shards (and brings
+//! them back, with every write, when it restarts), a member that cannot
+//! renew its lease stops serving until it rejoins, and racing map writers
+//! cannot both win.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use kv_client::{ClusterClient, Error};
+use kv_cluster::etcd::BlockingEtcd;
+use kv_cluster::{ClusterUrl, ShardMap};
+use onekv_tests::cluster::{cluster_status, create_cluster, start_member, EtcdServer};
+use onekv_tests::{eventually, region_dir};
+
+const KEYS: usize = 300;
+
+fn key(i: usize) -> String {
+    format!("user{i}")
+}
+
+/// Puts every key once the cluster serves all its shards.
+fn load(url: &str) -> ClusterClient {
+    let mut kv = None;
+    eventually(
+        "the cluster serves every shard",
+        Duration::from_secs(60),
+        || {
+            let Ok(mut client) = ClusterClient::connect(url) else {
+                return false;
+            };
+            let all = (0..KEYS).all(|i| client.put(key(i), format!("v{i}")).is_ok());
+            kv = Some(client);
+            all
+        },
+    );
+    kv.expect("a connected client")
+}
+
+#[test]
+fn keys_spread_over_three_servers_and_a_dead_one_fails_only_its_shards() {
+    let etcd = EtcdServer::start();
+    let url = etcd.url("spread");
+    let dir = region_dir();
+    create_cluster(&url, 6, 3);
+    let _m0 = start_member(&url, dir.path(), "m0", &[]);
+    let m1 = start_member(&url, dir.path(), "m1", &[]);
+    let _m2 = start_member(&url, dir.path(), "m2", &[]);
+    let kv = load(&url);
+
+    let mut keys_per_member = BTreeMap::new();
+    for i in 0..KEYS {
+        let owner = kv.owner(kv.shard_of(key(i))).expect("every shard owned");
+        *keys_per_member.entry(owner.to_string()).or_insert(0) += 1;
+    }
+    assert_eq!(keys_per_member.len(), 3, "{keys_per_member:?}");
+    let status = cluster_status(&url);
+    for m in ["m0", "m1", "m2"] {
+        assert!(status.contains(&format!("member {m} ")), "{status}");
+        assert!(status.contains(": 2 shards"), "{status}");
+    }
+
+    m1.kill_9();
+    // A client that connects now: m1's shards fail, naming shard and
+    // server; every other key reads back.
+    let mut fresh = ClusterClient::connect(&url).expect("connect");
+    let (mut served, mut failed) = (0, 0);
+    for i in 0..KEYS {
+        let shard = fresh.shard_of(key(i));
+        match fresh.get(key(i)) {
+            Ok(value) => {
+                assert_ne!(fresh.owner(shard), Some("m1"), "{}", key(i));
+                assert_eq!(value.as_deref(), Some(format!("v{i}").as_bytes()));
+                served += 1;
+            }
+            Err(Error::ShardUnavailable {
+                shard: s, server, ..
+            }) => {
+                assert_eq!((s, server.as_str()), (shard, "m1"));
+                failed += 1;
+            }
+            Err(e) => panic!("{}: {e}", key(i)),
+        }
+    }
+    assert_eq!(failed, keys_per_member["m1"]);
+    assert_eq!(served, KEYS - failed);
+
+    let _m1 = start_member(&url, dir.path(), "m1", &[]);
+    eventually(
+        "m1's shards back, with every write",
+        Duration::from_secs(60),
+        || {
+            (0..KEYS).all(|i| {
+                fresh.get(key(i)).ok().flatten().as_deref() == Some(format!("v{i}").as_bytes())
+            })
+        },
+    );
+}
+
+#[test]
+fn a_member_that_cannot_renew_its_lease_stops_serving_until_it_joins_again() {
+    let etcd = EtcdServer::start();
+    let url = etcd.url("fence");
+    let dir = region_dir();
+    create_cluster(&url, 2, 1);
+    let member = start_member(&url, dir.path(), "solo", &[]);
+    let mut kv = load(&url);
+    let cluster = ClusterUrl::parse(&url).expect("url");
+    let incarnation =
+        |etcd: &mut BlockingEtcd| etcd.state().ok()?.member("solo").map(|m| m.incarnation);
+    let mut reader = BlockingEtcd::connect(&cluster).expect("etcd");
+    let first = incarnation(&mut reader).expect("solo is a member");
+
+    // etcd stops answering: no renewal is acknowledged, and within the
+    // lease the member stops serving (its clients' keys are revoked).
+    etcd.signal(libc::SIGSTOP);
+    eventually("the member stops serving", Duration::from_secs(30), || {
+        kv.get(key(0)).is_err()
+    });
+    etcd.signal(libc::SIGCONT);
+
+    // It joins again under a new lease, and serves its shards with every
+    // write they held.
+    eventually("the member rejoins", Duration::from_secs(30), || {
+        incarnation(&mut reader).is_some_and(|i| i != first)
+    });
+    eventually("its shards served again", Duration::from_secs(30), || {
+        (0..KEYS)
+            .all(|i| kv.get(key(i)).ok().flatten().as_deref() == Some(format!("v{i}").as_bytes()))
+    });
+    let (_, log) = member.terminate();
+    assert!(log.contains("serving nothing until joined again"), "{log}");
+}
+
+#[test]
+fn of_two_coordinators_publishing_against_one_map_exactly_one_wins() {
+    let etcd = EtcdServer::start();
+    let url = ClusterUrl::parse(&etcd.url("race")).expect("url");
+    create_cluster(&url.to_string(), 4, 1);
+    let mut a = BlockingEtcd::connect(&url).expect("etcd");
+    let mut b = BlockingEtcd::connect(&url).expect("etcd");
+    let map = |owner: &str, epoch| ShardMap {
+        epoch,
+        owners: vec![Some(owner.to_string()); 4],
+    };
+
+    // No map yet: both try to write the first.
+    let first = [
+        a.publish_map(&map("a", 1), None),
+        b.publish_map(&map("b", 1), None),
+    ];
+    let won: Vec<bool> = first
+        .into_iter()
+        .map(|r| r.expect("etcd answers"))
+        .collect();
+    assert_eq!(won.iter().filter(|w| **w).count(), 1, "{won:?}");
+
+    // Both read the same map and race their next epoch.
+    let state = a.state().expect("state");
+    let (current, revision) = state.map.clone().expect("a map");
+    let next = [
+        a.publish_map(&map("a", current.epoch + 1), Some(revision)),
+        b.publish_map(&map("b", current.epoch + 1), Some(revision)),
+    ];
+    let won: Vec<bool> = next.into_iter().map(|r| r.expect("etcd answers")).collect();
+    assert_eq!(won.iter().filter(|w| **w).count(), 1, "{won:?}");
+    let winner = if won[0] { "a" } else { "b" };
+    let after = b.state().expect("state").map.expect("a map").0;
+    assert_eq!(after, map(winner, current.epoch + 1));
+}
+
+#[test]
+fn when_the_coordinator_dies_another_member_takes_over() {
+    let etcd = EtcdServer::start();
+    let url = etcd.url("takeover");
+    let dir = region_dir();
+    // The first member is elected but cannot deal the shards alone.
+    create_cluster(&url, 4, 2);
+    let first = start_member(&url, dir.path(), "first", &[]);
+    eventually("first is coordinator", Duration::from_secs(30), || {
+        cluster_status(&url).contains("map: none yet")
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    first.kill_9();
+    // Its lease runs out; one of the two that join now must coordinate.
+    let _a = start_member(&url, dir.path(), "a", &[]);
+    let _b = start_member(&url, dir.path(), "b", &[]);
+    let kv = load(&url);
+    for shard in 0..4 {
+        assert!(matches!(kv.owner(shard), Some("a" | "b")), "{shard}");
+    }
+}
