@@ -70,40 +70,94 @@ impl StoreFactory for Onekv {
         let options = self
             .options()
             .with_slot_cache_entries(self.slot_cache_entries);
+        if kv_cluster::ClusterUrl::is_cluster(&self.address) {
+            let cluster = kv_client::ClusterClient::connect_with(&self.address, options)
+                .map_err(|e| format!("onekv at {}: {e}", self.address))?;
+            return Ok(Box::new(cluster));
+        }
         let client = kv_client::Client::connect_with(&self.address, options)
             .map_err(|e| format!("onekv at {}: {e}", self.address))?;
         Ok(Box::new(client))
     }
 
     fn server_cpu_us(&self) -> Option<u64> {
+        if kv_cluster::ClusterUrl::is_cluster(&self.address) {
+            let mut cluster =
+                kv_client::ClusterClient::connect_with(&self.address, self.options()).ok()?;
+            let shards = 0..cluster.shards();
+            return shards
+                .map(|s| cluster.server_stats(s).ok().map(|s| s.server_cpu_us))
+                .sum();
+        }
         let mut client = kv_client::Client::connect_with(&self.address, self.options()).ok()?;
         client.server_stats().ok().map(|s| s.server_cpu_us)
     }
 
     fn settle(&self) -> Result<Duration, String> {
+        if kv_cluster::ClusterUrl::is_cluster(&self.address) {
+            return self.settle_cluster();
+        }
         let mut client = kv_client::Client::connect_with(&self.address, self.options())
             .map_err(|e| e.to_string())?;
-        let start = Instant::now();
-        let mut stats = || client.server_stats().map_err(|e| e.to_string());
-        // The server looks at its occupancy twice a second, so a resize the
-        // load made due may start up to then: settled is no resize under
-        // way at two looks a second apart, and none in between.
-        loop {
-            let before = stats()?;
-            if !before.resizing {
-                std::thread::sleep(QUIET);
-                let after = stats()?;
-                if !after.resizing && after.resizes == before.resizes {
-                    return Ok(start.elapsed().saturating_sub(QUIET));
-                }
+        settle_servers(|| Ok(vec![client.server_stats().map_err(|e| e.to_string())?]))
+    }
+}
+
+impl Onekv {
+    /// Settles every shard's server (all at once: each settled one still
+    /// waits for the others).
+    fn settle_cluster(&self) -> Result<Duration, String> {
+        let mut cluster = kv_client::ClusterClient::connect_with(&self.address, self.options())
+            .map_err(|e| e.to_string())?;
+        settle_servers(|| {
+            (0..cluster.shards())
+                .map(|shard| cluster.server_stats(shard).map_err(|e| e.to_string()))
+                .collect()
+        })
+    }
+}
+
+/// Waits until none of the servers whose statistics `stats` reads has a
+/// resize under way; how long it took.
+fn settle_servers(
+    mut stats: impl FnMut() -> Result<Vec<kv_common::protocol::ServerStats>, String>,
+) -> Result<Duration, String> {
+    let start = Instant::now();
+    let resizes = |all: &[kv_common::protocol::ServerStats]| -> Option<Vec<u64>> {
+        all.iter()
+            .map(|s| (!s.resizing).then_some(s.resizes))
+            .collect()
+    };
+    // A server looks at its occupancy twice a second, so a resize the
+    // load made due may start up to then: settled is no resize under way
+    // at two looks a second apart, and none in between.
+    loop {
+        if let Some(before) = resizes(&stats()?) {
+            std::thread::sleep(QUIET);
+            if resizes(&stats()?) == Some(before) {
+                return Ok(start.elapsed().saturating_sub(QUIET));
             }
-            if start.elapsed() > SETTLE_LIMIT {
-                return Err(format!(
-                    "the server's index resize is still under way after {SETTLE_LIMIT:?}"
-                ));
-            }
-            std::thread::sleep(Duration::from_millis(20));
         }
+        if start.elapsed() > SETTLE_LIMIT {
+            return Err(format!(
+                "an index resize is still under way after {SETTLE_LIMIT:?}"
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+impl Store for kv_client::ClusterClient {
+    fn read(&mut self, key: &[u8], out: &mut Vec<u8>) -> Result<bool, String> {
+        self.get_into(key, out).map_err(|e| e.to_string())
+    }
+
+    fn write(&mut self, key: &[u8], value: &[u8]) -> Result<(), String> {
+        self.put(key, value).map_err(|e| e.to_string())
+    }
+
+    fn verb_stats(&self) -> Option<VerbStats> {
+        Some(kv_client::ClusterClient::verb_stats(self))
     }
 }
 

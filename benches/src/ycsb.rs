@@ -35,8 +35,9 @@ pub struct WorkloadArgs {
     /// latency percentiles (compare).
     #[arg(long, value_name = "FILE.svg")]
     pub plot: Option<PathBuf>,
-    /// onekv server address; by default an embedded server on a temporary
-    /// shm region, which starts at the server's default size and grows.
+    /// onekv server address, or a cluster's etcd://HOST:PORT/NAME; by
+    /// default an embedded server on a temporary shm region, which starts
+    /// at the server's default size and grows.
     #[arg(long)]
     pub server: Option<String>,
     /// File holding the server's shared secret.

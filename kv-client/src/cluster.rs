@@ -4,11 +4,13 @@
 //! and the members come from etcd, read at connect and again when a
 //! shard's server cannot be reached; etcd is never on the data path.
 
+use std::time::{Duration, Instant};
+
 use kv_cluster::etcd::{BlockingEtcd, ClusterState};
 use kv_cluster::{shard_address, ClusterUrl};
 use kv_common::layout::shard_of;
 
-use crate::{Client, ClientOptions, Error, Result};
+use crate::{Client, ClientOptions, Error, Result, ServerStats, VerbStats};
 
 /// A cluster, with the API of one server's [`Client`] for single keys.
 /// Like a `Client`, it is one thread's: give each thread its own.
@@ -24,9 +26,14 @@ pub struct ClusterClient {
     options: ClientOptions,
     etcd: BlockingEtcd,
     state: ClusterState,
+    /// When `state` was read.
+    read_at: Instant,
     /// A connection per shard, once used.
     shards: Vec<Option<Client>>,
 }
+
+/// Least time between two reads of the map prompted by unreachable shards.
+const REREAD_EVERY: Duration = Duration::from_millis(100);
 
 fn cluster_error(e: kv_cluster::ClusterError) -> Error {
     Error::Cluster(e.to_string())
@@ -60,6 +67,7 @@ impl ClusterClient {
             options,
             etcd,
             state,
+            read_at: Instant::now(),
             shards,
         })
     }
@@ -88,6 +96,16 @@ impl ClusterClient {
     pub fn get(&mut self, key: impl AsRef<[u8]>) -> Result<Option<Vec<u8>>> {
         let key = key.as_ref();
         self.on_shard(key, |c| c.get(key))
+    }
+
+    /// Reads the value of `key` into `out`; false if there is no such key.
+    ///
+    /// # Errors
+    ///
+    /// As [`ClusterClient::get`].
+    pub fn get_into(&mut self, key: impl AsRef<[u8]>, out: &mut Vec<u8>) -> Result<bool> {
+        let key = key.as_ref();
+        self.on_shard(key, |c| c.get_into(key, out))
     }
 
     /// Stores `value` under `key`.
@@ -130,17 +148,43 @@ impl ClusterClient {
         self.on_shard(key, |c| c.get_counter(key))
     }
 
-    /// Runs `op` on the connection to `key`'s shard. When the shard's
+    /// The statistics of the server of `shard`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Cluster`] for a shard the cluster does not have;
+    /// [`Error::ShardUnavailable`].
+    pub fn server_stats(&mut self, shard: u32) -> Result<ServerStats> {
+        if shard >= self.shards() {
+            return Err(Error::Cluster(format!(
+                "{} has no shard {shard} (it has {})",
+                self.url,
+                self.shards()
+            )));
+        }
+        self.on(shard, Client::server_stats)
+    }
+
+    /// Verbs posted so far over every shard's connection.
+    pub fn verb_stats(&self) -> VerbStats {
+        let mut total = VerbStats::default();
+        for client in self.shards.iter().flatten() {
+            total.add(&client.verb_stats());
+        }
+        total
+    }
+
+    /// Runs `op` on the connection to `key`'s shard (see [`Self::on`]).
+    fn on_shard<T>(&mut self, key: &[u8], op: impl FnMut(&mut Client) -> Result<T>) -> Result<T> {
+        crate::check_key(key)?;
+        self.on(self.shard_of(key), op)
+    }
+
+    /// Runs `op` on the connection to `shard`. When the shard's
     /// server cannot be reached, the map is read again (its owner may
     /// have changed) and the operation tried once more there; if it is
     /// still unreachable, the error names the shard and its server.
-    fn on_shard<T>(
-        &mut self,
-        key: &[u8],
-        mut op: impl FnMut(&mut Client) -> Result<T>,
-    ) -> Result<T> {
-        crate::check_key(key)?;
-        let shard = self.shard_of(key);
+    fn on<T>(&mut self, shard: u32, mut op: impl FnMut(&mut Client) -> Result<T>) -> Result<T> {
         let mut reread = false;
         loop {
             let error = match self.connection(shard) {
@@ -153,13 +197,17 @@ impl ClusterClient {
                 Err(e) => return Err(e),
             };
             self.shards[shard as usize] = None;
-            if reread {
+            // A shard that stays down does not send every operation to
+            // etcd: the map is read at most once per REREAD_EVERY.
+            let recently = self.read_at.elapsed() < REREAD_EVERY;
+            if reread || recently {
                 return Err(match error {
                     Error::ShardUnavailable { .. } => error,
                     other => self.unavailable(shard, &other.to_string()),
                 });
             }
             self.state = self.etcd.state().map_err(cluster_error)?;
+            self.read_at = Instant::now();
             if self.state.config.shards as usize != self.shards.len() {
                 return Err(Error::Cluster(format!(
                     "{} now has {} shards (it was made anew): connect again",
@@ -174,12 +222,30 @@ impl ClusterClient {
         let slot = shard as usize;
         if self.shards[slot].is_none() {
             let address = self.address_of(shard)?;
-            let client = Client::connect_with(&address, self.options.clone())?;
+            let client = Client::connect_with(&address, self.shard_options(&address))?;
             self.shards[slot] = Some(client);
         }
         self.shards[slot]
             .as_mut()
             .ok_or_else(|| Error::Internal("a shard's connection vanished".into()))
+    }
+
+    /// A shard's connection options: the slot hints of the whole client
+    /// (its options', or the transport's default) shared among the shards,
+    /// so that a cluster client keeps as many hints as a single one and no
+    /// more (more would cost cache misses over shm; see
+    /// [`crate::SlotCacheEntries`]).
+    fn shard_options(&self, address: &str) -> ClientOptions {
+        let total = self
+            .options
+            .slot_cache_entries
+            .unwrap_or(if address.starts_with("rdma://") {
+                crate::DEFAULT_SLOT_CACHE_ENTRIES.rdma
+            } else {
+                crate::DEFAULT_SLOT_CACHE_ENTRIES.shm
+            });
+        let per_shard = total.div_ceil(self.shards.len().max(1));
+        self.options.clone().with_slot_cache_entries(per_shard)
     }
 
     /// The address of `shard` at its owner, as the map last read says.

@@ -154,7 +154,8 @@ pub struct ClientOptions {
     /// CAS, an increment one atomic (0 turns it off; PUT and DELETE over a
     /// counter read it first). None: on every transport, sized for it
     /// ([`DEFAULT_SLOT_CACHE_ENTRIES`]; a lookup costs a hash of the key and
-    /// no allocation, and the table grows to this as keys are seen).
+    /// no allocation, and the table grows to this as keys are seen). A
+    /// `ClusterClient` shares this count among its shards' connections.
     pub slot_cache_entries: Option<usize>,
     /// How long to wait for the server's reply to a control message
     /// (connect, lease, stats, the goodbye of [`Client::close`]) before

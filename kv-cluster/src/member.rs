@@ -11,7 +11,9 @@
 //! lease expire. It then joins again under a new lease: a new incarnation.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Sender;
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -41,6 +43,7 @@ pub enum MemberEvent {
 /// revokes its lease, so its record goes at once.
 pub struct Membership {
     stop: watch::Sender<bool>,
+    held: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -63,14 +66,24 @@ impl Membership {
             .build()
             .map_err(|e| ClusterError::Etcd(format!("cannot start a runtime: {e}")))?;
         let (stop, stopped) = watch::channel(false);
+        let held = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&held);
         let thread = std::thread::Builder::new()
             .name("kv-member".into())
-            .spawn(move || runtime.block_on(run(url, spec, events, stopped)))
+            .spawn(move || runtime.block_on(run(url, spec, events, &flag, stopped)))
             .map_err(|e| ClusterError::Etcd(format!("cannot start the member thread: {e}")))?;
         Ok(Membership {
             stop,
+            held,
             thread: Some(thread),
         })
+    }
+
+    /// Whether the lease is held now: false from the moment it may be
+    /// lost, before [`MemberEvent::Fenced`] is sent, so that work under way
+    /// (starting shards) can stop without waiting for the event.
+    pub fn holds_lease(&self) -> bool {
+        self.held.load(Ordering::SeqCst)
     }
 
     pub fn leave(mut self) {
@@ -98,10 +111,13 @@ async fn run(
     url: ClusterUrl,
     spec: MemberSpec,
     events: Sender<MemberEvent>,
+    held: &AtomicBool,
     mut stopped: watch::Receiver<bool>,
 ) {
     loop {
-        let why = match incarnation(&url, &spec, &events, &mut stopped).await {
+        let result = incarnation(&url, &spec, &events, held, &mut stopped).await;
+        held.store(false, Ordering::SeqCst);
+        let why = match result {
             Ok(()) => return,
             Err(e) => e.to_string(),
         };
@@ -121,24 +137,35 @@ async fn incarnation(
     url: &ClusterUrl,
     spec: &MemberSpec,
     events: &Sender<MemberEvent>,
+    held: &AtomicBool,
     stopped: &mut watch::Receiver<bool>,
 ) -> Result<(), ClusterError> {
     let mut etcd = Etcd::connect(url).await?;
     let state = etcd.state().await?;
     let ttl_secs = spec.ttl.as_secs().max(1) as i64;
-    let lease = etcd
+    // etcd starts the lease's time after this: count from here.
+    let asked = Instant::now();
+    let grant = etcd
         .client
         .lease_grant(ttl_secs, None)
         .await
-        .map_err(|e| ClusterError::Etcd(format!("{url}: lease: {e}")))?
-        .id();
+        .map_err(|e| ClusterError::Etcd(format!("{url}: lease: {e}")))?;
+    let lease = grant.id();
+    // The TTL etcd granted, which may differ from the one asked for.
+    let ttl = Duration::from_secs(u64::try_from(grant.ttl()).unwrap_or(0));
+    if ttl.is_zero() {
+        return Err(ClusterError::LeaseLost(
+            "etcd granted a lease of no time".into(),
+        ));
+    }
     let record = MemberRecord {
         id: spec.id.clone(),
         listen: spec.listen.clone(),
         incarnation: lease,
     };
     etcd.announce(&record, lease).await?;
-    let renewal = Renewal::start(&mut etcd, lease, spec.ttl).await?;
+    let renewal = Renewal::start(&mut etcd, lease, asked, ttl).await?;
+    held.store(true, Ordering::SeqCst);
     send(events, MemberEvent::Joined { incarnation: lease })?;
     tracing::info!(member = %spec.id, incarnation = lease, "joined {url}");
     let (states, watched) = watch::channel(state);
@@ -170,8 +197,13 @@ struct Renewal {
 }
 
 impl Renewal {
-    async fn start(etcd: &mut Etcd, lease: i64, ttl: Duration) -> Result<Renewal, ClusterError> {
-        let granted = Instant::now();
+    /// Renews `lease`, asked for at `asked`.
+    async fn start(
+        etcd: &mut Etcd,
+        lease: i64,
+        asked: Instant,
+        ttl: Duration,
+    ) -> Result<Renewal, ClusterError> {
         let (keeper, acks) = etcd
             .client
             .lease_keep_alive(lease)
@@ -181,7 +213,7 @@ impl Renewal {
             keeper,
             acks,
             unanswered: VecDeque::new(),
-            held_until: granted + Self::margin(ttl),
+            held_until: asked + Self::margin(ttl),
             ttl,
         })
     }

@@ -337,6 +337,13 @@ fn serve_shards(
         if let Some(why) = host.failure() {
             return Err(why);
         }
+        // Fence as soon as the lease may be lost, not when the event is
+        // read.
+        if joined && !membership.holds_lease() {
+            tracing::warn!("the etcd lease may be lost: serving nothing until joined again");
+            joined = false;
+            host.stop_all();
+        }
         match events.recv_timeout(Duration::from_millis(200)) {
             Ok(MemberEvent::Joined { incarnation }) => {
                 tracing::info!(incarnation, "member of the cluster");
@@ -344,7 +351,7 @@ fn serve_shards(
             }
             Ok(MemberEvent::State(state)) => {
                 if let (true, Some(map)) = (joined, state.shard_map()) {
-                    host.follow(map);
+                    host.follow(map, || membership.holds_lease());
                 }
             }
             Ok(MemberEvent::Fenced { why }) => {

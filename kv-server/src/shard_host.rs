@@ -41,7 +41,8 @@ impl ShardHost {
     /// they held) and stops the ones it no longer owns.
     /// A shard that cannot start is logged and tried again at the next
     /// map; the others serve meanwhile.
-    pub fn follow(&mut self, map: &ShardMap) {
+    /// Starting stops as soon as `held` says the lease may be lost.
+    pub fn follow(&mut self, map: &ShardMap, held: impl Fn() -> bool) {
         let owned: Vec<u32> = map.shards_of(&self.member).collect();
         let gone: Vec<u32> = self
             .serving
@@ -56,6 +57,9 @@ impl ShardHost {
             }
         }
         for shard in owned {
+            if !held() {
+                return;
+            }
             if self.serving.contains_key(&shard) {
                 continue;
             }
