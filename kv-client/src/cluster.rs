@@ -34,6 +34,13 @@ pub struct ClusterClient {
 
 /// Least time between two reads of the map prompted by unreachable shards.
 const REREAD_EVERY: Duration = Duration::from_millis(100);
+/// How long an operation waits for its shard to finish moving.
+const MOVE_WAIT: Duration = Duration::from_secs(60);
+/// How often the map is read while a shard moves.
+const MOVE_POLL: Duration = Duration::from_millis(10);
+/// How long a shard that has just moved may take to start serving at its
+/// new owner.
+const MOVE_SETTLE: Duration = Duration::from_secs(2);
 
 fn cluster_error(e: kv_cluster::ClusterError) -> Error {
     Error::Cluster(e.to_string())
@@ -185,7 +192,11 @@ impl ClusterClient {
     /// have changed) and the operation tried once more there; if it is
     /// still unreachable, the error names the shard and its server.
     fn on<T>(&mut self, shard: u32, mut op: impl FnMut(&mut Client) -> Result<T>) -> Result<T> {
+        let started = Instant::now();
         let mut reread = false;
+        // Until then, a shard that just moved may still be starting at its
+        // new owner: its connection is tried again.
+        let mut moved_until: Option<Instant> = None;
         loop {
             let error = match self.connection(shard) {
                 Ok(client) => match op(client) {
@@ -193,29 +204,58 @@ impl ClusterClient {
                     done => return done,
                 },
                 Err(e) if e.is_retryable() || matches!(e, Error::ShardUnavailable { .. }) => e,
-                // A wrong secret, a version mismatch: the same anywhere.
+                // A wrong secret, or a move's target that the map names
+                // owner but that is still open to the copier only (for a
+                // moment): tried again for MOVE_SETTLE.
+                Err(e @ Error::Refused(_)) if moved_until.is_none_or(|t| Instant::now() < t) => {
+                    moved_until.get_or_insert(Instant::now() + MOVE_SETTLE);
+                    e
+                }
+                // A version mismatch, a lasting refusal: the same anywhere.
                 Err(e) => return Err(e),
             };
             self.shards[shard as usize] = None;
-            // A shard that stays down does not send every operation to
-            // etcd: the map is read at most once per REREAD_EVERY.
-            let recently = self.read_at.elapsed() < REREAD_EVERY;
-            if reread || recently {
+            let moving = self.is_moving(shard);
+            let settling = moved_until.is_some_and(|t| Instant::now() < t);
+            if !moving && !settling && reread {
                 return Err(match error {
                     Error::ShardUnavailable { .. } => error,
                     other => self.unavailable(shard, &other.to_string()),
                 });
             }
-            self.state = self.etcd.state().map_err(cluster_error)?;
-            self.read_at = Instant::now();
-            if self.state.config.shards as usize != self.shards.len() {
-                return Err(Error::Cluster(format!(
-                    "{} now has {} shards (it was made anew): connect again",
-                    self.url, self.state.config.shards
-                )));
+            if started.elapsed() > MOVE_WAIT {
+                return Err(self.unavailable(shard, "moving for longer than the client waits"));
+            }
+            if moving || settling {
+                std::thread::sleep(MOVE_POLL);
+            } else {
+                // A shard that stays down does not send every operation
+                // to etcd: the map is read at most once per REREAD_EVERY.
+                std::thread::sleep(REREAD_EVERY.saturating_sub(self.read_at.elapsed()));
+            }
+            let owner = self.owner(shard).map(str::to_string);
+            self.reread()?;
+            if !self.is_moving(shard) && self.owner(shard) != owner.as_deref() {
+                moved_until = Some(Instant::now() + MOVE_SETTLE);
             }
             reread = true;
         }
+    }
+
+    fn is_moving(&self, shard: u32) -> bool {
+        self.state.shard_map().is_some_and(|m| m.is_moving(shard))
+    }
+
+    fn reread(&mut self) -> Result<()> {
+        self.state = self.etcd.state().map_err(cluster_error)?;
+        self.read_at = Instant::now();
+        if self.state.config.shards as usize != self.shards.len() {
+            return Err(Error::Cluster(format!(
+                "{} now has {} shards (it was made anew): connect again",
+                self.url, self.state.config.shards
+            )));
+        }
+        Ok(())
     }
 
     fn connection(&mut self, shard: u32) -> Result<&mut Client> {

@@ -61,6 +61,14 @@ impl ClusterState {
     pub fn live_ids(&self) -> Vec<String> {
         self.members.iter().map(|m| m.id.clone()).collect()
     }
+    /// The live members that are leaving.
+    pub fn draining_ids(&self) -> Vec<String> {
+        self.members
+            .iter()
+            .filter(|m| m.draining)
+            .map(|m| m.id.clone())
+            .collect()
+    }
     pub fn shard_map(&self) -> Option<&ShardMap> {
         self.map.as_ref().map(|(m, _)| m)
     }
@@ -197,6 +205,17 @@ impl Etcd {
             .and_then([TxnOp::put(key, encode(map), None)]);
         let reply = self.client.txn(txn).await.map_err(self.error())?;
         Ok(reply.succeeded())
+    }
+
+    /// Rewrites this member's own record (on its lease).
+    pub async fn update(&mut self, record: &MemberRecord, lease: i64) -> Result<(), ClusterError> {
+        let key = self.keys.member(&record.id);
+        let options = PutOptions::new().with_lease(lease);
+        self.client
+            .put(key, encode(record), Some(options))
+            .await
+            .map_err(self.error())?;
+        Ok(())
     }
 
     /// Puts a member's record on its lease, unless a record of that id

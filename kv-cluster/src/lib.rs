@@ -13,7 +13,9 @@ pub mod etcd;
 #[cfg(feature = "etcd")]
 pub mod member;
 
-pub use records::{shard_address, ClusterConfig, MemberRecord, ShardMap, DEFAULT_SHARDS};
+pub use records::{
+    shard_address, ClusterConfig, MemberRecord, ShardMap, ShardMove, DEFAULT_SHARDS,
+};
 pub use url::ClusterUrl;
 
 #[derive(Debug, thiserror::Error)]

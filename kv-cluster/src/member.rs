@@ -22,7 +22,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::etcd::{ClusterState, Etcd};
-use crate::placement::next_map;
+use crate::placement::{next_map, random_secret};
 use crate::records::MemberRecord;
 use crate::url::ClusterUrl;
 use crate::ClusterError;
@@ -43,6 +43,7 @@ pub enum MemberEvent {
 /// revokes its lease, so its record goes at once.
 pub struct Membership {
     stop: watch::Sender<bool>,
+    draining: watch::Sender<bool>,
     held: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
@@ -66,14 +67,17 @@ impl Membership {
             .build()
             .map_err(|e| ClusterError::Etcd(format!("cannot start a runtime: {e}")))?;
         let (stop, stopped) = watch::channel(false);
+        let (draining, drains) = watch::channel(false);
+        let controls = Controls { stopped, drains };
         let held = Arc::new(AtomicBool::new(false));
         let flag = Arc::clone(&held);
         let thread = std::thread::Builder::new()
             .name("kv-member".into())
-            .spawn(move || runtime.block_on(run(url, spec, events, &flag, stopped)))
+            .spawn(move || runtime.block_on(run(url, spec, events, &flag, controls)))
             .map_err(|e| ClusterError::Etcd(format!("cannot start the member thread: {e}")))?;
         Ok(Membership {
             stop,
+            draining,
             held,
             thread: Some(thread),
         })
@@ -84,6 +88,12 @@ impl Membership {
     /// (starting shards) can stop without waiting for the event.
     pub fn holds_lease(&self) -> bool {
         self.held.load(Ordering::SeqCst)
+    }
+
+    /// Marks this member as leaving: the coordinator moves its shards to
+    /// the others.
+    pub fn drain(&self) {
+        let _ = self.draining.send(true);
     }
 
     pub fn leave(mut self) {
@@ -112,10 +122,10 @@ async fn run(
     spec: MemberSpec,
     events: Sender<MemberEvent>,
     held: &AtomicBool,
-    mut stopped: watch::Receiver<bool>,
+    mut controls: Controls,
 ) {
     loop {
-        let result = incarnation(&url, &spec, &events, held, &mut stopped).await;
+        let result = incarnation(&url, &spec, &events, held, &mut controls).await;
         held.store(false, Ordering::SeqCst);
         let why = match result {
             Ok(()) => return,
@@ -126,7 +136,7 @@ async fn run(
             return;
         }
         tokio::select! {
-            _ = stopped.changed() => return,
+            _ = controls.stopped.changed() => return,
             () = tokio::time::sleep(REJOIN_PAUSE) => {}
         }
     }
@@ -138,7 +148,7 @@ async fn incarnation(
     spec: &MemberSpec,
     events: &Sender<MemberEvent>,
     held: &AtomicBool,
-    stopped: &mut watch::Receiver<bool>,
+    controls: &mut Controls,
 ) -> Result<(), ClusterError> {
     let mut etcd = Etcd::connect(url).await?;
     let state = etcd.state().await?;
@@ -162,15 +172,16 @@ async fn incarnation(
         id: spec.id.clone(),
         listen: spec.listen.clone(),
         incarnation: lease,
+        draining: *controls.drains.borrow(),
     };
     etcd.announce(&record, lease).await?;
-    let renewal = Renewal::start(&mut etcd, lease, asked, ttl).await?;
+    let renewal = Renewal::start(&mut etcd, record, asked, ttl).await?;
     held.store(true, Ordering::SeqCst);
     send(events, MemberEvent::Joined { incarnation: lease })?;
     tracing::info!(member = %spec.id, incarnation = lease, "joined {url}");
     let (states, watched) = watch::channel(state);
     let coordinator = tokio::spawn(coordinate(etcd.clone(), spec.id.clone(), lease, watched));
-    let result = serve_lease(&mut etcd, renewal, &states, events, stopped).await;
+    let result = serve_lease(&mut etcd, renewal, &states, events, controls).await;
     coordinator.abort();
     if result.is_ok() {
         // Leaving on purpose: the record goes now, not a TTL later.
@@ -186,7 +197,16 @@ fn send(events: &Sender<MemberEvent>, event: MemberEvent) -> Result<(), ClusterE
 }
 
 /// Keeping one lease alive, and when it must count as lost.
+/// What the server asks of its membership.
+struct Controls {
+    stopped: watch::Receiver<bool>,
+    drains: watch::Receiver<bool>,
+}
+
+/// Keeping one lease alive with the member's record on it, and when the
+/// lease must count as lost.
 struct Renewal {
+    record: MemberRecord,
     keeper: etcd_client::LeaseKeeper,
     acks: etcd_client::LeaseKeepAliveStream,
     /// Send times of the renewals not yet acknowledged, oldest first.
@@ -197,19 +217,20 @@ struct Renewal {
 }
 
 impl Renewal {
-    /// Renews `lease`, asked for at `asked`.
+    /// Renews the lease `record` is on, asked for at `asked`.
     async fn start(
         etcd: &mut Etcd,
-        lease: i64,
+        record: MemberRecord,
         asked: Instant,
         ttl: Duration,
     ) -> Result<Renewal, ClusterError> {
         let (keeper, acks) = etcd
             .client
-            .lease_keep_alive(lease)
+            .lease_keep_alive(record.incarnation)
             .await
             .map_err(|e| ClusterError::Etcd(format!("lease keep-alive: {e}")))?;
         Ok(Renewal {
+            record,
             keeper,
             acks,
             unanswered: VecDeque::new(),
@@ -260,7 +281,7 @@ async fn serve_lease(
     mut renewal: Renewal,
     states: &watch::Sender<ClusterState>,
     events: &Sender<MemberEvent>,
-    stopped: &mut watch::Receiver<bool>,
+    controls: &mut Controls,
 ) -> Result<(), ClusterError> {
     let mut revision = states.borrow().revision;
     send(
@@ -280,7 +301,16 @@ async fn serve_lease(
         tokio::select! {
             biased;
             () = tokio::time::sleep_until(renewal.held_until) => return Err(lease_lost(&renewal)),
-            _ = stopped.changed() => return Ok(()),
+            _ = controls.stopped.changed() => return Ok(()),
+            _ = controls.drains.changed(), if !renewal.record.draining => {
+                renewal.record.draining = true;
+                let lease = renewal.record.incarnation;
+                let update = etcd.update(&renewal.record, lease);
+                if !matches!(tokio::time::timeout_at(renewal.held_until, update).await, Ok(Ok(()))) {
+                    // Written at the server's next ask.
+                    renewal.record.draining = false;
+                }
+            }
             _ = tick.tick() => {
                 let _ = tokio::time::timeout_at(renewal.held_until, renewal.renew()).await;
             }
@@ -390,7 +420,13 @@ async fn coordinate(
             }
         };
         let map = state.shard_map();
-        if let Some(next) = next_map(&state.config, map, &state.live_ids()) {
+        if let Some(next) = next_map(
+            &state.config,
+            map,
+            &state.live_ids(),
+            &state.draining_ids(),
+            random_secret,
+        ) {
             let based_on = state.map.as_ref().map(|(_, r)| *r);
             match etcd.publish_map(&next, based_on, Some(&leader)).await {
                 Ok(true) => tracing::info!(epoch = next.epoch, "published the shard map"),

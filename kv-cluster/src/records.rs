@@ -51,6 +51,9 @@ pub struct MemberRecord {
     pub listen: String,
     /// Changes each time the server (re)joins: its etcd lease.
     pub incarnation: i64,
+    /// Leaving: its shards are being moved to the others.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub draining: bool,
 }
 
 /// Which member owns each shard.
@@ -60,9 +63,30 @@ pub struct ShardMap {
     pub epoch: u64,
     /// `owners[shard]`: a member id, or none yet.
     pub owners: Vec<Option<String>>,
+    /// The shard being moved, if one is (one at a time).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moving: Option<ShardMove>,
+}
+
+/// A shard on its way from its owner to another member (see `shard_move`
+/// in kv-server): the owner stops serving it, copies it into a fresh
+/// region the target serves only to the copier (who presents `secret`),
+/// and publishes the target as owner.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardMove {
+    pub shard: u32,
+    pub to: String,
+    /// What the copier presents to the target's fresh region (hex); no
+    /// client that routes by an older map can know it.
+    pub secret: String,
 }
 
 impl ShardMap {
+    /// Whether `shard` is being moved.
+    pub fn is_moving(&self, shard: u32) -> bool {
+        self.moving.as_ref().is_some_and(|m| m.shard == shard)
+    }
+
     pub fn owner(&self, shard: u32) -> Option<&str> {
         self.owners.get(shard as usize)?.as_deref()
     }
@@ -123,12 +147,17 @@ pub fn describe(
         return out;
     };
     let _ = writeln!(out, "map epoch: {}", map.epoch);
+    if let Some(m) = &map.moving {
+        let from = map.owner(m.shard).unwrap_or("nobody");
+        let _ = writeln!(out, "moving: shard {} from {from} to {}", m.shard, m.to);
+    }
     for m in members {
         let shards: Vec<String> = map.shards_of(&m.id).map(|s| s.to_string()).collect();
         let _ = writeln!(
             out,
-            "member {} at {} (incarnation {:x}): {} shards [{}]",
+            "member {}{} at {} (incarnation {:x}): {} shards [{}]",
             m.id,
+            if m.draining { " (draining)" } else { "" },
             m.listen,
             m.incarnation,
             shards.len(),
@@ -188,6 +217,7 @@ mod tests {
         let map = ShardMap {
             epoch: 4,
             owners: vec![Some("a".into()), None],
+            moving: None,
         };
         assert_eq!(decode::<ShardMap>("map", &encode(&map)).unwrap(), map);
         assert_eq!(map.shards_of("a").collect::<Vec<_>>(), [0]);

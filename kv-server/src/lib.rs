@@ -34,6 +34,7 @@ mod reclaim;
 pub mod region;
 mod registry;
 pub mod shard_host;
+mod shard_move;
 mod units;
 mod unlinked;
 
@@ -549,7 +550,7 @@ fn file_system_size(path: &std::path::Path) -> Result<u64, ServerError> {
 
 /// The file that holds the region: named by a shm address, or given for
 /// an rdma one (`region_file`), or a default in /dev/shm.
-fn region_path(config: &ServerConfig) -> Result<PathBuf, ServerError> {
+pub(crate) fn region_path(config: &ServerConfig) -> Result<PathBuf, ServerError> {
     match (&config.address, &config.region_file) {
         (_, Some(path)) => Ok(path.clone()),
         (Address::Shm { region }, None) => Ok(region.clone()),

@@ -311,16 +311,23 @@ fn serve(args: ServeArgs) -> Result<(), String> {
                 .member_name
                 .unwrap_or_else(|| config.address.to_string());
             let ttl = Duration::from_secs(args.lease_ttl.max(1));
-            serve_shards(ShardHost::new(config, name), url, ttl, &stop_rx)
+            serve_shards(
+                ShardHost::new(config, name, url.clone()),
+                url,
+                ttl,
+                &stop_rx,
+            )
         }
         None => serve_region(config, args.stats_interval, &stop_rx),
     }
 }
 
 /// As a cluster member: serves what the map gives it while it holds its
-/// lease, nothing while it may not.
+/// lease, nothing while it may not. The first stop signal drains it (its
+/// shards move to the other servers, then it leaves); a second, or no
+/// other server to take them, leaves at once.
 fn serve_shards(
-    mut host: ShardHost,
+    host: ShardHost,
     url: ClusterUrl,
     ttl: Duration,
     stop: &mpsc::Receiver<()>,
@@ -332,33 +339,27 @@ fn serve_shards(
         ttl,
     };
     let membership = Membership::join(url, spec, events_tx).map_err(|e| e.to_string())?;
-    let mut joined = false;
-    while let Err(mpsc::TryRecvError::Empty) = stop.try_recv() {
-        if let Some(why) = host.failure() {
-            return Err(why);
+    let mut member = Member {
+        host,
+        membership,
+        joined: false,
+        others: 0,
+    };
+    let mut signals = 0;
+    loop {
+        if stop.try_recv().is_ok() {
+            signals += 1;
+            tracing::info!("draining: the shards here move to the other servers first (a second signal leaves at once)");
         }
-        // Fence as soon as the lease may be lost, not when the event is
-        // read.
-        if joined && !membership.holds_lease() {
-            tracing::warn!("the etcd lease may be lost: serving nothing until joined again");
-            joined = false;
-            host.stop_all();
+        if signals >= 2 || (signals == 1 && (member.host.is_empty() || member.others == 0)) {
+            break;
         }
+        if signals == 1 {
+            member.membership.drain();
+        }
+        member.tend()?;
         match events.recv_timeout(Duration::from_millis(200)) {
-            Ok(MemberEvent::Joined { incarnation }) => {
-                tracing::info!(incarnation, "member of the cluster");
-                joined = true;
-            }
-            Ok(MemberEvent::State(state)) => {
-                if let (true, Some(map)) = (joined, state.shard_map()) {
-                    host.follow(map, || membership.holds_lease());
-                }
-            }
-            Ok(MemberEvent::Fenced { why }) => {
-                tracing::warn!("serving nothing until joined again: {why}");
-                joined = false;
-                host.stop_all();
-            }
+            Ok(event) => member.hear(event),
             Err(mpsc::RecvTimeoutError::Timeout) => {}
             Err(mpsc::RecvTimeoutError::Disconnected) => {
                 return Err("the membership thread ended".into())
@@ -366,9 +367,63 @@ fn serve_shards(
         }
     }
     tracing::info!("leaving the cluster");
-    host.stop_all();
-    membership.leave();
+    member.host.stop_all();
+    member.membership.leave();
     Ok(())
+}
+
+/// A member's shards and membership, as the daemon runs them.
+struct Member {
+    host: ShardHost,
+    membership: Membership,
+    joined: bool,
+    /// Other live members that take shards (a drain needs one).
+    others: usize,
+}
+
+impl Member {
+    /// Between events: a failed shard server ends the daemon; a finished
+    /// move is taken in; a lease that may be lost fences at once, not when
+    /// its event is read.
+    fn tend(&mut self) -> Result<(), String> {
+        if let Some(why) = self.host.failure() {
+            return Err(why);
+        }
+        let membership = &self.membership;
+        self.host.poll(|| membership.holds_lease());
+        if self.joined && !membership.holds_lease() {
+            tracing::warn!("the etcd lease may be lost: serving nothing until joined again");
+            self.joined = false;
+            self.host.stop_all();
+        }
+        Ok(())
+    }
+
+    fn hear(&mut self, event: MemberEvent) {
+        match event {
+            MemberEvent::Joined { incarnation } => {
+                tracing::info!(incarnation, "member of the cluster");
+                self.joined = true;
+            }
+            MemberEvent::State(state) => {
+                let me = self.host.member();
+                self.others = state
+                    .members
+                    .iter()
+                    .filter(|m| m.id != me && !m.draining)
+                    .count();
+                let membership = &self.membership;
+                if let (true, Some(map)) = (self.joined, state.shard_map()) {
+                    self.host.follow(map, || membership.holds_lease());
+                }
+            }
+            MemberEvent::Fenced { why } => {
+                tracing::warn!("serving nothing until joined again: {why}");
+                self.joined = false;
+                self.host.stop_all();
+            }
+        }
+    }
 }
 
 fn server_config(args: &ServeArgs, listen: Address) -> Result<ServerConfig, String> {

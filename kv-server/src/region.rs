@@ -360,6 +360,56 @@ fn remove_duplicates(region: &SharedRegion, g: &Geometry) -> Result<u64, Transpo
     Ok(removed)
 }
 
+/// Calls `f` with every key of the region at `path` (which no server may
+/// be serving: the file is locked) and its payload as readers see it: each
+/// key once, from its lowest visible copy (the index is walked in slot
+/// order, which is the order copies compare in); pending and abandoned
+/// counters are not visible. Returns how many slots pointed at blocks that
+/// fail validation (skipped). Stops at the first error `f` returns.
+pub fn read_entries(
+    path: &Path,
+    mut f: impl FnMut(&[u8], &Payload<'_>) -> Result<(), String>,
+) -> Result<u64, ServerError> {
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .map_err(|e| region_error(path, e))?;
+    lock_exclusive(&file, path)?;
+    let region = SharedRegion::from_file(&file, path, 0).map_err(|e| region_error(path, e))?;
+    let (g, _) = check_header(&region).map_err(|e| region_error(path, e))?;
+    let mut seen = std::collections::HashSet::new();
+    let (mut damaged, mut failed) = (0u64, None);
+    for_each_slot(&region, &g, |_, slot| {
+        if failed.is_some() {
+            return;
+        }
+        let Some(bytes) = read_block(&region, &g, slot.thawed()) else {
+            damaged += 1;
+            return;
+        };
+        let Ok(view) = decode_block(&bytes) else {
+            damaged += 1;
+            return;
+        };
+        let visible = !matches!(
+            view.payload,
+            Payload::Counter {
+                state: CounterState::Pending | CounterState::Abandoned,
+                ..
+            }
+        );
+        if visible && seen.insert(view.key.to_vec()) {
+            failed = f(view.key, &view.payload).err();
+        }
+    })
+    .map_err(|e| region_error(path, e))?;
+    match failed {
+        Some(e) => Err(region_error(path, e)),
+        None => Ok(damaged),
+    }
+}
+
 /// Reads the block a slot points at, if the slot can point at one.
 pub(crate) fn read_block(region: &SharedRegion, g: &Geometry, slot: Slot) -> Option<Vec<u8>> {
     let (offset, len) = g.block_span(slot)?;

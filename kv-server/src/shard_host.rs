@@ -1,30 +1,59 @@
 //! A cluster member's shards: one [`Server`] per shard the map gives this
 //! member, each on its own region and control endpoint
-//! ([`kv_cluster::shard_address`]), exactly as a single server.
+//! ([`kv_cluster::shard_address`]), exactly as a single server; and its
+//! part in moving a shard (see `shard_move`):
+//!
+//! - as the **target**, it serves a fresh region for the shard, open only
+//!   to the copier (the move's secret), and once the map names it owner,
+//!   serves that region to everyone;
+//! - as the **source**, it stops serving the shard, copies it to the
+//!   target, and publishes the target as owner by a transaction on the map
+//!   it read (or, if the copy failed, drops the move and serves the shard
+//!   again).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::thread::JoinHandle;
 
-use kv_cluster::{shard_address, ShardMap};
+use kv_cluster::etcd::BlockingEtcd;
+use kv_cluster::{shard_address, ClusterUrl, ShardMap, ShardMove};
 use kv_common::Address;
 
-use crate::{Server, ServerConfig, ServerError};
+use crate::shard_move::{self, Outgoing};
+use crate::{region_path, Server, ServerConfig, ServerError};
+
+/// A shard's server, and the secret it asks when it is a move's target.
+struct Served {
+    server: Server,
+    secret: Option<String>,
+}
 
 pub struct ShardHost {
     /// Settings every shard's server starts with; its address, region file
     /// and metrics endpoint are the shard's own.
     template: ServerConfig,
     member: String,
-    serving: BTreeMap<u32, Server>,
+    url: ClusterUrl,
+    serving: BTreeMap<u32, Served>,
+    /// The move this member is sending, while its thread runs.
+    sending: Option<(ShardMove, JoinHandle<()>)>,
+    /// The last move sent: done, whether or not the map shows it yet.
+    sent: Option<ShardMove>,
+    /// The map last followed.
+    map: Option<ShardMap>,
 }
 
 impl ShardHost {
     /// `template.address` is the member's `--listen` address.
-    pub fn new(template: ServerConfig, member: String) -> ShardHost {
+    pub fn new(template: ServerConfig, member: String, url: ClusterUrl) -> ShardHost {
         ShardHost {
             template,
             member,
+            url,
             serving: BTreeMap::new(),
+            sending: None,
+            sent: None,
+            map: None,
         }
     }
 
@@ -36,40 +65,131 @@ impl ShardHost {
         &self.template.address
     }
 
-    /// Serves exactly the shards `map` gives this member: starts the new
-    /// ones (reopening their regions when they exist, with every write
-    /// they held) and stops the ones it no longer owns.
-    /// A shard that cannot start is logged and tried again at the next
-    /// map; the others serve meanwhile.
+    /// Serves exactly what `map` gives this member: the shards it owns
+    /// (reopening their regions when they exist, with every write they
+    /// held) and a move's fresh region when it is the target; sends a
+    /// shard it owns that the map moves; stops everything else. A shard
+    /// that cannot start is logged and tried again at the next map.
     /// Starting stops as soon as `held` says the lease may be lost.
     pub fn follow(&mut self, map: &ShardMap, held: impl Fn() -> bool) {
-        let owned: Vec<u32> = map.shards_of(&self.member).collect();
-        let gone: Vec<u32> = self
-            .serving
-            .keys()
-            .copied()
-            .filter(|s| !owned.contains(s))
-            .collect();
-        for shard in gone {
-            if let Some(server) = self.serving.remove(&shard) {
-                tracing::info!(shard, "no longer this member's: stopping it");
-                server.shutdown();
+        self.map = Some(map.clone());
+        let mine = |s: u32| map.owner(s) == Some(self.member.as_str());
+        // Each shard to serve, with the secret it asks (a move's target).
+        let mut wanted: BTreeMap<u32, Option<String>> =
+            map.shards_of(&self.member).map(|s| (s, None)).collect();
+        let mut outgoing = None;
+        if let Some(m) = &map.moving {
+            if mine(m.shard) {
+                wanted.remove(&m.shard);
+                outgoing = Some(m.clone());
+            } else if m.to == self.member {
+                wanted.insert(m.shard, Some(m.secret.clone()));
             }
         }
-        for shard in owned {
+        let stale: Vec<u32> = self
+            .serving
+            .iter()
+            .filter(|(s, served)| {
+                wanted.get(s) != Some(&served.secret)
+                    && Some(**s) != outgoing.as_ref().map(|m| m.shard)
+            })
+            .map(|(s, _)| *s)
+            .collect();
+        for shard in stale {
+            if let Some(served) = self.serving.remove(&shard) {
+                tracing::info!(shard, "stopping (the map changed)");
+                served.server.shutdown();
+            }
+        }
+        if let Some(m) = outgoing {
+            self.send(m);
+        }
+        for (shard, secret) in wanted {
             if !held() {
                 return;
             }
             if self.serving.contains_key(&shard) {
                 continue;
             }
-            match self.config_of(shard).and_then(Server::start) {
-                Ok(server) => {
-                    tracing::info!(shard, address = %server.address(), epoch = map.epoch, "serving");
-                    self.serving.insert(shard, server);
+            self.start(shard, secret, map.epoch);
+        }
+    }
+
+    fn start(&mut self, shard: u32, secret: Option<String>, epoch: u64) {
+        let started = self.config_of(shard).and_then(|mut config| {
+            if let Some(secret) = &secret {
+                // A move's target starts from nothing: whatever a region
+                // file here holds is from an earlier ownership.
+                let path = region_path(&config)?;
+                if path.exists() {
+                    std::fs::remove_file(&path).map_err(|e| ServerError::Region {
+                        path: path.clone(),
+                        reason: format!("removing a stale copy: {e}"),
+                    })?;
                 }
-                Err(e) => tracing::error!(shard, "cannot serve: {e}"),
+                config.secret = Some(secret.as_bytes().to_vec());
             }
+            Server::start(config)
+        });
+        match started {
+            Ok(server) => {
+                let role = if secret.is_some() {
+                    "receiving"
+                } else {
+                    "serving"
+                };
+                tracing::info!(shard, address = %server.address(), epoch, "{role}");
+                self.serving.insert(shard, Served { server, secret });
+            }
+            Err(e) => tracing::error!(shard, "cannot serve: {e}"),
+        }
+    }
+
+    /// Starts sending shard `m.shard` to `m.to`, unless that is under way
+    /// or done.
+    fn send(&mut self, m: ShardMove) {
+        if self.sending.is_some() || self.sent.as_ref() == Some(&m) {
+            return;
+        }
+        let outgoing = match self.outgoing(&m) {
+            Ok(o) => o,
+            Err(e) => return tracing::error!(shard = m.shard, "cannot move: {e}"),
+        };
+        let server = self.serving.remove(&m.shard).map(|s| s.server);
+        let (url, target) = (self.url.clone(), m.clone());
+        let thread = std::thread::Builder::new()
+            .name(format!("kv-move-{}", m.shard))
+            .spawn(move || move_shard(server, &outgoing, &url, &target));
+        match thread {
+            Ok(t) => self.sending = Some((m, t)),
+            Err(e) => tracing::error!(shard = m.shard, "cannot start the move: {e}"),
+        }
+    }
+
+    fn outgoing(&self, m: &ShardMove) -> Result<Outgoing, String> {
+        let config = self.config_of(m.shard).map_err(|e| e.to_string())?;
+        let region = region_path(&config).map_err(|e| e.to_string())?;
+        Ok(Outgoing {
+            shard: m.shard,
+            secret: m.secret.as_bytes().to_vec(),
+            region,
+            grace: config.grace(),
+        })
+    }
+
+    /// Notices a move that has ended, and follows the last map again (the
+    /// shard sent, or to serve again).
+    pub fn poll(&mut self, held: impl Fn() -> bool) {
+        let done = self.sending.as_ref().is_some_and(|(_, t)| t.is_finished());
+        if !done {
+            return;
+        }
+        if let Some((m, thread)) = self.sending.take() {
+            let _ = thread.join();
+            self.sent = Some(m);
+        }
+        if let Some(map) = self.map.clone() {
+            self.follow(&map, held);
         }
     }
 
@@ -89,18 +209,27 @@ impl ShardHost {
     }
 
     /// Stops serving every shard (the member may no longer hold its lease).
+    /// A move being sent goes on: nobody serves its shard meanwhile.
     pub fn stop_all(&mut self) {
-        for (shard, server) in std::mem::take(&mut self.serving) {
+        for (shard, served) in std::mem::take(&mut self.serving) {
             tracing::info!(shard, "stopping");
-            server.shutdown();
+            served.server.shutdown();
         }
     }
 
     /// The first shard server that failed, and why.
     pub fn failure(&self) -> Option<String> {
-        self.serving
-            .iter()
-            .find_map(|(shard, s)| s.failure().map(|why| format!("shard {shard}: {why}")))
+        self.serving.iter().find_map(|(shard, s)| {
+            s.server
+                .failure()
+                .map(|why| format!("shard {shard}: {why}"))
+        })
+    }
+
+    /// Whether this member serves no shard and sends none: it may leave
+    /// without making any shard unavailable.
+    pub fn is_empty(&self) -> bool {
+        self.serving.is_empty() && self.sending.is_none()
     }
 
     pub fn serving(&self) -> impl Iterator<Item = u32> + '_ {
@@ -111,5 +240,79 @@ impl ShardHost {
 impl Drop for ShardHost {
     fn drop(&mut self) {
         self.stop_all();
+        if let Some((_, thread)) = self.sending.take() {
+            let _ = thread.join();
+        }
     }
+}
+
+/// The source's whole move: copy, then make the target the owner; or, if
+/// the copy failed, drop the move (the source serves the shard again).
+fn move_shard(server: Option<Server>, out: &Outgoing, url: &ClusterUrl, m: &ShardMove) {
+    if let Some(server) = server {
+        server.shutdown();
+    }
+    let copied = target_address(url, m).and_then(|to| shard_move::send(out, &to));
+    let outcome = match &copied {
+        Ok(_) => finish_move(url, m, true),
+        Err(e) => {
+            tracing::error!(shard = m.shard, "move to {} failed: {e}", m.to);
+            finish_move(url, m, false)
+        }
+    };
+    match outcome {
+        Ok(true) if copied.is_ok() => {
+            tracing::info!(shard = m.shard, "moved to {}", m.to);
+            // Nobody reads it here any more: its clients were revoked.
+            if let Err(e) = std::fs::remove_file(&out.region) {
+                tracing::warn!(shard = m.shard, "removing the moved region: {e}");
+            }
+        }
+        Ok(_) => tracing::warn!(
+            shard = m.shard,
+            "the move was dropped; serving the shard again"
+        ),
+        Err(e) => tracing::error!(shard = m.shard, "ending the move in the map: {e}"),
+    }
+}
+
+/// Where the target serves the shard: from its member record.
+fn target_address(url: &ClusterUrl, m: &ShardMove) -> Result<Address, String> {
+    let mut etcd = BlockingEtcd::connect(url).map_err(|e| e.to_string())?;
+    let state = etcd.state().map_err(|e| e.to_string())?;
+    let member = state
+        .member(&m.to)
+        .ok_or_else(|| format!("the target {} is not a live member", m.to))?;
+    let listen = Address::parse(&member.listen)?;
+    shard_address(&listen, m.shard)
+}
+
+/// Publishes the end of move `m` on the map, if the map still shows it:
+/// the target as owner when `copied`, else the source keeps the shard.
+/// True when this made the target the owner.
+fn finish_move(url: &ClusterUrl, m: &ShardMove, copied: bool) -> Result<bool, String> {
+    let mut etcd = BlockingEtcd::connect(url).map_err(|e| e.to_string())?;
+    for _ in 0..100 {
+        let state = etcd.state().map_err(|e| e.to_string())?;
+        let Some((map, revision)) = state.map else {
+            return Err("the map is gone".into());
+        };
+        if map.moving.as_ref() != Some(m) {
+            // Dropped meanwhile (its target left): the source keeps it.
+            return Ok(false);
+        }
+        let mut next = map.clone();
+        next.epoch += 1;
+        next.moving = None;
+        if copied {
+            next.owners[m.shard as usize] = Some(m.to.clone());
+        }
+        if etcd
+            .publish_map(&next, Some(revision))
+            .map_err(|e| e.to_string())?
+        {
+            return Ok(copied);
+        }
+    }
+    Err("the map kept changing".into())
 }

@@ -5,6 +5,8 @@
 //! cannot both win.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use kv_client::{ClusterClient, Error};
@@ -142,6 +144,7 @@ fn of_two_coordinators_publishing_against_one_map_exactly_one_wins() {
     let map = |owner: &str, epoch| ShardMap {
         epoch,
         owners: vec![Some(owner.to_string()); 4],
+        moving: None,
     };
 
     // No map yet: both try to write the first.
@@ -188,5 +191,127 @@ fn when_the_coordinator_dies_another_member_takes_over() {
     let kv = load(&url);
     for shard in 0..4 {
         assert!(matches!(kv.owner(shard), Some("a" | "b")), "{shard}");
+    }
+}
+
+/// The version a value of the move test carries.
+fn version(value: &[u8]) -> u64 {
+    std::str::from_utf8(value)
+        .ok()
+        .and_then(|v| v.strip_prefix('v'))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("a foreign value {value:?}"))
+}
+
+#[test]
+fn a_server_that_joins_takes_its_share_while_clients_write_and_read() {
+    const HOT: usize = 60;
+    let etcd = EtcdServer::start();
+    let url = etcd.url("join");
+    let dir = region_dir();
+    create_cluster(&url, 6, 2);
+    let _m0 = start_member(&url, dir.path(), "m0", &[]);
+    let _m1 = start_member(&url, dir.path(), "m1", &[]);
+    let mut kv = load(&url);
+    for i in 0..HOT {
+        kv.put(key(i), "v0").expect("put");
+    }
+    // The latest version of each key whose put returned.
+    let acked: Arc<Vec<AtomicU64>> = Arc::new((0..HOT).map(|_| AtomicU64::new(0)).collect());
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let (acked, stop, url) = (Arc::clone(&acked), Arc::clone(&stop), url.clone());
+        std::thread::spawn(move || {
+            let mut kv = ClusterClient::connect(&url).expect("connect");
+            let mut round = 0;
+            while !stop.load(Ordering::SeqCst) {
+                round += 1;
+                for (i, acked) in acked.iter().enumerate() {
+                    kv.put(key(i), format!("v{round}"))
+                        .expect("a put during moves");
+                    acked.store(round, Ordering::SeqCst);
+                }
+            }
+            round
+        })
+    };
+    let reader = {
+        let (acked, stop, url) = (Arc::clone(&acked), Arc::clone(&stop), url.clone());
+        std::thread::spawn(move || {
+            let mut kv = ClusterClient::connect(&url).expect("connect");
+            let mut reads = 0u64;
+            while !stop.load(Ordering::SeqCst) {
+                for (i, acked) in acked.iter().enumerate() {
+                    let floor = acked.load(Ordering::SeqCst);
+                    let value = kv
+                        .get(key(i))
+                        .expect("a get during moves")
+                        .expect("present");
+                    assert!(
+                        version(&value) >= floor,
+                        "{} read v{} after v{floor} was acknowledged",
+                        key(i),
+                        version(&value)
+                    );
+                    reads += 1;
+                }
+            }
+            reads
+        })
+    };
+
+    let _m2 = start_member(&url, dir.path(), "m2", &[]);
+    eventually(
+        "every member serves two shards",
+        Duration::from_secs(120),
+        || {
+            let status = cluster_status(&url);
+            !status.contains("moving") && status.matches(": 2 shards").count() == 3
+        },
+    );
+    stop.store(true, Ordering::SeqCst);
+    let rounds = writer.join().expect("the writer saw no error");
+    let reads = reader
+        .join()
+        .expect("the reader saw no error or stale value");
+    assert!(rounds > 1 && reads > 0, "{rounds} rounds, {reads} reads");
+
+    let mut fresh = ClusterClient::connect(&url).expect("connect");
+    for (i, acked) in acked.iter().enumerate() {
+        let value = fresh.get(key(i)).expect("get").expect("present");
+        assert_eq!(version(&value), acked.load(Ordering::SeqCst), "{}", key(i));
+    }
+    for i in HOT..KEYS {
+        assert_eq!(
+            fresh.get(key(i)).expect("get").as_deref(),
+            Some(format!("v{i}").as_bytes())
+        );
+    }
+}
+
+#[test]
+fn a_server_told_to_stop_hands_its_shards_over_before_it_leaves() {
+    let etcd = EtcdServer::start();
+    let url = etcd.url("drain");
+    let dir = region_dir();
+    create_cluster(&url, 6, 3);
+    let _m0 = start_member(&url, dir.path(), "m0", &[]);
+    let _m1 = start_member(&url, dir.path(), "m1", &[]);
+    let m2 = start_member(&url, dir.path(), "m2", &[]);
+    let mut kv = load(&url);
+
+    // SIGTERM: it drains, then exits by itself.
+    let (status, log) = m2.terminate();
+    assert!(status.success(), "{log}");
+    assert!(log.contains("draining"), "{log}");
+    let after = cluster_status(&url);
+    assert!(!after.contains("member m2"), "{after}");
+    assert_eq!(after.matches(": 3 shards").count(), 2, "{after}");
+    assert!(!after.contains("unavailable"), "{after}");
+    for i in 0..KEYS {
+        assert_eq!(
+            kv.get(key(i)).expect("every shard served").as_deref(),
+            Some(format!("v{i}").as_bytes())
+        );
     }
 }
