@@ -37,10 +37,10 @@ const REREAD_EVERY: Duration = Duration::from_millis(100);
 /// How long an operation waits for its shard to finish moving.
 const MOVE_WAIT: Duration = Duration::from_secs(60);
 /// How often the map is read while a shard moves.
-const MOVE_POLL: Duration = Duration::from_millis(10);
+const MOVE_POLL: Duration = Duration::from_millis(50);
 /// How long a shard that has just moved may take to start serving at its
-/// new owner.
-const MOVE_SETTLE: Duration = Duration::from_secs(2);
+/// new owner (it reopens the region it received).
+const MOVE_SETTLE: Duration = Duration::from_secs(10);
 
 fn cluster_error(e: kv_cluster::ClusterError) -> Error {
     Error::Cluster(e.to_string())
@@ -201,6 +201,14 @@ impl ClusterClient {
             let error = match self.connection(shard) {
                 Ok(client) => match op(client) {
                     Err(e) if e.is_retryable() && !matches!(e, Error::Contended(_)) => e,
+                    // Reconnecting inside the operation met a refusal: as
+                    // below.
+                    Err(e @ Error::Refused(_))
+                        if moved_until.is_none_or(|t| Instant::now() < t) =>
+                    {
+                        moved_until.get_or_insert(Instant::now() + MOVE_SETTLE);
+                        e
+                    }
                     done => return done,
                 },
                 Err(e) if e.is_retryable() || matches!(e, Error::ShardUnavailable { .. }) => e,

@@ -23,7 +23,7 @@ use tokio::time::Instant;
 
 use crate::etcd::{ClusterState, Etcd};
 use crate::placement::{next_map, random_secret};
-use crate::records::MemberRecord;
+use crate::records::{MemberRecord, ShardMap, ShardMove};
 use crate::url::ClusterUrl;
 use crate::ClusterError;
 
@@ -407,6 +407,7 @@ async fn coordinate(
 ) {
     let leader = campaign(&etcd, &id, lease).await;
     tracing::info!(member = %id, "coordinating");
+    let mut failed = FailedMoves::default();
     loop {
         // Read afresh: the copy watched may predate the election, and so
         // list members whose leases (and election keys) ran out since.
@@ -420,13 +421,15 @@ async fn coordinate(
             }
         };
         let map = state.shard_map();
-        if let Some(next) = next_map(
+        failed.notice(map);
+        let next = next_map(
             &state.config,
             map,
             &state.live_ids(),
             &state.draining_ids(),
             random_secret,
-        ) {
+        );
+        if let Some(next) = next.filter(|n| !failed.holds_back(n)) {
             let based_on = state.map.as_ref().map(|(_, r)| *r);
             match etcd.publish_map(&next, based_on, Some(&leader)).await {
                 Ok(true) => tracing::info!(epoch = next.epoch, "published the shard map"),
@@ -438,5 +441,45 @@ async fn coordinate(
             changed = states.changed() => if changed.is_err() { return },
             () = tokio::time::sleep(Duration::from_secs(1)) => {}
         }
+    }
+}
+
+/// Moves that ended with the shard still at its source (the copy failed:
+/// a target too small, say), held back for a while so that a move that
+/// cannot succeed does not stop its shard over and over.
+#[derive(Default)]
+struct FailedMoves {
+    /// The move in the map last read.
+    last: Option<(ShardMove, Option<String>)>,
+    /// (shard, target) → until when it is not proposed again.
+    held: Vec<((u32, String), Instant)>,
+}
+
+/// How long a failed move is not proposed again.
+const FAILED_MOVE_PAUSE: Duration = Duration::from_secs(30);
+
+impl FailedMoves {
+    fn notice(&mut self, map: Option<&ShardMap>) {
+        let now = Instant::now();
+        self.held.retain(|(_, until)| *until > now);
+        let current = map.and_then(|m| m.moving.clone());
+        if let (Some((m, source)), Some(map)) = (self.last.take(), map) {
+            let ended = current.as_ref() != Some(&m);
+            if ended && map.owner(m.shard).map(str::to_string) == source {
+                self.held.push(((m.shard, m.to), now + FAILED_MOVE_PAUSE));
+            }
+        }
+        self.last = current.map(|m| {
+            let source = map.and_then(|map| map.owner(m.shard)).map(str::to_string);
+            (m, source)
+        });
+    }
+
+    fn holds_back(&self, next: &ShardMap) -> bool {
+        next.moving.as_ref().is_some_and(|m| {
+            self.held
+                .iter()
+                .any(|((shard, to), _)| *shard == m.shard && *to == m.to)
+        })
     }
 }

@@ -360,14 +360,17 @@ fn remove_duplicates(region: &SharedRegion, g: &Geometry) -> Result<u64, Transpo
     Ok(removed)
 }
 
-/// Calls `f` with every key of the region at `path` (which no server may
-/// be serving: the file is locked) and its payload as readers see it: each
+/// Revokes every client key of the region at `path` (which no server may
+/// be serving: the file is locked), waits `settle` for their verbs under
+/// way to land, then calls `f` with every key and its payload as readers
+/// see it: each
 /// key once, from its lowest visible copy (the index is walked in slot
 /// order, which is the order copies compare in); pending and abandoned
 /// counters are not visible. Returns how many slots pointed at blocks that
 /// fail validation (skipped). Stops at the first error `f` returns.
 pub fn read_entries(
     path: &Path,
+    settle: std::time::Duration,
     mut f: impl FnMut(&[u8], &Payload<'_>) -> Result<(), String>,
 ) -> Result<u64, ServerError> {
     let file = OpenOptions::new()
@@ -378,6 +381,14 @@ pub fn read_entries(
     lock_exclusive(&file, path)?;
     let region = SharedRegion::from_file(&file, path, 0).map_err(|e| region_error(path, e))?;
     let (g, _) = check_header(&region).map_err(|e| region_error(path, e))?;
+    // A server that died keeps its clients' keys valid: none may read or
+    // write what is being read (a clean shutdown revoked them already).
+    for i in 0..KEY_TABLE_ENTRIES {
+        region
+            .store(KEY_TABLE_OFFSET + i * 8, 0)
+            .map_err(|e| region_error(path, e))?;
+    }
+    std::thread::sleep(settle);
     let mut seen = std::collections::HashSet::new();
     let (mut damaged, mut failed) = (0u64, None);
     for_each_slot(&region, &g, |_, slot| {

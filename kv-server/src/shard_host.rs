@@ -14,6 +14,7 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use kv_cluster::etcd::BlockingEtcd;
 use kv_cluster::{shard_address, ClusterUrl, ShardMap, ShardMove};
@@ -36,7 +37,7 @@ pub struct ShardHost {
     url: ClusterUrl,
     serving: BTreeMap<u32, Served>,
     /// The move this member is sending, while its thread runs.
-    sending: Option<(ShardMove, JoinHandle<()>)>,
+    sending: Option<(ShardMove, JoinHandle<bool>)>,
     /// The last move sent: done, whether or not the map shows it yet.
     sent: Option<ShardMove>,
     /// The map last followed.
@@ -117,18 +118,8 @@ impl ShardHost {
 
     fn start(&mut self, shard: u32, secret: Option<String>, epoch: u64) {
         let started = self.config_of(shard).and_then(|mut config| {
-            if let Some(secret) = &secret {
-                // A move's target starts from nothing: whatever a region
-                // file here holds is from an earlier ownership.
-                let path = region_path(&config)?;
-                if path.exists() {
-                    std::fs::remove_file(&path).map_err(|e| ServerError::Region {
-                        path: path.clone(),
-                        reason: format!("removing a stale copy: {e}"),
-                    })?;
-                }
-                config.secret = Some(secret.as_bytes().to_vec());
-            }
+            prepare_region(&region_path(&config)?, secret.as_deref())?;
+            config.secret = secret.as_ref().map(|s| s.as_bytes().to_vec());
             Server::start(config)
         });
         match started {
@@ -185,8 +176,9 @@ impl ShardHost {
             return;
         }
         if let Some((m, thread)) = self.sending.take() {
-            let _ = thread.join();
-            self.sent = Some(m);
+            if thread.join().unwrap_or(false) {
+                self.sent = Some(m);
+            }
         }
         if let Some(map) = self.map.clone() {
             self.follow(&map, held);
@@ -229,7 +221,11 @@ impl ShardHost {
     /// Whether this member serves no shard and sends none: it may leave
     /// without making any shard unavailable.
     pub fn is_empty(&self) -> bool {
-        self.serving.is_empty() && self.sending.is_none()
+        let me = self.member.as_str();
+        let in_map = self.map.as_ref().is_some_and(|map| {
+            map.shards_of(me).next().is_some() || map.moving.as_ref().is_some_and(|m| m.to == me)
+        });
+        self.serving.is_empty() && self.sending.is_none() && !in_map
     }
 
     pub fn serving(&self) -> impl Iterator<Item = u32> + '_ {
@@ -246,35 +242,78 @@ impl Drop for ShardHost {
     }
 }
 
+/// Readies a shard's region file before its server starts. A move's
+/// target starts from nothing (whatever the file holds is from an earlier
+/// ownership) unless the file was made for this very move (`NAME.move`
+/// holds its secret): a target that restarts keeps a copy it received.
+/// An owner's region is its own: the mark goes.
+fn prepare_region(path: &std::path::Path, move_secret: Option<&str>) -> Result<(), ServerError> {
+    let mut mark = path.as_os_str().to_owned();
+    mark.push(".move");
+    let mark = PathBuf::from(mark);
+    let error = |e: std::io::Error| ServerError::Region {
+        path: path.to_path_buf(),
+        reason: format!("preparing it for a move: {e}"),
+    };
+    let Some(secret) = move_secret else {
+        return match std::fs::remove_file(&mark) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(error(e)),
+            _ => Ok(()),
+        };
+    };
+    if std::fs::read_to_string(&mark).is_ok_and(|s| s == secret) {
+        return Ok(());
+    }
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(error(e)),
+        _ => {}
+    }
+    std::fs::write(&mark, secret).map_err(error)
+}
+
 /// The source's whole move: copy, then make the target the owner; or, if
 /// the copy failed, drop the move (the source serves the shard again).
-fn move_shard(server: Option<Server>, out: &Outgoing, url: &ClusterUrl, m: &ShardMove) {
+/// The source's whole move: copy, then make the target the owner; or, if
+/// the copy failed, drop the move (the source serves the shard again).
+/// False when the map could not be told: the move is done again (a copy
+/// into the same target gives the same result).
+fn move_shard(server: Option<Server>, out: &Outgoing, url: &ClusterUrl, m: &ShardMove) -> bool {
     if let Some(server) = server {
         server.shutdown();
     }
     let copied = target_address(url, m).and_then(|to| shard_move::send(out, &to));
-    let outcome = match &copied {
-        Ok(_) => finish_move(url, m, true),
-        Err(e) => {
-            tracing::error!(shard = m.shard, "move to {} failed: {e}", m.to);
-            finish_move(url, m, false)
-        }
-    };
+    if let Err(e) = &copied {
+        tracing::error!(shard = m.shard, "move to {} failed: {e}", m.to);
+    }
+    let mut outcome = finish_move(url, m, copied.is_ok());
+    for _ in 0..FINISH_ATTEMPTS {
+        let Err(e) = &outcome else { break };
+        tracing::warn!(shard = m.shard, "ending the move in the map: {e}");
+        std::thread::sleep(Duration::from_secs(1));
+        outcome = finish_move(url, m, copied.is_ok());
+    }
     match outcome {
-        Ok(true) if copied.is_ok() => {
+        Ok(true) => {
             tracing::info!(shard = m.shard, "moved to {}", m.to);
             // Nobody reads it here any more: its clients were revoked.
             if let Err(e) = std::fs::remove_file(&out.region) {
                 tracing::warn!(shard = m.shard, "removing the moved region: {e}");
             }
+            true
         }
-        Ok(_) => tracing::warn!(
-            shard = m.shard,
-            "the move was dropped; serving the shard again"
-        ),
-        Err(e) => tracing::error!(shard = m.shard, "ending the move in the map: {e}"),
+        Ok(false) => {
+            tracing::warn!(
+                shard = m.shard,
+                "the move was dropped; serving the shard again"
+            );
+            true
+        }
+        Err(_) => false,
     }
 }
+
+/// Tries at telling the map how a move ended, a second apart.
+const FINISH_ATTEMPTS: usize = 30;
 
 /// Where the target serves the shard: from its member record.
 fn target_address(url: &ClusterUrl, m: &ShardMove) -> Result<Address, String> {

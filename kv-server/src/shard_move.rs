@@ -36,15 +36,23 @@ pub struct Outgoing {
 const TARGET_WAIT: Duration = Duration::from_secs(30);
 
 /// Copies the keys of the shard, which no server here serves any more,
-/// to the target at `to`; how many it copied.
+/// to the target at `to`; how many it copied. Copying again into the same
+/// target gives the same result (values are put, counters set).
 pub fn send(out: &Outgoing, to: &Address) -> Result<u64, String> {
     let started = Instant::now();
-    std::thread::sleep(out.grace);
     let mut target = connect(out, to)?;
+    let mut values: Vec<(Vec<u8>, Vec<u8>)> = Vec::with_capacity(BATCH);
+    let mut counters = Vec::new();
     let mut copied = 0u64;
-    let damaged = region::read_entries(&out.region, |key, payload| {
+    let damaged = region::read_entries(&out.region, out.grace, |key, payload| {
         match *payload {
-            Payload::Bytes(value) => target.put(key, value).map_err(|e| e.to_string())?,
+            Payload::Bytes(value) => {
+                values.push((key.to_vec(), value.to_vec()));
+                if values.len() == BATCH {
+                    target.put_many(&values).map_err(|e| e.to_string())?;
+                    values.clear();
+                }
+            }
             Payload::Counter { value, sealed, .. } => {
                 // A seal left by a writer whose client was revoked: its
                 // unlink never happened, so the counter is the open value.
@@ -53,13 +61,17 @@ pub fn send(out: &Outgoing, to: &Address) -> Result<u64, String> {
                 } else {
                     value
                 };
-                target.incr(key, value).map_err(|e| e.to_string())?;
+                counters.push((key.to_vec(), value));
             }
         }
         copied += 1;
         Ok(())
     })
     .map_err(|e| e.to_string())?;
+    target.put_many(&values).map_err(|e| e.to_string())?;
+    for (key, value) in counters {
+        set_counter(&mut target, &key, value)?;
+    }
     if damaged > 0 {
         tracing::error!(
             shard = out.shard,
@@ -75,6 +87,26 @@ pub fn send(out: &Outgoing, to: &Address) -> Result<u64, String> {
         "copied to {to}"
     );
     Ok(copied)
+}
+
+/// Keys put per batch.
+const BATCH: usize = 64;
+
+/// Makes the counter `key` hold `value`, whatever it holds now.
+fn set_counter(target: &mut Client, key: &[u8], value: i64) -> Result<(), String> {
+    loop {
+        let now = target.incr(key, 0).map_err(|e| e.to_string())?;
+        if now == value {
+            return Ok(());
+        }
+        // It returns what it found: `now` when it swapped.
+        let found = target
+            .compare_and_set(key, now, value)
+            .map_err(|e| e.to_string())?;
+        if found == Some(now) {
+            return Ok(());
+        }
+    }
 }
 
 fn connect(out: &Outgoing, to: &Address) -> Result<Client, String> {

@@ -206,6 +206,7 @@ fn version(value: &[u8]) -> u64 {
 #[test]
 fn a_server_that_joins_takes_its_share_while_clients_write_and_read() {
     const HOT: usize = 60;
+    const COUNTERS: usize = 6;
     let etcd = EtcdServer::start();
     let url = etcd.url("join");
     let dir = region_dir();
@@ -216,6 +217,9 @@ fn a_server_that_joins_takes_its_share_while_clients_write_and_read() {
     for i in 0..HOT {
         kv.put(key(i), "v0").expect("put");
     }
+    for c in 0..COUNTERS {
+        kv.incr(format!("hits{c}"), 0).expect("a counter");
+    }
     // The latest version of each key whose put returned.
     let acked: Arc<Vec<AtomicU64>> = Arc::new((0..HOT).map(|_| AtomicU64::new(0)).collect());
     let stop = Arc::new(AtomicBool::new(false));
@@ -224,15 +228,25 @@ fn a_server_that_joins_takes_its_share_while_clients_write_and_read() {
         std::thread::spawn(move || {
             let mut kv = ClusterClient::connect(&url).expect("connect");
             let mut round = 0;
-            while !stop.load(Ordering::SeqCst) {
+            // Increments of each counter that returned, and that ended
+            // with their outcome unknown (the connection lost after the
+            // atomic was posted, as a move's revocation may do).
+            let mut counted = [(0i64, 0i64); COUNTERS];
+            while round < 3 || !stop.load(Ordering::SeqCst) {
                 round += 1;
                 for (i, acked) in acked.iter().enumerate() {
                     kv.put(key(i), format!("v{round}"))
                         .expect("a put during moves");
                     acked.store(round, Ordering::SeqCst);
+                    let c = i % COUNTERS;
+                    match kv.incr(format!("hits{c}"), 1) {
+                        Ok(_) => counted[c].0 += 1,
+                        Err(Error::OutcomeUnknown(_)) => counted[c].1 += 1,
+                        Err(e) => panic!("an increment during moves: {e}"),
+                    }
                 }
             }
-            round
+            (round, counted)
         })
     };
     let reader = {
@@ -270,7 +284,7 @@ fn a_server_that_joins_takes_its_share_while_clients_write_and_read() {
         },
     );
     stop.store(true, Ordering::SeqCst);
-    let rounds = writer.join().expect("the writer saw no error");
+    let (rounds, counted) = writer.join().expect("the writer saw no error");
     let reads = reader
         .join()
         .expect("the reader saw no error or stale value");
@@ -285,6 +299,14 @@ fn a_server_that_joins_takes_its_share_while_clients_write_and_read() {
         assert_eq!(
             fresh.get(key(i)).expect("get").as_deref(),
             Some(format!("v{i}").as_bytes())
+        );
+    }
+    for (c, (done, unknown)) in counted.iter().enumerate() {
+        let name = format!("hits{c}");
+        let value = fresh.get_counter(&name).expect("get").unwrap_or(0);
+        assert!(
+            (*done..=done + unknown).contains(&value),
+            "{name}: {value}, {done} done, {unknown} unknown"
         );
     }
 }
