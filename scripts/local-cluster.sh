@@ -18,6 +18,9 @@ command -v etcd >/dev/null || { echo "etcd not found: apt-get install etcd-serve
 work=$(mktemp -d /dev/shm/onekv-cluster.XXXXXX)
 pids=()
 cleanup() {
+  # A first signal drains a server (its shards move away); a second leaves.
+  kill "${pids[@]}" 2>/dev/null || true
+  sleep 0.2
   kill "${pids[@]}" 2>/dev/null || true
   wait 2>/dev/null || true
   rm -rf "$work"

@@ -324,8 +324,8 @@ fn serve(args: ServeArgs) -> Result<(), String> {
 
 /// As a cluster member: serves what the map gives it while it holds its
 /// lease, nothing while it may not. The first stop signal drains it (its
-/// shards move to the other servers, then it leaves); a second, or no
-/// other server to take them, leaves at once.
+/// shards move to the other servers, then it leaves); a second, no other
+/// server to take them, or a drain longer than DRAIN_LIMIT leaves at once.
 fn serve_shards(
     host: ShardHost,
     url: ClusterUrl,
@@ -346,12 +346,21 @@ fn serve_shards(
         others: 0,
     };
     let mut signals = 0;
+    let mut drain_started = Instant::now();
     loop {
         if stop.try_recv().is_ok() {
             signals += 1;
+            drain_started = Instant::now();
             tracing::info!("draining: the shards here move to the other servers first (a second signal leaves at once)");
         }
-        if signals >= 2 || (signals == 1 && (member.host.is_empty() || member.others == 0)) {
+        let drained = member.host.is_empty() || member.others == 0;
+        if signals >= 2 || (signals == 1 && drained) {
+            break;
+        }
+        if signals == 1 && drain_started.elapsed() > DRAIN_LIMIT {
+            tracing::warn!(
+                "leaving before the drain finished: it took longer than {DRAIN_LIMIT:?}"
+            );
             break;
         }
         if signals == 1 {
@@ -371,6 +380,9 @@ fn serve_shards(
     member.membership.leave();
     Ok(())
 }
+
+/// Longest a stop signal waits for the shards here to move away.
+const DRAIN_LIMIT: Duration = Duration::from_secs(300);
 
 /// A member's shards and membership, as the daemon runs them.
 struct Member {

@@ -203,10 +203,74 @@ fn version(value: &[u8]) -> u64 {
         .unwrap_or_else(|| panic!("a foreign value {value:?}"))
 }
 
+const HOT: usize = 60;
+const COUNTERS: usize = 6;
+
+/// The latest version of each hot key whose put returned.
+type Acked = Arc<Vec<AtomicU64>>;
+
+/// Increments of each counter that returned, and that ended with their
+/// outcome unknown (the connection lost after the atomic was posted, as a
+/// move's revocation may do).
+type Counted = [(i64, i64); COUNTERS];
+
+/// Puts a new version of every hot key and increments a counter after
+/// each, round after round (three at least) until `stop`; any error but an
+/// unknown outcome fails the test.
+fn writer(
+    url: String,
+    acked: Acked,
+    stop: Arc<AtomicBool>,
+) -> std::thread::JoinHandle<(u64, Counted)> {
+    std::thread::spawn(move || {
+        let mut kv = ClusterClient::connect(&url).expect("connect");
+        let (mut round, mut counted) = (0, [(0i64, 0i64); COUNTERS]);
+        while round < 3 || !stop.load(Ordering::SeqCst) {
+            round += 1;
+            for (i, acked) in acked.iter().enumerate() {
+                kv.put(key(i), format!("v{round}"))
+                    .expect("a put during moves");
+                acked.store(round, Ordering::SeqCst);
+                let c = i % COUNTERS;
+                match kv.incr(format!("hits{c}"), 1) {
+                    Ok(_) => counted[c].0 += 1,
+                    Err(Error::OutcomeUnknown(_)) => counted[c].1 += 1,
+                    Err(e) => panic!("an increment during moves: {e}"),
+                }
+            }
+        }
+        (round, counted)
+    })
+}
+
+/// Reads every hot key until `stop`: never an error, never a version older
+/// than one acknowledged before the read began.
+fn reader(url: String, acked: Acked, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<u64> {
+    std::thread::spawn(move || {
+        let mut kv = ClusterClient::connect(&url).expect("connect");
+        let mut reads = 0u64;
+        while !stop.load(Ordering::SeqCst) {
+            for (i, acked) in acked.iter().enumerate() {
+                let floor = acked.load(Ordering::SeqCst);
+                let value = kv
+                    .get(key(i))
+                    .expect("a get during moves")
+                    .expect("present");
+                let seen = version(&value);
+                assert!(
+                    seen >= floor,
+                    "{} read v{seen} after v{floor} was acknowledged",
+                    key(i)
+                );
+                reads += 1;
+            }
+        }
+        reads
+    })
+}
+
 #[test]
 fn a_server_that_joins_takes_its_share_while_clients_write_and_read() {
-    const HOT: usize = 60;
-    const COUNTERS: usize = 6;
     let etcd = EtcdServer::start();
     let url = etcd.url("join");
     let dir = region_dir();
@@ -220,59 +284,10 @@ fn a_server_that_joins_takes_its_share_while_clients_write_and_read() {
     for c in 0..COUNTERS {
         kv.incr(format!("hits{c}"), 0).expect("a counter");
     }
-    // The latest version of each key whose put returned.
-    let acked: Arc<Vec<AtomicU64>> = Arc::new((0..HOT).map(|_| AtomicU64::new(0)).collect());
+    let acked: Acked = Arc::new((0..HOT).map(|_| AtomicU64::new(0)).collect());
     let stop = Arc::new(AtomicBool::new(false));
-    let writer = {
-        let (acked, stop, url) = (Arc::clone(&acked), Arc::clone(&stop), url.clone());
-        std::thread::spawn(move || {
-            let mut kv = ClusterClient::connect(&url).expect("connect");
-            let mut round = 0;
-            // Increments of each counter that returned, and that ended
-            // with their outcome unknown (the connection lost after the
-            // atomic was posted, as a move's revocation may do).
-            let mut counted = [(0i64, 0i64); COUNTERS];
-            while round < 3 || !stop.load(Ordering::SeqCst) {
-                round += 1;
-                for (i, acked) in acked.iter().enumerate() {
-                    kv.put(key(i), format!("v{round}"))
-                        .expect("a put during moves");
-                    acked.store(round, Ordering::SeqCst);
-                    let c = i % COUNTERS;
-                    match kv.incr(format!("hits{c}"), 1) {
-                        Ok(_) => counted[c].0 += 1,
-                        Err(Error::OutcomeUnknown(_)) => counted[c].1 += 1,
-                        Err(e) => panic!("an increment during moves: {e}"),
-                    }
-                }
-            }
-            (round, counted)
-        })
-    };
-    let reader = {
-        let (acked, stop, url) = (Arc::clone(&acked), Arc::clone(&stop), url.clone());
-        std::thread::spawn(move || {
-            let mut kv = ClusterClient::connect(&url).expect("connect");
-            let mut reads = 0u64;
-            while !stop.load(Ordering::SeqCst) {
-                for (i, acked) in acked.iter().enumerate() {
-                    let floor = acked.load(Ordering::SeqCst);
-                    let value = kv
-                        .get(key(i))
-                        .expect("a get during moves")
-                        .expect("present");
-                    assert!(
-                        version(&value) >= floor,
-                        "{} read v{} after v{floor} was acknowledged",
-                        key(i),
-                        version(&value)
-                    );
-                    reads += 1;
-                }
-            }
-            reads
-        })
-    };
+    let writes = writer(url.clone(), Arc::clone(&acked), Arc::clone(&stop));
+    let reads = reader(url.clone(), Arc::clone(&acked), Arc::clone(&stop));
 
     let _m2 = start_member(&url, dir.path(), "m2", &[]);
     eventually(
@@ -284,8 +299,8 @@ fn a_server_that_joins_takes_its_share_while_clients_write_and_read() {
         },
     );
     stop.store(true, Ordering::SeqCst);
-    let (rounds, counted) = writer.join().expect("the writer saw no error");
-    let reads = reader
+    let (rounds, counted) = writes.join().expect("the writer saw no error");
+    let reads = reads
         .join()
         .expect("the reader saw no error or stale value");
     assert!(rounds > 1 && reads > 0, "{rounds} rounds, {reads} reads");
@@ -296,10 +311,8 @@ fn a_server_that_joins_takes_its_share_while_clients_write_and_read() {
         assert_eq!(version(&value), acked.load(Ordering::SeqCst), "{}", key(i));
     }
     for i in HOT..KEYS {
-        assert_eq!(
-            fresh.get(key(i)).expect("get").as_deref(),
-            Some(format!("v{i}").as_bytes())
-        );
+        let value = fresh.get(key(i)).expect("get");
+        assert_eq!(value.as_deref(), Some(format!("v{i}").as_bytes()));
     }
     for (c, (done, unknown)) in counted.iter().enumerate() {
         let name = format!("hits{c}");
