@@ -360,14 +360,21 @@ fn remove_duplicates(region: &SharedRegion, g: &Geometry) -> Result<u64, Transpo
     Ok(removed)
 }
 
+/// The index size in force in the region file at `path`.
+pub fn bucket_count(path: &Path) -> Result<u64, ServerError> {
+    let region = SharedRegion::open(path).map_err(|e| region_error(path, e))?;
+    let (g, _) = check_header(&region).map_err(|e| region_error(path, e))?;
+    Ok(g.bucket_count)
+}
+
 /// Revokes every client key of the region at `path` (which no server may
 /// be serving: the file is locked), waits `settle` for their verbs under
 /// way to land, then calls `f` with every key and its payload as readers
-/// see it: each
-/// key once, from its lowest visible copy (the index is walked in slot
-/// order, which is the order copies compare in); pending and abandoned
-/// counters are not visible. Returns how many slots pointed at blocks that
-/// fail validation (skipped). Stops at the first error `f` returns.
+/// see it: each key once, from its lowest visible copy (a copy with a
+/// visible one below it among the key's candidate slots is skipped);
+/// pending and abandoned counters are not visible. Returns how many slots
+/// pointed at blocks that fail validation (skipped). Stops at the first
+/// error `f` returns.
 pub fn read_entries(
     path: &Path,
     settle: std::time::Duration,
@@ -389,28 +396,17 @@ pub fn read_entries(
             .map_err(|e| region_error(path, e))?;
     }
     std::thread::sleep(settle);
-    let mut seen = std::collections::HashSet::new();
+    let (mut block, mut other) = (BlockBuf::default(), BlockBuf::default());
     let (mut damaged, mut failed) = (0u64, None);
-    for_each_slot(&region, &g, |_, slot| {
+    for_each_slot(&region, &g, |pos, slot| {
         if failed.is_some() {
             return;
         }
-        let Some(bytes) = read_block(&region, &g, slot.thawed()) else {
+        let Some(view) = block.read(&region, &g, slot.thawed()) else {
             damaged += 1;
             return;
         };
-        let Ok(view) = decode_block(&bytes) else {
-            damaged += 1;
-            return;
-        };
-        let visible = !matches!(
-            view.payload,
-            Payload::Counter {
-                state: CounterState::Pending | CounterState::Abandoned,
-                ..
-            }
-        );
-        if visible && seen.insert(view.key.to_vec()) {
+        if visible(&view.payload) && !lower_copy(&region, &g, view.key, pos, &mut other) {
             failed = f(view.key, &view.payload).err();
         }
     })
@@ -418,6 +414,70 @@ pub fn read_entries(
     match failed {
         Some(e) => Err(region_error(path, e)),
         None => Ok(damaged),
+    }
+}
+
+/// Whether readers see a block with this payload (not a pending or
+/// abandoned counter).
+fn visible(payload: &Payload<'_>) -> bool {
+    !matches!(
+        payload,
+        Payload::Counter {
+            state: CounterState::Pending | CounterState::Abandoned,
+            ..
+        }
+    )
+}
+
+/// Whether a copy of `key` that readers see lies at a lower position than
+/// `pos` (readers take that one). Only slots with the key's fingerprint are
+/// read, so this costs a block read for about one key in a hundred.
+fn lower_copy(
+    region: &SharedRegion,
+    g: &Geometry,
+    key: &[u8],
+    pos: SlotPos,
+    buf: &mut BlockBuf,
+) -> bool {
+    let h = KeyHash::new(key, g.bucket_count);
+    (0..kv_common::layout::CANDIDATE_SLOTS)
+        .map(|i| h.slot_pos(i))
+        .take_while(|p| *p < pos)
+        .any(|p| {
+            let Ok(word) = region.load(g.slot_offset(p)) else {
+                return false;
+            };
+            let slot = Slot(word).thawed();
+            !slot.is_empty()
+                && slot.fingerprint() == h.fingerprint
+                && buf
+                    .read(region, g, slot)
+                    .is_some_and(|v| v.key == key && visible(&v.payload))
+        })
+}
+
+/// A block read into buffers that are reused from one block to the next.
+#[derive(Default)]
+struct BlockBuf {
+    words: Vec<u64>,
+    bytes: Vec<u8>,
+}
+
+impl BlockBuf {
+    /// The valid block `slot` points at, if any.
+    fn read(
+        &mut self,
+        region: &SharedRegion,
+        g: &Geometry,
+        slot: Slot,
+    ) -> Option<kv_common::layout::BlockView<'_>> {
+        let (offset, len) = g.block_span(slot)?;
+        self.words.resize(len / 8, 0);
+        region.read(offset, &mut self.words).ok()?;
+        self.bytes.clear();
+        self.bytes
+            .extend(self.words.iter().flat_map(|w| w.to_le_bytes()));
+        decode_block(&self.bytes).ok()
     }
 }
 

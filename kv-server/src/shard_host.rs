@@ -119,7 +119,12 @@ impl ShardHost {
     fn start(&mut self, shard: u32, secret: Option<String>, epoch: u64) {
         let started = self.config_of(shard).and_then(|mut config| {
             prepare_region(&region_path(&config)?, secret.as_deref())?;
-            config.secret = secret.as_ref().map(|s| s.as_bytes().to_vec());
+            if let Some(secret) = &secret {
+                config.secret = Some(secret.as_bytes().to_vec());
+                // Only the copier connects: it sizes the index as the
+                // source's before it copies.
+                config.resize_on_request_up_to = u64::MAX;
+            }
             Server::start(config)
         });
         match started {

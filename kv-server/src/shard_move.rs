@@ -41,6 +41,12 @@ const TARGET_WAIT: Duration = Duration::from_secs(30);
 pub fn send(out: &Outgoing, to: &Address) -> Result<u64, String> {
     let started = Instant::now();
     let mut target = connect(out, to)?;
+    // Sized as the source before the keys come: no doubling under way
+    // while they do.
+    let buckets = region::bucket_count(&out.region).map_err(|e| e.to_string())?;
+    while target.geometry().bucket_count < buckets {
+        target.resize().map_err(|e| e.to_string())?;
+    }
     let mut values: Vec<(Vec<u8>, Vec<u8>)> = Vec::with_capacity(BATCH);
     let mut counters = Vec::new();
     let mut copied = 0u64;
