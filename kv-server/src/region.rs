@@ -360,6 +360,55 @@ fn remove_duplicates(region: &SharedRegion, g: &Geometry) -> Result<u64, Transpo
     Ok(removed)
 }
 
+/// A region file no server uses, locked while this lives, and its header.
+struct Offline {
+    _lock: File,
+    region: SharedRegion,
+    g: Geometry,
+    header: Option<HeaderDamage>,
+}
+
+impl Offline {
+    fn open(path: &Path) -> Result<Offline, ServerError> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|e| region_error(path, e))?;
+        lock_exclusive(&file, path)?;
+        let region = SharedRegion::from_file(&file, path, 0).map_err(|e| region_error(path, e))?;
+        let (g, header) = check_header(&region).map_err(|e| region_error(path, e))?;
+        if g.region_len > region.len() {
+            return Err(region_error(
+                path,
+                "the header says the region is larger than its file",
+            ));
+        }
+        Ok(Offline {
+            _lock: file,
+            region,
+            g,
+            header,
+        })
+    }
+}
+
+/// Zeroes every client key of a region no server uses, then waits
+/// `settle` for the verbs its clients had under way to land.
+fn revoke_clients(
+    region: &SharedRegion,
+    path: &Path,
+    settle: std::time::Duration,
+) -> Result<(), ServerError> {
+    for i in 0..KEY_TABLE_ENTRIES {
+        region
+            .store(KEY_TABLE_OFFSET + i * 8, 0)
+            .map_err(|e| region_error(path, e))?;
+    }
+    std::thread::sleep(settle);
+    Ok(())
+}
+
 /// The index size in force in the region file at `path`.
 pub fn bucket_count(path: &Path) -> Result<u64, ServerError> {
     let region = SharedRegion::open(path).map_err(|e| region_error(path, e))?;
@@ -380,22 +429,12 @@ pub fn read_entries(
     settle: std::time::Duration,
     mut f: impl FnMut(&[u8], &Payload<'_>) -> Result<(), String>,
 ) -> Result<u64, ServerError> {
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(path)
-        .map_err(|e| region_error(path, e))?;
-    lock_exclusive(&file, path)?;
-    let region = SharedRegion::from_file(&file, path, 0).map_err(|e| region_error(path, e))?;
-    let (g, _) = check_header(&region).map_err(|e| region_error(path, e))?;
+    let Offline {
+        _lock, region, g, ..
+    } = Offline::open(path)?;
     // A server that died keeps its clients' keys valid: none may read or
     // write what is being read (a clean shutdown revoked them already).
-    for i in 0..KEY_TABLE_ENTRIES {
-        region
-            .store(KEY_TABLE_OFFSET + i * 8, 0)
-            .map_err(|e| region_error(path, e))?;
-    }
-    std::thread::sleep(settle);
+    revoke_clients(&region, path, settle)?;
     let (mut block, mut other) = (BlockBuf::default(), BlockBuf::default());
     let (mut damaged, mut failed) = (0u64, None);
     for_each_slot(&region, &g, |pos, slot| {
@@ -577,29 +616,16 @@ pub enum CheckMode {
 /// header is rewritten and damaged slots are emptied (the file is locked,
 /// so no server can be using it).
 pub fn check(path: &Path, mode: CheckMode) -> Result<CheckReport, ServerError> {
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(path)
-        .map_err(|e| region_error(path, e))?;
-    lock_exclusive(&file, path)?;
-    let region = SharedRegion::from_file(&file, path, 0).map_err(|e| region_error(path, e))?;
-    let (g, header) = check_header(&region).map_err(|e| region_error(path, e))?;
-    if g.region_len > region.len() {
-        return Err(region_error(
-            path,
-            "the header says the region is larger than its file",
-        ));
-    }
+    let Offline {
+        _lock,
+        region,
+        g,
+        header,
+    } = Offline::open(path)?;
     if let CheckMode::Repair { settle } = mode {
         // Clients of a server that died still hold valid keys: revoke them
         // and let their verbs in flight land before looking at any slot.
-        for i in 0..KEY_TABLE_ENTRIES {
-            region
-                .store(KEY_TABLE_OFFSET + i * 8, 0)
-                .map_err(|e| region_error(path, e))?;
-        }
-        std::thread::sleep(settle);
+        revoke_clients(&region, path, settle)?;
     }
     let mut report = CheckReport {
         header_repaired: header.is_some() && mode != CheckMode::Report,
