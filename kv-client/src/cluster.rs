@@ -187,10 +187,12 @@ impl ClusterClient {
         self.on(self.shard_of(key), op)
     }
 
-    /// Runs `op` on the connection to `shard`. When the shard's
-    /// server cannot be reached, the map is read again (its owner may
-    /// have changed) and the operation tried once more there; if it is
-    /// still unreachable, the error names the shard and its server.
+    /// Runs `op` on the connection to `shard`. When the shard's server
+    /// cannot be reached, the map is read again and the operation tried
+    /// there: while the map shows the shard moving, and for a while after
+    /// it moved (its new owner may still be opening it), for up to
+    /// MOVE_WAIT; otherwise once. The error then names the shard and its
+    /// server.
     fn on<T>(&mut self, shard: u32, mut op: impl FnMut(&mut Client) -> Result<T>) -> Result<T> {
         let started = Instant::now();
         let mut reread = false;
@@ -198,20 +200,10 @@ impl ClusterClient {
         // new owner: its connection is tried again.
         let mut moved_until: Option<Instant> = None;
         loop {
-            let error = match self.connection(shard) {
-                Ok(client) => match op(client) {
-                    Err(e) if e.is_retryable() && !matches!(e, Error::Contended(_)) => e,
-                    // Reconnecting inside the operation met a refusal: as
-                    // below.
-                    Err(e @ Error::Refused(_))
-                        if moved_until.is_none_or(|t| Instant::now() < t) =>
-                    {
-                        moved_until.get_or_insert(Instant::now() + MOVE_SETTLE);
-                        e
-                    }
-                    done => return done,
-                },
-                Err(e) if e.is_retryable() || matches!(e, Error::ShardUnavailable { .. }) => e,
+            let error = match self.connection(shard).and_then(&mut op) {
+                Ok(done) => return Ok(done),
+                Err(e @ Error::ShardUnavailable { .. }) => e,
+                Err(e) if e.is_retryable() && !matches!(e, Error::Contended(_)) => e,
                 // A wrong secret, or a move's target that the map names
                 // owner but that is still open to the copier only (for a
                 // moment): tried again for MOVE_SETTLE.
@@ -227,7 +219,7 @@ impl ClusterClient {
             let settling = moved_until.is_some_and(|t| Instant::now() < t);
             if !moving && !settling && reread {
                 return Err(match error {
-                    Error::ShardUnavailable { .. } => error,
+                    Error::ShardUnavailable { .. } | Error::Refused(_) => error,
                     other => self.unavailable(shard, &other.to_string()),
                 });
             }
