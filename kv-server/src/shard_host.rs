@@ -232,10 +232,6 @@ impl ShardHost {
         });
         self.serving.is_empty() && self.sending.is_none() && !in_map
     }
-
-    pub fn serving(&self) -> impl Iterator<Item = u32> + '_ {
-        self.serving.keys().copied()
-    }
 }
 
 impl Drop for ShardHost {
