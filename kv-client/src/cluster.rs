@@ -162,6 +162,38 @@ impl ClusterClient {
     /// [`Error::Cluster`] for a shard the cluster does not have;
     /// [`Error::ShardUnavailable`].
     pub fn server_stats(&mut self, shard: u32) -> Result<ServerStats> {
+        self.check_shard(shard)?;
+        self.on(shard, Client::server_stats)
+    }
+
+    /// The connection to `shard`'s server, made now if it is not yet: for
+    /// what is a server's own (its geometry, a resize).
+    ///
+    /// # Errors
+    ///
+    /// As [`Self::server_stats`], or the connection's error.
+    pub fn shard_client(&mut self, shard: u32) -> Result<&mut Client> {
+        self.check_shard(shard)?;
+        self.connection(shard)
+    }
+
+    /// The cluster as etcd holds it now, for people: its members, the
+    /// shards each serves, the map's epoch, the move under way.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Cluster`] when etcd cannot be read.
+    pub fn status(&mut self) -> Result<String> {
+        self.reread()?;
+        let s = &self.state;
+        Ok(kv_cluster::records::describe(
+            &s.config,
+            &s.members,
+            s.shard_map(),
+        ))
+    }
+
+    fn check_shard(&self, shard: u32) -> Result<()> {
         if shard >= self.shards() {
             return Err(Error::Cluster(format!(
                 "{} has no shard {shard} (it has {})",
@@ -169,7 +201,7 @@ impl ClusterClient {
                 self.shards()
             )));
         }
-        self.on(shard, Client::server_stats)
+        Ok(())
     }
 
     /// Verbs posted so far over every shard's connection.

@@ -5,6 +5,7 @@
 //! cannot both win.
 
 use std::collections::BTreeMap;
+use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,7 +14,7 @@ use kv_client::{ClusterClient, Error};
 use kv_cluster::etcd::BlockingEtcd;
 use kv_cluster::{ClusterUrl, ShardMap};
 use onekv_tests::cluster::{cluster_status, create_cluster, start_member, EtcdServer};
-use onekv_tests::{eventually, region_dir};
+use onekv_tests::{eventually, region_dir, workspace_bin};
 
 const KEYS: usize = 300;
 
@@ -61,6 +62,7 @@ fn keys_spread_over_three_servers_and_a_dead_one_fails_only_its_shards() {
         assert!(status.contains(&format!("member {m} ")), "{status}");
         assert!(status.contains(": 2 shards"), "{status}");
     }
+    the_kv_tool_works_on_the_cluster(&url);
 
     m1.kill_9();
     // A client that connects now: m1's shards fail, naming shard and
@@ -97,6 +99,36 @@ fn keys_spread_over_three_servers_and_a_dead_one_fails_only_its_shards() {
             })
         },
     );
+}
+
+/// `kv --server etcd://...` reads and writes keys at their shards, shows
+/// the cluster, and gives a server's statistics by shard.
+fn the_kv_tool_works_on_the_cluster(url: &str) {
+    let kv = |args: &[&str]| {
+        let out = Command::new(workspace_bin("kv"))
+            .args(["--server", url])
+            .args(args)
+            .output()
+            .expect("run kv");
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        (out.status.code(), text(&out.stdout), text(&out.stderr))
+    };
+    assert_eq!(kv(&["put", "from-the-tool", "hello"]).0, Some(0));
+    assert_eq!(kv(&["get", "from-the-tool"]).1, "hello\n");
+    assert_eq!(kv(&["get", "user7"]).1, "v7\n");
+    assert_eq!(kv(&["incr", "tool-counter", "5"]).1, "5\n");
+    let (code, status, _) = kv(&["cluster"]);
+    assert_eq!(code, Some(0));
+    for m in ["m0", "m1", "m2"] {
+        assert!(status.contains(&format!("member {m} ")), "{status}");
+    }
+    assert!(status.contains("map epoch: "), "{status}");
+    let (code, _, err) = kv(&["stats"]);
+    assert_eq!(code, Some(2));
+    assert!(err.contains("give --shard"), "{err}");
+    let (code, stats, _) = kv(&["stats", "--shard", "5"]);
+    assert_eq!(code, Some(0));
+    assert!(stats.contains("buckets "), "{stats}");
 }
 
 #[test]

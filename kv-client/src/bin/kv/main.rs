@@ -12,6 +12,9 @@ use kv_client::{Client, ClientOptions, Geometry};
 
 mod quoting;
 mod repl;
+mod store;
+
+use store::Store;
 
 /// Reads and writes a onekv server with one-sided verbs, like any embedded
 /// client. Keys and values are taken as the bytes of the arguments; a value
@@ -29,7 +32,8 @@ mod repl;
 #[derive(Parser)]
 #[command(version, about, long_about)]
 struct Args {
-    /// Server address, e.g. shm:///dev/shm/onekv.
+    /// Server address, e.g. shm:///dev/shm/onekv, or a cluster's
+    /// etcd://HOST:PORT[,HOST:PORT...]/NAME.
     #[arg(long, env = "ONEKV_SERVER", default_value = "shm:///dev/shm/onekv")]
     server: String,
     /// File holding the server's shared secret, if it requires one.
@@ -76,11 +80,22 @@ enum Command {
         #[arg(default_value_t = 1, allow_negative_numbers = true)]
         n: i64,
     },
-    /// Print the server's statistics.
-    Stats,
+    /// Print the server's statistics (of a cluster: the server of shard
+    /// --shard).
+    Stats {
+        #[arg(long)]
+        shard: Option<u32>,
+    },
     /// Double the server's index now (it also doubles by itself when the
-    /// index fills) and print the new geometry once it is in force.
-    Resize,
+    /// index fills) and print the new geometry once it is in force (of a
+    /// cluster: shard --shard's).
+    Resize {
+        #[arg(long)]
+        shard: Option<u32>,
+    },
+    /// Of a cluster: its members, the shards each serves, the shard map's
+    /// epoch and the move under way.
+    Cluster,
 }
 
 /// What a command found, for the caller to print its own way.
@@ -109,7 +124,7 @@ fn run(args: Args) -> Result<ExitCode, String> {
     if let Some(path) = &args.secret_file {
         options = options.with_secret(kv_common::secret::read_secret_file(path)?);
     }
-    let mut kv = Client::connect_with(&args.server, options).map_err(|e| e.to_string())?;
+    let mut kv = Store::connect(&args.server, options)?;
     let code = match args.command {
         None => {
             let style = match args.raw {
@@ -160,13 +175,13 @@ impl Command {
             | Command::Get { key }
             | Command::Del { key }
             | Command::Incr { key, .. } => Some(key),
-            Command::Stats | Command::Resize => None,
+            Command::Stats { .. } | Command::Resize { .. } | Command::Cluster => None,
         }
     }
 }
 
 /// Runs one command; errors are the client's, as text.
-fn execute(kv: &mut Client, command: Command) -> Result<Outcome, String> {
+fn execute(kv: &mut Store, command: Command) -> Result<Outcome, String> {
     let e = |e: kv_client::Error| e.to_string();
     Ok(match command {
         Command::Put {
@@ -192,8 +207,10 @@ fn execute(kv: &mut Client, command: Command) -> Result<Outcome, String> {
         Command::Get { key } => Outcome::Value(kv.get(key.as_bytes()).map_err(e)?),
         Command::Del { key } => Outcome::Deleted(kv.delete(key.as_bytes()).map_err(e)?),
         Command::Incr { key, n } => Outcome::Counter(kv.incr(key.as_bytes(), n).map_err(e)?),
-        Command::Stats => Outcome::Report(stats(kv)?),
-        Command::Resize => {
+        Command::Stats { shard } => Outcome::Report(stats(kv.server(shard)?)?),
+        Command::Cluster => Outcome::Report(kv.cluster_status()?),
+        Command::Resize { shard } => {
+            let kv = kv.server(shard)?;
             let before = kv.geometry().bucket_count;
             let g: Geometry = kv.resize().map_err(e)?;
             Outcome::Report(vec![format!(

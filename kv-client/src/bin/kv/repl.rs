@@ -10,10 +10,10 @@ use std::os::unix::ffi::OsStringExt;
 use std::path::PathBuf;
 
 use clap::{CommandFactory, Parser};
-use kv_client::Client;
 use rustyline::error::ReadlineError;
 
 use crate::quoting;
+use crate::store::Store;
 use crate::{execute, Command, Outcome};
 
 /// Commands at the kv prompt (one line parsed).
@@ -31,7 +31,7 @@ enum Flow {
 
 /// Runs the prompt until `quit`, end of input or Ctrl-C; fails only if
 /// there is no prompt to run.
-pub fn run(kv: &mut Client, server: &str, style: Style) -> Result<(), String> {
+pub fn run(kv: &mut Store, server: &str, style: Style) -> Result<(), String> {
     let mut editor =
         rustyline::DefaultEditor::new().map_err(|e| format!("cannot open the prompt: {e}"))?;
     let history = history_file();
@@ -73,7 +73,7 @@ fn history_file() -> Option<PathBuf> {
 }
 
 /// Runs one line and prints its answer.
-fn answer(kv: &mut Client, line: &str, style: Style) -> Flow {
+fn answer(kv: &mut Store, line: &str, style: Style) -> Flow {
     let mut words = match quoting::split(line) {
         Ok(w) => w,
         Err(e) => {
