@@ -34,7 +34,7 @@ mod reclaim;
 pub mod region;
 mod registry;
 pub mod shard_host;
-mod shard_move;
+pub mod shard_move;
 mod units;
 mod unlinked;
 

@@ -6,13 +6,19 @@
 //! - as the **target**, it serves a fresh region for the shard, open only
 //!   to the copier (the move's secret), and once the map names it owner,
 //!   serves that region to everyone;
-//! - as the **source**, it stops serving the shard, copies it to the
-//!   target, and publishes the target as owner by a transaction on the map
-//!   it read (or, if the copy failed, drops the move and serves the shard
-//!   again).
+//! - as the **source**, it copies the shard to the target while serving
+//!   it, stops serving it, copies what changed meanwhile, and publishes
+//!   the target as owner by a transaction on the map it read (or, if the
+//!   copy failed, drops the move and serves the shard again). A source
+//!   that no longer serves the shard when the move reaches it (it
+//!   restarted) drops the move too: the target may hold a first pass of a
+//!   copy this process did not make, so the coordinator proposes the move
+//!   again later, to a fresh region.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -29,6 +35,17 @@ struct Served {
     secret: Option<String>,
 }
 
+/// A move being sent.
+struct Sending {
+    m: ShardMove,
+    /// The shard's server while it still serves (the first pass); taken
+    /// by whoever stops it first, the move or `stop_all`.
+    server: Arc<Mutex<Option<Server>>>,
+    /// Tells the thread to give up telling the map (the member is going).
+    quit: Arc<AtomicBool>,
+    thread: JoinHandle<bool>,
+}
+
 pub struct ShardHost {
     /// Settings every shard's server starts with; its address, region file
     /// and metrics endpoint are the shard's own.
@@ -37,7 +54,7 @@ pub struct ShardHost {
     url: ClusterUrl,
     serving: BTreeMap<u32, Served>,
     /// The move this member is sending, while its thread runs.
-    sending: Option<(ShardMove, JoinHandle<bool>)>,
+    sending: Option<Sending>,
     /// The last move sent: done, whether or not the map shows it yet.
     sent: Option<ShardMove>,
     /// The map last followed.
@@ -151,14 +168,35 @@ impl ShardHost {
             Ok(o) => o,
             Err(e) => return tracing::error!(shard = m.shard, "cannot move: {e}"),
         };
-        let server = self.serving.remove(&m.shard).map(|s| s.server);
+        let server = Arc::new(Mutex::new(self.serving.remove(&m.shard).map(|s| s.server)));
+        let quit = Arc::new(AtomicBool::new(false));
         let (url, target) = (self.url.clone(), m.clone());
+        let (in_thread, quit_thread) = (server.clone(), quit.clone());
         let thread = std::thread::Builder::new()
             .name(format!("kv-move-{}", m.shard))
-            .spawn(move || move_shard(server, &outgoing, &url, &target));
+            .spawn(move || move_shard(&in_thread, &outgoing, &url, &target, &quit_thread));
         match thread {
-            Ok(t) => self.sending = Some((m, t)),
-            Err(e) => tracing::error!(shard = m.shard, "cannot start the move: {e}"),
+            Ok(thread) => {
+                self.sending = Some(Sending {
+                    m,
+                    server,
+                    quit,
+                    thread,
+                })
+            }
+            Err(e) => {
+                tracing::error!(shard = m.shard, "cannot start the move: {e}");
+                // Serves it again.
+                if let Some(server) = take(&server) {
+                    self.serving.insert(
+                        m.shard,
+                        Served {
+                            server,
+                            secret: None,
+                        },
+                    );
+                }
+            }
         }
     }
 
@@ -176,13 +214,26 @@ impl ShardHost {
     /// Notices a move that has ended, and follows the last map again (the
     /// shard sent, or to serve again).
     pub fn poll(&mut self, held: impl Fn() -> bool) {
-        let done = self.sending.as_ref().is_some_and(|(_, t)| t.is_finished());
+        let done = self
+            .sending
+            .as_ref()
+            .is_some_and(|s| s.thread.is_finished());
         if !done {
             return;
         }
-        if let Some((m, thread)) = self.sending.take() {
-            if thread.join().unwrap_or(false) {
-                self.sent = Some(m);
+        if let Some(s) = self.sending.take() {
+            if s.thread.join().unwrap_or(false) {
+                self.sent = Some(s.m.clone());
+            }
+            // A move dropped in its first pass: the server goes on.
+            if let Some(server) = take(&s.server) {
+                self.serving.insert(
+                    s.m.shard,
+                    Served {
+                        server,
+                        secret: None,
+                    },
+                );
             }
         }
         if let Some(map) = self.map.clone() {
@@ -205,12 +256,19 @@ impl ShardHost {
         Ok(config)
     }
 
-    /// Stops serving every shard (the member may no longer hold its lease).
-    /// A move being sent goes on: nobody serves its shard meanwhile.
+    /// Stops serving every shard (the member may no longer hold its lease),
+    /// a shard being sent included: its move goes on with nobody serving
+    /// it.
     pub fn stop_all(&mut self) {
         for (shard, served) in std::mem::take(&mut self.serving) {
             tracing::info!(shard, "stopping");
             served.server.shutdown();
+        }
+        if let Some(s) = &self.sending {
+            if let Some(server) = take(&s.server) {
+                tracing::info!(shard = s.m.shard, "stopping");
+                server.shutdown();
+            }
         }
     }
 
@@ -237,8 +295,9 @@ impl ShardHost {
 impl Drop for ShardHost {
     fn drop(&mut self) {
         self.stop_all();
-        if let Some((_, thread)) = self.sending.take() {
-            let _ = thread.join();
+        if let Some(s) = self.sending.take() {
+            s.quit.store(true, Ordering::Relaxed);
+            let _ = s.thread.join();
         }
     }
 }
@@ -272,49 +331,66 @@ fn prepare_region(path: &std::path::Path, move_secret: Option<&str>) -> Result<(
     std::fs::write(&mark, secret).map_err(error)
 }
 
-/// The source's whole move: copy, then make the target the owner; or, if
-/// the copy failed, drop the move (the source serves the shard again).
-/// The source's whole move: copy, then make the target the owner; or, if
-/// the copy failed, drop the move (the source serves the shard again).
-/// False when the map could not be told: the move is done again (a copy
-/// into the same target gives the same result).
-fn move_shard(server: Option<Server>, out: &Outgoing, url: &ClusterUrl, m: &ShardMove) -> bool {
-    if let Some(server) = server {
-        server.shutdown();
-    }
-    let copied = target_address(url, m).and_then(|to| shard_move::send(out, &to));
+/// Takes the server out of a move's hands, if it still serves.
+fn take(server: &Mutex<Option<Server>>) -> Option<Server> {
+    server.lock().unwrap_or_else(|e| e.into_inner()).take()
+}
+
+/// The source's whole move: copy (stopping `server` between the passes),
+/// then make the target the owner; or, if the copy failed, drop the move
+/// (the source serves the shard again). A source with no server for the
+/// shard drops it at once (see the module's comment). The end is told to
+/// the map until it is, or until `quit`. False when it was not.
+fn move_shard(
+    server: &Mutex<Option<Server>>,
+    out: &Outgoing,
+    url: &ClusterUrl,
+    m: &ShardMove,
+    quit: &AtomicBool,
+) -> bool {
+    let serving = server.lock().unwrap_or_else(|e| e.into_inner()).is_some();
+    let copied = if serving {
+        target_address(url, m).and_then(|to| {
+            shard_move::send(out, &to, || {
+                if let Some(server) = take(server) {
+                    server.shutdown();
+                }
+            })
+        })
+    } else {
+        Err("this server does not serve the shard (it restarted)".into())
+    };
     if let Err(e) = &copied {
         tracing::error!(shard = m.shard, "move to {} failed: {e}", m.to);
     }
-    let mut outcome = finish_move(url, m, copied.is_ok());
-    for _ in 0..FINISH_ATTEMPTS {
-        let Err(e) = &outcome else { break };
-        tracing::warn!(shard = m.shard, "ending the move in the map: {e}");
-        std::thread::sleep(Duration::from_secs(1));
-        outcome = finish_move(url, m, copied.is_ok());
-    }
-    match outcome {
-        Ok(true) => {
-            tracing::info!(shard = m.shard, "moved to {}", m.to);
-            // Nobody reads it here any more: its clients were revoked.
-            if let Err(e) = std::fs::remove_file(&out.region) {
-                tracing::warn!(shard = m.shard, "removing the moved region: {e}");
+    loop {
+        match finish_move(url, m, copied.is_ok()) {
+            Ok(true) => {
+                tracing::info!(shard = m.shard, "moved to {}", m.to);
+                // Nobody reads it here any more: its clients were revoked.
+                if let Err(e) = std::fs::remove_file(&out.region) {
+                    tracing::warn!(shard = m.shard, "removing the moved region: {e}");
+                }
+                return true;
             }
-            true
+            Ok(false) => {
+                tracing::warn!(
+                    shard = m.shard,
+                    "the move was dropped; serving the shard again"
+                );
+                return true;
+            }
+            Err(e) if quit.load(Ordering::Relaxed) => {
+                tracing::warn!(shard = m.shard, "the move's end is not in the map: {e}");
+                return false;
+            }
+            Err(e) => {
+                tracing::warn!(shard = m.shard, "ending the move in the map: {e}");
+                std::thread::sleep(Duration::from_secs(1));
+            }
         }
-        Ok(false) => {
-            tracing::warn!(
-                shard = m.shard,
-                "the move was dropped; serving the shard again"
-            );
-            true
-        }
-        Err(_) => false,
     }
 }
-
-/// Tries at telling the map how a move ended, a second apart.
-const FINISH_ATTEMPTS: usize = 30;
 
 /// Where the target serves the shard: from its member record.
 fn target_address(url: &ClusterUrl, m: &ShardMove) -> Result<Address, String> {

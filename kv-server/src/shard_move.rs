@@ -1,23 +1,34 @@
-//! Moving a shard, the source's side: stop serving it (every client's key
-//! is revoked, so nobody reads or writes it here any more), let the verbs
-//! under way land, then copy every key into the fresh region the target
-//! serves only to this copier (`ShardMove::secret`), through an ordinary
-//! client connection. The target becomes the owner only when the source
-//! publishes the map (see `ShardHost`), after the copy: no write is ever
-//! taken by both, and none acknowledged here is missing there.
+//! Moving a shard, the source's side, in two passes through an ordinary
+//! client connection to the fresh region that the target serves only to
+//! this copier (`ShardMove::secret`):
 //!
-//! Readers and writers of the shard wait meanwhile (the cluster client
-//! retries while the map shows the shard moving); other shards never
-//! notice. Copying while readers keep reading (freezing slots as a resize
-//! does, sealing counters) would keep GETs working during a move; that is
-//! left for later.
+//! 1. **While the shard is served here**, every key is copied as read from
+//!    the live region: clients keep reading and writing meanwhile, so what
+//!    is copied may be out of date, and what was sent is remembered. Then
+//!    again, sending only what differs from what was sent (changed keys
+//!    put, keys gone deleted), while that shrinks (`LIVE_PASSES`).
+//! 2. **Once this server has stopped serving the shard** (every client's
+//!    key revoked, the verbs under way landed), the region is read a last
+//!    time and what differs from what was sent goes.
+//!
+//! The target then holds exactly the last pass's content, whatever the
+//! earlier ones copied. Clients wait only during the last pass, whose
+//! length is the reading of the region plus the writes made during the
+//! pass before it: the
+//! shard's readers and writers (the cluster client retries while the map
+//! shows the shard moving) — other shards never notice. The target becomes
+//! the owner only when the source publishes the map (see `ShardHost`),
+//! after the copy: no write is taken by both, and none acknowledged here
+//! is missing there.
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use kv_client::{Client, ClientOptions};
 use kv_common::layout::{Payload, COUNTER_SEAL};
 use kv_common::Address;
+use xxhash_rust::xxh3::xxh3_128;
 
 use crate::region;
 
@@ -35,49 +46,72 @@ pub struct Outgoing {
 /// How long the copier waits for the target to serve the fresh region.
 const TARGET_WAIT: Duration = Duration::from_secs(30);
 
-/// Copies the keys of the shard, which no server here serves any more,
-/// to the target at `to`; how many it copied. Copying again into the same
-/// target gives the same result (values are put, counters set).
-pub fn send(out: &Outgoing, to: &Address) -> Result<u64, String> {
+/// Most passes made while the source serves: later ones send only what
+/// changed during the one before, until that no longer halves.
+const LIVE_PASSES: u8 = 4;
+
+/// What a move copied.
+#[derive(Debug, Default)]
+pub struct Copied {
+    /// Keys at the target when the source stopped serving.
+    pub at_stop: u64,
+    /// Keys the last pass put or deleted: what changed after the passes
+    /// made while serving read them.
+    pub changed: u64,
+    /// How long the last pass took: clients of the shard waited as long.
+    pub stopped: Duration,
+}
+
+/// Copies the keys of the shard to the target at `to`: passes while this
+/// server still serves it, `stop_serving()`, then what changed. The target
+/// must be a fresh region (only this copy writes it).
+pub fn send(out: &Outgoing, to: &Address, stop_serving: impl FnOnce()) -> Result<Copied, String> {
     let started = Instant::now();
-    let mut target = connect(out, to)?;
+    let mut copier = Copier::new(connect(out, to)?);
     // Sized as the source before the keys come: no doubling under way
     // while they do.
     let buckets = region::bucket_count(&out.region).map_err(|e| e.to_string())?;
-    while target.geometry().bucket_count < buckets {
-        target.resize().map_err(|e| e.to_string())?;
+    while copier.target.geometry().bucket_count < buckets {
+        copier.target.resize().map_err(|e| e.to_string())?;
     }
-    let mut values: Vec<(Vec<u8>, Vec<u8>)> = Vec::with_capacity(BATCH);
-    let mut counters = Vec::new();
-    let mut copied = 0u64;
-    let damaged = region::read_entries(&out.region, out.grace, |key, payload| {
-        match *payload {
-            Payload::Bytes(value) => {
-                values.push((key.to_vec(), value.to_vec()));
-                if values.len() == BATCH {
-                    target.put_many(&values).map_err(|e| e.to_string())?;
-                    values.clear();
-                }
-            }
-            Payload::Counter { value, sealed, .. } => {
-                // A seal left by a writer whose client was revoked: its
-                // unlink never happened, so the counter is the open value.
-                let value = if sealed {
-                    (value as u64 ^ COUNTER_SEAL) as i64
-                } else {
-                    value
-                };
-                counters.push((key.to_vec(), value));
-            }
+    // Passes while serving, each sending what changed since the one
+    // before, for as long as that shrinks. One that fails (the region
+    // grew under it) only leaves more for the last.
+    let mut before = 0;
+    for pass in 0..LIVE_PASSES {
+        copier.begin_pass(pass);
+        let read = region::read_entries_live(&out.region, |key, payload| copier.copy(key, payload))
+            .map_err(|e| e.to_string())
+            .and_then(|_| copier.flush())
+            .and_then(|()| copier.delete_unseen());
+        if let Err(e) = read {
+            tracing::warn!(shard = out.shard, pass, "a copy while serving stopped: {e}");
+            break;
         }
-        copied += 1;
-        Ok(())
+        tracing::debug!(
+            shard = out.shard,
+            pass,
+            changed = copier.changed,
+            put_ms = copier.put_time.as_millis() as u64,
+            "copied while serving"
+        );
+        let settled = copier.changed <= (copier.sent.len() as u64 / 100).max(1000);
+        let shrank = copier.changed.saturating_mul(2) <= before || pass == 0;
+        before = copier.changed;
+        if settled || !shrank {
+            break;
+        }
+    }
+    let at_stop = copier.sent.len() as u64;
+    let stopped = Instant::now();
+    stop_serving();
+    copier.begin_pass(LIVE_PASSES);
+    let damaged = region::read_entries(&out.region, out.grace, |key, payload| {
+        copier.copy(key, payload)
     })
     .map_err(|e| e.to_string())?;
-    target.put_many(&values).map_err(|e| e.to_string())?;
-    for (key, value) in counters {
-        set_counter(&mut target, &key, value)?;
-    }
+    copier.flush()?;
+    copier.delete_unseen()?;
     if damaged > 0 {
         tracing::error!(
             shard = out.shard,
@@ -85,14 +119,152 @@ pub fn send(out: &Outgoing, to: &Address) -> Result<u64, String> {
             "blocks that fail validation were not moved"
         );
     }
-    target.close().map_err(|e| e.to_string())?;
+    let copied = Copied {
+        at_stop,
+        changed: copier.changed,
+        stopped: stopped.elapsed(),
+    };
+    copier.target.close().map_err(|e| e.to_string())?;
     tracing::info!(
         shard = out.shard,
-        copied,
+        keys = copier.sent.len(),
+        at_stop,
+        changed = copied.changed,
+        stopped_ms = copied.stopped.as_millis() as u64,
+        put_ms = copier.put_time.as_millis() as u64,
         ms = started.elapsed().as_millis() as u64,
         "copied to {to}"
     );
     Ok(copied)
+}
+
+/// What the target holds of a key: as sent, and in which pass it was
+/// last seen at the source.
+struct Sent {
+    what: Content,
+    pass: u8,
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Content {
+    /// A value, by its hash (a 128-bit xxh3: two values with one hash
+    /// would have to be written between the passes).
+    Value(u128),
+    Counter(i64),
+}
+
+/// Puts keys into the target in batches, remembering what it sent so
+/// that a second pass sends only what differs.
+struct Copier {
+    target: Client,
+    sent: HashMap<Vec<u8>, Sent>,
+    /// Values waiting for a batch.
+    values: Vec<(Vec<u8>, Vec<u8>)>,
+    pass: u8,
+    /// Keys put or deleted in this pass.
+    changed: u64,
+    /// Time spent putting in this pass.
+    put_time: Duration,
+}
+
+impl Copier {
+    fn new(target: Client) -> Copier {
+        Copier {
+            target,
+            sent: HashMap::new(),
+            values: Vec::with_capacity(BATCH),
+            pass: 0,
+            changed: 0,
+            put_time: Duration::ZERO,
+        }
+    }
+
+    /// Makes the target hold `payload` for `key` (unless it does).
+    fn copy(&mut self, key: &[u8], payload: &Payload<'_>) -> Result<(), String> {
+        let what = match *payload {
+            Payload::Bytes(value) => Content::Value(xxh3_128(value)),
+            // A seal left by a writer whose client was revoked: its
+            // unlink never happened, so the counter is the open value.
+            Payload::Counter { value, sealed, .. } => Content::Counter(if sealed {
+                (value as u64 ^ COUNTER_SEAL) as i64
+            } else {
+                value
+            }),
+        };
+        let before = self.sent.get_mut(key).map(|s| {
+            s.pass = self.pass;
+            s.what
+        });
+        if before == Some(what) {
+            return Ok(());
+        }
+        self.changed += 1;
+        let err = |e: kv_client::Error| e.to_string();
+        match (before, what, payload) {
+            (_, Content::Value(_), Payload::Bytes(value)) => {
+                self.values.push((key.to_vec(), value.to_vec()));
+            }
+            (before, Content::Counter(value), _) => {
+                // Values waiting go first (one may be this key's).
+                self.flush()?;
+                // A plain value cannot be incremented: it goes first.
+                if matches!(before, Some(Content::Value(_))) {
+                    self.target.delete(key).map_err(err)?;
+                }
+                set_counter(&mut self.target, key, value)?;
+            }
+            _ => return Err("a payload that is not what it was read as".into()),
+        }
+        self.sent.insert(
+            key.to_vec(),
+            Sent {
+                what,
+                pass: self.pass,
+            },
+        );
+        if self.values.len() == BATCH {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    /// Starts a pass: nothing changed or seen in it yet.
+    fn begin_pass(&mut self, pass: u8) {
+        self.put_time = Duration::ZERO;
+        self.pass = pass;
+        self.changed = 0;
+    }
+
+    fn flush(&mut self) -> Result<(), String> {
+        if !self.values.is_empty() {
+            let t = Instant::now();
+            self.target
+                .put_many(&self.values)
+                .map_err(|e| e.to_string())?;
+            self.values.clear();
+            self.put_time += t.elapsed();
+        }
+        Ok(())
+    }
+
+    /// Deletes at the target the keys this pass did not see.
+    fn delete_unseen(&mut self) -> Result<(), String> {
+        let pass = self.pass;
+        let gone: Vec<Vec<u8>> = self
+            .sent
+            .iter()
+            .filter(|(_, s)| s.pass != pass)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for keys in gone.chunks(BATCH) {
+            self.target.delete_many(keys).map_err(|e| e.to_string())?;
+            for key in keys {
+                self.sent.remove(key);
+            }
+        }
+        self.changed += gone.len() as u64;
+        Ok(())
+    }
 }
 
 /// Keys put per batch.

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Moving one shard under load, measured: a one-shard cluster on member a,
+# RECORDS records loaded, then YCSB-A run by kv-bench (1-second status
+# lines) while member b joins and a drains, which moves the shard to b.
+# Prints the move's log lines (keys, first pass, changes, how long the
+# shard was stopped) and kv-bench's per-second throughput and max latency.
+#
+#   scripts/move-bench.sh [RECORDS]      (default 1000000)
+#
+# Needs etcd (Debian: etcd-server) and release builds of kv-server and
+# kv-bench (cargo build --release -p kv-server -p kv-bench).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+records=${1:-1000000}
+bin=${BIN_DIR:-target/release}
+command -v etcd >/dev/null || { echo "etcd not found: apt-get install etcd-server" >&2; exit 1; }
+for b in kv-server kv-bench; do
+  [ -x "$bin/$b" ] || { echo "$bin/$b not built: cargo build --release -p $b" >&2; exit 1; }
+done
+
+work=$(mktemp -d /dev/shm/onekv-move.XXXXXX)
+pids=()
+cleanup() {
+  kill -9 "${pids[@]}" 2>/dev/null || true
+  wait 2>/dev/null || true
+  rm -rf "$work"
+}
+trap cleanup EXIT INT TERM
+
+port=${ETCD_PORT:-23890}
+etcd --name move --data-dir "$work/etcd" \
+  --listen-client-urls "http://127.0.0.1:$port" --advertise-client-urls "http://127.0.0.1:$port" \
+  --listen-peer-urls "http://127.0.0.1:$((port + 1))" \
+  --initial-advertise-peer-urls "http://127.0.0.1:$((port + 1))" \
+  --initial-cluster "move=http://127.0.0.1:$((port + 1))" >"$work/etcd.log" 2>&1 &
+pids+=($!)
+url="etcd://127.0.0.1:$port/move"
+for _ in $(seq 100); do
+  "$bin/kv-server" cluster create "$url" --shards 1 --initial-members 1 2>/dev/null && break
+  sleep 0.1
+done
+
+member() {
+  "$bin/kv-server" --cluster "$url" --member-name "$1" --listen "shm://$work/$1" \
+    --memory 1GiB >"$work/$1.log" 2>&1 &
+  pids+=($!)
+}
+member a
+a=$!
+sleep 2
+workload=(--server "$url" --workload benches/workloads/workloada -p "recordcount=$records")
+"$bin/kv-bench" load "${workload[@]}" --threads 2 --status-interval 10 | grep -E "Throughput|RunTime"
+"$bin/kv-bench" run "${workload[@]}" -p operationcount=1000000000 -p maxexecutiontime=40 \
+  --threads 1 --status-interval 1 >"$work/run.log" 2>&1 &
+bench=$!
+sleep 8
+member b
+sleep 2
+kill -TERM "$a"  # drains: the shard moves to b
+wait "$bench" || true
+echo "--- the move (member a's log)"
+grep -E "shard_move|moved to|failed" "$work/a.log" | sed 's/\x1b\[[0-9;]*m//g'
+echo "--- kv-bench, 1-second windows"
+grep -E "sec:|MaxLatency|Throughput|Return" "$work/run.log"
