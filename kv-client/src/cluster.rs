@@ -32,6 +32,8 @@ pub struct ClusterClient {
     shards: Vec<Option<Client>>,
 }
 
+/// How long a client tries etcd again when it fails to answer.
+const ETCD_RETRY: Duration = Duration::from_secs(2);
 /// Least time between two reads of the map prompted by unreachable shards.
 const REREAD_EVERY: Duration = Duration::from_millis(100);
 /// How long an operation waits for its shard to finish moving.
@@ -231,6 +233,8 @@ impl ClusterClient {
         // Until then, a shard that just moved may still be starting at its
         // new owner: its connection is tried again.
         let mut moved_until: Option<Instant> = None;
+        // Since when etcd has failed to answer.
+        let mut etcd_failing: Option<Instant> = None;
         loop {
             let error = match self.connection(shard).and_then(&mut op) {
                 Ok(done) => return Ok(done),
@@ -266,7 +270,18 @@ impl ClusterClient {
                 std::thread::sleep(REREAD_EVERY.saturating_sub(self.read_at.elapsed()));
             }
             let owner = self.owner(shard).map(str::to_string);
-            self.reread()?;
+            // A connection to etcd broken by its restart fails once: tried
+            // again for a moment, not for the whole wait.
+            match self.reread() {
+                Ok(()) => etcd_failing = None,
+                Err(e) if etcd_failing.get_or_insert_with(Instant::now).elapsed() > ETCD_RETRY => {
+                    return Err(e)
+                }
+                Err(_) => {
+                    std::thread::sleep(MOVE_POLL);
+                    continue;
+                }
+            }
             if !self.is_moving(shard) && self.owner(shard) != owner.as_deref() {
                 moved_until = Some(Instant::now() + MOVE_SETTLE);
             }

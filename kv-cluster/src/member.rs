@@ -6,12 +6,26 @@
 //! **Fencing.** etcd lets a lease expire no sooner than `ttl` after it
 //! received the last renewal, which was after that renewal was sent. The
 //! member stops counting a lease as held `ttl − ttl/4` after sending the
-//! last renewal that was acknowledged, and then says [`MemberEvent::Fenced`]
-//! (the server stops serving every shard) before anyone can have seen the
-//! lease expire. It then joins again under a new lease: a new incarnation.
+//! last renewal that was acknowledged: from then on it starts nothing (no
+//! shard, no move) and asks etcd how long the lease has left. If etcd says
+//! it is gone, the member says [`MemberEvent::Fenced`] (the server stops
+//! serving every shard) and joins again under a new lease: a new
+//! incarnation. If etcd says it lives, the lease counts as held again.
+//!
+//! **While etcd cannot be reached**, the shards go on being served: the
+//! data path never needs etcd, and stopping would make every etcd outage
+//! an outage of the whole store. This is safe because nothing gives a
+//! member's shards to another without that member: a move is copied and
+//! ended by its source (`placement` keeps a dead member's shards with it).
+//! So a member cut off from etcd — etcd down, or this member partitioned
+//! from it — is still the only server of its shards; clients that connect
+//! meanwhile cannot find it (its record has expired) and get
+//! `ShardUnavailable`. Failover to replicas will give shards away without
+//! their owner, and must fence a member cut off from etcd while others
+//! can reach it; that rule comes with the replicas.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -39,12 +53,40 @@ pub enum MemberEvent {
     Fenced { why: String },
 }
 
+/// Whether the lease is held, as an atomic the server reads.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[repr(u8)]
+enum Hold {
+    /// Not joined, or the lease is gone.
+    Lost,
+    Held,
+    /// No renewal acknowledged for the margin, and etcd not reached since.
+    Unconfirmed,
+}
+
+#[derive(Default)]
+struct HoldFlag(AtomicU8);
+
+impl HoldFlag {
+    fn set(&self, hold: Hold) {
+        self.0.store(hold as u8, Ordering::SeqCst);
+    }
+
+    fn get(&self) -> Hold {
+        match self.0.load(Ordering::SeqCst) {
+            1 => Hold::Held,
+            2 => Hold::Unconfirmed,
+            _ => Hold::Lost,
+        }
+    }
+}
+
 /// A running membership; [`Membership::leave`] (or drop) ends it and
 /// revokes its lease, so its record goes at once.
 pub struct Membership {
     stop: watch::Sender<bool>,
     draining: watch::Sender<bool>,
-    held: Arc<AtomicBool>,
+    held: Arc<HoldFlag>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -68,12 +110,15 @@ impl Membership {
             .map_err(|e| ClusterError::Etcd(format!("cannot start a runtime: {e}")))?;
         let (stop, stopped) = watch::channel(false);
         let (draining, drains) = watch::channel(false);
-        let controls = Controls { stopped, drains };
-        let held = Arc::new(AtomicBool::new(false));
-        let flag = Arc::clone(&held);
+        let held = Arc::new(HoldFlag::default());
+        let controls = Controls {
+            stopped,
+            drains,
+            held: Arc::clone(&held),
+        };
         let thread = std::thread::Builder::new()
             .name("kv-member".into())
-            .spawn(move || runtime.block_on(run(url, spec, events, &flag, controls)))
+            .spawn(move || runtime.block_on(run(url, spec, events, controls)))
             .map_err(|e| ClusterError::Etcd(format!("cannot start the member thread: {e}")))?;
         Ok(Membership {
             stop,
@@ -83,11 +128,18 @@ impl Membership {
         })
     }
 
-    /// Whether the lease is held now: false from the moment it may be
-    /// lost, before [`MemberEvent::Fenced`] is sent, so that work under way
-    /// (starting shards) can stop without waiting for the event.
+    /// Whether the lease is known to be held now: false from the moment
+    /// it may be lost, so that work under way (starting shards) can stop.
     pub fn holds_lease(&self) -> bool {
-        self.held.load(Ordering::SeqCst)
+        self.held.get() == Hold::Held
+    }
+
+    /// Whether the lease is gone (or was never had): true before
+    /// [`MemberEvent::Fenced`] is sent, so that the server can stop
+    /// serving without waiting for the event. Not while etcd cannot be
+    /// reached (see the module's comment).
+    pub fn lease_lost(&self) -> bool {
+        self.held.get() == Hold::Lost
     }
 
     /// Marks this member as leaving: the coordinator moves its shards to
@@ -121,12 +173,11 @@ async fn run(
     url: ClusterUrl,
     spec: MemberSpec,
     events: Sender<MemberEvent>,
-    held: &AtomicBool,
     mut controls: Controls,
 ) {
     loop {
-        let result = incarnation(&url, &spec, &events, held, &mut controls).await;
-        held.store(false, Ordering::SeqCst);
+        let result = incarnation(&url, &spec, &events, &mut controls).await;
+        controls.held.set(Hold::Lost);
         let why = match result {
             Ok(()) => return,
             Err(e) => e.to_string(),
@@ -147,7 +198,6 @@ async fn incarnation(
     url: &ClusterUrl,
     spec: &MemberSpec,
     events: &Sender<MemberEvent>,
-    held: &AtomicBool,
     controls: &mut Controls,
 ) -> Result<(), ClusterError> {
     let mut etcd = Etcd::connect(url).await?;
@@ -176,7 +226,7 @@ async fn incarnation(
     };
     etcd.announce(&record, lease).await?;
     let renewal = Renewal::start(&mut etcd, record, asked, ttl).await?;
-    held.store(true, Ordering::SeqCst);
+    controls.held.set(Hold::Held);
     send(events, MemberEvent::Joined { incarnation: lease })?;
     tracing::info!(member = %spec.id, incarnation = lease, "joined {url}");
     let (states, watched) = watch::channel(state);
@@ -196,11 +246,12 @@ fn send(events: &Sender<MemberEvent>, event: MemberEvent) -> Result<(), ClusterE
         .map_err(|_| ClusterError::Etcd("the server stopped listening".into()))
 }
 
-/// Keeping one lease alive, and when it must count as lost.
-/// What the server asks of its membership.
+/// What a membership and its server share: what the server asks (stop,
+/// drain), and whether the lease is held.
 struct Controls {
     stopped: watch::Receiver<bool>,
     drains: watch::Receiver<bool>,
+    held: Arc<HoldFlag>,
 }
 
 /// Keeping one lease alive with the member's record on it, and when the
@@ -244,6 +295,19 @@ impl Renewal {
         ttl - ttl / 4
     }
 
+    /// A new keep-alive stream for the same lease (the last one ended:
+    /// etcd restarted, or the connection broke).
+    async fn reopen(&mut self, etcd: &mut Etcd) -> Result<(), ClusterError> {
+        let (keeper, acks) = etcd
+            .client
+            .lease_keep_alive(self.record.incarnation)
+            .await
+            .map_err(|e| ClusterError::Etcd(format!("lease keep-alive: {e}")))?;
+        (self.keeper, self.acks) = (keeper, acks);
+        self.unanswered.clear();
+        Ok(())
+    }
+
     async fn renew(&mut self) {
         let sent = Instant::now();
         if self.keeper.keep_alive().await.is_ok() {
@@ -265,17 +329,65 @@ impl Renewal {
     }
 }
 
-fn lease_lost(renewal: &Renewal) -> ClusterError {
-    ClusterError::LeaseLost(format!(
-        "no renewal of the etcd lease acknowledged for {:?}",
-        Renewal::margin(renewal.ttl)
-    ))
+/// Once the lease may be lost: asks etcd how long it has left until etcd
+/// answers. True when it lives (it counts as held again, its keep-alive
+/// made anew), false when told to stop meanwhile, Err when it is gone.
+async fn confirm(
+    etcd: &mut Etcd,
+    renewal: &mut Renewal,
+    controls: &mut Controls,
+) -> Result<bool, ClusterError> {
+    let pause = renewal.ttl / 6;
+    let mut said = false;
+    loop {
+        let sent = Instant::now();
+        let ask = async {
+            let reply = etcd
+                .client
+                .lease_time_to_live(renewal.record.incarnation, None)
+                .await
+                .map_err(|e| e.to_string())?;
+            if reply.ttl() > 0 {
+                renewal.reopen(etcd).await.map_err(|e| e.to_string())?;
+            }
+            Ok::<i64, String>(reply.ttl())
+        };
+        tokio::select! {
+            biased;
+            _ = controls.stopped.changed() => return Ok(false),
+            answer = tokio::time::timeout(pause, ask) => match answer.map_err(|e| e.to_string()).and_then(|a| a) {
+                Ok(left) if left > 0 => {
+                    // It lasts at least `left` (whole seconds, rounded
+                    // down) from etcd's answer, which came after `sent`.
+                    let left = Duration::from_secs(left.unsigned_abs()).min(renewal.ttl);
+                    renewal.held_until = sent + Renewal::margin(left);
+                    tracing::info!(member = %renewal.record.id, "etcd reached again: the lease is held");
+                    return Ok(true);
+                }
+                Ok(_) => {
+                    return Err(ClusterError::LeaseLost("etcd says the lease expired".into()))
+                }
+                Err(e) if !said => {
+                    tracing::warn!(
+                        member = %renewal.record.id,
+                        "etcd cannot be reached ({e}): serving on, starting nothing"
+                    );
+                    said = true;
+                }
+                _ => {}
+            }
+        }
+        tokio::select! {
+            _ = controls.stopped.changed() => return Ok(false),
+            () = tokio::time::sleep_until(sent + pause) => {}
+        }
+    }
 }
 
 /// Holds the lease and follows the cluster until told to stop (Ok) or the
-/// lease may be lost (Err). The fence comes first whenever it is due, and
-/// every call to etcd is cut off at `held_until`, so neither a stalled etcd
-/// nor other work can delay it.
+/// lease is gone (Err). Whenever the lease may be lost, that comes first
+/// (see [`confirm`]); every other call to etcd is cut off at `held_until`,
+/// so neither a stalled etcd nor other work can delay it.
 async fn serve_lease(
     etcd: &mut Etcd,
     mut renewal: Renewal,
@@ -296,11 +408,19 @@ async fn serve_lease(
     let mut acks_open = true;
     loop {
         if Instant::now() >= renewal.held_until {
-            return Err(lease_lost(&renewal));
+            controls.held.set(Hold::Unconfirmed);
+            if !confirm(etcd, &mut renewal, controls).await? {
+                return Ok(());
+            }
+            controls.held.set(Hold::Held);
+            acks_open = true;
+            // The watch may have broken meanwhile: read the state again.
+            (stale, retry_at) = (true, Instant::now());
+            continue;
         }
         tokio::select! {
             biased;
-            () = tokio::time::sleep_until(renewal.held_until) => return Err(lease_lost(&renewal)),
+            () = tokio::time::sleep_until(renewal.held_until) => continue,
             _ = controls.stopped.changed() => return Ok(()),
             _ = controls.drains.changed(), if !renewal.record.draining => {
                 renewal.record.draining = true;
@@ -312,11 +432,16 @@ async fn serve_lease(
                 }
             }
             _ = tick.tick() => {
+                if !acks_open {
+                    let reopen = tokio::time::timeout_at(renewal.held_until, renewal.reopen(etcd));
+                    acks_open = matches!(reopen.await, Ok(Ok(())));
+                }
                 let _ = tokio::time::timeout_at(renewal.held_until, renewal.renew()).await;
             }
             ack = renewal.acks.message(), if acks_open => match ack {
                 Ok(Some(reply)) => renewal.acknowledged(reply.ttl())?,
-                // No more acknowledgements: the lease runs out at held_until.
+                // No more acknowledgements on this stream: made anew at
+                // the next tick.
                 Ok(None) | Err(_) => acks_open = false,
             },
             open = next_change(&mut changes), if changes.is_some() => {

@@ -118,9 +118,11 @@ struct ServeArgs {
     /// serve its shards again.
     #[arg(long, requires = "cluster")]
     member_name: Option<String>,
-    /// Seconds of this server's etcd lease. A server that cannot renew it
-    /// for three quarters of this stops serving every shard, then joins
-    /// again.
+    /// Seconds of this server's etcd lease. A server that has not renewed
+    /// it for three quarters of this starts nothing (no shard, no move)
+    /// until etcd answers; if etcd then says the lease expired, it stops
+    /// serving every shard and joins again. While etcd cannot be reached
+    /// it serves its shards on.
     #[arg(long, default_value_t = 3, requires = "cluster")]
     lease_ttl: u64,
 }
@@ -395,16 +397,16 @@ struct Member {
 
 impl Member {
     /// Between events: a failed shard server ends the daemon; a finished
-    /// move is taken in; a lease that may be lost fences at once, not when
-    /// its event is read.
+    /// move is taken in; a lease known gone fences at once, not when its
+    /// event is read.
     fn tend(&mut self) -> Result<(), String> {
         if let Some(why) = self.host.failure() {
             return Err(why);
         }
         let membership = &self.membership;
         self.host.poll(|| membership.holds_lease());
-        if self.joined && !membership.holds_lease() {
-            tracing::warn!("the etcd lease may be lost: serving nothing until joined again");
+        if self.joined && membership.lease_lost() {
+            tracing::warn!("the etcd lease is gone: serving nothing until joined again");
             self.joined = false;
             self.host.stop_all();
         }

@@ -13,7 +13,8 @@ use crate::{workspace_bin, Daemon};
 pub struct EtcdServer {
     child: Child,
     port: u16,
-    _data: tempfile::TempDir,
+    peer: u16,
+    data: tempfile::TempDir,
 }
 
 fn free_port() -> u16 {
@@ -51,32 +52,35 @@ impl EtcdServer {
     pub fn start() -> EtcdServer {
         let data = tempfile::tempdir().expect("etcd data directory");
         let (port, peer) = (free_port(), free_port());
-        let client_url = format!("http://127.0.0.1:{port}");
-        let peer_url = format!("http://127.0.0.1:{peer}");
-        let child = Command::new(etcd_binary())
-            .args(["--name", "onekv-test", "--data-dir"])
-            .arg(data.path())
-            .args(["--listen-client-urls", &client_url])
-            .args(["--advertise-client-urls", &client_url])
-            .args(["--listen-peer-urls", &peer_url])
-            .args(["--initial-advertise-peer-urls", &peer_url])
-            .arg("--initial-cluster")
-            .arg(format!("onekv-test={peer_url}"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start etcd");
+        let child = spawn_etcd(data.path(), port, peer);
         let etcd = EtcdServer {
             child,
             port,
-            _data: data,
+            peer,
+            data,
         };
+        etcd.wait_listening();
+        etcd
+    }
+
+    fn wait_listening(&self) {
         let deadline = Instant::now() + Duration::from_secs(30);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
             assert!(Instant::now() < deadline, "etcd did not start listening");
             std::thread::sleep(Duration::from_millis(50));
         }
-        etcd
+    }
+
+    /// Kills etcd (SIGKILL): its data stays for [`Self::start_again`].
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Starts etcd again on its data and ports, after [`Self::kill`].
+    pub fn start_again(&mut self) {
+        self.child = spawn_etcd(self.data.path(), self.port, self.peer);
+        self.wait_listening();
     }
 
     /// The URL of cluster `name` in this etcd.
@@ -89,6 +93,24 @@ impl EtcdServer {
         // SAFETY: kill(2) on our own child's pid.
         unsafe { libc::kill(self.child.id() as i32, signal) };
     }
+}
+
+fn spawn_etcd(data: &Path, port: u16, peer: u16) -> Child {
+    let client_url = format!("http://127.0.0.1:{port}");
+    let peer_url = format!("http://127.0.0.1:{peer}");
+    Command::new(etcd_binary())
+        .args(["--name", "onekv-test", "--data-dir"])
+        .arg(data)
+        .args(["--listen-client-urls", &client_url])
+        .args(["--advertise-client-urls", &client_url])
+        .args(["--listen-peer-urls", &peer_url])
+        .args(["--initial-advertise-peer-urls", &peer_url])
+        .arg("--initial-cluster")
+        .arg(format!("onekv-test={peer_url}"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start etcd")
 }
 
 impl Drop for EtcdServer {

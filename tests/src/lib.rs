@@ -264,6 +264,14 @@ impl Daemon {
     }
 
     /// `kill -9`: no clean-up of any kind.
+    /// Sends `signal` (SIGSTOP, SIGCONT) to the daemon.
+    pub fn signal(&self, signal: i32) {
+        if let Some(child) = &self.child {
+            // SAFETY: kill(2) on our own child's pid.
+            unsafe { libc::kill(child.id() as i32, signal) };
+        }
+    }
+
     pub fn kill_9(mut self) {
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();

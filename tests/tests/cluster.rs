@@ -132,7 +132,7 @@ fn the_kv_tool_works_on_the_cluster(url: &str) {
 }
 
 #[test]
-fn a_member_that_cannot_renew_its_lease_stops_serving_until_it_joins_again() {
+fn a_member_paused_past_its_lease_serves_nothing_until_it_joins_again() {
     let etcd = EtcdServer::start();
     let url = etcd.url("fence");
     let dir = region_dir();
@@ -145,13 +145,13 @@ fn a_member_that_cannot_renew_its_lease_stops_serving_until_it_joins_again() {
     let mut reader = BlockingEtcd::connect(&cluster).expect("etcd");
     let first = incarnation(&mut reader).expect("solo is a member");
 
-    // etcd stops answering: no renewal is acknowledged, and within the
-    // lease the member stops serving (its clients' keys are revoked).
-    etcd.signal(libc::SIGSTOP);
-    eventually("the member stops serving", Duration::from_secs(30), || {
-        kv.get(key(0)).is_err()
+    // Paused for twice its lease (2 s): etcd lets the lease expire, and
+    // the member, once it runs again, learns so and stops serving.
+    member.signal(libc::SIGSTOP);
+    eventually("the lease expires", Duration::from_secs(30), || {
+        incarnation(&mut reader).is_none()
     });
-    etcd.signal(libc::SIGCONT);
+    member.signal(libc::SIGCONT);
 
     // It joins again under a new lease, and serves its shards with every
     // write they held.
@@ -163,7 +163,100 @@ fn a_member_that_cannot_renew_its_lease_stops_serving_until_it_joins_again() {
             .all(|i| kv.get(key(i)).ok().flatten().as_deref() == Some(format!("v{i}").as_bytes()))
     });
     let (_, log) = member.terminate();
-    assert!(log.contains("serving nothing until joined again"), "{log}");
+    let fenced = log
+        .find("serving nothing until joined again")
+        .unwrap_or_else(|| panic!("never fenced: {log}"));
+    assert!(
+        log[..fenced].contains("etcd says the lease expired"),
+        "{log}"
+    );
+    assert!(
+        log[fenced..].contains("member of the cluster"),
+        "served again before joining again: {log}"
+    );
+}
+
+/// Writes and reads every key in turn until `stop`; the errors it met
+/// (text), how many operations it made, and the last value of each key.
+fn busy_client(
+    url: String,
+    stop: Arc<AtomicBool>,
+    ops: Arc<AtomicU64>,
+) -> std::thread::JoinHandle<(Vec<String>, BTreeMap<usize, String>)> {
+    std::thread::spawn(move || {
+        let mut kv = ClusterClient::connect(&url).expect("connect");
+        let (mut errors, mut last) = (Vec::new(), BTreeMap::new());
+        let mut n = 0usize;
+        while !stop.load(Ordering::SeqCst) {
+            let i = n % KEYS;
+            let value = format!("w{n}");
+            match kv.put(key(i), &value).and_then(|()| kv.get(key(i))) {
+                Ok(Some(read)) if read == value.as_bytes() => {
+                    last.insert(i, value);
+                }
+                Ok(other) => errors.push(format!("{}: read {other:?} after {value}", key(i))),
+                Err(e) => errors.push(format!("{}: {e}", key(i))),
+            }
+            ops.fetch_add(1, Ordering::SeqCst);
+            n += 1;
+        }
+        (errors, last)
+    })
+}
+
+#[test]
+fn while_etcd_is_down_the_data_path_carries_on_and_membership_waits() {
+    let mut etcd = EtcdServer::start();
+    let url = etcd.url("outage");
+    let dir = region_dir();
+    create_cluster(&url, 4, 2);
+    let m0 = start_member(&url, dir.path(), "m0", &[]);
+    let _m1 = start_member(&url, dir.path(), "m1", &[]);
+    drop(load(&url));
+    let (stop, ops) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicU64::new(0)),
+    );
+    let client = busy_client(url.clone(), stop.clone(), ops.clone());
+    eventually("the client runs", Duration::from_secs(30), || {
+        ops.load(Ordering::SeqCst) > 100
+    });
+
+    // Down for three lease TTLs (2 s each): no lease can expire meanwhile,
+    // and the members serve on. A server started now waits to join.
+    etcd.kill();
+    let at_kill = ops.load(Ordering::SeqCst);
+    let _m2 = start_member(&url, dir.path(), "m2", &[]);
+    std::thread::sleep(Duration::from_secs(6));
+    let during = ops.load(Ordering::SeqCst) - at_kill;
+    etcd.start_again();
+    assert!(during > 100, "{during} operations while etcd was down");
+
+    // Back: the new server joins and gets its share while the client runs.
+    eventually("m2 joins and takes shards", Duration::from_secs(90), || {
+        let status = cluster_status(&url);
+        status.contains("member m2 ")
+            && !status.contains(": 0 shards")
+            && !status.contains("moving")
+    });
+    stop.store(true, Ordering::SeqCst);
+    let (errors, last) = client.join().expect("the client");
+    assert!(
+        errors.is_empty(),
+        "{} errors: {:?}",
+        errors.len(),
+        &errors[..errors.len().min(5)]
+    );
+    let mut kv = ClusterClient::connect(&url).expect("connect");
+    for (i, value) in last {
+        assert_eq!(
+            kv.get(key(i)).expect("get").as_deref(),
+            Some(value.as_bytes())
+        );
+    }
+    let (_, log) = m0.terminate();
+    assert!(log.contains("etcd cannot be reached"), "{log}");
+    assert!(!log.contains("serving nothing until joined again"), "{log}");
 }
 
 #[test]
