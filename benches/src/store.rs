@@ -152,6 +152,11 @@ impl Store for kv_client::ClusterClient {
         self.get_into(key, out).map_err(|e| e.to_string())
     }
 
+    fn read_many(&mut self, keys: &[&[u8]], out: &mut [Vec<u8>]) -> Result<usize, String> {
+        let values = self.get_many(keys).map_err(|e| e.to_string())?;
+        Ok(fill(values, out))
+    }
+
     fn write(&mut self, key: &[u8], value: &[u8]) -> Result<(), String> {
         self.put(key, value).map_err(|e| e.to_string())
     }
@@ -168,14 +173,7 @@ impl Store for kv_client::Client {
 
     fn read_many(&mut self, keys: &[&[u8]], out: &mut [Vec<u8>]) -> Result<usize, String> {
         let values = self.get_many(keys).map_err(|e| e.to_string())?;
-        let mut found = 0;
-        for (value, out) in values.into_iter().zip(out) {
-            if let Some(value) = value {
-                *out = value;
-                found += 1;
-            }
-        }
-        Ok(found)
+        Ok(fill(values, out))
     }
 
     fn write(&mut self, key: &[u8], value: &[u8]) -> Result<(), String> {
@@ -185,6 +183,18 @@ impl Store for kv_client::Client {
     fn verb_stats(&self) -> Option<VerbStats> {
         Some(kv_client::Client::verb_stats(self))
     }
+}
+
+/// Puts the values found into `out`; how many were found.
+fn fill(values: Vec<Option<Vec<u8>>>, out: &mut [Vec<u8>]) -> usize {
+    let mut found = 0;
+    for (value, out) in values.into_iter().zip(out) {
+        if let Some(value) = value {
+            *out = value;
+            found += 1;
+        }
+    }
+    found
 }
 
 /// Redis over loopback: a server given by URL, or one started here.

@@ -157,6 +157,76 @@ impl ClusterClient {
         self.on_shard(key, |c| c.get_counter(key))
     }
 
+    /// The values of many keys, in order, as [`Client::get_many`] reads
+    /// them: the keys of each shard in batches at its server, one shard
+    /// after another (a round trip per shard the keys fall in, not one for
+    /// all).
+    ///
+    /// # Errors
+    ///
+    /// The first error any shard's batch meets, as [`ClusterClient::get`]'s.
+    pub fn get_many<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<Vec<Option<Vec<u8>>>> {
+        let mut values = vec![None; keys.len()];
+        for (shard, at) in self.by_shard(keys.iter().map(AsRef::as_ref))? {
+            let batch: Vec<&[u8]> = at.iter().map(|&i| keys[i].as_ref()).collect();
+            let read = self.on(shard, |c| c.get_many(&batch))?;
+            for (i, value) in at.into_iter().zip(read) {
+                values[i] = value;
+            }
+        }
+        Ok(values)
+    }
+
+    /// Stores many pairs, as [`Client::put_many`] does, shard by shard.
+    ///
+    /// # Errors
+    ///
+    /// The first error any shard's batch meets, as [`ClusterClient::put`]'s;
+    /// some of the other pairs may have been stored (the call is not
+    /// atomic).
+    pub fn put_many<K: AsRef<[u8]>, V: AsRef<[u8]>>(&mut self, pairs: &[(K, V)]) -> Result<()> {
+        for (shard, at) in self.by_shard(pairs.iter().map(|(k, _)| k.as_ref()))? {
+            let batch: Vec<(&[u8], &[u8])> = at
+                .iter()
+                .map(|&i| (pairs[i].0.as_ref(), pairs[i].1.as_ref()))
+                .collect();
+            self.on(shard, |c| c.put_many(&batch))?;
+        }
+        Ok(())
+    }
+
+    /// Removes many keys, as [`Client::delete_many`] does, shard by shard,
+    /// and says for each whether it was there.
+    ///
+    /// # Errors
+    ///
+    /// The first error any shard's batch meets, as
+    /// [`ClusterClient::delete`]'s.
+    pub fn delete_many<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<Vec<bool>> {
+        let mut deleted = vec![false; keys.len()];
+        for (shard, at) in self.by_shard(keys.iter().map(AsRef::as_ref))? {
+            let batch: Vec<&[u8]> = at.iter().map(|&i| keys[i].as_ref()).collect();
+            let gone = self.on(shard, |c| c.delete_many(&batch))?;
+            for (i, was) in at.into_iter().zip(gone) {
+                deleted[i] = was;
+            }
+        }
+        Ok(deleted)
+    }
+
+    /// The positions of `keys` grouped by shard, in order within each.
+    fn by_shard<'k>(
+        &self,
+        keys: impl Iterator<Item = &'k [u8]>,
+    ) -> Result<std::collections::BTreeMap<u32, Vec<usize>>> {
+        let mut shards: std::collections::BTreeMap<u32, Vec<usize>> = Default::default();
+        for (i, key) in keys.enumerate() {
+            crate::check_key(key)?;
+            shards.entry(self.shard_of(key)).or_default().push(i);
+        }
+        Ok(shards)
+    }
+
     /// The statistics of the server of `shard`.
     ///
     /// # Errors

@@ -63,6 +63,7 @@ fn keys_spread_over_three_servers_and_a_dead_one_fails_only_its_shards() {
         assert!(status.contains(": 2 shards"), "{status}");
     }
     the_kv_tool_works_on_the_cluster(&url);
+    batches_span_shards(&url);
 
     m1.kill_9();
     // A client that connects now: m1's shards fail, naming shard and
@@ -99,6 +100,41 @@ fn keys_spread_over_three_servers_and_a_dead_one_fails_only_its_shards() {
             })
         },
     );
+}
+
+/// Batches whose keys fall in every shard: each key at its shard, in the
+/// caller's order.
+fn batches_span_shards(url: &str) {
+    let mut kv = ClusterClient::connect(url).expect("connect");
+    let pairs: Vec<(String, String)> = (0..100)
+        .map(|i| (format!("batch{i}"), format!("b{i}")))
+        .collect();
+    kv.put_many(&pairs).expect("put_many");
+    let shards: std::collections::BTreeSet<u32> =
+        pairs.iter().map(|(k, _)| kv.shard_of(k)).collect();
+    assert_eq!(
+        shards.len() as u32,
+        kv.shards(),
+        "the batch spans every shard"
+    );
+    for (k, v) in &pairs {
+        assert_eq!(kv.get(k).expect("get").as_deref(), Some(v.as_bytes()));
+    }
+    let keys: Vec<String> = (0..100).map(|i| format!("batch{}", i * 2)).collect();
+    let values = kv.get_many(&keys).expect("get_many");
+    for (i, value) in values.iter().enumerate() {
+        let expected = (i * 2 < 100).then(|| format!("b{}", i * 2).into_bytes());
+        assert_eq!(value, &expected, "{}", keys[i]);
+    }
+    let deleted = kv.delete_many(&keys).expect("delete_many");
+    assert_eq!(deleted, (0..100).map(|i| i * 2 < 100).collect::<Vec<_>>());
+    let after = kv.get_many(&pairs.iter().map(|(k, _)| k).collect::<Vec<_>>());
+    let present = after
+        .expect("get_many")
+        .iter()
+        .filter(|v| v.is_some())
+        .count();
+    assert_eq!(present, 50, "the odd keys stay");
 }
 
 /// `kv --server etcd://...` reads and writes keys at their shards, shows
