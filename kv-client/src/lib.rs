@@ -71,7 +71,9 @@ pub use error::Error;
 use geometry::{Ask, StrayFrozenWait};
 use index::Value;
 use local::{LocalLayout, BATCH_KEYS};
-pub use pool::{ClientPool, PooledClient};
+#[cfg(feature = "etcd")]
+pub use pool::ClusterPool;
+pub use pool::{Borrowed, ClientPool, Pool, Pooled, PooledClient};
 use slot_cache::SlotCache;
 pub use values::Values;
 
@@ -349,7 +351,7 @@ impl Client {
     pub fn connect_with(address: &str, options: ClientOptions) -> Result<Client> {
         if address.starts_with("etcd://") {
             return Err(Error::InvalidAddress(format!(
-                "'{address}' names a cluster: connect to it with kv_client::ClusterClient"
+                "'{address}' names a cluster: connect to it with kv_client::ClusterClient (or ClusterPool)"
             )));
         }
         let address = Address::parse(address).map_err(Error::InvalidAddress)?;

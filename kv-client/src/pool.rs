@@ -2,7 +2,8 @@
 //! its own local buffer and leased heap space, used by one thread at a time;
 //! a pool hands each thread one for as long as it needs it and takes it back
 //! afterwards, so a program with hundreds of short tasks holds only as many
-//! connections (and leases) as run at once.
+//! connections (and leases) as run at once. A cluster's clients
+//! ([`crate::ClusterClient`]) are pooled alike ([`ClusterPool`]).
 
 use std::ops::{Deref, DerefMut};
 
@@ -10,7 +11,46 @@ use crossbeam::queue::ArrayQueue;
 
 use crate::{Client, ClientOptions, Result};
 
+/// What a [`Pool`] holds: a client made from an address and options.
+pub trait Pooled: Sized + sealed::Sealed {
+    /// # Errors
+    ///
+    /// The client's own, as it connects.
+    fn connect_with(address: &str, options: ClientOptions) -> Result<Self>;
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for crate::Client {}
+    #[cfg(feature = "etcd")]
+    impl Sealed for crate::ClusterClient {}
+}
+
+impl Pooled for Client {
+    fn connect_with(address: &str, options: ClientOptions) -> Result<Self> {
+        Client::connect_with(address, options)
+    }
+}
+
+#[cfg(feature = "etcd")]
+impl Pooled for crate::ClusterClient {
+    fn connect_with(address: &str, options: ClientOptions) -> Result<Self> {
+        crate::ClusterClient::connect_with(address, options)
+    }
+}
+
 /// A set of connections to one server, handed out one per thread.
+pub type ClientPool = Pool<Client>;
+
+/// A set of clients of one cluster (`etcd://HOST:PORT/NAME`), handed out
+/// one per thread; each reaches every shard.
+#[cfg(feature = "etcd")]
+pub type ClusterPool = Pool<crate::ClusterClient>;
+
+/// A connection borrowed from a [`ClientPool`].
+pub type PooledClient<'a> = Borrowed<'a, Client>;
+
+/// Clients handed out one per thread: [`ClientPool`], [`ClusterPool`].
 ///
 /// ```no_run
 /// let pool = kv_client::ClientPool::new("shm:///dev/shm/onekv", Default::default(), 8)?;
@@ -25,14 +65,14 @@ use crate::{Client, ClientOptions, Result};
 /// });
 /// # Ok::<(), kv_client::Error>(())
 /// ```
-pub struct ClientPool {
+pub struct Pool<C: Pooled> {
     address: String,
     options: ClientOptions,
     /// Connections not handed out; one beyond its capacity is closed.
-    idle: ArrayQueue<Client>,
+    idle: ArrayQueue<C>,
 }
 
-impl ClientPool {
+impl<C: Pooled> Pool<C> {
     /// A pool that keeps up to `max_idle` connections (at least one) for
     /// reuse; more may be handed out at once, and those returned beyond
     /// `max_idle` are closed. Connects one now, so a wrong address or
@@ -40,13 +80,14 @@ impl ClientPool {
     ///
     /// # Errors
     ///
-    /// As [`Client::connect_with`](crate::Client::connect_with).
-    pub fn new(address: &str, options: ClientOptions, max_idle: usize) -> Result<ClientPool> {
-        let first = Client::connect_with(address, options.clone())?;
+    /// As [`Client::connect_with`](crate::Client::connect_with) (or
+    /// `ClusterClient::connect_with`).
+    pub fn new(address: &str, options: ClientOptions, max_idle: usize) -> Result<Pool<C>> {
+        let first = C::connect_with(address, options.clone())?;
         let idle = ArrayQueue::new(max_idle.max(1));
         // The queue is empty and holds at least one.
         let _ = idle.push(first);
-        Ok(ClientPool {
+        Ok(Pool {
             address: address.to_string(),
             options,
             idle,
@@ -59,12 +100,12 @@ impl ClientPool {
     /// # Errors
     ///
     /// As [`Client::connect_with`](crate::Client::connect_with), when a new connection is made.
-    pub fn get(&self) -> Result<PooledClient<'_>> {
+    pub fn get(&self) -> Result<Borrowed<'_, C>> {
         let client = match self.idle.pop() {
             Some(c) => c,
-            None => Client::connect_with(&self.address, self.options.clone())?,
+            None => C::connect_with(&self.address, self.options.clone())?,
         };
-        Ok(PooledClient {
+        Ok(Borrowed {
             pool: self,
             client: Some(client),
         })
@@ -76,33 +117,33 @@ impl ClientPool {
     }
 }
 
-/// A connection borrowed from a [`ClientPool`]; it derefs to [`Client`] and
-/// goes back to the pool when dropped.
-pub struct PooledClient<'a> {
-    pool: &'a ClientPool,
+/// A client borrowed from a [`Pool`]; it derefs to the client and goes
+/// back to the pool when dropped.
+pub struct Borrowed<'a, C: Pooled> {
+    pool: &'a Pool<C>,
     /// Some until dropped.
-    client: Option<Client>,
+    client: Option<C>,
 }
 
-impl Deref for PooledClient<'_> {
-    type Target = Client;
+impl<C: Pooled> Deref for Borrowed<'_, C> {
+    type Target = C;
 
-    fn deref(&self) -> &Client {
+    fn deref(&self) -> &C {
         self.client
             .as_ref()
             .expect("a pooled client is present until drop")
     }
 }
 
-impl DerefMut for PooledClient<'_> {
-    fn deref_mut(&mut self) -> &mut Client {
+impl<C: Pooled> DerefMut for Borrowed<'_, C> {
+    fn deref_mut(&mut self) -> &mut C {
         self.client
             .as_mut()
             .expect("a pooled client is present until drop")
     }
 }
 
-impl Drop for PooledClient<'_> {
+impl<C: Pooled> Drop for Borrowed<'_, C> {
     fn drop(&mut self) {
         if let Some(client) = self.client.take() {
             // A client dropped by a panic may be mid-way through anything:

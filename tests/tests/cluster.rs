@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kv_client::{ClusterClient, Error};
+use kv_client::{ClusterClient, ClusterPool, Error};
 use kv_cluster::etcd::BlockingEtcd;
 use kv_cluster::{ClusterUrl, ShardMap};
 use onekv_tests::cluster::{cluster_status, create_cluster, start_member, EtcdServer};
@@ -64,6 +64,7 @@ fn keys_spread_over_three_servers_and_a_dead_one_fails_only_its_shards() {
     }
     the_kv_tool_works_on_the_cluster(&url);
     batches_span_shards(&url);
+    a_pool_shares_cluster_clients(&url);
 
     m1.kill_9();
     // A client that connects now: m1's shards fail, naming shard and
@@ -100,6 +101,28 @@ fn keys_spread_over_three_servers_and_a_dead_one_fails_only_its_shards() {
             })
         },
     );
+}
+
+/// Threads borrow cluster clients from a pool, fewer than they are.
+fn a_pool_shares_cluster_clients(url: &str) {
+    let pool = ClusterPool::new(url, Default::default(), 2).expect("a pool");
+    std::thread::scope(|s| {
+        for t in 0..4 {
+            let pool = &pool;
+            s.spawn(move || {
+                for i in 0..20 {
+                    let mut kv = pool.get().expect("a pooled client");
+                    let key = format!("pooled-{t}-{i}");
+                    kv.put(&key, b"from a pool").expect("put");
+                    assert_eq!(
+                        kv.get(&key).expect("get").as_deref(),
+                        Some(&b"from a pool"[..])
+                    );
+                }
+            });
+        }
+    });
+    assert!(pool.idle() <= 2 && pool.idle() >= 1, "{} idle", pool.idle());
 }
 
 /// Batches whose keys fall in every shard: each key at its shard, in the
