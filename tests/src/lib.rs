@@ -10,6 +10,7 @@ use kv_common::Address;
 use kv_server::{Server, ServerConfig};
 
 pub mod cluster;
+pub mod histories;
 
 /// A directory for regions: /dev/shm when the machine has it.
 pub fn region_dir() -> tempfile::TempDir {

@@ -10,18 +10,11 @@ use std::time::Duration;
 
 use kv_client::{Client, ClientOptions, ReadOrder};
 use kv_common::protocol::ServerStats;
+use onekv_tests::histories::{check_owner, check_rounds, Event};
 use onekv_tests::{
     aggressive_reuse, or_abort, parse_tagged, tagged_value, wait_or_abort, TestServer,
 };
-use stateright::semantics::register::{Register, RegisterOp, RegisterRet};
-use stateright::semantics::{ConsistencyTester, LinearizabilityTester};
-
-type Value = Option<Vec<u8>>;
-
-enum Event {
-    Invoke(usize, usize, RegisterOp<Value>),
-    Return(usize, usize, RegisterRet<Value>),
-}
+use stateright::semantics::register::{RegisterOp, RegisterRet};
 
 const THREADS: usize = 4;
 const KEYS: usize = 6;
@@ -459,65 +452,14 @@ fn check_histories(workload: Workload) -> Run {
                             log.push(Event::Invoke(k, THREADS, RegisterOp::Read));
                             log.push(Event::Return(k, THREADS, RegisterRet::ReadOk(v)));
                         }
-                        log.lock()
-                            .unwrap()
-                            .push(Event::Invoke(usize::MAX, 0, RegisterOp::Read));
+                        log.lock().unwrap().push(Event::round_end());
                     }
                 }
             });
         }
     });
 
-    let events = log.into_inner().unwrap();
-    let mut state: Vec<Value> = vec![None; KEYS];
-    let mut rounds_checked = 0;
-    for round in events.split(|e| matches!(e, Event::Invoke(usize::MAX, ..))) {
-        if round.is_empty() {
-            continue;
-        }
-        for (k, start) in state.iter_mut().enumerate() {
-            let mut tester = LinearizabilityTester::new(Register(start.clone()));
-            let mut final_read = None;
-            for e in round {
-                match e {
-                    Event::Invoke(kk, t, op) if *kk == k => {
-                        tester.on_invoke(*t, op.clone()).expect("valid history");
-                    }
-                    Event::Return(kk, t, ret) if *kk == k => {
-                        tester.on_return(*t, ret.clone()).expect("valid history");
-                        if *t == THREADS {
-                            if let RegisterRet::ReadOk(v) = ret {
-                                final_read = Some(v.clone());
-                            }
-                        }
-                    }
-                    _ => {}
-                }
-            }
-            if !tester.is_consistent() {
-                let shown: Vec<String> = round
-                    .iter()
-                    .filter_map(|e| match e {
-                        Event::Invoke(kk, t, op) if *kk == k => {
-                            Some(format!("t{t} invoke {}", show_op(op)))
-                        }
-                        Event::Return(kk, t, ret) if *kk == k => {
-                            Some(format!("t{t} return {}", show_ret(ret)))
-                        }
-                        _ => None,
-                    })
-                    .collect();
-                panic!(
-                    "round {rounds_checked}, key {}: history is not linearizable; start {:?}\n{}",
-                    key(k),
-                    start.as_deref().map(short),
-                    shown.join("\n")
-                );
-            }
-            *start = final_read.expect("round ends with a read");
-        }
-        rounds_checked += 1;
-    }
+    let rounds_checked = check_rounds(&log.into_inner().unwrap(), KEYS, THREADS, key);
     assert_eq!(rounds_checked, ROUNDS);
     // Tens of MiB went through a 4 MiB heap: the server reclaimed
     // overwritten blocks (by scans, or on the clients' reports), and never
@@ -535,36 +477,5 @@ fn check_histories(workload: Workload) -> Run {
         stats,
         blind_puts: blind_puts.into_inner(),
         blind_deletes: blind_deletes.into_inner(),
-    }
-}
-
-/// Aborts unless `v` is absent or a whole value written for `name`.
-fn check_owner(name: &str, v: &Value) {
-    if let Some(v) = v {
-        let Some((owner, _, _)) = parse_tagged(v) else {
-            or_abort(Err("torn value"), "get")
-        };
-        if owner != name {
-            or_abort(Err(format!("{name} read {owner}'s value")), "get")
-        }
-    }
-}
-
-fn short(v: &[u8]) -> String {
-    parse_tagged(v).map_or_else(|| "<torn>".into(), |(_, w, seq)| format!("{w}#{seq}"))
-}
-
-fn show_op(op: &RegisterOp<Value>) -> String {
-    match op {
-        RegisterOp::Read => "read".into(),
-        RegisterOp::Write(Some(v)) => format!("put {}", short(v)),
-        RegisterOp::Write(None) => "delete".into(),
-    }
-}
-
-fn show_ret(ret: &RegisterRet<Value>) -> String {
-    match ret {
-        RegisterRet::WriteOk => "ok".into(),
-        RegisterRet::ReadOk(v) => format!("{:?}", v.as_deref().map(short)),
     }
 }
