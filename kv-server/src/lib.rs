@@ -224,7 +224,11 @@ impl Server {
         let shared = Arc::new(new_shared(&config, region, listener.clone(), found));
         // Bound before any thread starts, so a taken port fails the start.
         let metrics = match config.metrics_listen {
-            Some(at) => Some(MetricsEndpoint::start(at, shared.clone())?),
+            Some(at) => {
+                let alone = shared.clone();
+                let servers = Box::new(move || vec![(None, alone.clone())]);
+                Some(MetricsEndpoint::start(at, servers)?)
+            }
             None => None,
         };
         let poller = Arc::new(Poller::new().map_err(TransportError::Io)?);

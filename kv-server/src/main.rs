@@ -313,12 +313,11 @@ fn serve(args: ServeArgs) -> Result<(), String> {
                 .member_name
                 .unwrap_or_else(|| config.address.to_string());
             let ttl = Duration::from_secs(args.lease_ttl.max(1));
-            serve_shards(
-                ShardHost::new(config, name, url.clone()),
-                url,
-                ttl,
-                &stop_rx,
-            )
+            let host = ShardHost::new(config, name, url.clone()).map_err(|e| e.to_string())?;
+            if let Some(at) = host.metrics_address() {
+                tracing::info!("metrics of every shard served here at http://{at}/metrics");
+            }
+            serve_shards(host, url, ttl, &stop_rx)
         }
         None => serve_region(config, args.stats_interval, &stop_rx),
     }

@@ -13,14 +13,15 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, MetricEncoder};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
 
 use kv_common::protocol::ServerStats;
 
-use crate::control::{Counters, Refusal, Shared};
+use crate::control::{Refusal, Shared};
 use crate::http::{Answer, HttpServer, Request};
 use crate::ServerError;
 
@@ -31,13 +32,16 @@ pub struct MetricsEndpoint {
     http: HttpServer,
 }
 
+/// The servers a scrape reads: one unlabelled, or shards by number.
+pub(crate) type Servers = Box<dyn Fn() -> Vec<(Option<u32>, Arc<Shared>)> + Send + Sync>;
+
 impl MetricsEndpoint {
-    pub(crate) fn start(address: SocketAddr, shared: Arc<Shared>) -> Result<Self, ServerError> {
+    pub(crate) fn start(address: SocketAddr, servers: Servers) -> Result<Self, ServerError> {
         let failed =
             |e: std::io::Error| ServerError::Config(format!("metrics endpoint on {address}: {e}"));
         let listener = TcpListener::bind(address).map_err(failed)?;
         let mut registry = Registry::with_prefix("onekv");
-        registry.register_collector(Box::new(ServerCollector(shared)));
+        registry.register_collector(Box::new(ServerCollector(servers)));
         let http = HttpServer::start(listener, "kv-metrics", move |r| answer(r, &registry))
             .map_err(failed)?;
         Ok(MetricsEndpoint { http })
@@ -69,8 +73,8 @@ fn answer(request: &Request, registry: &Registry) -> Answer {
     }
 }
 
-/// Reads the server's figures at each scrape.
-struct ServerCollector(Arc<Shared>);
+/// Reads the servers' figures at each scrape.
+struct ServerCollector(Servers);
 
 impl std::fmt::Debug for ServerCollector {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -78,292 +82,137 @@ impl std::fmt::Debug for ServerCollector {
     }
 }
 
-impl Collector for ServerCollector {
-    fn encode(&self, mut out: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let shared = &self.0;
-        // Occupancy comes from the last index scan: ask for a fresh one
-        // (the reclaimer does it at most once a second).
-        shared.stats_wanted.store(true, Relaxed);
-        shared.wake_reclaimer();
-        let s = shared.stats();
-        clients(&mut out, &s, &shared.counters)?;
-        requests(&mut out, &s)?;
-        heap(&mut out, &s)?;
-        index(&mut out, &s)?;
-        resizes(&mut out, &s)?;
-        gauge(
-            &mut out,
-            "corrupt_slots",
-            "Slots pointing at space that cannot be a block, found by the scans.",
-            None,
-            s.corrupt_slots,
-        )?;
-        emit(
-            &mut out,
-            "control_cpu",
-            "CPU time of the control plane and the reclaimer.",
-            Some(&Unit::Seconds),
-            ConstCounter::new(s.server_cpu_us as f64 / 1e6),
-        )
+/// One server's figures in a scrape, and its shard.
+struct Source {
+    shard: Option<String>,
+    stats: ServerStats,
+    shared: Arc<Shared>,
+}
+
+/// A family's value for one server.
+enum Value {
+    Counter(u64),
+    Gauge(u64),
+    Seconds(f64),
+    Ratio(f64),
+}
+
+impl Value {
+    fn encode(self, to: MetricEncoder) -> Result<(), std::fmt::Error> {
+        match self {
+            Value::Counter(v) => ConstCounter::new(v).encode(to),
+            // Byte counts fit an i64 (the region is at most 2^47 bytes).
+            Value::Gauge(v) => ConstGauge::new(i64::try_from(v).unwrap_or(i64::MAX)).encode(to),
+            Value::Seconds(v) => ConstCounter::new(v).encode(to),
+            Value::Ratio(v) => ConstGauge::new(v).encode(to),
+        }
+    }
+
+    fn metric_type(&self) -> MetricType {
+        match self {
+            Value::Counter(_) | Value::Seconds(_) => MetricType::Counter,
+            Value::Gauge(_) | Value::Ratio(_) => MetricType::Gauge,
+        }
     }
 }
 
-/// Who is connected, who was admitted or refused, and how they left.
-fn clients(
-    out: &mut DescriptorEncoder,
-    s: &ServerStats,
-    c: &Counters,
-) -> Result<(), std::fmt::Error> {
-    gauge(
-        out,
-        "clients_connected",
-        "Clients connected now.",
-        None,
-        s.clients_connected,
-    )?;
-    gauge(
-        out,
-        "control_connections",
-        "Control channels open, connected or not yet.",
-        None,
-        s.connections,
-    )?;
-    counter(out, "connects", "Clients admitted.", None, s.connects)?;
-    {
-        let family = ConstCounter::new(0u64);
-        let mut m = out.encode_descriptor(
+/// A metric family: name, help, unit, and its value for a server.
+type Family = (
+    &'static str,
+    &'static str,
+    Option<Unit>,
+    fn(&ServerStats) -> Value,
+);
+
+const BYTES: Option<Unit> = Some(Unit::Bytes);
+
+/// Every family but the refusals (labelled by reason), in the order shown.
+const FAMILIES: &[Family] = &[
+    ("clients_connected", "Clients connected now.", None, |s| Value::Gauge(s.clients_connected)),
+    ("control_connections", "Control channels open, connected or not yet.", None, |s| Value::Gauge(s.connections)),
+    ("connects", "Clients admitted.", None, |s| Value::Counter(s.connects)),
+    ("disconnects", "Clients that said goodbye.", None, |s| Value::Counter(s.disconnects)),
+    ("departures", "Clients that left without a goodbye (crashed, timed out, cut off); their space was reclaimed.", None, |s| Value::Counter(s.departures)),
+    ("leases", "Heap chunks leased to clients.", None, |s| Value::Counter(s.leases)),
+    ("give_backs", "Extents clients gave back.", None, |s| Value::Counter(s.give_backs)),
+    ("give_backs_refused", "Give-backs refused: they named space the client did not hold.", None, |s| Value::Counter(s.refused_give_backs)),
+    ("unlinked_reports", "Unlinked blocks clients reported.", None, |s| Value::Counter(s.reported_blocks)),
+    ("freed_on_report", "Reported blocks freed after a check, without an index scan.", None, |s| Value::Counter(s.freed_on_report)),
+    ("unlinked_reports_refused", "Reports that freed nothing: still referenced, undeclared, already freed, or dropped.", None, |s| Value::Counter(s.refused_reports)),
+    ("malformed_messages", "Control messages that could not be decoded or made no sense.", None, |s| Value::Counter(s.malformed)),
+    ("heap_size", "Heap bytes in the region.", BYTES, |s| Value::Gauge(s.heap_size)),
+    ("heap_leased", "Heap bytes leased to connected clients.", BYTES, |s| Value::Gauge(s.heap_leased)),
+    ("heap_free", "Heap bytes free, including those waiting out their grace period.", BYTES, |s| Value::Gauge(s.heap_free)),
+    ("live", "Bytes of the blocks the index references (last scan).", BYTES, |s| Value::Gauge(s.live_bytes)),
+    ("region_size", "Size of the region now.", BYTES, |s| Value::Gauge(s.region_bytes)),
+    ("region_max_size", "Size the region may grow to.", BYTES, |s| Value::Gauge(s.max_region_bytes)),
+    ("growths", "Times the heap grew.", None, |s| Value::Counter(s.growths)),
+    ("index_slots", "Slots of the index in force.", None, |s| Value::Gauge(s.index_slots)),
+    ("index_slots_used", "Slots in use (last scan).", None, |s| Value::Gauge(s.live_slots)),
+    ("index_occupancy_ratio", "Fraction of the index's slots in use (last scan); it doubles at --resize-at.", None, |s| Value::Ratio(s.occupancy())),
+    ("index_scans", "Scans of the index (reclamation, stats).", None, |s| Value::Counter(s.index_scans)),
+    ("resizes", "Index resizes this server completed.", None, |s| Value::Counter(s.resizes)),
+    ("resizes_declined", "Resize requests declined: the index was not full enough to warrant one.", None, |s| Value::Counter(s.declined_resizes)),
+    ("frozen_slots", "Frozen slots in the index at the last scan (outside a resize: stray bits about to be thawed).", None, |s| Value::Gauge(s.frozen_slots)),
+    ("thawed_slots", "Stray frozen slots thawed (found by a scan or reported by a writer).", None, |s| Value::Counter(s.thawed_slots)),
+    ("resizing", "1 while a resize migrates the index.", None, |s| Value::Gauge(u64::from(s.resizing))),
+    ("epoch", "Changes of the geometry since the region was created.", None, |s| Value::Gauge(s.epoch)),
+    ("corrupt_slots", "Slots pointing at space that cannot be a block, found by the scans.", None, |s| Value::Gauge(s.corrupt_slots)),
+    ("control_cpu", "CPU time of the control plane and the reclaimer.", Some(Unit::Seconds), |s| Value::Seconds(s.server_cpu_us as f64 / 1e6)),
+];
+
+impl Collector for ServerCollector {
+    fn encode(&self, mut out: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let sources: Vec<Source> = (self.0)()
+            .into_iter()
+            .map(|(shard, shared)| {
+                // Occupancy comes from the last index scan: ask for a fresh
+                // one (the reclaimer does it at most once a second).
+                shared.stats_wanted.store(true, Relaxed);
+                shared.wake_reclaimer();
+                Source {
+                    shard: shard.map(|s| s.to_string()),
+                    stats: shared.stats(),
+                    shared,
+                }
+            })
+            .collect();
+        let Some(first) = sources.first() else {
+            return Ok(());
+        };
+        // Each family once, with a sample per server (and per reason).
+        for (name, help, unit, value) in FAMILIES {
+            let kind = value(&first.stats).metric_type();
+            let mut family = out.encode_descriptor(name, help, unit.as_ref(), kind)?;
+            for source in &sources {
+                let labels = shard_label(source);
+                value(&source.stats).encode(family.encode_family(&labels)?)?;
+            }
+        }
+        let mut family = out.encode_descriptor(
             "connects_refused",
             "Connections refused, by reason.",
             None,
-            family.metric_type(),
+            MetricType::Counter,
         )?;
-        for why in Refusal::ALL {
-            let labels = [("reason", why.label())];
-            ConstCounter::new(c.refused(why)).encode(m.encode_family(&labels)?)?;
+        for source in &sources {
+            for why in Refusal::ALL {
+                let mut labels = shard_label(source);
+                labels.push(("reason", why.label()));
+                let refused = source.shared.counters.refused(why);
+                Value::Counter(refused).encode(family.encode_family(&labels)?)?;
+            }
         }
+        Ok(())
     }
-    counter(
-        out,
-        "disconnects",
-        "Clients that said goodbye.",
-        None,
-        s.disconnects,
-    )?;
-    counter(out, "departures", "Clients that left without a goodbye (crashed, timed out, cut off); their space was reclaimed.", None, s.departures)?;
-    Ok(())
 }
 
-/// What connected clients asked of the control plane.
-fn requests(out: &mut DescriptorEncoder, s: &ServerStats) -> Result<(), std::fmt::Error> {
-    counter(
-        out,
-        "leases",
-        "Heap chunks leased to clients.",
-        None,
-        s.leases,
-    )?;
-    counter(
-        out,
-        "give_backs",
-        "Extents clients gave back.",
-        None,
-        s.give_backs,
-    )?;
-    counter(
-        out,
-        "give_backs_refused",
-        "Give-backs refused: they named space the client did not hold.",
-        None,
-        s.refused_give_backs,
-    )?;
-    counter(
-        out,
-        "unlinked_reports",
-        "Unlinked blocks clients reported.",
-        None,
-        s.reported_blocks,
-    )?;
-    counter(
-        out,
-        "freed_on_report",
-        "Reported blocks freed after a check, without an index scan.",
-        None,
-        s.freed_on_report,
-    )?;
-    counter(
-        out,
-        "unlinked_reports_refused",
-        "Reports that freed nothing: still referenced, undeclared, already freed, or dropped.",
-        None,
-        s.refused_reports,
-    )?;
-    counter(
-        out,
-        "malformed_messages",
-        "Control messages that could not be decoded or made no sense.",
-        None,
-        s.malformed,
-    )?;
-    Ok(())
-}
-
-/// The heap and the region it lives in.
-fn heap(out: &mut DescriptorEncoder, s: &ServerStats) -> Result<(), std::fmt::Error> {
-    let bytes = Some(&Unit::Bytes);
-    gauge(
-        out,
-        "heap_size",
-        "Heap bytes in the region.",
-        bytes,
-        s.heap_size,
-    )?;
-    gauge(
-        out,
-        "heap_leased",
-        "Heap bytes leased to connected clients.",
-        bytes,
-        s.heap_leased,
-    )?;
-    gauge(
-        out,
-        "heap_free",
-        "Heap bytes free, including those waiting out their grace period.",
-        bytes,
-        s.heap_free,
-    )?;
-    gauge(
-        out,
-        "live",
-        "Bytes of the blocks the index references (last scan).",
-        bytes,
-        s.live_bytes,
-    )?;
-    gauge(
-        out,
-        "region_size",
-        "Size of the region now.",
-        bytes,
-        s.region_bytes,
-    )?;
-    gauge(
-        out,
-        "region_max_size",
-        "Size the region may grow to.",
-        bytes,
-        s.max_region_bytes,
-    )?;
-    counter(out, "growths", "Times the heap grew.", None, s.growths)?;
-    Ok(())
-}
-
-/// How full the index is, as the last scan found it.
-fn index(out: &mut DescriptorEncoder, s: &ServerStats) -> Result<(), std::fmt::Error> {
-    gauge(
-        out,
-        "index_slots",
-        "Slots of the index in force.",
-        None,
-        s.index_slots,
-    )?;
-    gauge(
-        out,
-        "index_slots_used",
-        "Slots in use (last scan).",
-        None,
-        s.live_slots,
-    )?;
-    emit(
-        out,
-        "index_occupancy_ratio",
-        "Fraction of the index's slots in use (last scan); it doubles at --resize-at.",
-        None,
-        ConstGauge::new(s.occupancy()),
-    )?;
-    counter(
-        out,
-        "index_scans",
-        "Scans of the index (reclamation, stats).",
-        None,
-        s.index_scans,
-    )?;
-    Ok(())
-}
-
-/// Resizes of the index and the geometry's changes.
-fn resizes(out: &mut DescriptorEncoder, s: &ServerStats) -> Result<(), std::fmt::Error> {
-    counter(
-        out,
-        "resizes",
-        "Index resizes this server completed.",
-        None,
-        s.resizes,
-    )?;
-    counter(
-        out,
-        "resizes_declined",
-        "Resize requests declined: the index was not full enough to warrant one.",
-        None,
-        s.declined_resizes,
-    )?;
-    gauge(
-        out,
-        "frozen_slots",
-        "Frozen slots in the index at the last scan (outside a resize: stray bits about to be thawed).",
-        None,
-        s.frozen_slots,
-    )?;
-    counter(
-        out,
-        "thawed_slots",
-        "Stray frozen slots thawed (found by a scan or reported by a writer).",
-        None,
-        s.thawed_slots,
-    )?;
-    gauge(
-        out,
-        "resizing",
-        "1 while a resize migrates the index.",
-        None,
-        u64::from(s.resizing),
-    )?;
-    gauge(
-        out,
-        "epoch",
-        "Changes of the geometry since the region was created.",
-        None,
-        s.epoch,
-    )?;
-    Ok(())
-}
-
-fn emit(
-    out: &mut DescriptorEncoder,
-    name: &str,
-    help: &str,
-    unit: Option<&Unit>,
-    metric: impl EncodeMetric,
-) -> Result<(), std::fmt::Error> {
-    metric.encode(out.encode_descriptor(name, help, unit, metric.metric_type())?)
-}
-
-fn counter(
-    out: &mut DescriptorEncoder,
-    name: &str,
-    help: &str,
-    unit: Option<&Unit>,
-    value: u64,
-) -> Result<(), std::fmt::Error> {
-    emit(out, name, help, unit, ConstCounter::new(value))
-}
-
-fn gauge(
-    out: &mut DescriptorEncoder,
-    name: &str,
-    help: &str,
-    unit: Option<&Unit>,
-    value: u64,
-) -> Result<(), std::fmt::Error> {
-    // Byte counts fit an i64 (the region is at most 2^47 bytes).
-    let value = i64::try_from(value).unwrap_or(i64::MAX);
-    emit(out, name, help, unit, ConstGauge::new(value))
+/// A shard's label, none for a server alone.
+fn shard_label(source: &Source) -> Vec<(&'static str, &str)> {
+    source
+        .shard
+        .as_deref()
+        .map(|s| ("shard", s))
+        .into_iter()
+        .collect()
 }

@@ -26,14 +26,18 @@ use kv_cluster::etcd::BlockingEtcd;
 use kv_cluster::{shard_address, ClusterUrl, ShardMap, ShardMove};
 use kv_common::Address;
 
+use crate::control::Shared;
 use crate::shard_move::{self, Outgoing};
-use crate::{region_path, Server, ServerConfig, ServerError};
+use crate::{region_path, MetricsEndpoint, Server, ServerConfig, ServerError};
 
 /// A shard's server, and the secret it asks when it is a move's target.
 struct Served {
     server: Server,
     secret: Option<String>,
 }
+
+/// The shards served, as the metrics endpoint reads them.
+type ShardServers = Vec<(u32, Arc<Shared>)>;
 
 /// A move being sent.
 struct Sending {
@@ -59,12 +63,40 @@ pub struct ShardHost {
     sent: Option<ShardMove>,
     /// The map last followed.
     map: Option<ShardMap>,
+    /// The member's metrics endpoint (`--metrics-listen`), labelled by
+    /// shard, and the shards it shows.
+    metrics: Option<MetricsEndpoint>,
+    shown: Arc<Mutex<ShardServers>>,
 }
 
 impl ShardHost {
-    /// `template.address` is the member's `--listen` address.
-    pub fn new(template: ServerConfig, member: String, url: ClusterUrl) -> ShardHost {
-        ShardHost {
+    /// `template.address` is the member's `--listen` address; its
+    /// `metrics_listen`, the endpoint for every shard served here.
+    ///
+    /// # Errors
+    ///
+    /// When the metrics endpoint cannot listen.
+    pub fn new(
+        template: ServerConfig,
+        member: String,
+        url: ClusterUrl,
+    ) -> Result<ShardHost, ServerError> {
+        let shown: Arc<Mutex<ShardServers>> = Arc::default();
+        let metrics = match template.metrics_listen {
+            Some(at) => {
+                let shards = shown.clone();
+                let servers = Box::new(move || {
+                    let shards = shards.lock().unwrap_or_else(|e| e.into_inner());
+                    shards
+                        .iter()
+                        .map(|(s, shared)| (Some(*s), shared.clone()))
+                        .collect()
+                });
+                Some(MetricsEndpoint::start(at, servers)?)
+            }
+            None => None,
+        };
+        Ok(ShardHost {
             template,
             member,
             url,
@@ -72,7 +104,24 @@ impl ShardHost {
             sending: None,
             sent: None,
             map: None,
-        }
+            metrics,
+            shown,
+        })
+    }
+
+    /// Where the metrics endpoint listens, if there is one.
+    pub fn metrics_address(&self) -> Option<std::net::SocketAddr> {
+        self.metrics.as_ref().map(MetricsEndpoint::address)
+    }
+
+    /// Shows the shards served now on the metrics endpoint.
+    fn show_served(&self) {
+        let served = self
+            .serving
+            .iter()
+            .map(|(shard, s)| (*shard, s.server.shared.clone()))
+            .collect();
+        *self.shown.lock().unwrap_or_else(|e| e.into_inner()) = served;
     }
 
     pub fn member(&self) -> &str {
@@ -124,13 +173,14 @@ impl ShardHost {
         }
         for (shard, secret) in wanted {
             if !held() {
-                return;
+                break;
             }
             if self.serving.contains_key(&shard) {
                 continue;
             }
             self.start(shard, secret, map.epoch);
         }
+        self.show_served();
     }
 
     fn start(&mut self, shard: u32, secret: Option<String>, epoch: u64) {
@@ -236,8 +286,9 @@ impl ShardHost {
                 );
             }
         }
-        if let Some(map) = self.map.clone() {
-            self.follow(&map, held);
+        match self.map.clone() {
+            Some(map) => self.follow(&map, held),
+            None => self.show_served(),
         }
     }
 
@@ -250,8 +301,7 @@ impl ShardHost {
             name.push(format!(".shard-{shard}"));
             PathBuf::from(name)
         });
-        // One HTTP endpoint per process would need metrics labelled by
-        // shard; until then a member serves none.
+        // The member's one endpoint shows every shard (see `new`).
         config.metrics_listen = None;
         Ok(config)
     }
@@ -270,6 +320,7 @@ impl ShardHost {
                 server.shutdown();
             }
         }
+        self.show_served();
     }
 
     /// The first shard server that failed, and why.

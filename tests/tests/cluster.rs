@@ -46,7 +46,11 @@ fn keys_spread_over_three_servers_and_a_dead_one_fails_only_its_shards() {
     let url = etcd.url("spread");
     let dir = region_dir();
     create_cluster(&url, 6, 3);
-    let _m0 = start_member(&url, dir.path(), "m0", &[]);
+    let metrics_at = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port");
+    let listen = metrics_at.to_string();
+    let _m0 = start_member(&url, dir.path(), "m0", &["--metrics-listen", &listen]);
     let m1 = start_member(&url, dir.path(), "m1", &[]);
     let _m2 = start_member(&url, dir.path(), "m2", &[]);
     let kv = load(&url);
@@ -63,6 +67,10 @@ fn keys_spread_over_three_servers_and_a_dead_one_fails_only_its_shards() {
         assert!(status.contains(": 2 shards"), "{status}");
     }
     the_kv_tool_works_on_the_cluster(&url);
+    let of_m0: Vec<u32> = (0..kv.shards())
+        .filter(|&s| kv.owner(s) == Some("m0"))
+        .collect();
+    metrics_by_shard(metrics_at, &of_m0);
     batches_span_shards(&url);
     a_pool_shares_cluster_clients(&url);
 
@@ -100,6 +108,35 @@ fn keys_spread_over_three_servers_and_a_dead_one_fails_only_its_shards() {
                 fresh.get(key(i)).ok().flatten().as_deref() == Some(format!("v{i}").as_bytes())
             })
         },
+    );
+}
+
+/// A member's one metrics endpoint shows each shard it serves, labelled.
+fn metrics_by_shard(at: std::net::SocketAddr, shards: &[u32]) {
+    use std::io::{Read, Write};
+    let mut http = std::net::TcpStream::connect(at).expect("the metrics endpoint");
+    http.write_all(b"GET /metrics HTTP/1.0\r\n\r\n")
+        .expect("ask");
+    let mut reply = String::new();
+    http.read_to_string(&mut reply).expect("the figures");
+    assert_eq!(
+        reply.matches("# TYPE onekv_connects_total counter").count(),
+        1,
+        "{reply}"
+    );
+    for shard in shards {
+        let sample = format!("onekv_connects_total{{shard=\"{shard}\"}} ");
+        let line = reply
+            .lines()
+            .find(|l| l.starts_with(&sample))
+            .unwrap_or_else(|| panic!("no {sample} in {reply}"));
+        let connects: u64 = line[sample.len()..].trim().parse().expect("a count");
+        assert!(connects >= 1, "{line}");
+    }
+    assert_eq!(
+        reply.matches("onekv_clients_connected{shard=").count(),
+        shards.len(),
+        "{reply}"
     );
 }
 
@@ -514,7 +551,11 @@ fn a_server_told_to_stop_hands_its_shards_over_before_it_leaves() {
     let url = etcd.url("drain");
     let dir = region_dir();
     create_cluster(&url, 6, 3);
-    let _m0 = start_member(&url, dir.path(), "m0", &[]);
+    let metrics_at = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port");
+    let listen = metrics_at.to_string();
+    let _m0 = start_member(&url, dir.path(), "m0", &["--metrics-listen", &listen]);
     let _m1 = start_member(&url, dir.path(), "m1", &[]);
     let m2 = start_member(&url, dir.path(), "m2", &[]);
     let mut kv = load(&url);
