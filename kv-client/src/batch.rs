@@ -21,7 +21,10 @@
 //! failing validation, reads too slow, a resize under way, a CAS that
 //! lost, more blocks than fit) goes to the single-key path.
 
-use kv_common::layout::{block_len, class_for, encode_block, Geometry, KeyHash, Slot, SlotPos};
+use kv_common::layout::{
+    block_len, class_for, counter_block_len, counter_words, encode_block, encode_counter_block,
+    Geometry, KeyHash, Slot, SlotPos, COUNTER_GENERATION, COUNTER_SETTLED,
+};
 use kv_common::transport::{read_u64, Verb, MAX_BATCH_VERBS};
 use smallvec::SmallVec;
 
@@ -251,6 +254,8 @@ enum Publish {
 struct PutBatch<'p> {
     /// The geometry the batch started under.
     g: Geometry,
+    /// Keys and values; with `Blocks::SettledCounters`, each value is the
+    /// counter's 8 bytes (little-endian).
     pairs: &'p [(&'p [u8], &'p [u8])],
     hashes: Hashes,
     news: SmallVec<[Slot; BATCH_KEYS]>,
@@ -258,8 +263,16 @@ struct PutBatch<'p> {
 }
 
 /// A block staged for a multi-key PUT: where it goes, its class, where it
-/// lies in the local buffer.
-type Staged = (u64, u8, usize);
+/// lies in the local buffer, its length (whole words).
+type Staged = (u64, u8, usize, usize);
+
+/// What a multi-key PUT writes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Blocks {
+    Values,
+    /// Counters, settled from the start (`Client::restore_counters`).
+    SettledCounters,
+}
 
 impl Client {
     /// Writes the leading pairs of `pairs` that one batch holds: every
@@ -268,8 +281,12 @@ impl Client {
     /// next, the CASes (and inserted keys' windows, for the duplicate check)
     /// in a third. Returns how many pairs it took; a key it could not
     /// settle has been written by the single-key path.
-    pub(crate) fn put_batch(&mut self, pairs: &[(&[u8], &[u8])]) -> Result<usize> {
-        let blocks = self.stage_blocks(pairs)?;
+    pub(crate) fn put_batch(
+        &mut self,
+        pairs: &[(&[u8], &[u8])],
+        kind: Blocks,
+    ) -> Result<(usize, Unsettled)> {
+        let blocks = self.stage_blocks(pairs, kind)?;
         let pairs = &pairs[..blocks.len()];
         let g = self.info.geometry;
         let hashes = hash_keys(pairs.iter().map(|p| p.0), g.bucket_count);
@@ -288,23 +305,28 @@ impl Client {
         self.plan_publishes(&mut put, &located)?;
         let published = self.publish(&mut put, clock)?;
         self.resolve_published(&mut put, clock, published)?;
-        for (i, &(key, value)) in pairs.iter().enumerate() {
-            if !matches!(put.plan[i], Publish::Done) {
-                self.put(key, value)?;
-            }
-        }
-        Ok(pairs.len())
+        let unsettled = (0..pairs.len())
+            .filter(|&i| !matches!(put.plan[i], Publish::Done))
+            .collect();
+        Ok((pairs.len(), unsettled))
     }
 
     /// Encodes the leading pairs' blocks into the candidate area, as many
     /// as one batch holds. The first may lease (and give back spent space,
     /// which is why later ones may not: a block taken but not yet published
     /// must stay this client's).
-    fn stage_blocks(&mut self, pairs: &[(&[u8], &[u8])]) -> Result<SmallVec<[Staged; BATCH_KEYS]>> {
+    fn stage_blocks(
+        &mut self,
+        pairs: &[(&[u8], &[u8])],
+        kind: Blocks,
+    ) -> Result<SmallVec<[Staged; BATCH_KEYS]>> {
         let mut blocks: SmallVec<[Staged; BATCH_KEYS]> = SmallVec::new();
         let mut staged = self.layout.reads;
         for (i, (key, value)) in pairs.iter().enumerate().take(MAX_BATCH_VERBS / 3) {
-            let used = block_len(key.len(), value.len());
+            let used = match kind {
+                Blocks::Values => block_len(key.len(), value.len()),
+                Blocks::SettledCounters => counter_block_len(key.len()),
+            };
             let class = class_for(used).ok_or(Error::ValueTooLarge {
                 len: value.len(),
                 max: self.max_value,
@@ -321,8 +343,24 @@ impl Client {
                     None => break,
                 },
             };
-            encode_block(key, value, &mut self.conn.local_mut()[staged..]);
-            blocks.push((offset, class, staged));
+            match kind {
+                Blocks::Values => {
+                    encode_block(key, value, &mut self.conn.local_mut()[staged..]);
+                }
+                Blocks::SettledCounters => {
+                    let mut word = [0u8; 8];
+                    word.copy_from_slice(value);
+                    let out = &mut self.conn.local_mut()[staged..];
+                    encode_counter_block(key, i64::from_le_bytes(word), out);
+                    // Settled as its creator would settle it (see
+                    // `Client::restore_counters` for why it may be at once).
+                    let state = COUNTER_SETTLED | (self.random() & !(COUNTER_GENERATION - 1));
+                    let (at, _) = counter_words(key.len());
+                    self.conn.local_mut()[staged + at..staged + at + 8]
+                        .copy_from_slice(&state.to_le_bytes());
+                }
+            }
+            blocks.push((offset, class, staged, len));
             staged += len;
         }
         Ok(blocks)
@@ -333,12 +371,12 @@ impl Client {
     fn put_first_batch(&mut self, put: &mut PutBatch, blocks: &[Staged]) -> Result<OpClock> {
         let g = put.g;
         let mut verbs = Verbs::new();
-        for (i, (key, value)) in put.pairs.iter().enumerate() {
-            let (offset, _, local) = blocks[i];
+        for (i, (key, _)) in put.pairs.iter().enumerate() {
+            let (offset, _, local, len) = blocks[i];
             verbs.push(Verb::Write {
                 remote: offset,
                 local,
-                len: block_len(key.len(), value.len()).div_ceil(8) as usize * 8,
+                len,
             });
             match self.blind_hint(key) {
                 Some(hint) => {

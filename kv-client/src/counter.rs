@@ -22,6 +22,9 @@
 //! it to its creator, so that deletes cannot starve creators (the counter
 //! then appears after the delete). A resize drops abandoned copies and
 //! carries pending ones only where no copy readers see exists.
+//! (`Client::restore_counters` inserts counters settled at once: for a
+//! writer alone with the keys, as a shard move's copier is, no other copy
+//! can appear.)
 //!
 //! **Why an atomic's own result tells whether it took effect.** A writer
 //! unlinks a settled counter (a PUT over it, a DELETE) only under its
@@ -102,7 +105,7 @@ pub(crate) fn far_from_limits(value: i64) -> bool {
 }
 
 /// A value a counter may be set to.
-fn in_range(value: i128) -> Result<i64> {
+pub(crate) fn in_range(value: i128) -> Result<i64> {
     match value.unsigned_abs() <= COUNTER_MAX as u128 {
         true => Ok(value as i64),
         false => Err(Error::CounterOverflow(value)),

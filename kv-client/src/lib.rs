@@ -601,8 +601,13 @@ impl Client {
         }
         let mut rest = &pairs[..];
         while !rest.is_empty() {
-            let took = match self.put_batch(rest) {
-                Ok(took) => took,
+            let took = match self.put_batch(rest, batch::Blocks::Values) {
+                Ok((took, unsettled)) => {
+                    for i in unsettled {
+                        self.put(rest[i].0, rest[i].1)?;
+                    }
+                    took
+                }
                 // The single path reconnects, as every call does (a redone
                 // PUT is safe: see `run`).
                 Err(e) if e.is_connection_lost() => {
@@ -614,6 +619,76 @@ impl Client {
             rest = &rest[took..];
         }
         Ok(())
+    }
+
+    /// Stores counters as [`Client::put_many`] stores values (up to 32
+    /// blocks and their CASes in three round trips), each settled from the
+    /// start: for filling a store that no other client writes meanwhile (a
+    /// shard move's target, a restore from a backup). A key that holds a
+    /// value is replaced; one that holds a counter is set by
+    /// compare-and-set.
+    ///
+    /// Why only then: a counter that [`Client::incr`] creates waits a settle
+    /// period before it counts, because another client may insert the same
+    /// key at once and increments on the copy that loses would be lost
+    /// (`counter.rs` has the argument). With no other writer no such copy
+    /// appears, so a batch of counters costs what a batch of values does;
+    /// with concurrent writers of the same keys, an increment may be lost.
+    ///
+    /// ```no_run
+    /// # let mut kv = kv_client::Client::connect("shm:///dev/shm/onekv")?;
+    /// kv.restore_counters(&[("visits", 41), ("stock", 7)])?;
+    /// assert_eq!(kv.incr(b"visits", 1)?, 42);
+    /// # Ok::<(), kv_client::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::CounterOverflow`] for a value beyond ±[`COUNTER_MAX`]; the
+    /// first error any key meets, as [`Client::put`]'s.
+    pub fn restore_counters<K: AsRef<[u8]>>(&mut self, counters: &[(K, i64)]) -> Result<()> {
+        for (key, value) in counters {
+            check_key(key.as_ref())?;
+            counter::in_range(i128::from(*value))?;
+        }
+        let words: Vec<[u8; 8]> = counters.iter().map(|(_, v)| v.to_le_bytes()).collect();
+        let pairs: Vec<(&[u8], &[u8])> = counters
+            .iter()
+            .zip(&words)
+            .map(|((k, _), w)| (k.as_ref(), &w[..]))
+            .collect();
+        let mut at = 0;
+        while at < pairs.len() {
+            let rest = &pairs[at..];
+            let (took, unsettled) = match self.put_batch(rest, batch::Blocks::SettledCounters) {
+                Ok(done) => done,
+                // Set on the single path, which reconnects.
+                Err(e) if e.is_connection_lost() => (1, std::iter::once(0).collect()),
+                Err(e) => return Err(e),
+            };
+            for i in unsettled {
+                self.set_counter(rest[i].0, counters[at + i].1)?;
+            }
+            at += took;
+        }
+        Ok(())
+    }
+
+    /// Makes `key` the counter `value`, whatever it holds now.
+    fn set_counter(&mut self, key: &[u8], value: i64) -> Result<()> {
+        loop {
+            let now = match self.incr(key, 0) {
+                Ok(now) => now,
+                Err(Error::NotACounter) => {
+                    self.delete(key)?;
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
+            if now == value || self.compare_and_set(key, now, value)? == Some(now) {
+                return Ok(());
+            }
+        }
     }
 
     /// Removes many keys, each as [`Client::delete`] does, and says for

@@ -154,12 +154,12 @@ enum Content {
 }
 
 /// Puts keys into the target in batches, remembering what it sent so
-/// that a second pass sends only what differs.
+/// that a later pass sends only what differs.
 struct Copier {
     target: Client,
     sent: HashMap<Vec<u8>, Sent>,
-    /// Values waiting for a batch.
-    values: Vec<(Vec<u8>, Vec<u8>)>,
+    /// Keys waiting for a batch, in the order seen.
+    pending: Vec<(Vec<u8>, Pending)>,
     pass: u8,
     /// Keys put or deleted in this pass.
     changed: u64,
@@ -167,12 +167,17 @@ struct Copier {
     put_time: Duration,
 }
 
+enum Pending {
+    Value(Vec<u8>),
+    Counter(i64),
+}
+
 impl Copier {
     fn new(target: Client) -> Copier {
         Copier {
             target,
             sent: HashMap::new(),
-            values: Vec::with_capacity(BATCH),
+            pending: Vec::with_capacity(BATCH),
             pass: 0,
             changed: 0,
             put_time: Duration::ZERO,
@@ -181,48 +186,30 @@ impl Copier {
 
     /// Makes the target hold `payload` for `key` (unless it does).
     fn copy(&mut self, key: &[u8], payload: &Payload<'_>) -> Result<(), String> {
-        let what = match *payload {
-            Payload::Bytes(value) => Content::Value(xxh3_128(value)),
+        let (what, pending) = match *payload {
+            Payload::Bytes(value) => (
+                Content::Value(xxh3_128(value)),
+                Pending::Value(value.to_vec()),
+            ),
             // A seal left by a writer whose client was revoked: its
             // unlink never happened, so the counter is the open value.
-            Payload::Counter { value, sealed, .. } => Content::Counter(if sealed {
-                (value as u64 ^ COUNTER_SEAL) as i64
-            } else {
-                value
-            }),
+            Payload::Counter { value, sealed, .. } => {
+                let value = if sealed {
+                    (value as u64 ^ COUNTER_SEAL) as i64
+                } else {
+                    value
+                };
+                (Content::Counter(value), Pending::Counter(value))
+            }
         };
-        let before = self.sent.get_mut(key).map(|s| {
-            s.pass = self.pass;
-            s.what
-        });
-        if before == Some(what) {
+        let pass = self.pass;
+        let before = self.sent.insert(key.to_vec(), Sent { what, pass });
+        if before.is_some_and(|b| b.what == what) {
             return Ok(());
         }
         self.changed += 1;
-        let err = |e: kv_client::Error| e.to_string();
-        match (before, what, payload) {
-            (_, Content::Value(_), Payload::Bytes(value)) => {
-                self.values.push((key.to_vec(), value.to_vec()));
-            }
-            (before, Content::Counter(value), _) => {
-                // Values waiting go first (one may be this key's).
-                self.flush()?;
-                // A plain value cannot be incremented: it goes first.
-                if matches!(before, Some(Content::Value(_))) {
-                    self.target.delete(key).map_err(err)?;
-                }
-                set_counter(&mut self.target, key, value)?;
-            }
-            _ => return Err("a payload that is not what it was read as".into()),
-        }
-        self.sent.insert(
-            key.to_vec(),
-            Sent {
-                what,
-                pass: self.pass,
-            },
-        );
-        if self.values.len() == BATCH {
+        self.pending.push((key.to_vec(), pending));
+        if self.pending.len() == BATCH {
             self.flush()?;
         }
         Ok(())
@@ -235,15 +222,45 @@ impl Copier {
         self.changed = 0;
     }
 
+    /// Sends the keys waiting: runs of values by `put_many`, runs of
+    /// counters by `restore_counters` (settled at once: this copier is the
+    /// target's only writer), in the order seen.
     fn flush(&mut self) -> Result<(), String> {
-        if !self.values.is_empty() {
-            let t = Instant::now();
-            self.target
-                .put_many(&self.values)
-                .map_err(|e| e.to_string())?;
-            self.values.clear();
-            self.put_time += t.elapsed();
+        let started = Instant::now();
+        let pending = std::mem::take(&mut self.pending);
+        let err = |e: kv_client::Error| e.to_string();
+        for run in pending.chunk_by(|a, b| {
+            matches!(
+                (&a.1, &b.1),
+                (Pending::Value(_), Pending::Value(_)) | (Pending::Counter(_), Pending::Counter(_))
+            )
+        }) {
+            match run[0].1 {
+                Pending::Value(_) => {
+                    let values: Vec<(&[u8], &[u8])> = run
+                        .iter()
+                        .filter_map(|(k, p)| match p {
+                            Pending::Value(v) => Some((&k[..], &v[..])),
+                            Pending::Counter(_) => None,
+                        })
+                        .collect();
+                    self.target.put_many(&values).map_err(err)?;
+                }
+                Pending::Counter(_) => {
+                    let counters: Vec<(&[u8], i64)> = run
+                        .iter()
+                        .filter_map(|(k, p)| match p {
+                            Pending::Counter(v) => Some((&k[..], *v)),
+                            Pending::Value(_) => None,
+                        })
+                        .collect();
+                    self.target.restore_counters(&counters).map_err(err)?;
+                }
+            }
         }
+        self.pending = pending;
+        self.pending.clear();
+        self.put_time += started.elapsed();
         Ok(())
     }
 
@@ -269,23 +286,6 @@ impl Copier {
 
 /// Keys put per batch.
 const BATCH: usize = 64;
-
-/// Makes the counter `key` hold `value`, whatever it holds now.
-fn set_counter(target: &mut Client, key: &[u8], value: i64) -> Result<(), String> {
-    loop {
-        let now = target.incr(key, 0).map_err(|e| e.to_string())?;
-        if now == value {
-            return Ok(());
-        }
-        // It returns what it found: `now` when it swapped.
-        let found = target
-            .compare_and_set(key, now, value)
-            .map_err(|e| e.to_string())?;
-        if found == Some(now) {
-            return Ok(());
-        }
-    }
-}
 
 fn connect(out: &Outgoing, to: &Address) -> Result<Client, String> {
     let options = ClientOptions::default().with_secret(out.secret.clone());

@@ -557,3 +557,42 @@ fn a_put_racing_a_new_counter_is_never_lost() {
         done.store(true, Ordering::SeqCst);
     });
 }
+
+#[test]
+fn restored_counters_count_at_once_and_replace_what_their_keys_held() {
+    let srv = TestServer::start(|_| {});
+    let mut kv = or_abort(Client::connect(&srv.address), "connect");
+    or_abort(kv.put(b"was-a-value", b"plain"), "put");
+    or_abort(kv.incr(b"was-a-counter", 5), "incr");
+    let mut counters: Vec<(String, i64)> = (0..30)
+        .map(|i| (format!("restored-{i}"), i * 1000 - 7))
+        .collect();
+    counters.push(("was-a-value".into(), 11));
+    counters.push(("was-a-counter".into(), -12));
+    let before = kv.verb_stats().round_trips;
+    or_abort(kv.restore_counters(&counters), "restore_counters");
+    // One batch for 30 new keys (blocks and windows, copies, CASes and the
+    // duplicate checks); the two keys that exist take the single path. A
+    // counter created by incr would wait its settle period, one by one.
+    let taken = kv.verb_stats().round_trips - before;
+    assert!(taken <= 12, "{taken} round trips for 32 counters");
+    for (key, value) in &counters {
+        assert_eq!(
+            or_abort(kv.get_counter(key), "get_counter"),
+            Some(*value),
+            "{key}"
+        );
+    }
+    // They count from now on, for this client and any other.
+    let mut other = or_abort(Client::connect(&srv.address), "connect");
+    assert_eq!(or_abort(other.incr(b"restored-3", 1), "incr"), 2994);
+    assert_eq!(or_abort(kv.incr(b"restored-3", 1), "incr"), 2995);
+    assert!(matches!(
+        kv.restore_counters(&[("too-large", COUNTER_MAX)]),
+        Ok(())
+    ));
+    assert!(matches!(
+        kv.restore_counters(&[("too-large", i64::MAX)]),
+        Err(Error::CounterOverflow(_))
+    ));
+}
