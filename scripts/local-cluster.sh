@@ -10,6 +10,7 @@
 # `kv-server cluster status URL` shows who serves which shards.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/etcd-here.sh
 shards=${1:-12}
 server=${KV_SERVER:-target/release/kv-server}
 command -v etcd >/dev/null || { echo "etcd not found: apt-get install etcd-server" >&2; exit 1; }
@@ -28,11 +29,7 @@ cleanup() {
 trap cleanup EXIT INT TERM
 
 port=${ETCD_PORT:-23790}
-etcd --name local --data-dir "$work/etcd" \
-  --listen-client-urls "http://127.0.0.1:$port" --advertise-client-urls "http://127.0.0.1:$port" \
-  --listen-peer-urls "http://127.0.0.1:$((port + 1))" \
-  --initial-advertise-peer-urls "http://127.0.0.1:$((port + 1))" \
-  --initial-cluster "local=http://127.0.0.1:$((port + 1))" >"$work/etcd.log" 2>&1 &
+etcd_here "$work" "$port"
 pids+=($!)
 url="etcd://127.0.0.1:$port/local"
 for _ in $(seq 100); do

@@ -11,6 +11,7 @@
 # kv-bench (cargo build --release -p kv-server -p kv-bench).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/etcd-here.sh
 records=${1:-1000000}
 bin=${BIN_DIR:-target/release}
 command -v etcd >/dev/null || { echo "etcd not found: apt-get install etcd-server" >&2; exit 1; }
@@ -28,11 +29,7 @@ cleanup() {
 trap cleanup EXIT INT TERM
 
 port=${ETCD_PORT:-23890}
-etcd --name move --data-dir "$work/etcd" \
-  --listen-client-urls "http://127.0.0.1:$port" --advertise-client-urls "http://127.0.0.1:$port" \
-  --listen-peer-urls "http://127.0.0.1:$((port + 1))" \
-  --initial-advertise-peer-urls "http://127.0.0.1:$((port + 1))" \
-  --initial-cluster "move=http://127.0.0.1:$((port + 1))" >"$work/etcd.log" 2>&1 &
+etcd_here "$work" "$port"
 pids+=($!)
 url="etcd://127.0.0.1:$port/move"
 for _ in $(seq 100); do

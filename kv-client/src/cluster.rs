@@ -166,15 +166,7 @@ impl ClusterClient {
     ///
     /// The first error any shard's batch meets, as [`ClusterClient::get`]'s.
     pub fn get_many<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<Vec<Option<Vec<u8>>>> {
-        let mut values = vec![None; keys.len()];
-        for (shard, at) in self.by_shard(keys.iter().map(AsRef::as_ref))? {
-            let batch: Vec<&[u8]> = at.iter().map(|&i| keys[i].as_ref()).collect();
-            let read = self.on(shard, |c| c.get_many(&batch))?;
-            for (i, value) in at.into_iter().zip(read) {
-                values[i] = value;
-            }
-        }
-        Ok(values)
+        self.per_shard(keys, None, |c, batch| c.get_many(batch))
     }
 
     /// Stores many pairs, as [`Client::put_many`] does, shard by shard.
@@ -203,15 +195,26 @@ impl ClusterClient {
     /// The first error any shard's batch meets, as
     /// [`ClusterClient::delete`]'s.
     pub fn delete_many<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<Vec<bool>> {
-        let mut deleted = vec![false; keys.len()];
+        self.per_shard(keys, false, |c, batch| c.delete_many(batch))
+    }
+
+    /// Runs `op` on each shard's keys (in the caller's order within the
+    /// shard) and gives its answers back at the keys' positions.
+    fn per_shard<K: AsRef<[u8]>, T: Clone>(
+        &mut self,
+        keys: &[K],
+        none: T,
+        op: impl Fn(&mut Client, &[&[u8]]) -> Result<Vec<T>>,
+    ) -> Result<Vec<T>> {
+        let mut answers = vec![none; keys.len()];
         for (shard, at) in self.by_shard(keys.iter().map(AsRef::as_ref))? {
             let batch: Vec<&[u8]> = at.iter().map(|&i| keys[i].as_ref()).collect();
-            let gone = self.on(shard, |c| c.delete_many(&batch))?;
-            for (i, was) in at.into_iter().zip(gone) {
-                deleted[i] = was;
+            let got = self.on(shard, |c| op(c, &batch))?;
+            for (i, answer) in at.into_iter().zip(got) {
+                answers[i] = answer;
             }
         }
-        Ok(deleted)
+        Ok(answers)
     }
 
     /// The positions of `keys` grouped by shard, in order within each.

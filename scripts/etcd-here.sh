@@ -1,0 +1,11 @@
+# Sourced by the cluster scripts: `etcd_here DIR PORT` starts a one-node
+# etcd on loopback (client port PORT, peer port PORT+1), its data and log
+# in DIR, in the background; its pid is then in $!.
+etcd_here() {
+  local dir=$1 port=$2
+  etcd --name here --data-dir "$dir/etcd" \
+    --listen-client-urls "http://127.0.0.1:$port" --advertise-client-urls "http://127.0.0.1:$port" \
+    --listen-peer-urls "http://127.0.0.1:$((port + 1))" \
+    --initial-advertise-peer-urls "http://127.0.0.1:$((port + 1))" \
+    --initial-cluster "here=http://127.0.0.1:$((port + 1))" >"$dir/etcd.log" 2>&1 &
+}
