@@ -236,17 +236,20 @@ impl ShardHost {
             }
             Err(e) => {
                 tracing::error!(shard = m.shard, "cannot start the move: {e}");
-                // Serves it again.
-                if let Some(server) = take(&server) {
-                    self.serving.insert(
-                        m.shard,
-                        Served {
-                            server,
-                            secret: None,
-                        },
-                    );
-                }
+                self.serve_on(m.shard, &server);
             }
+        }
+    }
+
+    /// Keeps serving `shard` with the server a move held, if it still
+    /// serves.
+    fn serve_on(&mut self, shard: u32, server: &Mutex<Option<Server>>) {
+        if let Some(server) = take(server) {
+            let served = Served {
+                server,
+                secret: None,
+            };
+            self.serving.insert(shard, served);
         }
     }
 
@@ -275,16 +278,8 @@ impl ShardHost {
             if s.thread.join().unwrap_or(false) {
                 self.sent = Some(s.m.clone());
             }
-            // A move dropped in its first pass: the server goes on.
-            if let Some(server) = take(&s.server) {
-                self.serving.insert(
-                    s.m.shard,
-                    Served {
-                        server,
-                        secret: None,
-                    },
-                );
-            }
+            // A move dropped in its first passes: the server goes on.
+            self.serve_on(s.m.shard, &s.server);
         }
         match self.map.clone() {
             Some(map) => self.follow(&map, held),
