@@ -105,7 +105,7 @@ pub(crate) fn far_from_limits(value: i64) -> bool {
 }
 
 /// A value a counter may be set to.
-pub(crate) fn in_range(value: i128) -> Result<i64> {
+fn in_range(value: i128) -> Result<i64> {
     match value.unsigned_abs() <= COUNTER_MAX as u128 {
         true => Ok(value as i64),
         false => Err(Error::CounterOverflow(value)),

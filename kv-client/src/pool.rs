@@ -12,7 +12,7 @@ use crossbeam::queue::ArrayQueue;
 use crate::{Client, ClientOptions, Result};
 
 /// What a [`Pool`] holds: a client made from an address and options.
-pub trait Pooled: Sized + sealed::Sealed {
+pub trait Connect: Sized + sealed::Sealed {
     /// # Errors
     ///
     /// The client's own, as it connects.
@@ -26,14 +26,14 @@ mod sealed {
     impl Sealed for crate::ClusterClient {}
 }
 
-impl Pooled for Client {
+impl Connect for Client {
     fn connect_with(address: &str, options: ClientOptions) -> Result<Self> {
         Client::connect_with(address, options)
     }
 }
 
 #[cfg(feature = "etcd")]
-impl Pooled for crate::ClusterClient {
+impl Connect for crate::ClusterClient {
     fn connect_with(address: &str, options: ClientOptions) -> Result<Self> {
         crate::ClusterClient::connect_with(address, options)
     }
@@ -65,14 +65,14 @@ pub type PooledClient<'a> = Borrowed<'a, Client>;
 /// });
 /// # Ok::<(), kv_client::Error>(())
 /// ```
-pub struct Pool<C: Pooled> {
+pub struct Pool<C: Connect> {
     address: String,
     options: ClientOptions,
     /// Connections not handed out; one beyond its capacity is closed.
     idle: ArrayQueue<C>,
 }
 
-impl<C: Pooled> Pool<C> {
+impl<C: Connect> Pool<C> {
     /// A pool that keeps up to `max_idle` connections (at least one) for
     /// reuse; more may be handed out at once, and those returned beyond
     /// `max_idle` are closed. Connects one now, so a wrong address or
@@ -119,13 +119,13 @@ impl<C: Pooled> Pool<C> {
 
 /// A client borrowed from a [`Pool`]; it derefs to the client and goes
 /// back to the pool when dropped.
-pub struct Borrowed<'a, C: Pooled> {
+pub struct Borrowed<'a, C: Connect> {
     pool: &'a Pool<C>,
     /// Some until dropped.
     client: Option<C>,
 }
 
-impl<C: Pooled> Deref for Borrowed<'_, C> {
+impl<C: Connect> Deref for Borrowed<'_, C> {
     type Target = C;
 
     fn deref(&self) -> &C {
@@ -135,7 +135,7 @@ impl<C: Pooled> Deref for Borrowed<'_, C> {
     }
 }
 
-impl<C: Pooled> DerefMut for Borrowed<'_, C> {
+impl<C: Connect> DerefMut for Borrowed<'_, C> {
     fn deref_mut(&mut self) -> &mut C {
         self.client
             .as_mut()
@@ -143,7 +143,7 @@ impl<C: Pooled> DerefMut for Borrowed<'_, C> {
     }
 }
 
-impl<C: Pooled> Drop for Borrowed<'_, C> {
+impl<C: Connect> Drop for Borrowed<'_, C> {
     fn drop(&mut self) {
         if let Some(client) = self.client.take() {
             // A client dropped by a panic may be mid-way through anything:

@@ -49,7 +49,8 @@ pub enum MemberEvent {
     /// The cluster as of a revision (sent after `Joined` and on every
     /// change while joined).
     State(Box<ClusterState>),
-    /// The lease may be gone: serve nothing until the next `Joined`.
+    /// The lease is gone (etcd said so), or joining failed: serve
+    /// nothing until the next `Joined`.
     Fenced { why: String },
 }
 
@@ -193,7 +194,8 @@ async fn run(
     }
 }
 
-/// One lease's life: Ok when told to stop, Err when the lease may be lost.
+/// One lease's life: Ok when told to stop, Err when the lease is gone or
+/// could not be had.
 async fn incarnation(
     url: &ClusterUrl,
     spec: &MemberSpec,

@@ -18,9 +18,9 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kv_cluster::etcd::BlockingEtcd;
 use kv_cluster::{shard_address, ClusterUrl, ShardMap, ShardMove};
@@ -36,8 +36,28 @@ struct Served {
     secret: Option<String>,
 }
 
-/// The shards served, as the metrics endpoint reads them.
-type ShardServers = Vec<(u32, Arc<Shared>)>;
+/// The shards served, as the metrics endpoint reads them: weakly, so that
+/// a stopped server's region lock and listener go with it (a scrape must
+/// not keep them from the server that replaces it).
+type ShardServers = Vec<(u32, Weak<Shared>)>;
+
+/// Least time between two follows of one map by `poll`.
+const RETRY_EVERY: Duration = Duration::from_secs(1);
+
+/// What the member tells a move under way.
+#[derive(Default)]
+struct MoveFlags {
+    /// Give up (the member is going).
+    quit: AtomicBool,
+    /// It may still stop its shard and finish (see `ShardHost::poll`).
+    proceed: AtomicBool,
+}
+
+impl MoveFlags {
+    fn go_on(&self) -> bool {
+        self.proceed.load(Ordering::SeqCst) && !self.quit.load(Ordering::SeqCst)
+    }
+}
 
 /// A move being sent.
 struct Sending {
@@ -45,8 +65,7 @@ struct Sending {
     /// The shard's server while it still serves (the first pass); taken
     /// by whoever stops it first, the move or `stop_all`.
     server: Arc<Mutex<Option<Server>>>,
-    /// Tells the thread to give up telling the map (the member is going).
-    quit: Arc<AtomicBool>,
+    flags: Arc<MoveFlags>,
     thread: JoinHandle<bool>,
 }
 
@@ -63,6 +82,8 @@ pub struct ShardHost {
     sent: Option<ShardMove>,
     /// The map last followed.
     map: Option<ShardMap>,
+    /// When to follow it again if this member is behind it (see `poll`).
+    retry_at: Option<Instant>,
     /// The member's metrics endpoint (`--metrics-listen`), labelled by
     /// shard, and the shards it shows.
     metrics: Option<MetricsEndpoint>,
@@ -89,7 +110,7 @@ impl ShardHost {
                     let shards = shards.lock().unwrap_or_else(|e| e.into_inner());
                     shards
                         .iter()
-                        .map(|(s, shared)| (Some(*s), shared.clone()))
+                        .filter_map(|(s, shared)| Some((Some(*s), shared.upgrade()?)))
                         .collect()
                 });
                 Some(MetricsEndpoint::start(at, servers)?)
@@ -104,6 +125,7 @@ impl ShardHost {
             sending: None,
             sent: None,
             map: None,
+            retry_at: None,
             metrics,
             shown,
         })
@@ -119,7 +141,7 @@ impl ShardHost {
         let served = self
             .serving
             .iter()
-            .map(|(shard, s)| (*shard, s.server.shared.clone()))
+            .map(|(shard, s)| (*shard, Arc::downgrade(&s.server.shared)))
             .collect();
         *self.shown.lock().unwrap_or_else(|e| e.into_inner()) = served;
     }
@@ -140,19 +162,8 @@ impl ShardHost {
     /// Starting stops as soon as `held` says the lease may be lost.
     pub fn follow(&mut self, map: &ShardMap, held: impl Fn() -> bool) {
         self.map = Some(map.clone());
-        let mine = |s: u32| map.owner(s) == Some(self.member.as_str());
-        // Each shard to serve, with the secret it asks (a move's target).
-        let mut wanted: BTreeMap<u32, Option<String>> =
-            map.shards_of(&self.member).map(|s| (s, None)).collect();
-        let mut outgoing = None;
-        if let Some(m) = &map.moving {
-            if mine(m.shard) {
-                wanted.remove(&m.shard);
-                outgoing = Some(m.clone());
-            } else if m.to == self.member {
-                wanted.insert(m.shard, Some(m.secret.clone()));
-            }
-        }
+        self.retry_at = Some(Instant::now() + RETRY_EVERY);
+        let (wanted, outgoing) = self.plan(map);
         let stale: Vec<u32> = self
             .serving
             .iter()
@@ -168,7 +179,7 @@ impl ShardHost {
                 served.server.shutdown();
             }
         }
-        if let Some(m) = outgoing {
+        if let Some(m) = outgoing.filter(|_| held()) {
             self.send(m);
         }
         for (shard, secret) in wanted {
@@ -181,6 +192,37 @@ impl ShardHost {
             self.start(shard, secret, map.epoch);
         }
         self.show_served();
+    }
+
+    /// What `map` asks of this member: each shard to serve, with the
+    /// secret it asks (a move's target), and the move to send.
+    fn plan(&self, map: &ShardMap) -> (BTreeMap<u32, Option<String>>, Option<ShardMove>) {
+        let mut wanted: BTreeMap<u32, Option<String>> =
+            map.shards_of(&self.member).map(|s| (s, None)).collect();
+        let mut outgoing = None;
+        if let Some(m) = &map.moving {
+            if map.owner(m.shard) == Some(self.member.as_str()) {
+                wanted.remove(&m.shard);
+                outgoing = Some(m.clone());
+            } else if m.to == self.member {
+                wanted.insert(m.shard, Some(m.secret.clone()));
+            }
+        }
+        (wanted, outgoing)
+    }
+
+    /// Whether the last map asks for something not under way here: a shard
+    /// not served (its start failed, or was skipped while the lease was
+    /// unconfirmed), or a move not being sent.
+    fn behind(&self) -> bool {
+        let Some(map) = &self.map else {
+            return false;
+        };
+        let (wanted, outgoing) = self.plan(map);
+        let unserved = wanted.keys().any(|s| !self.serving.contains_key(s));
+        let unsent =
+            outgoing.is_some_and(|m| self.sending.is_none() && self.sent.as_ref() != Some(&m));
+        unserved || unsent
     }
 
     fn start(&mut self, shard: u32, secret: Option<String>, epoch: u64) {
@@ -219,18 +261,20 @@ impl ShardHost {
             Err(e) => return tracing::error!(shard = m.shard, "cannot move: {e}"),
         };
         let server = Arc::new(Mutex::new(self.serving.remove(&m.shard).map(|s| s.server)));
-        let quit = Arc::new(AtomicBool::new(false));
+        self.show_served();
+        let flags = Arc::new(MoveFlags::default());
+        flags.proceed.store(true, Ordering::SeqCst);
         let (url, target) = (self.url.clone(), m.clone());
-        let (in_thread, quit_thread) = (server.clone(), quit.clone());
+        let (in_thread, told) = (server.clone(), flags.clone());
         let thread = std::thread::Builder::new()
             .name(format!("kv-move-{}", m.shard))
-            .spawn(move || move_shard(&in_thread, &outgoing, &url, &target, &quit_thread));
+            .spawn(move || move_shard(&in_thread, &outgoing, &url, &target, &told));
         match thread {
             Ok(thread) => {
                 self.sending = Some(Sending {
                     m,
                     server,
-                    quit,
+                    flags,
                     thread,
                 })
             }
@@ -264,26 +308,40 @@ impl ShardHost {
         })
     }
 
-    /// Notices a move that has ended, and follows the last map again (the
-    /// shard sent, or to serve again).
+    /// Between maps: tells the move under way whether it may still stop
+    /// its shard (the lease held, the map still showing it); takes in a
+    /// move that ended; and follows the last map again when a move ended,
+    /// or, at most once per `RETRY_EVERY`, when it asks for something not
+    /// under way here.
     pub fn poll(&mut self, held: impl Fn() -> bool) {
+        if let Some(s) = &self.sending {
+            let shown = self.map.as_ref().and_then(|m| m.moving.as_ref()) == Some(&s.m);
+            s.flags.proceed.store(held() && shown, Ordering::SeqCst);
+        }
         let done = self
             .sending
             .as_ref()
             .is_some_and(|s| s.thread.is_finished());
-        if !done {
-            return;
-        }
-        if let Some(s) = self.sending.take() {
-            if s.thread.join().unwrap_or(false) {
-                self.sent = Some(s.m.clone());
+        if let Some(s) = self.sending.take_if(|_| done) {
+            match s.thread.join() {
+                Ok(true) => self.sent = Some(s.m.clone()),
+                Ok(false) => {}
+                // Not sent again into a target this process cannot vouch
+                // for: the move stays until its source or target leaves.
+                Err(_) => {
+                    tracing::error!(shard = s.m.shard, "the move's thread panicked");
+                    self.sent = Some(s.m.clone());
+                }
             }
             // A move dropped in its first passes: the server goes on.
             self.serve_on(s.m.shard, &s.server);
         }
-        match self.map.clone() {
-            Some(map) => self.follow(&map, held),
-            None => self.show_served(),
+        let retry = self.retry_at.is_none_or(|t| Instant::now() >= t);
+        if done || (retry && held() && self.behind()) {
+            match self.map.clone() {
+                Some(map) => self.follow(&map, held),
+                None => self.show_served(),
+            }
         }
     }
 
@@ -301,9 +359,9 @@ impl ShardHost {
         Ok(config)
     }
 
-    /// Stops serving every shard (the member may no longer hold its lease),
-    /// a shard being sent included: its move goes on with nobody serving
-    /// it.
+    /// Stops serving every shard (the member's lease is gone, or it
+    /// leaves), a shard being sent included: its move goes on with nobody
+    /// serving it.
     pub fn stop_all(&mut self) {
         for (shard, served) in std::mem::take(&mut self.serving) {
             tracing::info!(shard, "stopping");
@@ -342,7 +400,7 @@ impl Drop for ShardHost {
     fn drop(&mut self) {
         self.stop_all();
         if let Some(s) = self.sending.take() {
-            s.quit.store(true, Ordering::Relaxed);
+            s.flags.quit.store(true, Ordering::SeqCst);
             let _ = s.thread.join();
         }
     }
@@ -382,22 +440,23 @@ fn take(server: &Mutex<Option<Server>>) -> Option<Server> {
     server.lock().unwrap_or_else(|e| e.into_inner()).take()
 }
 
-/// The source's whole move: copy (stopping `server` between the passes),
-/// then make the target the owner; or, if the copy failed, drop the move
-/// (the source serves the shard again). A source with no server for the
-/// shard drops it at once (see the module's comment). The end is told to
-/// the map until it is, or until `quit`. False when it was not.
+/// The source's whole move: copy (stopping `server` before the last
+/// pass, if `flags` still say so), then make the target the owner; or,
+/// if the copy failed or was called off, drop the move (the source serves
+/// the shard again). A source with no server for the shard drops it at
+/// once (see the module's comment). The end is told to the map until it
+/// is, or until `quit`. False when it was not.
 fn move_shard(
     server: &Mutex<Option<Server>>,
     out: &Outgoing,
     url: &ClusterUrl,
     m: &ShardMove,
-    quit: &AtomicBool,
+    flags: &MoveFlags,
 ) -> bool {
     let serving = server.lock().unwrap_or_else(|e| e.into_inner()).is_some();
     let copied = if serving {
         target_address(url, m).and_then(|to| {
-            shard_move::send(out, &to, || {
+            shard_move::send(out, &to, &|| flags.go_on(), || {
                 if let Some(server) = take(server) {
                     server.shutdown();
                 }
@@ -426,7 +485,7 @@ fn move_shard(
                 );
                 return true;
             }
-            Err(e) if quit.load(Ordering::Relaxed) => {
+            Err(e) if flags.quit.load(Ordering::SeqCst) => {
                 tracing::warn!(shard = m.shard, "the move's end is not in the map: {e}");
                 return false;
             }
@@ -460,8 +519,10 @@ fn finish_move(url: &ClusterUrl, m: &ShardMove, copied: bool) -> Result<bool, St
             return Err("the map is gone".into());
         };
         if map.moving.as_ref() != Some(m) {
-            // Dropped meanwhile (its target left): the source keeps it.
-            return Ok(false);
+            // Published by an earlier try whose answer was lost; or
+            // dropped meanwhile (its target left): the source keeps it.
+            let published = copied && map.owner(m.shard) == Some(m.to.as_str());
+            return Ok(published);
         }
         let mut next = map.clone();
         next.epoch += 1;

@@ -1,25 +1,26 @@
-//! Moving a shard, the source's side, in two passes through an ordinary
+//! Moving a shard, the source's side, in passes through an ordinary
 //! client connection to the fresh region that the target serves only to
 //! this copier (`ShardMove::secret`):
 //!
 //! 1. **While the shard is served here**, every key is copied as read from
 //!    the live region: clients keep reading and writing meanwhile, so what
-//!    is copied may be out of date, and what was sent is remembered. Then
-//!    again, sending only what differs from what was sent (changed keys
-//!    put, keys gone deleted), while that shrinks (`LIVE_PASSES`).
+//!    is copied may be out of date, and what reached the target is
+//!    remembered. Then again, sending only what differs (changed keys put,
+//!    keys gone deleted), until the changes are few (1% of the keys, or a
+//!    thousand) or stop halving, at most `LIVE_PASSES` times.
 //! 2. **Once this server has stopped serving the shard** (every client's
 //!    key revoked, the verbs under way landed), the region is read a last
 //!    time and what differs from what was sent goes.
 //!
 //! The target then holds exactly the last pass's content, whatever the
-//! earlier ones copied. Clients wait only during the last pass, whose
-//! length is the reading of the region plus the writes made during the
-//! pass before it: the
-//! shard's readers and writers (the cluster client retries while the map
-//! shows the shard moving) — other shards never notice. The target becomes
-//! the owner only when the source publishes the map (see `ShardHost`),
-//! after the copy: no write is taken by both, and none acknowledged here
-//! is missing there.
+//! earlier ones copied. Only the shard's readers and writers wait, and
+//! only for the last pass (the cluster client retries while the map shows
+//! the shard moving): the reading of the region plus the writes made
+//! during the pass before it. Other shards never notice. The target
+//! becomes the owner only when the source publishes the map (see
+//! `ShardHost`), after the copy: no write is taken by both, and none
+//! acknowledged here is missing there. A move called off before the last
+//! pass (`go_on`) leaves the shard served here throughout.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -28,7 +29,7 @@ use std::time::{Duration, Instant};
 use kv_client::{Client, ClientOptions};
 use kv_common::layout::{Payload, COUNTER_SEAL};
 use kv_common::Address;
-use xxhash_rust::xxh3::xxh3_128;
+use xxhash_rust::xxh3::xxh3_128_with_seed;
 
 use crate::region;
 
@@ -65,7 +66,12 @@ pub struct Copied {
 /// Copies the keys of the shard to the target at `to`: passes while this
 /// server still serves it, `stop_serving()`, then what changed. The target
 /// must be a fresh region (only this copy writes it).
-pub fn send(out: &Outgoing, to: &Address, stop_serving: impl FnOnce()) -> Result<Copied, String> {
+pub fn send(
+    out: &Outgoing,
+    to: &Address,
+    go_on: &dyn Fn() -> bool,
+    stop_serving: impl FnOnce(),
+) -> Result<Copied, String> {
     let started = Instant::now();
     let mut copier = Copier::new(connect(out, to)?);
     // Sized as the source before the keys come: no doubling under way
@@ -77,8 +83,12 @@ pub fn send(out: &Outgoing, to: &Address, stop_serving: impl FnOnce()) -> Result
     // Passes while serving, each sending what changed since the one
     // before, for as long as that shrinks. One that fails (the region
     // grew under it) only leaves more for the last.
+    let called_off = || Err("called off (the map dropped it, or the lease is unconfirmed)".into());
     let mut before = 0;
     for pass in 0..LIVE_PASSES {
+        if !go_on() {
+            return called_off();
+        }
         copier.begin_pass(pass);
         let read = region::read_entries_live(&out.region, |key, payload| copier.copy(key, payload))
             .map_err(|e| e.to_string())
@@ -102,6 +112,14 @@ pub fn send(out: &Outgoing, to: &Address, stop_serving: impl FnOnce()) -> Result
             break;
         }
     }
+    // What was sent is known only over one connection: a target that
+    // restarted may hold less (a new region, after a reboot).
+    if copier.target.reconnects() > 0 {
+        return Err("the target's connection was made anew during the copy".into());
+    }
+    if !go_on() {
+        return called_off();
+    }
     let at_stop = copier.sent.len() as u64;
     let stopped = Instant::now();
     stop_serving();
@@ -112,6 +130,9 @@ pub fn send(out: &Outgoing, to: &Address, stop_serving: impl FnOnce()) -> Result
     .map_err(|e| e.to_string())?;
     copier.flush()?;
     copier.delete_unseen()?;
+    if copier.target.reconnects() > 0 {
+        return Err("the target's connection was made anew during the copy".into());
+    }
     if damaged > 0 {
         tracing::error!(
             shard = out.shard,
@@ -147,19 +168,24 @@ struct Sent {
 
 #[derive(Clone, Copy, PartialEq)]
 enum Content {
-    /// A value, by its hash (a 128-bit xxh3: two values with one hash
-    /// would have to be written between the passes).
+    /// A value, by its hash (128 bits, seeded per move: two values with
+    /// one hash would have to be written between the passes).
     Value(u128),
     Counter(i64),
+    /// A batch that failed may or may not have reached the target: sent
+    /// again whatever the source holds.
+    Unknown,
 }
 
-/// Puts keys into the target in batches, remembering what it sent so
-/// that a later pass sends only what differs.
+/// Puts keys into the target in batches, remembering what reached it so
+/// that a later pass sends only what differs. A batch holds values or
+/// counters, not both, so that the keys go in the order seen.
 struct Copier {
     target: Client,
     sent: HashMap<Vec<u8>, Sent>,
-    /// Keys waiting for a batch, in the order seen.
-    pending: Vec<(Vec<u8>, Pending)>,
+    seed: u64,
+    values: Vec<(Vec<u8>, Vec<u8>, u128)>,
+    counters: Vec<(Vec<u8>, i64)>,
     pass: u8,
     /// Keys put or deleted in this pass.
     changed: u64,
@@ -167,17 +193,14 @@ struct Copier {
     put_time: Duration,
 }
 
-enum Pending {
-    Value(Vec<u8>),
-    Counter(i64),
-}
-
 impl Copier {
     fn new(target: Client) -> Copier {
         Copier {
             target,
             sent: HashMap::new(),
-            pending: Vec::with_capacity(BATCH),
+            seed: rand_seed(),
+            values: Vec::with_capacity(BATCH),
+            counters: Vec::with_capacity(BATCH),
             pass: 0,
             changed: 0,
             put_time: Duration::ZERO,
@@ -186,30 +209,37 @@ impl Copier {
 
     /// Makes the target hold `payload` for `key` (unless it does).
     fn copy(&mut self, key: &[u8], payload: &Payload<'_>) -> Result<(), String> {
-        let (what, pending) = match *payload {
-            Payload::Bytes(value) => (
-                Content::Value(xxh3_128(value)),
-                Pending::Value(value.to_vec()),
-            ),
+        let what = match *payload {
+            Payload::Bytes(value) => Content::Value(xxh3_128_with_seed(value, self.seed)),
             // A seal left by a writer whose client was revoked: its
             // unlink never happened, so the counter is the open value.
-            Payload::Counter { value, sealed, .. } => {
-                let value = if sealed {
-                    (value as u64 ^ COUNTER_SEAL) as i64
-                } else {
-                    value
-                };
-                (Content::Counter(value), Pending::Counter(value))
-            }
+            Payload::Counter { value, sealed, .. } => Content::Counter(if sealed {
+                (value as u64 ^ COUNTER_SEAL) as i64
+            } else {
+                value
+            }),
         };
-        let pass = self.pass;
-        let before = self.sent.insert(key.to_vec(), Sent { what, pass });
-        if before.is_some_and(|b| b.what == what) {
+        if let Some(sent) = self.sent.get_mut(key).filter(|s| s.what == what) {
+            sent.pass = self.pass;
             return Ok(());
         }
         self.changed += 1;
-        self.pending.push((key.to_vec(), pending));
-        if self.pending.len() == BATCH {
+        match (what, payload) {
+            (Content::Value(hash), Payload::Bytes(value)) => {
+                if !self.counters.is_empty() {
+                    self.flush()?;
+                }
+                self.values.push((key.to_vec(), value.to_vec(), hash));
+            }
+            (Content::Counter(value), _) => {
+                if !self.values.is_empty() {
+                    self.flush()?;
+                }
+                self.counters.push((key.to_vec(), value));
+            }
+            _ => return Err("a payload that is not what it was read as".into()),
+        }
+        if self.values.len() + self.counters.len() >= BATCH {
             self.flush()?;
         }
         Ok(())
@@ -222,46 +252,35 @@ impl Copier {
         self.changed = 0;
     }
 
-    /// Sends the keys waiting: runs of values by `put_many`, runs of
-    /// counters by `restore_counters` (settled at once: this copier is the
-    /// target's only writer), in the order seen.
+    /// Sends the keys waiting: values by `put_many`, counters by
+    /// `restore_counters` (settled at once: this copier is the target's
+    /// only writer). What reached the target is remembered; after an
+    /// error, what may have is marked unknown.
     fn flush(&mut self) -> Result<(), String> {
         let started = Instant::now();
-        let pending = std::mem::take(&mut self.pending);
-        let err = |e: kv_client::Error| e.to_string();
-        for run in pending.chunk_by(|a, b| {
-            matches!(
-                (&a.1, &b.1),
-                (Pending::Value(_), Pending::Value(_)) | (Pending::Counter(_), Pending::Counter(_))
-            )
-        }) {
-            match run[0].1 {
-                Pending::Value(_) => {
-                    let values: Vec<(&[u8], &[u8])> = run
-                        .iter()
-                        .filter_map(|(k, p)| match p {
-                            Pending::Value(v) => Some((&k[..], &v[..])),
-                            Pending::Counter(_) => None,
-                        })
-                        .collect();
-                    self.target.put_many(&values).map_err(err)?;
-                }
-                Pending::Counter(_) => {
-                    let counters: Vec<(&[u8], i64)> = run
-                        .iter()
-                        .filter_map(|(k, p)| match p {
-                            Pending::Counter(v) => Some((&k[..], *v)),
-                            Pending::Value(_) => None,
-                        })
-                        .collect();
-                    self.target.restore_counters(&counters).map_err(err)?;
-                }
-            }
+        let values = std::mem::take(&mut self.values);
+        let counters = std::mem::take(&mut self.counters);
+        let sent: Result<(), kv_client::Error> = if values.is_empty() {
+            let batch: Vec<(&[u8], i64)> = counters.iter().map(|(k, v)| (&k[..], *v)).collect();
+            self.target.restore_counters(&batch)
+        } else {
+            let batch: Vec<(&[u8], &[u8])> =
+                values.iter().map(|(k, v, _)| (&k[..], &v[..])).collect();
+            self.target.put_many(&batch)
+        };
+        let pass = self.pass;
+        let ok = sent.is_ok();
+        let known = |what| if ok { what } else { Content::Unknown };
+        for (key, _, hash) in values {
+            let what = known(Content::Value(hash));
+            self.sent.insert(key, Sent { what, pass });
         }
-        self.pending = pending;
-        self.pending.clear();
+        for (key, value) in counters {
+            let what = known(Content::Counter(value));
+            self.sent.insert(key, Sent { what, pass });
+        }
         self.put_time += started.elapsed();
-        Ok(())
+        sent.map_err(|e| e.to_string())
     }
 
     /// Deletes at the target the keys this pass did not see.
@@ -274,7 +293,16 @@ impl Copier {
             .map(|(k, _)| k.clone())
             .collect();
         for keys in gone.chunks(BATCH) {
-            self.target.delete_many(keys).map_err(|e| e.to_string())?;
+            if let Err(e) = self.target.delete_many(keys) {
+                // Unseen, they go at the next pass; seen again, they are
+                // sent again.
+                for key in keys {
+                    if let Some(sent) = self.sent.get_mut(key) {
+                        sent.what = Content::Unknown;
+                    }
+                }
+                return Err(e.to_string());
+            }
             for key in keys {
                 self.sent.remove(key);
             }
@@ -282,6 +310,18 @@ impl Copier {
         self.changed += gone.len() as u64;
         Ok(())
     }
+}
+
+/// A seed for the values' hashes that no client can know in advance.
+fn rand_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.finish()
 }
 
 /// Keys put per batch.

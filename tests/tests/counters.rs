@@ -571,9 +571,10 @@ fn restored_counters_count_at_once_and_replace_what_their_keys_held() {
     counters.push(("was-a-counter".into(), -12));
     let before = kv.verb_stats().round_trips;
     or_abort(kv.restore_counters(&counters), "restore_counters");
-    // One batch for 30 new keys (blocks and windows, copies, CASes and the
-    // duplicate checks); the two keys that exist take the single path. A
-    // counter created by incr would wait its settle period, one by one.
+    // One batch for 31 keys (blocks and windows, copies, CASes and the
+    // duplicate checks: a value is replaced there); the counter that
+    // exists takes the single path. A counter created by incr would wait
+    // its settle period, one by one.
     let taken = kv.verb_stats().round_trips - before;
     assert!(taken <= 12, "{taken} round trips for 32 counters");
     for (key, value) in &counters {

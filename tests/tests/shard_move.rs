@@ -60,9 +60,14 @@ fn the_target_ends_with_what_the_source_held_when_it_stopped() {
     // the source serves; it stops (every write acknowledged) before the
     // server does.
     let (writing, stopped) = (AtomicBool::new(true), AtomicBool::new(false));
+    let wrote = AtomicBool::new(false);
     let (copied, written) = std::thread::scope(|s| {
-        let writer = s.spawn(|| write_until_told(&address, &writing, &stopped));
-        let copied = shard_move::send(&outgoing, &target_address, || {
+        let writer = s.spawn(|| write_until_told(&address, &writing, &wrote, &stopped));
+        // Its keys exist before the first pass reads the region.
+        while !wrote.load(Ordering::SeqCst) {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        let copied = shard_move::send(&outgoing, &target_address, &|| true, || {
             // Between the passes: the source still serves, and these
             // changes reach the target only through the second pass.
             writing.store(false, Ordering::SeqCst);
@@ -133,10 +138,12 @@ fn change_between_passes(kv: &mut Client, model: &mut BTreeMap<String, Held>) {
 }
 
 /// Puts keys of its own until `writing` goes false (three rounds at
-/// least), then sets `stopped`; what it wrote last.
+/// least), setting `wrote` after the first round and `stopped` at the
+/// end; what it wrote last.
 fn write_until_told(
     address: &str,
     writing: &AtomicBool,
+    wrote: &AtomicBool,
     stopped: &AtomicBool,
 ) -> BTreeMap<String, Held> {
     let mut kv = or_abort(Client::connect(address), "the writer connects");
@@ -149,6 +156,7 @@ fn write_until_told(
             or_abort(kv.put(&key, &value), "the writer's put");
             last.insert(key, Held::Value(value));
         }
+        wrote.store(true, Ordering::SeqCst);
         round += 1;
     }
     stopped.store(true, Ordering::SeqCst);
@@ -178,4 +186,29 @@ fn check_target(address: &str, model: &BTreeMap<String, Held>) {
             "{key}, deleted between the passes, is at the target"
         );
     }
+}
+
+#[test]
+fn a_move_called_off_leaves_the_source_serving() {
+    let source = TestServer::start(|_| {});
+    let target = TestServer::start(|c| c.secret = Some(SECRET.to_vec()));
+    let mut kv = or_abort(Client::connect(&source.address), "connect");
+    or_abort(kv.put(b"stays", b"here"), "put");
+    let outgoing = Outgoing {
+        shard: 0,
+        secret: SECRET.to_vec(),
+        region: source.region_path(),
+        grace: test_config(&source.region_path()).grace(),
+    };
+    let to = or_abort(kv_common::Address::parse(&target.address), "address");
+    let stopped = AtomicBool::new(false);
+    let copied = shard_move::send(&outgoing, &to, &|| false, || {
+        stopped.store(true, Ordering::SeqCst);
+    });
+    assert!(copied.is_err(), "a move called off reports it");
+    assert!(!stopped.load(Ordering::SeqCst), "the source was stopped");
+    assert_eq!(
+        or_abort(kv.get(b"stays"), "get").as_deref(),
+        Some(&b"here"[..])
+    );
 }
