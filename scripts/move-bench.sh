@@ -6,6 +6,7 @@
 # shard was stopped) and kv-bench's per-second throughput and max latency.
 #
 #   scripts/move-bench.sh [RECORDS]      (default 1000000)
+#   TARGET=20000 scripts/move-bench.sh   (kv-bench held to 20 000 ops/s)
 #
 # Needs etcd (Debian: etcd-server) and release builds of kv-server and
 # kv-bench (cargo build --release -p kv-server -p kv-bench).
@@ -47,8 +48,10 @@ a=$!
 sleep 2
 workload=(--server "$url" --workload benches/workloads/workloada -p "recordcount=$records")
 "$bin/kv-bench" load "${workload[@]}" --threads 2 --status-interval 10 | grep -E "Throughput|RunTime"
-"$bin/kv-bench" run "${workload[@]}" -p operationcount=1000000000 -p maxexecutiontime=40 \
-  --threads 1 --status-interval 1 >"$work/run.log" 2>&1 &
+throttle=()
+[ -n "${TARGET:-}" ] && throttle=(-p "target=$TARGET")
+"$bin/kv-bench" run "${workload[@]}" "${throttle[@]}" -p operationcount=1000000000 \
+  -p maxexecutiontime=40 --threads 1 --status-interval 1 >"$work/run.log" 2>&1 &
 bench=$!
 sleep 8
 member b
