@@ -1,4 +1,4 @@
-# Sourced by the cluster scripts: `etcd_here DIR PORT` starts a one-node
+# Sourced by the cluster scripts. `etcd_here DIR PORT` starts a one-node
 # etcd on loopback (client port PORT, peer port PORT+1), its data and log
 # in DIR, in the background; its pid is then in $!.
 etcd_here() {
@@ -8,4 +8,17 @@ etcd_here() {
     --listen-peer-urls "http://127.0.0.1:$((port + 1))" \
     --initial-advertise-peer-urls "http://127.0.0.1:$((port + 1))" \
     --initial-cluster "here=http://127.0.0.1:$((port + 1))" >"$dir/etcd.log" 2>&1 &
+}
+
+# `create_cluster_when_up KV_SERVER URL ARGS...` makes the cluster once etcd
+# answers (it takes a moment to start).
+create_cluster_when_up() {
+  local server=$1 url=$2
+  shift 2
+  for _ in $(seq 100); do
+    "$server" cluster create "$url" "$@" 2>/dev/null && return 0
+    sleep 0.1
+  done
+  echo "could not create $url (etcd's log is beside it)" >&2
+  return 1
 }

@@ -32,10 +32,7 @@ port=${ETCD_PORT:-23790}
 etcd_here "$work" "$port"
 pids+=($!)
 url="etcd://127.0.0.1:$port/local"
-for _ in $(seq 100); do
-  "$server" cluster create "$url" --shards "$shards" --initial-members 3 2>/dev/null && break
-  sleep 0.1
-done
+create_cluster_when_up "$server" "$url" --shards "$shards" --initial-members 3
 
 for m in a b c; do
   "$server" --cluster "$url" --member-name "$m" --listen "shm://$work/$m" >"$work/$m.log" 2>&1 &

@@ -33,10 +33,7 @@ port=${ETCD_PORT:-23890}
 etcd_here "$work" "$port"
 pids+=($!)
 url="etcd://127.0.0.1:$port/move"
-for _ in $(seq 100); do
-  "$bin/kv-server" cluster create "$url" --shards 1 --initial-members 1 2>/dev/null && break
-  sleep 0.1
-done
+create_cluster_when_up "$bin/kv-server" "$url" --shards 1 --initial-members 1
 
 member() {
   "$bin/kv-server" --cluster "$url" --member-name "$1" --listen "shm://$work/$1" \
