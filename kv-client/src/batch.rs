@@ -279,8 +279,8 @@ impl Client {
     /// block and every key's windows in one batch (a key with a settled
     /// hint: its block and the CAS instead), the matching blocks in the
     /// next, the CASes (and inserted keys' windows, for the duplicate check)
-    /// in a third. Returns how many pairs it took; a key it could not
-    /// settle has been written by the single-key path.
+    /// in a third. Returns how many pairs it took, and those it could not
+    /// settle, which the caller writes by the single-key path.
     pub(crate) fn put_batch(
         &mut self,
         pairs: &[(&[u8], &[u8])],
