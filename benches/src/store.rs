@@ -70,7 +70,7 @@ impl StoreFactory for Onekv {
         let options = self
             .options()
             .with_slot_cache_entries(self.slot_cache_entries);
-        if kv_cluster::ClusterUrl::is_cluster(&self.address) {
+        if kv_cluster::ClusterSource::is_cluster(&self.address) {
             let cluster = kv_client::ClusterClient::connect_with(&self.address, options)
                 .map_err(|e| format!("onekv at {}: {e}", self.address))?;
             return Ok(Box::new(cluster));
@@ -81,7 +81,7 @@ impl StoreFactory for Onekv {
     }
 
     fn server_cpu_us(&self) -> Option<u64> {
-        if kv_cluster::ClusterUrl::is_cluster(&self.address) {
+        if kv_cluster::ClusterSource::is_cluster(&self.address) {
             let mut cluster =
                 kv_client::ClusterClient::connect_with(&self.address, self.options()).ok()?;
             let shards = 0..cluster.shards();
@@ -94,7 +94,7 @@ impl StoreFactory for Onekv {
     }
 
     fn settle(&self) -> Result<Duration, String> {
-        if kv_cluster::ClusterUrl::is_cluster(&self.address) {
+        if kv_cluster::ClusterSource::is_cluster(&self.address) {
             return self.settle_cluster();
         }
         let mut client = kv_client::Client::connect_with(&self.address, self.options())

@@ -35,7 +35,8 @@ pub struct WorkloadArgs {
     /// latency percentiles (compare).
     #[arg(long, value_name = "FILE.svg")]
     pub plot: Option<PathBuf>,
-    /// onekv server address, or a cluster's etcd://HOST:PORT/NAME; by
+    /// onekv server address, or a cluster's etcd://HOST:PORT/NAME (or its
+    /// members' cluster+rdma://HOST:PORT,...); by
     /// default an embedded server on a temporary shm region, which starts
     /// at the server's default size and grows.
     #[arg(long)]

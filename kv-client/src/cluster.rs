@@ -1,15 +1,16 @@
-//! A client of a cluster (feature `etcd`): each key goes to its shard
+//! A client of a cluster: each key goes to its shard
 //! ([`kv_common::layout::shard_of`]), through a connection to the server
 //! that owns the shard, made when the shard is first used. The shard map
-//! and the members come from etcd, read at connect and again when a
-//! shard's server cannot be reached; etcd is never on the data path.
+//! and the members come from etcd or from any member ([`MapSource`]), read
+//! at connect and again when a shard's server cannot be reached; etcd is
+//! never on the data path.
 
 use std::time::{Duration, Instant};
 
-use kv_cluster::etcd::{BlockingEtcd, ClusterState};
-use kv_cluster::{shard_address, ClusterUrl};
+use kv_cluster::{shard_address, ClusterSource, ClusterState};
 use kv_common::layout::shard_of;
 
+use crate::map_source::MapSource;
 use crate::{Client, ClientOptions, Error, Result, ServerStats, VerbStats};
 
 /// A cluster, with the API of one server's [`Client`] for single keys.
@@ -19,12 +20,14 @@ use crate::{Client, ClientOptions, Error, Result, ServerStats, VerbStats};
 /// let mut kv = kv_client::ClusterClient::connect("etcd://127.0.0.1:2379/prod")?;
 /// kv.put(b"user1", b"hello")?;
 /// assert_eq!(kv.get(b"user1")?.as_deref(), Some(&b"hello"[..]));
+/// // The same cluster, read from its members instead of etcd:
+/// let mut kv = kv_client::ClusterClient::connect("cluster+rdma://10.0.0.1:7000,10.0.0.2:7000")?;
 /// # Ok::<(), kv_client::Error>(())
 /// ```
 pub struct ClusterClient {
-    url: ClusterUrl,
+    source: ClusterSource,
     options: ClientOptions,
-    etcd: BlockingEtcd,
+    map: MapSource,
     state: ClusterState,
     /// When `state` was read.
     read_at: Instant,
@@ -32,7 +35,8 @@ pub struct ClusterClient {
     shards: Vec<Option<Client>>,
 }
 
-/// How long a client tries etcd again when it fails to answer.
+/// How long a client tries etcd (or the members) again when they fail to
+/// answer.
 const ETCD_RETRY: Duration = Duration::from_secs(2);
 /// Least time between two reads of the map prompted by unreachable shards.
 const REREAD_EVERY: Duration = Duration::from_millis(100);
@@ -44,13 +48,11 @@ const MOVE_POLL: Duration = Duration::from_millis(50);
 /// new owner (it reopens the region it received).
 const MOVE_SETTLE: Duration = Duration::from_secs(10);
 
-fn cluster_error(e: kv_cluster::ClusterError) -> Error {
-    Error::Cluster(e.to_string())
-}
-
 impl ClusterClient {
-    /// Reads the cluster at `url` (`etcd://HOST:PORT[,HOST:PORT...]/NAME`)
-    /// with default options.
+    /// Reads the cluster at `url` with default options: from etcd
+    /// (`etcd://HOST:PORT[,HOST:PORT...]/NAME`, feature `etcd`), or from
+    /// any of its members (`cluster+rdma://HOST:PORT[,HOST:PORT...]`,
+    /// `cluster+shm:///PATH[,/PATH...]`: their `--listen` addresses).
     ///
     /// # Errors
     ///
@@ -59,22 +61,23 @@ impl ClusterClient {
         ClusterClient::connect_with(url, ClientOptions::default())
     }
 
-    /// Reads the cluster's members and shard map from etcd; `options`
-    /// apply to each shard's connection.
+    /// Reads the cluster's members and shard map; `options` apply to each
+    /// shard's connection.
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidAddress`] for a malformed URL; [`Error::Cluster`]
-    /// when etcd cannot be reached or holds no such cluster.
+    /// [`Error::InvalidAddress`] for a malformed URL (or an etcd URL in a
+    /// build without the feature); [`Error::Cluster`] when neither etcd
+    /// nor any member named answers, or etcd holds no such cluster.
     pub fn connect_with(url: &str, options: ClientOptions) -> Result<ClusterClient> {
-        let url = ClusterUrl::parse(url).map_err(Error::InvalidAddress)?;
-        let mut etcd = BlockingEtcd::connect(&url).map_err(cluster_error)?;
-        let state = etcd.state().map_err(cluster_error)?;
+        let source = ClusterSource::parse(url).map_err(Error::InvalidAddress)?;
+        let mut map = MapSource::open(&source, options.connect_options())?;
+        let state = map.read(None)?;
         let shards = (0..state.config.shards).map(|_| None).collect();
         Ok(ClusterClient {
-            url,
+            source,
             options,
-            etcd,
+            map,
             state,
             read_at: Instant::now(),
             shards,
@@ -252,12 +255,13 @@ impl ClusterClient {
         self.connection(shard)
     }
 
-    /// The cluster as etcd holds it now, for people: its members, the
-    /// shards each serves, the map's epoch, the move under way.
+    /// The cluster as etcd (or the member asked) holds it now, for people:
+    /// its members, the shards each serves, the map's epoch, the move
+    /// under way.
     ///
     /// # Errors
     ///
-    /// [`Error::Cluster`] when etcd cannot be read.
+    /// [`Error::Cluster`] when neither etcd nor any member answers.
     pub fn status(&mut self) -> Result<String> {
         self.reread()?;
         let s = &self.state;
@@ -272,7 +276,7 @@ impl ClusterClient {
         if shard >= self.shards() {
             return Err(Error::Cluster(format!(
                 "{} has no shard {shard} (it has {})",
-                self.url,
+                self.source,
                 self.shards()
             )));
         }
@@ -367,12 +371,12 @@ impl ClusterClient {
     }
 
     fn reread(&mut self) -> Result<()> {
-        self.state = self.etcd.state().map_err(cluster_error)?;
+        self.state = self.map.read(Some(&self.state))?;
         self.read_at = Instant::now();
         if self.state.config.shards as usize != self.shards.len() {
             return Err(Error::Cluster(format!(
                 "{} now has {} shards (it was made anew): connect again",
-                self.url, self.state.config.shards
+                self.source, self.state.config.shards
             )));
         }
         Ok(())
@@ -426,7 +430,7 @@ impl ClusterClient {
         Error::ShardUnavailable {
             shard,
             server: self.owner(shard).unwrap_or("none").to_string(),
-            reason: format!("{reason} (cluster {})", self.url),
+            reason: format!("{reason} (cluster {})", self.source),
         }
     }
 }

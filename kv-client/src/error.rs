@@ -145,6 +145,7 @@ impl Error {
             ErrorKind::BadSecret | ErrorKind::TooManyClients => Error::Refused(message),
             ErrorKind::VersionMismatch => Error::VersionMismatch(message),
             ErrorKind::IndexFull => Error::IndexFull(message),
+            ErrorKind::ClusterMember => Error::InvalidAddress(message),
             other => Error::Protocol(format!("{other:?}: {message}")),
         }
     }

@@ -44,7 +44,6 @@ mod alloc;
 mod batch;
 mod candidates;
 mod clock;
-#[cfg(feature = "etcd")]
 mod cluster;
 mod corrupt;
 mod counter;
@@ -58,6 +57,7 @@ mod index;
 mod lease;
 mod local;
 mod locate;
+mod map_source;
 mod pool;
 mod put;
 mod slot_cache;
@@ -65,14 +65,12 @@ mod values;
 
 use alloc::BlockAllocator;
 use clock::Timing;
-#[cfg(feature = "etcd")]
 pub use cluster::ClusterClient;
 use counter::CounterOp;
 pub use error::Error;
 use geometry::{Ask, StrayFrozenWait};
 use index::Value;
 use local::{LocalLayout, BATCH_KEYS};
-#[cfg(feature = "etcd")]
 pub use pool::ClusterPool;
 pub use pool::{Borrowed, ClientPool, Connect, Pool, PooledClient};
 use slot_cache::SlotCache;
@@ -350,7 +348,7 @@ impl Client {
     /// [`Error::VersionMismatch`] for a server of another protocol version;
     /// [`Error::Transport`] when the device or the mapping fails.
     pub fn connect_with(address: &str, options: ClientOptions) -> Result<Client> {
-        if address.starts_with("etcd://") {
+        if kv_cluster::ClusterSource::is_cluster(address) {
             return Err(Error::InvalidAddress(format!(
                 "'{address}' names a cluster: connect to it with kv_client::ClusterClient (or ClusterPool)"
             )));

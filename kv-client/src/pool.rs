@@ -22,7 +22,6 @@ pub trait Connect: Sized + sealed::Sealed {
 mod sealed {
     pub trait Sealed {}
     impl Sealed for crate::Client {}
-    #[cfg(feature = "etcd")]
     impl Sealed for crate::ClusterClient {}
 }
 
@@ -32,7 +31,6 @@ impl Connect for Client {
     }
 }
 
-#[cfg(feature = "etcd")]
 impl Connect for crate::ClusterClient {
     fn connect_with(address: &str, options: ClientOptions) -> Result<Self> {
         crate::ClusterClient::connect_with(address, options)
@@ -42,9 +40,9 @@ impl Connect for crate::ClusterClient {
 /// A set of connections to one server, handed out one per thread.
 pub type ClientPool = Pool<Client>;
 
-/// A set of clients of one cluster (`etcd://HOST:PORT/NAME`), handed out
-/// one per thread; each reaches every shard.
-#[cfg(feature = "etcd")]
+/// A set of clients of one cluster (`etcd://HOST:PORT/NAME`, or its
+/// members' `cluster+rdma://...`), handed out one per thread; each reaches
+/// every shard.
 pub type ClusterPool = Pool<crate::ClusterClient>;
 
 /// A connection borrowed from a [`ClientPool`].

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use etcd_client::{Client, Compare, CompareOp, ConnectOptions, GetOptions, PutOptions, Txn, TxnOp};
 
+pub use crate::records::ClusterState;
 use crate::records::{decode, encode, ClusterConfig, MemberRecord, ShardMap};
 use crate::url::ClusterUrl;
 use crate::ClusterError;
@@ -39,38 +40,6 @@ impl Keys {
     }
     pub fn coordinator(&self) -> String {
         format!("{}coordinator", self.prefix)
-    }
-}
-
-/// Everything etcd holds for a cluster, as of one revision.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ClusterState {
-    pub config: ClusterConfig,
-    pub members: Vec<MemberRecord>,
-    /// The map and the revision it was last written at (what a change
-    /// must compare against); none before the first.
-    pub map: Option<(ShardMap, i64)>,
-    /// The store's revision when this was read: watch from the next one.
-    pub revision: i64,
-}
-
-impl ClusterState {
-    pub fn member(&self, id: &str) -> Option<&MemberRecord> {
-        self.members.iter().find(|m| m.id == id)
-    }
-    pub fn live_ids(&self) -> Vec<String> {
-        self.members.iter().map(|m| m.id.clone()).collect()
-    }
-    /// The live members that are leaving.
-    pub fn draining_ids(&self) -> Vec<String> {
-        self.members
-            .iter()
-            .filter(|m| m.draining)
-            .map(|m| m.id.clone())
-            .collect()
-    }
-    pub fn shard_map(&self) -> Option<&ShardMap> {
-        self.map.as_ref().map(|(m, _)| m)
     }
 }
 

@@ -4,6 +4,7 @@
 //! path. This crate holds the records and the rules that place shards, and,
 //! with the `etcd` feature, reads and writes them.
 
+pub mod directory;
 pub mod placement;
 pub mod records;
 pub mod url;
@@ -14,9 +15,9 @@ pub mod etcd;
 pub mod member;
 
 pub use records::{
-    shard_address, ClusterConfig, MemberRecord, ShardMap, ShardMove, DEFAULT_SHARDS,
+    shard_address, ClusterConfig, ClusterState, MemberRecord, ShardMap, ShardMove, DEFAULT_SHARDS,
 };
-pub use url::ClusterUrl;
+pub use url::{ClusterSource, ClusterUrl};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClusterError {

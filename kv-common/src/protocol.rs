@@ -171,7 +171,53 @@ pub enum Request {
     },
     Stats,
     Disconnect,
+    /// A cluster member's own address (not a shard's) answers only this:
+    /// its shard map, from shard `first` on (the map comes in pages, each
+    /// within [`MAX_MESSAGE`]). No `Connect` first: the map is what a
+    /// client needs to know where to connect. A client built without etcd
+    /// reads the cluster this way.
+    ClusterMap {
+        protocol_version: u32,
+        first: u32,
+    },
 }
+
+/// A live member of a cluster, as a client needs it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemberAddress {
+    pub id: String,
+    /// Its `--listen` address; its shards are served beside it.
+    pub listen: String,
+    pub incarnation: i64,
+    pub draining: bool,
+}
+
+/// One page of a cluster's shard map, as a member knows it from etcd.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MapPage {
+    /// The cluster's name.
+    pub cluster: String,
+    pub shards: u32,
+    pub initial_members: u32,
+    /// etcd's revision the member's view is as of: pages of one revision
+    /// make one map, and a client keeps the newest it has seen.
+    pub revision: i64,
+    /// The map's epoch; None before the first map (and then no owners).
+    pub epoch: Option<u64>,
+    pub members: Vec<MemberAddress>,
+    /// The ids `owners` and `moving` name by position.
+    pub names: Vec<String>,
+    /// The owners of shards `first..first + owners.len()`: a position in
+    /// `names`, or [`NO_OWNER`].
+    pub first: u32,
+    pub owners: Vec<u32>,
+    /// The shard being moved and its target (a position in `names`). The
+    /// move's secret stays with the members.
+    pub moving: Option<(u32, u32)>,
+}
+
+/// In [`MapPage::owners`]: a shard no member owns yet.
+pub const NO_OWNER: u32 = u32::MAX;
 
 /// The geometry in force and how this client names the region under it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -215,6 +261,12 @@ pub enum ErrorKind {
     TooManyClients,
     /// The index cannot grow (its cap, or no memory for a larger one).
     IndexFull,
+    /// A cluster member's own address was asked for a region: it serves
+    /// only the shard map ([`Request::ClusterMap`]).
+    ClusterMember,
+    /// A shard map was asked of a single server, or of a member that is
+    /// out of its cluster until it rejoins.
+    NoMap,
 }
 
 /// Counters a server keeps about its control plane and heap.
@@ -342,6 +394,8 @@ pub enum Response {
         kind: ErrorKind,
         message: String,
     },
+    /// Variants are added at the end: the wire names them by position.
+    ClusterMap(MapPage),
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -432,6 +486,10 @@ mod tests {
             },
             Request::Stats,
             Request::Disconnect,
+            Request::ClusterMap {
+                protocol_version: PROTOCOL_VERSION,
+                first: 4096,
+            },
         ];
         for r in reqs {
             assert_eq!(decode::<Request>(&encode(&r).unwrap()).unwrap(), r);

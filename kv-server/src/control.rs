@@ -372,6 +372,13 @@ pub fn handle(
             let after = offence(session);
             (error(ErrorKind::Malformed, "already connected"), after)
         }
+        (Request::ClusterMap { .. }, _) => (
+            error(
+                ErrorKind::NoMap,
+                "this address serves one region, not a cluster's map: a cluster is read at a member's own --listen address",
+            ),
+            After::Close,
+        ),
         (_, None) => {
             c.malformed.fetch_add(1, Relaxed);
             (

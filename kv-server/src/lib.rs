@@ -23,6 +23,7 @@ use polling::Poller;
 
 mod control;
 mod descriptors;
+pub mod directory;
 mod event_loop;
 mod grow;
 pub mod header;

@@ -10,6 +10,7 @@ use kv_cluster::member::{MemberEvent, MemberSpec, Membership};
 use kv_cluster::{ClusterConfig, ClusterUrl};
 use kv_common::size::parse_size;
 use kv_common::Address;
+use kv_server::directory::Directory;
 use kv_server::region::CheckMode;
 use kv_server::shard_host::ShardHost;
 use kv_server::{Server, ServerConfig};
@@ -339,9 +340,13 @@ fn serve_shards(
         listen: host.listen().to_string(),
         ttl,
     };
+    // Bound before joining: a second process on this address fails here.
+    let directory = Directory::serve(host.listen(), host.member(), &url.name)
+        .map_err(|e| format!("{}: {e}", host.listen()))?;
     let membership = Membership::join(url, spec, events_tx).map_err(|e| e.to_string())?;
     let mut member = Member {
         host,
+        directory,
         membership,
         joined: false,
         others: 0,
@@ -388,6 +393,8 @@ const DRAIN_LIMIT: Duration = Duration::from_secs(300);
 /// A member's shards and membership, as the daemon runs them.
 struct Member {
     host: ShardHost,
+    /// Hands the map to clients without etcd, at this member's address.
+    directory: Directory,
     membership: Membership,
     joined: bool,
     /// Other live members that take shards (a drain needs one).
@@ -406,8 +413,7 @@ impl Member {
         self.host.poll(|| membership.holds_lease());
         if self.joined && membership.lease_lost() {
             tracing::warn!("the etcd lease is gone: serving nothing until joined again");
-            self.joined = false;
-            self.host.stop_all();
+            self.leave_serving();
         }
         Ok(())
     }
@@ -425,6 +431,9 @@ impl Member {
                     .iter()
                     .filter(|m| m.id != me && !m.draining)
                     .count();
+                if self.joined {
+                    self.directory.show(Some(&state));
+                }
                 let membership = &self.membership;
                 if let (true, Some(map)) = (self.joined, state.shard_map()) {
                     self.host.follow(map, || membership.holds_lease());
@@ -432,10 +441,16 @@ impl Member {
             }
             MemberEvent::Fenced { why } => {
                 tracing::warn!("serving nothing until joined again: {why}");
-                self.joined = false;
-                self.host.stop_all();
+                self.leave_serving();
             }
         }
+    }
+
+    /// Out of the cluster until joined again: no shard, no map.
+    fn leave_serving(&mut self) {
+        self.joined = false;
+        self.directory.show(None);
+        self.host.stop_all();
     }
 }
 

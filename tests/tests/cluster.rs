@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kv_client::{ClusterClient, ClusterPool, Error};
+use kv_client::{Client, ClusterClient, ClusterPool, Error};
 use kv_cluster::etcd::BlockingEtcd;
 use kv_cluster::{ClusterUrl, ShardMap};
 use onekv_tests::cluster::{cluster_status, create_cluster, start_member, EtcdServer};
@@ -353,6 +353,81 @@ fn while_etcd_is_down_the_data_path_carries_on_and_membership_waits() {
     let (_, log) = m0.terminate();
     assert!(log.contains("etcd cannot be reached"), "{log}");
     assert!(!log.contains("serving nothing until joined again"), "{log}");
+}
+
+#[test]
+fn a_client_without_etcd_reads_the_map_from_the_members_through_an_outage_and_a_join() {
+    let mut etcd = EtcdServer::start();
+    let url = etcd.url("members");
+    let dir = region_dir();
+    create_cluster(&url, 4, 2);
+    let _m0 = start_member(&url, dir.path(), "m0", &[]);
+    let _m1 = start_member(&url, dir.path(), "m1", &[]);
+    let by_etcd = load(&url);
+    let at = |name: &str| dir.path().join(name).display().to_string();
+    // The first address given is no member's: the next one answers.
+    let members = format!("cluster+shm://{},{}", at("nobody"), at("m1"));
+    let mut kv = ClusterClient::connect(&members).expect("the map from a member");
+    for shard in 0..kv.shards() {
+        assert_eq!(kv.owner(shard), by_etcd.owner(shard), "shard {shard}");
+    }
+    for i in 0..KEYS {
+        let value = kv.get(key(i)).expect("get");
+        assert_eq!(value.as_deref(), Some(format!("v{i}").as_bytes()));
+    }
+    // Addresses of the wrong kind say what they are.
+    let member = Client::connect(&format!("shm://{}", at("m0"))).err();
+    assert!(
+        matches!(&member, Some(Error::InvalidAddress(m)) if m.contains("cluster+shm://")),
+        "{member:?}"
+    );
+    let owner = by_etcd.owner(0).expect("shard 0 owned");
+    let region = ClusterClient::connect(&format!("cluster+shm://{}.shard-0", at(owner)));
+    let region = region.err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(region.contains("serves one region"), "{region}");
+
+    let (stop, ops) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicU64::new(0)),
+    );
+    let client = busy_client(members.clone(), stop.clone(), ops.clone());
+    eventually("the client runs", Duration::from_secs(30), || {
+        ops.load(Ordering::SeqCst) > 100
+    });
+
+    // With etcd down a client still connects: the members hand out the
+    // map they last saw.
+    etcd.kill();
+    let mut during = ClusterClient::connect(&members).expect("connect while etcd is down");
+    during.put("in-the-outage", "yes").expect("put");
+    let _m2 = start_member(&url, dir.path(), "m2", &[]);
+    std::thread::sleep(Duration::from_secs(3));
+    etcd.start_again();
+
+    // m2 joins and shards move to it while the client runs; the client
+    // follows the moves through the members alone.
+    eventually("m2 joins and takes shards", Duration::from_secs(90), || {
+        let status = cluster_status(&url);
+        status.contains("member m2 ")
+            && !status.contains(": 0 shards")
+            && !status.contains("moving")
+    });
+    stop.store(true, Ordering::SeqCst);
+    let (errors, last) = client.join().expect("the client");
+    assert!(
+        errors.is_empty(),
+        "{} errors: {:?}",
+        errors.len(),
+        &errors[..errors.len().min(5)]
+    );
+    let mut after = ClusterClient::connect(&members).expect("connect");
+    assert!((0..after.shards()).any(|s| after.owner(s) == Some("m2")));
+    for (i, value) in last {
+        let read = after.get(key(i)).expect("get");
+        assert_eq!(read.as_deref(), Some(value.as_bytes()));
+    }
+    let outage = after.get("in-the-outage").expect("get");
+    assert_eq!(outage.as_deref(), Some(&b"yes"[..]));
 }
 
 #[test]

@@ -32,8 +32,9 @@ use store::Store;
 #[derive(Parser)]
 #[command(version, about, long_about)]
 struct Args {
-    /// Server address, e.g. shm:///dev/shm/onekv, or a cluster's
-    /// etcd://HOST:PORT[,HOST:PORT...]/NAME.
+    /// Server address, e.g. shm:///dev/shm/onekv, or a cluster's:
+    /// etcd://HOST:PORT[,HOST:PORT...]/NAME, or its members'
+    /// cluster+rdma://HOST:PORT[,HOST:PORT...] (cluster+shm:///PATH[,...]).
     #[arg(long, env = "ONEKV_SERVER", default_value = "shm:///dev/shm/onekv")]
     server: String,
     /// File holding the server's shared secret, if it requires one.

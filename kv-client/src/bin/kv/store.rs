@@ -1,12 +1,11 @@
-//! What `kv` talks to: one server, or (with the `etcd` feature) a cluster,
-//! each key at its shard's server.
+//! What `kv` talks to: one server, or a cluster, each key at its shard's
+//! server.
 
 use kv_client::{Client, ClientOptions, Result};
 
 /// Boxed: the two differ much in size.
 pub enum Store {
     Server(Box<Client>),
-    #[cfg(feature = "etcd")]
     Cluster(Box<kv_client::ClusterClient>),
 }
 
@@ -15,16 +14,14 @@ macro_rules! either {
     ($store:expr, $kv:ident => $call:expr) => {
         match $store {
             Store::Server($kv) => $call,
-            #[cfg(feature = "etcd")]
             Store::Cluster($kv) => $call,
         }
     };
 }
 
 impl Store {
-    /// A cluster for an etcd:// address, else one server.
+    /// A cluster for an etcd:// or cluster+ address, else one server.
     pub fn connect(address: &str, options: ClientOptions) -> std::result::Result<Store, String> {
-        #[cfg(feature = "etcd")]
         if address.starts_with("etcd://") {
             return kv_client::ClusterClient::connect_with(address, options)
                 .map(|kv| Store::Cluster(Box::new(kv)))
@@ -56,11 +53,9 @@ impl Store {
         match (self, shard) {
             (Store::Server(kv), None) => Ok(kv),
             (Store::Server(_), Some(_)) => {
-                Err("--shard is for a cluster (an etcd:// address)".into())
+                Err("--shard is for a cluster (an etcd:// or cluster+ address)".into())
             }
-            #[cfg(feature = "etcd")]
             (Store::Cluster(kv), Some(shard)) => kv.shard_client(shard).map_err(|e| e.to_string()),
-            #[cfg(feature = "etcd")]
             (Store::Cluster(kv), None) => Err(format!(
                 "a cluster's servers are per shard: give --shard (0 to {})",
                 kv.shards() - 1
@@ -72,10 +67,9 @@ impl Store {
     pub fn cluster_status(&mut self) -> std::result::Result<Vec<String>, String> {
         match self {
             Store::Server(kv) => Err(format!(
-                "{} is one server, not a cluster (an etcd:// address)",
+                "{} is one server, not a cluster (an etcd:// or cluster+ address)",
                 kv.address()
             )),
-            #[cfg(feature = "etcd")]
             Store::Cluster(kv) => {
                 let status = kv.status().map_err(|e| e.to_string())?;
                 Ok(status.lines().map(str::to_string).collect())
@@ -87,7 +81,6 @@ impl Store {
         match self {
             Store::Server(kv) => (*kv).close(),
             // Its connections close as it drops.
-            #[cfg(feature = "etcd")]
             Store::Cluster(_) => Ok(()),
         }
     }

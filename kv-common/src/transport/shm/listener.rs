@@ -65,7 +65,9 @@ impl ControlListener for ShmListener {
     }
 
     fn accept(&self) -> Result<Box<dyn ControlPeer>, TransportError> {
-        let keys = self.keys.clone().ok_or(TransportError::NotAttached)?;
+        // Without a registration (a cluster member's own address, which
+        // serves only its map) peers are accepted but never admitted.
+        let keys = self.keys.clone();
         let (stream, _) = self.listener.accept()?;
         stream.set_nonblocking(true)?;
         let process = peer_process(&stream);
@@ -93,7 +95,7 @@ impl Drop for ShmListener {
 pub struct ShmPeer {
     stream: UnixStream,
     reader: FrameReader,
-    keys: Arc<KeyTable>,
+    keys: Option<Arc<KeyTable>>,
     /// The key-table entry of an admitted client.
     slot: Option<u32>,
     /// What it was told at admission.
@@ -163,7 +165,8 @@ impl ControlPeer for ShmPeer {
                 "client already admitted".into(),
             ));
         }
-        let remote = self.keys.admit()?;
+        let keys = self.keys.as_ref().ok_or(TransportError::NotAttached)?;
+        let remote = keys.admit()?;
         self.slot = Some(remote.key_slot);
         self.remote = Some(remote);
         Ok(remote)
@@ -171,16 +174,19 @@ impl ControlPeer for ShmPeer {
 
     fn region(&mut self) -> Result<RemoteRegion, TransportError> {
         // The same key; the mapping a client makes covers the whole file.
-        let remote = self.remote.ok_or(TransportError::NotAttached)?;
+        let (remote, keys) = match (self.remote, &self.keys) {
+            (Some(r), Some(k)) => (r, k),
+            _ => return Err(TransportError::NotAttached),
+        };
         Ok(RemoteRegion {
-            len: self.keys.region.len(),
+            len: keys.region.len(),
             ..remote
         })
     }
 
     fn fence(&mut self) -> Fenced {
-        if let Some(slot) = self.slot.take() {
-            self.keys.fence(slot);
+        if let (Some(slot), Some(keys)) = (self.slot.take(), &self.keys) {
+            keys.fence(slot);
         }
         // A live process may be between its key check and its stores (a
         // check-then-act no key can close); a dead one stores nothing more.

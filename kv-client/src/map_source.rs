@@ -1,0 +1,139 @@
+//! Where a [`crate::ClusterClient`] reads its cluster's members and shard
+//! map: etcd itself (feature `etcd`), or the members, each of which hands
+//! out the map it follows at its own address ([`Request::ClusterMap`]).
+//! Reading from members needs no async runtime, gRPC or protoc, and keeps
+//! working while etcd is down.
+
+use kv_cluster::directory::{self, MemberView};
+use kv_cluster::{ClusterSource, ClusterState};
+use kv_common::protocol::{Request, Response, PROTOCOL_VERSION};
+use kv_common::transport::{self, ConnectOptions};
+use kv_common::Address;
+
+use crate::{unexpected, Error, Result};
+
+pub(crate) enum MapSource {
+    /// Boxed: its runtime is large.
+    #[cfg(feature = "etcd")]
+    Etcd(Box<kv_cluster::etcd::BlockingEtcd>),
+    Members(Members),
+}
+
+/// The members a client knows: those it was given, then every one a map
+/// named.
+pub(crate) struct Members {
+    known: Vec<Address>,
+    /// Which of `known` answered last: asked first next time.
+    last: usize,
+    /// The cluster's name, once a member said it.
+    cluster: Option<String>,
+    options: ConnectOptions,
+}
+
+impl MapSource {
+    pub(crate) fn open(source: &ClusterSource, options: ConnectOptions) -> Result<MapSource> {
+        match source {
+            #[cfg(feature = "etcd")]
+            ClusterSource::Etcd(url) => kv_cluster::etcd::BlockingEtcd::connect(url)
+                .map(|etcd| MapSource::Etcd(Box::new(etcd)))
+                .map_err(|e| Error::Cluster(e.to_string())),
+            #[cfg(not(feature = "etcd"))]
+            ClusterSource::Etcd(url) => Err(Error::InvalidAddress(format!(
+                "{url}: this build reads no etcd (kv-client's feature `etcd`); \
+                 name the cluster by its members: cluster+rdma://HOST:PORT[,HOST:PORT...]"
+            ))),
+            ClusterSource::Members(seeds) => Ok(MapSource::Members(Members {
+                known: seeds.clone(),
+                last: 0,
+                cluster: None,
+                options,
+            })),
+        }
+    }
+
+    /// The cluster now, no older than `newest` (the newest the caller has
+    /// seen) unless no member knows better.
+    pub(crate) fn read(&mut self, newest: Option<&ClusterState>) -> Result<ClusterState> {
+        match self {
+            #[cfg(feature = "etcd")]
+            MapSource::Etcd(etcd) => etcd.state().map_err(|e| Error::Cluster(e.to_string())),
+            MapSource::Members(members) => members.read(newest.map_or(i64::MIN, |s| s.revision)),
+        }
+    }
+}
+
+impl Members {
+    /// Asks the known members in turn, from the last that answered, until
+    /// one's view is as new as `revision`; else the newest view given.
+    fn read(&mut self, revision: i64) -> Result<ClusterState> {
+        let mut best: Option<(usize, ClusterState)> = None;
+        let mut failures = Vec::new();
+        for turn in 0..self.known.len() {
+            let at = (self.last + turn) % self.known.len();
+            let view = match ask(&self.known[at], &self.options) {
+                Ok(view) => view,
+                Err(e) => {
+                    failures.push(format!("{}: {e}", self.known[at]));
+                    continue;
+                }
+            };
+            // A stray address among the members given: passed over.
+            match &self.cluster {
+                Some(name) if *name != view.cluster => {
+                    failures.push(format!(
+                        "{} is a member of cluster {}, not of {name}",
+                        self.known[at], view.cluster
+                    ));
+                    continue;
+                }
+                _ => self.cluster = Some(view.cluster.clone()),
+            }
+            let newer = best
+                .as_ref()
+                .is_none_or(|(_, b)| view.state.revision > b.revision);
+            if newer {
+                best = Some((at, view.state));
+            }
+            if best.as_ref().is_some_and(|(_, b)| b.revision >= revision) {
+                break;
+            }
+        }
+        let Some((at, state)) = best else {
+            return Err(Error::Cluster(format!(
+                "no member answered: {}",
+                failures.join("; ")
+            )));
+        };
+        self.last = at;
+        self.learn(&state);
+        Ok(state)
+    }
+
+    /// Adds the members `state` names to those asked later.
+    fn learn(&mut self, state: &ClusterState) {
+        for m in &state.members {
+            if let Ok(address) = Address::parse(&m.listen) {
+                if !self.known.contains(&address) {
+                    self.known.push(address);
+                }
+            }
+        }
+    }
+}
+
+/// One member's view of the cluster, read over a control channel of its own.
+fn ask(member: &Address, options: &ConnectOptions) -> Result<MemberView> {
+    let mut conn = transport::connect(member, options)?;
+    directory::assemble(|first| {
+        let request = Request::ClusterMap {
+            protocol_version: PROTOCOL_VERSION,
+            first,
+        };
+        match conn.call(&request) {
+            Ok(Response::ClusterMap(page)) => Ok(page),
+            Ok(other) => Err(unexpected(other).to_string()),
+            Err(e) => Err(e.to_string()),
+        }
+    })
+    .map_err(Error::Cluster)
+}
