@@ -112,6 +112,23 @@ pub struct GrowRequests {
     pub heap: Option<u64>,
     /// Frozen slots were seen with no resize under way: thaw them.
     pub thaw: bool,
+    /// Freeze the index for good: the shard is moving away (see
+    /// [`Handover`]).
+    pub hand_over: bool,
+}
+
+/// Where a shard's move stands with this server's index. A move's last
+/// copy freezes every slot, as a resize does, so that writers wait while
+/// readers go on; the index then stays frozen until the server stops (a
+/// server that opens the region again thaws it).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Handover {
+    #[default]
+    None,
+    Asked,
+    /// Frozen: no resize or thaw changes the index again.
+    Frozen,
+    Failed(String),
 }
 
 /// How far the region may grow, and when the index grows on its own.
@@ -131,8 +148,10 @@ pub struct Shared {
     /// Where clients reach this server (the resize mover is one of them).
     pub address: Address,
     pub limits: Limits,
-    /// A resize is migrating the index.
+    /// A resize is migrating the index (or a move has frozen it: writers
+    /// wait either way).
     pub resizing: AtomicBool,
+    pub handover: Mutex<Handover>,
     pub grow: (Mutex<GrowRequests>, Condvar),
     /// The epoch of the geometry each connected client last learned: an
     /// old index is reused once every client has moved past it.
@@ -222,6 +241,11 @@ impl Shared {
     }
 
     /// Asks the `kv-grow` thread for a resize or more heap.
+    /// Whether a move has frozen the index for good.
+    pub fn handed_over(&self) -> bool {
+        self.handover.lock().is_ok_and(|h| *h == Handover::Frozen)
+    }
+
     pub fn want_growth(&self, f: impl FnOnce(&mut GrowRequests)) {
         let (wanted, cv) = &self.grow;
         if let Ok(mut w) = wanted.lock() {

@@ -85,6 +85,14 @@ pub fn run(shared: Arc<Shared>) {
                 tracing::warn!("the heap cannot grow: {e}");
             }
         }
+        if wanted.hand_over {
+            hand_over(&shared);
+        }
+        // A handed-over index stays as the move's last copy reads it.
+        if shared.handed_over() {
+            control::account_cpu(&shared.counters, &mut cpu_mark);
+            continue;
+        }
         if wanted.thaw {
             // At most one pass a second: a client that keeps freezing
             // slots and reporting them must not keep this thread scanning.
@@ -110,7 +118,7 @@ pub fn run(shared: Arc<Shared>) {
 fn next_requests(shared: &Shared) -> Option<GrowRequests> {
     let (wanted, cv) = &shared.grow;
     let mut w = wanted.lock().ok()?;
-    if w.resize.is_none() && w.heap.is_none() && !w.thaw {
+    if w.resize.is_none() && w.heap.is_none() && !w.thaw && !w.hand_over {
         w = cv.wait_timeout(w, SAMPLE_EVERY).ok()?.0;
     }
     Some(std::mem::take(&mut *w))
@@ -151,7 +159,7 @@ fn resize_if_due(shared: &Shared, asked_at: Option<u64>, old_indexes: &mut Vec<(
     // A request for an index that has grown since needs nothing more;
     // one that came meanwhile keeps it said.
     if let Ok(w) = shared.grow.0.lock() {
-        if w.resize.is_none() {
+        if w.resize.is_none() && !w.hand_over {
             shared.resizing.store(false, Relaxed);
         }
     }
@@ -387,6 +395,32 @@ fn resize(shared: &Shared) -> Result<(Extent, Geometry, u64), ResizeError> {
     };
     tracing::debug!(freeze_ms, copied, "index published");
     Ok((old_extent, new, copied))
+}
+
+/// Freezes the index for a move's last copy (see [`control::Handover`]).
+/// Writers see a resize under way and wait for a geometry that never comes;
+/// the server stopping ends their wait.
+fn hand_over(shared: &Shared) {
+    let g = shared.geometry();
+    shared.resizing.store(true, Relaxed);
+    let frozen = Mover::connect(shared).and_then(|mut mover| {
+        let frozen = mover.freeze(&g);
+        if frozen.is_err() {
+            let _ = mover.thaw(&g);
+        }
+        mover.close();
+        frozen
+    });
+    let outcome = match frozen {
+        Ok(()) => control::Handover::Frozen,
+        Err(e) => {
+            shared.resizing.store(false, Relaxed);
+            control::Handover::Failed(format!("freezing the index: {e}"))
+        }
+    };
+    if let Ok(mut h) = shared.handover.lock() {
+        *h = outcome;
+    }
 }
 
 /// Gives a resize's frozen index back to the writers, who wait meanwhile;

@@ -289,6 +289,38 @@ impl Server {
         region::slots_of(&self.shared.region, &self.shared.geometry(), key)
     }
 
+    /// Freezes every index slot for a shard's move (see `shard_move`):
+    /// from now on writers wait, readers go on, and the index stays as it
+    /// is until this server stops. Waits for the freeze.
+    ///
+    /// # Errors
+    ///
+    /// When the freeze failed (the index is thawed again) or took longer
+    /// than `limit`.
+    pub fn hand_over(&self, limit: Duration) -> Result<(), String> {
+        use control::Handover;
+        let set = |h: Handover| {
+            if let Ok(mut now) = self.shared.handover.lock() {
+                *now = h;
+            }
+        };
+        set(Handover::Asked);
+        self.shared.want_growth(|w| w.hand_over = true);
+        let give_up = Instant::now() + limit;
+        loop {
+            let now = self.shared.handover.lock().map(|h| h.clone());
+            match now {
+                Ok(Handover::Frozen) => return Ok(()),
+                Ok(Handover::Failed(e)) => return Err(e),
+                Err(_) => return Err("the server's state is poisoned".into()),
+                Ok(_) if Instant::now() > give_up => {
+                    return Err(format!("freezing the index took over {limit:?}"))
+                }
+                Ok(_) => std::thread::sleep(Duration::from_millis(1)),
+            }
+        }
+    }
+
     /// Why the server can no longer serve, if it cannot: its region file
     /// was truncated under it (pages past the new end are gone, and
     /// touching them raises SIGBUS). An embedder polls this (the daemon
@@ -462,6 +494,7 @@ fn new_shared(
         address: config.address.clone(),
         limits: found.limits,
         resizing: AtomicBool::new(false),
+        handover: Mutex::new(control::Handover::None),
         grow: (Mutex::new(GrowRequests::default()), Condvar::new()),
         client_epochs: Mutex::new(HashMap::new()),
         refused_resize: Mutex::new(None),

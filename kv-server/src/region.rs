@@ -450,6 +450,54 @@ pub fn read_entries_live(
     for_each_entry(&region, &g, f).map_err(|e| region_error(path, e))
 }
 
+/// As [`read_entries_live`], of an index a move has frozen for good (see
+/// `Server::hand_over`): its slots no longer change, nor the values they
+/// link, so each value passed is final. Counters still do (increments land
+/// in place, pending ones settle): they are left out, and the positions of
+/// their slots returned for [`read_counters_at`] once the server stopped.
+pub fn read_frozen_values(
+    path: &Path,
+    f: impl FnMut(&[u8], &Payload<'_>) -> Result<(), String>,
+) -> Result<(u64, Vec<SlotPos>), ServerError> {
+    let region = SharedRegion::open(path).map_err(|e| region_error(path, e))?;
+    let g = header::read_geometry(&region).map_err(|e| region_error(path, e))?;
+    let mut entries = Entries::new(f);
+    entries.counters = Some(Vec::new());
+    for_each_slot(&region, &g, |pos, slot| {
+        entries.visit(&region, &g, pos, slot)
+    })
+    .map_err(|e| region_error(path, e))?;
+    let counters = entries.counters.take().unwrap_or_default();
+    let damaged = entries.end().map_err(|e| region_error(path, e))?;
+    Ok((damaged, counters))
+}
+
+/// The counters at `positions` of a frozen index (from
+/// [`read_frozen_values`]), once its server has stopped: as
+/// [`read_entries`] would pass them.
+pub fn read_counters_at(
+    path: &Path,
+    settle: std::time::Duration,
+    positions: &[SlotPos],
+    f: impl FnMut(&[u8], &Payload<'_>) -> Result<(), String>,
+) -> Result<u64, ServerError> {
+    let Offline {
+        _lock, region, g, ..
+    } = Offline::open(path)?;
+    revoke_clients(&region, path, settle)?;
+    let mut entries = Entries::new(f);
+    for &pos in positions {
+        let word = region
+            .load(g.slot_offset(pos))
+            .map_err(|e| region_error(path, e))?;
+        let slot = Slot(word);
+        if !slot.thawed().is_empty() {
+            entries.visit(&region, &g, pos, slot);
+        }
+    }
+    entries.end().map_err(|e| region_error(path, e))
+}
+
 /// Calls `f` with every key of the index `g` and its payload as readers
 /// see it: each key once, from its lowest visible copy (a copy with a
 /// visible one below it among the key's candidate slots is skipped);
@@ -458,26 +506,61 @@ pub fn read_entries_live(
 fn for_each_entry(
     region: &SharedRegion,
     g: &Geometry,
-    mut f: impl FnMut(&[u8], &Payload<'_>) -> Result<(), String>,
+    f: impl FnMut(&[u8], &Payload<'_>) -> Result<(), String>,
 ) -> Result<u64, String> {
-    let (mut block, mut other) = (BlockBuf::default(), BlockBuf::default());
-    let (mut damaged, mut failed) = (0u64, None);
-    for_each_slot(region, g, |pos, slot| {
-        if failed.is_some() {
+    let mut entries = Entries::new(f);
+    for_each_slot(region, g, |pos, slot| entries.visit(region, g, pos, slot))
+        .map_err(|e| e.to_string())?;
+    entries.end()
+}
+
+/// Slots visited one at a time, each key passed to `f` from its lowest
+/// visible copy.
+struct Entries<F> {
+    f: F,
+    block: BlockBuf,
+    other: BlockBuf,
+    damaged: u64,
+    failed: Option<String>,
+    /// Some: counters are not passed, their positions are noted here.
+    counters: Option<Vec<SlotPos>>,
+}
+
+impl<F: FnMut(&[u8], &Payload<'_>) -> Result<(), String>> Entries<F> {
+    fn new(f: F) -> Self {
+        Entries {
+            f,
+            block: BlockBuf::default(),
+            other: BlockBuf::default(),
+            damaged: 0,
+            failed: None,
+            counters: None,
+        }
+    }
+
+    fn visit(&mut self, region: &SharedRegion, g: &Geometry, pos: SlotPos, slot: Slot) {
+        if self.failed.is_some() {
             return;
         }
-        let Some(view) = block.read(region, g, slot.thawed()) else {
-            damaged += 1;
+        let Some(view) = self.block.read(region, g, slot.thawed()) else {
+            self.damaged += 1;
             return;
         };
-        if visible(&view.payload) && !lower_copy(region, g, view.key, pos, &mut other) {
-            failed = f(view.key, &view.payload).err();
+        if let (Some(counters), Payload::Counter { .. }) = (&mut self.counters, &view.payload) {
+            counters.push(pos);
+            return;
         }
-    })
-    .map_err(|e| e.to_string())?;
-    match failed {
-        Some(e) => Err(e),
-        None => Ok(damaged),
+        if visible(&view.payload) && !lower_copy(region, g, view.key, pos, &mut self.other) {
+            self.failed = (self.f)(view.key, &view.payload).err();
+        }
+    }
+
+    /// How many slots named damaged blocks, or the first error of `f`.
+    fn end(self) -> Result<u64, String> {
+        match self.failed {
+            Some(e) => Err(e),
+            None => Ok(self.damaged),
+        }
     }
 }
 

@@ -455,13 +455,8 @@ fn move_shard(
 ) -> bool {
     let serving = server.lock().unwrap_or_else(|e| e.into_inner()).is_some();
     let copied = if serving {
-        target_address(url, m).and_then(|to| {
-            shard_move::send(out, &to, &|| flags.go_on(), || {
-                if let Some(server) = take(server) {
-                    server.shutdown();
-                }
-            })
-        })
+        target_address(url, m)
+            .and_then(|to| shard_move::send(out, &to, &mut MovingShard { server, flags }))
     } else {
         Err("this server does not serve the shard (it restarted)".into())
     };
@@ -493,6 +488,35 @@ fn move_shard(
                 tracing::warn!(shard = m.shard, "ending the move in the map: {e}");
                 std::thread::sleep(Duration::from_secs(1));
             }
+        }
+    }
+}
+
+/// The shard a move sends, as its copy sees it.
+struct MovingShard<'a> {
+    server: &'a Mutex<Option<Server>>,
+    flags: &'a MoveFlags,
+}
+
+/// Longest a move waits for the shard's index to freeze.
+const FREEZE_LIMIT: Duration = Duration::from_secs(60);
+
+impl shard_move::Source for MovingShard<'_> {
+    fn go_on(&self) -> bool {
+        self.flags.go_on()
+    }
+
+    fn freeze(&mut self) -> Result<(), String> {
+        let server = self.server.lock().unwrap_or_else(|e| e.into_inner());
+        match server.as_ref() {
+            Some(server) => server.hand_over(FREEZE_LIMIT),
+            None => Err("the shard's server has stopped".into()),
+        }
+    }
+
+    fn stop_serving(&mut self) {
+        if let Some(server) = take(self.server) {
+            server.shutdown();
         }
     }
 }

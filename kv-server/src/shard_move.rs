@@ -8,19 +8,26 @@
 //!    remembered. Then again, sending only what differs (changed keys put,
 //!    keys gone deleted), until the changes are few (1% of the keys, or a
 //!    thousand) or stop halving, at most `LIVE_PASSES` times.
-//! 2. **Once this server has stopped serving the shard** (every client's
-//!    key revoked, the verbs under way landed), the region is read a last
-//!    time and what differs from what was sent goes.
+//! 2. **The last pass**, in two steps. With the shard's index frozen for
+//!    good ([`Source::freeze`], as a resize freezes it), writers wait and
+//!    readers go on; the slots no longer change, nor the values they link,
+//!    so every value read now is final, and what differs from what was
+//!    sent goes. Then the server stops serving the shard (every client's
+//!    key revoked, the verbs under way landed) and the counters, which
+//!    increments changed in place until then, are read and sent; keys
+//!    this pass did not see are deleted.
 //!
-//! The target then holds exactly the last pass's content, whatever the
-//! earlier ones copied. Only the shard's readers and writers wait, and
-//! only for the last pass (the cluster client retries while the map shows
-//! the shard moving): the reading of the region plus the writes made
-//! during the pass before it. Other shards never notice. The target
-//! becomes the owner only when the source publishes the map (see
-//! `ShardHost`), after the copy: no write is taken by both, and none
-//! acknowledged here is missing there. A move called off before the last
-//! pass (`go_on`) leaves the shard served here throughout.
+//! The target then holds exactly the stopped region's content, whatever
+//! the earlier passes copied. Only the shard's clients wait: its writers
+//! for the last pass (the frozen index, as during a resize), its readers
+//! for the counters' step only (the cluster client retries while the map
+//! shows the shard moving). Other shards never notice. The target becomes
+//! the owner only when the source publishes the map (see `ShardHost`),
+//! after the copy: no write is taken by both, and none acknowledged here
+//! is missing there. A move called off before the last pass (`go_on`)
+//! leaves the shard served here throughout; one that fails after the
+//! freeze stops serving the shard, and the server that serves it again
+//! thaws the index as it opens the region.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -54,24 +61,35 @@ const LIVE_PASSES: u8 = 4;
 /// What a move copied.
 #[derive(Debug, Default)]
 pub struct Copied {
-    /// Keys at the target when the source stopped serving.
-    pub at_stop: u64,
+    /// Keys at the target when the source froze the shard's index.
+    pub at_freeze: u64,
     /// Keys the last pass put or deleted: what changed after the passes
     /// made while serving read them.
     pub changed: u64,
-    /// How long the last pass took: clients of the shard waited as long.
+    /// How long the last pass took: the shard's writers waited as long.
+    pub frozen: Duration,
+    /// How long its counters' step took: the shard's readers waited as
+    /// long.
     pub stopped: Duration,
 }
 
+/// What a move needs of the server that serves the shard here.
+pub trait Source {
+    /// Whether the move may still stop the shard (the map shows it, the
+    /// lease is held).
+    fn go_on(&self) -> bool;
+    /// Freezes the shard's index for good (`Server::hand_over`): writers
+    /// wait from now on, readers go on.
+    fn freeze(&mut self) -> Result<(), String>;
+    /// Stops serving the shard: every client's access revoked.
+    fn stop_serving(&mut self);
+}
+
 /// Copies the keys of the shard to the target at `to`: passes while this
-/// server still serves it, `stop_serving()`, then what changed. The target
-/// must be a fresh region (only this copy writes it).
-pub fn send(
-    out: &Outgoing,
-    to: &Address,
-    go_on: &dyn Fn() -> bool,
-    stop_serving: impl FnOnce(),
-) -> Result<Copied, String> {
+/// server still serves it, then the last pass around `source.freeze()`
+/// and `source.stop_serving()`. The target must be a fresh region (only
+/// this copy writes it).
+pub fn send(out: &Outgoing, to: &Address, source: &mut dyn Source) -> Result<Copied, String> {
     let started = Instant::now();
     let mut copier = Copier::new(connect(out, to)?);
     // Sized as the source before the keys come: no doubling under way
@@ -80,14 +98,41 @@ pub fn send(
     while copier.target.geometry().bucket_count < buckets {
         copier.target.resize().map_err(|e| e.to_string())?;
     }
-    // Passes while serving, each sending what changed since the one
-    // before, for as long as that shrinks. One that fails (the region
-    // grew under it) only leaves more for the last.
-    let called_off = || Err("called off (the map dropped it, or the lease is unconfirmed)".into());
+    live_passes(&mut copier, out, source)?;
+    // What was sent is known only over one connection: a target that
+    // restarted may hold less (a new region, after a reboot).
+    if copier.target.reconnects() > 0 {
+        return Err("the target's connection was made anew during the copy".into());
+    }
+    if !source.go_on() {
+        return Err(CALLED_OFF.into());
+    }
+    let copied = last_pass(&mut copier, out, source)?;
+    copier.target.close().map_err(|e| e.to_string())?;
+    tracing::info!(
+        shard = out.shard,
+        keys = copier.sent.len(),
+        at_freeze = copied.at_freeze,
+        changed = copied.changed,
+        frozen_ms = copied.frozen.as_millis() as u64,
+        stopped_ms = copied.stopped.as_millis() as u64,
+        put_ms = copier.put_time.as_millis() as u64,
+        ms = started.elapsed().as_millis() as u64,
+        "copied to {to}"
+    );
+    Ok(copied)
+}
+
+const CALLED_OFF: &str = "called off (the map dropped it, or the lease is unconfirmed)";
+
+/// Passes while serving, each sending what changed since the one before,
+/// for as long as that shrinks. One that fails (the region grew under it)
+/// only leaves more for the last.
+fn live_passes(copier: &mut Copier, out: &Outgoing, source: &dyn Source) -> Result<(), String> {
     let mut before = 0;
     for pass in 0..LIVE_PASSES {
-        if !go_on() {
-            return called_off();
+        if !source.go_on() {
+            return Err(CALLED_OFF.into());
         }
         copier.begin_pass(pass);
         let read = region::read_entries_live(&out.region, |key, payload| copier.copy(key, payload))
@@ -112,22 +157,32 @@ pub fn send(
             break;
         }
     }
-    // What was sent is known only over one connection: a target that
-    // restarted may hold less (a new region, after a reboot).
-    if copier.target.reconnects() > 0 {
-        return Err("the target's connection was made anew during the copy".into());
-    }
-    if !go_on() {
-        return called_off();
-    }
-    let at_stop = copier.sent.len() as u64;
-    let stopped = Instant::now();
-    stop_serving();
+    Ok(())
+}
+
+/// The last pass: values with the index frozen, then counters with the
+/// shard stopped, then the deletes.
+fn last_pass(
+    copier: &mut Copier,
+    out: &Outgoing,
+    source: &mut dyn Source,
+) -> Result<Copied, String> {
+    let at_freeze = copier.sent.len() as u64;
+    let frozen = Instant::now();
+    source.freeze()?;
     copier.begin_pass(LIVE_PASSES);
-    let damaged = region::read_entries(&out.region, out.grace, |key, payload| {
-        copier.copy(key, payload)
-    })
-    .map_err(|e| e.to_string())?;
+    let values = region::read_frozen_values(&out.region, |key, payload| copier.copy(key, payload))
+        .map_err(|e| e.to_string())
+        .and_then(|read| copier.flush().map(|()| read));
+    // Stopped whatever happened: a frozen shard serves no writer.
+    let stopped = Instant::now();
+    source.stop_serving();
+    let (damaged, counters) = values?;
+    let damaged = damaged
+        + region::read_counters_at(&out.region, out.grace, &counters, |key, payload| {
+            copier.copy(key, payload)
+        })
+        .map_err(|e| e.to_string())?;
     copier.flush()?;
     copier.delete_unseen()?;
     if copier.target.reconnects() > 0 {
@@ -140,23 +195,12 @@ pub fn send(
             "blocks that fail validation were not moved"
         );
     }
-    let copied = Copied {
-        at_stop,
+    Ok(Copied {
+        at_freeze,
         changed: copier.changed,
+        frozen: frozen.elapsed(),
         stopped: stopped.elapsed(),
-    };
-    copier.target.close().map_err(|e| e.to_string())?;
-    tracing::info!(
-        shard = out.shard,
-        keys = copier.sent.len(),
-        at_stop,
-        changed = copied.changed,
-        stopped_ms = copied.stopped.as_millis() as u64,
-        put_ms = copier.put_time.as_millis() as u64,
-        ms = started.elapsed().as_millis() as u64,
-        "copied to {to}"
-    );
-    Ok(copied)
+    })
 }
 
 /// What the target holds of a key: as sent, and in which pass it was
