@@ -7,6 +7,8 @@
 #
 #   scripts/move-bench.sh [RECORDS]      (default 1000000)
 #   TARGET=20000 scripts/move-bench.sh   (kv-bench held to 20 000 ops/s)
+#   WORKLOAD=workloadc scripts/move-bench.sh   (reads only: they go on
+#                                          while the last pass copies)
 #
 # Needs etcd (Debian: etcd-server) and release builds of kv-server and
 # kv-bench (cargo build --release -p kv-server -p kv-bench).
@@ -43,7 +45,7 @@ member() {
 member a
 a=$!
 sleep 2
-workload=(--server "$url" --workload benches/workloads/workloada -p "recordcount=$records")
+workload=(--server "$url" --workload "benches/workloads/${WORKLOAD:-workloada}" -p "recordcount=$records")
 "$bin/kv-bench" load "${workload[@]}" --threads 2 --status-interval 10 | grep -E "Throughput|RunTime"
 throttle=()
 [ -n "${TARGET:-}" ] && throttle=(-p "target=$TARGET")

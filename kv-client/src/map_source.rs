@@ -19,9 +19,10 @@ pub(crate) enum MapSource {
     Members(Members),
 }
 
-/// The members a client knows: those it was given, then every one a map
-/// named.
+/// The members a client knows: those it was given, and those the map it
+/// holds names.
 pub(crate) struct Members {
+    seeds: Vec<Address>,
     known: Vec<Address>,
     /// Which of `known` answered last: asked first next time.
     last: usize,
@@ -43,6 +44,7 @@ impl MapSource {
                  name the cluster by its members: cluster+rdma://HOST:PORT[,HOST:PORT...]"
             ))),
             ClusterSource::Members(seeds) => Ok(MapSource::Members(Members {
+                seeds: seeds.clone(),
                 known: seeds.clone(),
                 last: 0,
                 cluster: None,
@@ -51,21 +53,23 @@ impl MapSource {
         }
     }
 
-    /// The cluster now, no older than `newest` (the newest the caller has
-    /// seen) unless no member knows better.
+    /// The cluster now, never older than `newest` (what the caller holds).
     pub(crate) fn read(&mut self, newest: Option<&ClusterState>) -> Result<ClusterState> {
         match self {
             #[cfg(feature = "etcd")]
             MapSource::Etcd(etcd) => etcd.state().map_err(|e| Error::Cluster(e.to_string())),
-            MapSource::Members(members) => members.read(newest.map_or(i64::MIN, |s| s.revision)),
+            MapSource::Members(members) => members.read(newest),
         }
     }
 }
 
 impl Members {
     /// Asks the known members in turn, from the last that answered, until
-    /// one's view is as new as `revision`; else the newest view given.
-    fn read(&mut self, revision: i64) -> Result<ClusterState> {
+    /// one's view is at least as new as `newest`. If none is, `newest`
+    /// stands: a member behind etcd would route to owners that have moved
+    /// on.
+    fn read(&mut self, newest: Option<&ClusterState>) -> Result<ClusterState> {
+        let revision = newest.map_or(i64::MIN, |s| s.revision);
         let mut best: Option<(usize, ClusterState)> = None;
         let mut failures = Vec::new();
         for turn in 0..self.known.len() {
@@ -104,13 +108,18 @@ impl Members {
                 failures.join("; ")
             )));
         };
-        self.last = at;
+        if let Some(newest) = newest.filter(|n| n.revision > state.revision) {
+            return Ok(newest.clone());
+        }
+        let answered = self.known[at].clone();
         self.learn(&state);
+        self.last = self.known.iter().position(|a| *a == answered).unwrap_or(0);
         Ok(state)
     }
 
-    /// Adds the members `state` names to those asked later.
+    /// Asks, from now on, the members given and those `state` names.
     fn learn(&mut self, state: &ClusterState) {
+        self.known = self.seeds.clone();
         for m in &state.members {
             if let Ok(address) = Address::parse(&m.listen) {
                 if !self.known.contains(&address) {

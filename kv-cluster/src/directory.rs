@@ -109,8 +109,13 @@ pub fn assemble(
                 continue 'read;
             }
             check(&next, owners.len() as u32)?;
-            if next.names != head.names {
-                return Err("pages of one revision name different owners".into());
+            let same = MapPage {
+                first: head.first,
+                owners: head.owners.clone(),
+                ..next.clone()
+            };
+            if same != head || next.owners.is_empty() {
+                return Err("a member sent pages of one revision that disagree".into());
             }
             owners.extend_from_slice(&next.owners);
         }
@@ -274,6 +279,23 @@ mod tests {
         let mut damaged = page("c", &s, 0).unwrap();
         damaged.owners[3] = 7;
         assert!(assemble(|_| Ok(damaged.clone())).is_err());
+        // Later pages must agree with the first, and hold owners.
+        let big = state(10_000, 3);
+        for change in [
+            |p: &mut MapPage| p.epoch = None,
+            |p: &mut MapPage| p.owners.clear(),
+            |p: &mut MapPage| p.shards += 1,
+            |p: &mut MapPage| p.members.clear(),
+        ] {
+            let got = assemble(|first| {
+                let mut p = page("c", &big, first)?;
+                if first > 0 {
+                    change(&mut p);
+                }
+                Ok(p)
+            });
+            assert!(got.is_err(), "{got:?}");
+        }
         let mut wrong_start = page("c", &s, 0).unwrap();
         wrong_start.first = 2;
         assert!(assemble(|_| Ok(wrong_start.clone())).is_err());

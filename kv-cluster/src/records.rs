@@ -101,7 +101,8 @@ impl ShardMap {
     }
 }
 
-/// Everything etcd holds for a cluster, as of one revision.
+/// Everything etcd holds for a cluster, as of one revision (or as a
+/// member handed it out: see `directory`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ClusterState {
     pub config: ClusterConfig,
@@ -136,7 +137,8 @@ impl ClusterState {
 /// Where a member that listens at `listen` serves `shard`: each shard is
 /// one region as a single server's, with its own control endpoint.
 /// shm: the region file `NAME.shard-S` (socket `NAME.shard-S.sock`);
-/// rdma: port `PORT + 1 + S` (the member's own port stays free).
+/// rdma: port `PORT + 1 + S`. The member's own address serves the map
+/// (kv-server's `directory`).
 pub fn shard_address(listen: &Address, shard: u32) -> Result<Address, String> {
     match listen {
         Address::Shm { region } => {

@@ -27,7 +27,10 @@ pub struct RemoteRegion {
 /// counter is sealed before it is unlinked, which one-round-trip atomics
 /// rely on; 7: a resize request names the key that found no room; 8:
 /// clients report the blocks they unlink and declare the blocks of the
-/// space they give back).
+/// space they give back). A request or reply added at the end of its enum
+/// needs no new version: the others' encoding is unchanged, and a peer
+/// that lacks it fails to decode that one message (a client of version 8
+/// before `ClusterMap` meets a member's address that way).
 pub const PROTOCOL_VERSION: u32 = 8;
 /// Largest encoded message either side accepts.
 pub const MAX_MESSAGE: usize = 64 * 1024;

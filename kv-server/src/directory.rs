@@ -99,6 +99,8 @@ fn accept_loop(listener: &dyn ControlListener, stop: &AtomicBool, answerer: &Arc
             Err(e) => {
                 if !stop.load(Relaxed) {
                     tracing::debug!("directory: a channel failed to open: {e}");
+                    // Out of descriptors, say: not a busy loop.
+                    std::thread::sleep(Duration::from_millis(20));
                 }
                 continue;
             }

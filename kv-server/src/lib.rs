@@ -58,6 +58,37 @@ pub enum ServerError {
     Access(#[from] kv_common::mapping::AccessError),
 }
 
+/// A freeze asked for by [`Server::hand_over`].
+pub struct HandingOver {
+    shared: Arc<Shared>,
+}
+
+impl HandingOver {
+    /// Waits for the index to be frozen.
+    ///
+    /// # Errors
+    ///
+    /// When the freeze failed or took longer than `limit`. The index may
+    /// yet freeze after that: the caller then stops the server (one that
+    /// opens the region again thaws it).
+    pub fn wait(&self, limit: Duration) -> Result<(), String> {
+        use control::Handover;
+        let give_up = Instant::now() + limit;
+        loop {
+            let now = self.shared.handover.lock().map(|h| h.clone());
+            match now {
+                Ok(Handover::Frozen) => return Ok(()),
+                Ok(Handover::Failed(e)) => return Err(e),
+                Err(_) => return Err("the server's state is poisoned".into()),
+                Ok(_) if Instant::now() > give_up => {
+                    return Err(format!("freezing the index took over {limit:?}"))
+                }
+                Ok(_) => std::thread::sleep(Duration::from_millis(1)),
+            }
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
     pub address: Address,
@@ -289,35 +320,17 @@ impl Server {
         region::slots_of(&self.shared.region, &self.shared.geometry(), key)
     }
 
-    /// Freezes every index slot for a shard's move (see `shard_move`):
-    /// from now on writers wait, readers go on, and the index stays as it
-    /// is until this server stops. Waits for the freeze.
-    ///
-    /// # Errors
-    ///
-    /// When the freeze failed (the index is thawed again) or took longer
-    /// than `limit`.
-    pub fn hand_over(&self, limit: Duration) -> Result<(), String> {
-        use control::Handover;
-        let set = |h: Handover| {
-            if let Ok(mut now) = self.shared.handover.lock() {
-                *now = h;
-            }
-        };
-        set(Handover::Asked);
+    /// Asks for every index slot to be frozen for a shard's move (see
+    /// `shard_move`): from then on writers wait, readers go on, and the
+    /// index stays as it is until this server stops.
+    /// [`HandingOver::wait`] waits for the freeze.
+    pub fn hand_over(&self) -> HandingOver {
+        if let Ok(mut now) = self.shared.handover.lock() {
+            *now = control::Handover::Asked;
+        }
         self.shared.want_growth(|w| w.hand_over = true);
-        let give_up = Instant::now() + limit;
-        loop {
-            let now = self.shared.handover.lock().map(|h| h.clone());
-            match now {
-                Ok(Handover::Frozen) => return Ok(()),
-                Ok(Handover::Failed(e)) => return Err(e),
-                Err(_) => return Err("the server's state is poisoned".into()),
-                Ok(_) if Instant::now() > give_up => {
-                    return Err(format!("freezing the index took over {limit:?}"))
-                }
-                Ok(_) => std::thread::sleep(Duration::from_millis(1)),
-            }
+        HandingOver {
+            shared: self.shared.clone(),
         }
     }
 

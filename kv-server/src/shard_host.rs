@@ -507,11 +507,16 @@ impl shard_move::Source for MovingShard<'_> {
     }
 
     fn freeze(&mut self) -> Result<(), String> {
-        let server = self.server.lock().unwrap_or_else(|e| e.into_inner());
-        match server.as_ref() {
-            Some(server) => server.hand_over(FREEZE_LIMIT),
-            None => Err("the shard's server has stopped".into()),
-        }
+        // Waited for without the lock: `stop_all` must not wait on it.
+        let asked = self
+            .server
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(Server::hand_over);
+        asked
+            .ok_or("the shard's server has stopped")?
+            .wait(FREEZE_LIMIT)
     }
 
     fn stop_serving(&mut self) {

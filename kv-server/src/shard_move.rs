@@ -79,7 +79,8 @@ pub trait Source {
     /// lease is held).
     fn go_on(&self) -> bool;
     /// Freezes the shard's index for good (`Server::hand_over`): writers
-    /// wait from now on, readers go on.
+    /// wait from now on, readers go on. After an error the move stops
+    /// serving the shard all the same.
     fn freeze(&mut self) -> Result<(), String>;
     /// Stops serving the shard: every client's access revoked.
     fn stop_serving(&mut self);
@@ -169,7 +170,11 @@ fn last_pass(
 ) -> Result<Copied, String> {
     let at_freeze = copier.sent.len() as u64;
     let frozen = Instant::now();
-    source.freeze()?;
+    if let Err(e) = source.freeze() {
+        // It may yet freeze: a server that serves the shard again thaws it.
+        source.stop_serving();
+        return Err(format!("freezing the shard's index: {e}"));
+    }
     copier.begin_pass(LIVE_PASSES);
     let values = region::read_frozen_values(&out.region, |key, payload| copier.copy(key, payload))
         .map_err(|e| e.to_string())

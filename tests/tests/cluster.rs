@@ -66,7 +66,9 @@ fn keys_spread_over_three_servers_and_a_dead_one_fails_only_its_shards() {
         assert!(status.contains(&format!("member {m} ")), "{status}");
         assert!(status.contains(": 2 shards"), "{status}");
     }
-    the_kv_tool_works_on_the_cluster(&url);
+    the_kv_tool_works_on_the_cluster(&url, "tool-counter");
+    let m2 = dir.path().join("m2");
+    the_kv_tool_works_on_the_cluster(&format!("cluster+shm://{}", m2.display()), "by-members");
     let of_m0: Vec<u32> = (0..kv.shards())
         .filter(|&s| kv.owner(s) == Some("m0"))
         .collect();
@@ -197,9 +199,10 @@ fn batches_span_shards(url: &str) {
     assert_eq!(present, 50, "the odd keys stay");
 }
 
-/// `kv --server etcd://...` reads and writes keys at their shards, shows
-/// the cluster, and gives a server's statistics by shard.
-fn the_kv_tool_works_on_the_cluster(url: &str) {
+/// `kv --server etcd://...` (or `cluster+shm://...`) reads and writes keys
+/// at their shards, shows the cluster, and gives a server's statistics by
+/// shard; `counter` is a key not used before.
+fn the_kv_tool_works_on_the_cluster(url: &str, counter: &str) {
     let kv = |args: &[&str]| {
         let out = Command::new(workspace_bin("kv"))
             .args(["--server", url])
@@ -212,7 +215,7 @@ fn the_kv_tool_works_on_the_cluster(url: &str) {
     assert_eq!(kv(&["put", "from-the-tool", "hello"]).0, Some(0));
     assert_eq!(kv(&["get", "from-the-tool"]).1, "hello\n");
     assert_eq!(kv(&["get", "user7"]).1, "v7\n");
-    assert_eq!(kv(&["incr", "tool-counter", "5"]).1, "5\n");
+    assert_eq!(kv(&["incr", counter, "5"]).1, "5\n");
     let (code, status, _) = kv(&["cluster"]);
     assert_eq!(code, Some(0));
     for m in ["m0", "m1", "m2"] {

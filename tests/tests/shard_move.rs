@@ -131,7 +131,7 @@ impl shard_move::Source for Frozen<'_> {
         let server = self.server.borrow();
         let frozen = server
             .as_ref()
-            .map(|s| s.hand_over(Duration::from_secs(60)));
+            .map(|s| s.hand_over().wait(Duration::from_secs(60)));
         frozen.unwrap_or(Err("no server".into()))?;
         // Frozen: reads go on (values and counters), a put waits.
         for (key, held) in model.iter().step_by(97) {

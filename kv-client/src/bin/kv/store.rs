@@ -22,7 +22,7 @@ macro_rules! either {
 impl Store {
     /// A cluster for an etcd:// or cluster+ address, else one server.
     pub fn connect(address: &str, options: ClientOptions) -> std::result::Result<Store, String> {
-        if address.starts_with("etcd://") {
+        if kv_cluster::ClusterSource::is_cluster(address) {
             return kv_client::ClusterClient::connect_with(address, options)
                 .map(|kv| Store::Cluster(Box::new(kv)))
                 .map_err(|e| e.to_string());
