@@ -146,17 +146,63 @@ pub fn cluster_status(url: &str) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-/// A member `name` of the cluster at `url`, listening at `dir/name` (shm);
-/// not waited for (it serves once the map gives it shards).
+/// A member `name` of the cluster at `url`, listening at
+/// [`member_address`]; not waited for (it serves once the map gives it
+/// shards). Its shards' regions are `dir/name.shard-S` either way, so a
+/// member started again under its name finds them.
 pub fn start_member(url: &str, dir: &Path, name: &str, extra: &[&str]) -> Daemon {
-    let listen = Address::Shm {
-        region: dir.join(name),
-    };
+    let listen = member_address(dir, name);
     let mut command = Command::new(workspace_bin("kv-server"));
     command
         .args(["--cluster", url, "--member-name", name, "--listen"])
         .arg(listen.to_string())
         .args(["--memory", "8MiB", "--lease-ttl", "2"])
         .args(extra);
+    if let Address::Rdma { .. } = listen {
+        command.arg("--region-file").arg(dir.join(name));
+    }
     Daemon::spawn_unwaited(command, &listen)
+}
+
+/// Shards a test cluster may have: an rdma member needs their ports free.
+const MEMBER_PORTS: u16 = 16;
+
+/// Where member `name` of a test cluster in `dir` listens: `dir/name` on
+/// shm; under the Soft-RoCE harness, a port on the rdma host whose next
+/// `MEMBER_PORTS` ports (its shards') are free too, the same for every
+/// start of the member (it is kept in `dir/name.port`).
+pub fn member_address(dir: &Path, name: &str) -> Address {
+    let Some(host) = crate::rdma_host() else {
+        return Address::Shm {
+            region: dir.join(name),
+        };
+    };
+    let kept = dir.join(format!("{name}.port"));
+    if let Some(port) = std::fs::read_to_string(&kept)
+        .ok()
+        .and_then(|p| p.trim().parse().ok())
+    {
+        return Address::Rdma { host, port };
+    }
+    let free = |port: u16| std::net::TcpListener::bind((host.as_str(), port)).is_ok();
+    let port = (0..100)
+        .filter_map(|_| {
+            let base = std::net::TcpListener::bind((host.as_str(), 0))
+                .and_then(|l| l.local_addr())
+                .ok()?
+                .port();
+            let span = base.checked_add(MEMBER_PORTS)?;
+            (base + 1..=span).all(free).then_some(base)
+        })
+        .next()
+        .expect("a free run of ports");
+    std::fs::write(&kept, port.to_string()).expect("keep the member's port");
+    Address::Rdma { host, port }
+}
+
+/// The cluster read from these members (`cluster+shm://...` or
+/// `cluster+rdma://...`).
+pub fn members_url(dir: &Path, names: &[&str]) -> String {
+    let members = names.iter().map(|n| member_address(dir, n)).collect();
+    kv_cluster::ClusterSource::Members(members).to_string()
 }

@@ -12,8 +12,10 @@ use std::time::Duration;
 
 use kv_client::{Client, ClusterClient, ClusterPool, Error};
 use kv_cluster::etcd::BlockingEtcd;
-use kv_cluster::{ClusterUrl, ShardMap};
-use onekv_tests::cluster::{cluster_status, create_cluster, start_member, EtcdServer};
+use kv_cluster::{shard_address, ClusterUrl, ShardMap};
+use onekv_tests::cluster::{
+    cluster_status, create_cluster, member_address, members_url, start_member, EtcdServer,
+};
 use onekv_tests::{eventually, region_dir, workspace_bin};
 
 const KEYS: usize = 300;
@@ -67,8 +69,7 @@ fn keys_spread_over_three_servers_and_a_dead_one_fails_only_its_shards() {
         assert!(status.contains(": 2 shards"), "{status}");
     }
     the_kv_tool_works_on_the_cluster(&url, "tool-counter");
-    let m2 = dir.path().join("m2");
-    the_kv_tool_works_on_the_cluster(&format!("cluster+shm://{}", m2.display()), "by-members");
+    the_kv_tool_works_on_the_cluster(&members_url(dir.path(), &["m2"]), "by-members");
     let of_m0: Vec<u32> = (0..kv.shards())
         .filter(|&s| kv.owner(s) == Some("m0"))
         .collect();
@@ -199,7 +200,7 @@ fn batches_span_shards(url: &str) {
     assert_eq!(present, 50, "the odd keys stay");
 }
 
-/// `kv --server etcd://...` (or `cluster+shm://...`) reads and writes keys
+/// `kv --server etcd://...` (or `cluster+...`) reads and writes keys
 /// at their shards, shows the cluster, and gives a server's statistics by
 /// shard; `counter` is a key not used before.
 fn the_kv_tool_works_on_the_cluster(url: &str, counter: &str) {
@@ -367,9 +368,8 @@ fn a_client_without_etcd_reads_the_map_from_the_members_through_an_outage_and_a_
     let _m0 = start_member(&url, dir.path(), "m0", &[]);
     let _m1 = start_member(&url, dir.path(), "m1", &[]);
     let by_etcd = load(&url);
-    let at = |name: &str| dir.path().join(name).display().to_string();
     // The first address given is no member's: the next one answers.
-    let members = format!("cluster+shm://{},{}", at("nobody"), at("m1"));
+    let members = members_url(dir.path(), &["nobody", "m1"]);
     let mut kv = ClusterClient::connect(&members).expect("the map from a member");
     for shard in 0..kv.shards() {
         assert_eq!(kv.owner(shard), by_etcd.owner(shard), "shard {shard}");
@@ -379,13 +379,15 @@ fn a_client_without_etcd_reads_the_map_from_the_members_through_an_outage_and_a_
         assert_eq!(value.as_deref(), Some(format!("v{i}").as_bytes()));
     }
     // Addresses of the wrong kind say what they are.
-    let member = Client::connect(&format!("shm://{}", at("m0"))).err();
+    let m0 = member_address(dir.path(), "m0");
+    let member = Client::connect(&m0.to_string()).err();
     assert!(
-        matches!(&member, Some(Error::InvalidAddress(m)) if m.contains("cluster+shm://")),
+        matches!(&member, Some(Error::InvalidAddress(m)) if m.contains("cluster+")),
         "{member:?}"
     );
     let owner = by_etcd.owner(0).expect("shard 0 owned");
-    let region = ClusterClient::connect(&format!("cluster+shm://{}.shard-0", at(owner)));
+    let shard_0 = shard_address(&member_address(dir.path(), owner), 0).expect("an address");
+    let region = ClusterClient::connect(&format!("cluster+{shard_0}"));
     let region = region.err().map(|e| e.to_string()).unwrap_or_default();
     assert!(region.contains("serves one region"), "{region}");
 
