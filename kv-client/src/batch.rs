@@ -76,6 +76,26 @@ enum Lowest {
     Suspect,
 }
 
+/// A multi-key GET of one connection, between its batches: started by
+/// [`Client::get_started`], carried on by [`Client::get_second`] and ended
+/// by [`Client::get_done`], each of which waits for the batch the one
+/// before started. A client of several servers starts each server's, then
+/// waits for all (see `ClusterClient::get_many`).
+pub(crate) struct GetBatch {
+    hashes: Hashes,
+    firsts: SmallVec<[First; BATCH_KEYS]>,
+    /// Where the hinted blocks end in the local buffer.
+    at: usize,
+    clock: OpClock,
+    /// The second batch: the candidates it reads, how many slots of each
+    /// key matched, the keys it reads, whether it checks the epoch.
+    reads: Option<CandidateReads>,
+    matching: [usize; BATCH_KEYS],
+    read: SmallVec<[usize; BATCH_KEYS]>,
+    check_epoch: bool,
+    unsettled: Unsettled,
+}
+
 impl Client {
     /// Reads up to `BATCH_KEYS` keys into `values` (each cleared and
     /// filled), setting `found`; returns the keys it could not settle, for
@@ -86,64 +106,112 @@ impl Client {
         values: &mut [Vec<u8>],
         found: &mut [bool],
     ) -> Result<Unsettled> {
-        debug_assert!(keys.len() <= BATCH_KEYS && keys.len() == values.len());
+        let mut batch = self.get_started(keys)?;
+        self.get_second(&mut batch, keys, values, found)?;
+        self.get_done(batch, keys, values, found)
+    }
+
+    /// Starts the first batch of a GET of `keys` (up to `BATCH_KEYS`).
+    pub(crate) fn get_started(&mut self, keys: &[&[u8]]) -> Result<GetBatch> {
+        debug_assert!(keys.len() <= BATCH_KEYS);
         let hashes = hash_keys(keys.iter().copied(), self.info.geometry.bucket_count);
         let mut verbs = Verbs::new();
         let mut firsts = SmallVec::new();
         let at = self.get_first_batch(keys, &hashes, &mut verbs, &mut firsts);
         let clock = self.timing.start();
-        self.conn.post(&verbs)?;
-        self.pause_if_slow();
+        self.conn.start(&verbs)?;
+        Ok(GetBatch {
+            hashes,
+            firsts,
+            at,
+            clock,
+            reads: None,
+            matching: [0; BATCH_KEYS],
+            read: SmallVec::new(),
+            check_epoch: false,
+            unsettled: Unsettled::new(),
+        })
+    }
 
-        // Keys with a sole hint are done (or go to the single path); the
-        // others' matching blocks are the second batch.
-        let mut unsettled = Unsettled::new();
+    /// Waits for the first batch; keys with a sole hint are done (or go to
+    /// the single path), and the others' matching blocks are the second
+    /// batch, started here.
+    pub(crate) fn get_second(
+        &mut self,
+        b: &mut GetBatch,
+        keys: &[&[u8]],
+        values: &mut [Vec<u8>],
+        found: &mut [bool],
+    ) -> Result<()> {
+        debug_assert!(keys.len() == values.len());
+        self.conn.finish()?;
+        self.pause_if_slow();
         let mut windows: SmallVec<[usize; BATCH_KEYS]> = SmallVec::new();
-        for (i, first) in firsts.iter().enumerate() {
+        for (i, first) in b.firsts.iter().enumerate() {
             match *first {
-                First::Sole(sole) => match self.sole_value(keys[i], &sole, clock) {
+                First::Sole(sole) => match self.sole_value(keys[i], &sole, b.clock) {
                     Some(value) => {
                         copy_out(self.conn.local(), value, &mut values[i]);
                         found[i] = true;
                     }
-                    None => unsettled.push(i),
+                    None => b.unsettled.push(i),
                 },
                 First::Windows => windows.push(i),
             }
         }
         let g = self.info.geometry;
-        let mut reads = CandidateReads::new(at, self.layout.len, MAX_BATCH_VERBS - 1);
+        let mut reads = CandidateReads::new(b.at, self.layout.len, MAX_BATCH_VERBS - 1);
         // Slots whose fingerprint matches, per key: one means a copy found
         // there is the only one (what lets a hint settle).
-        let mut matching = [0usize; BATCH_KEYS];
-        let mut check_epoch = false;
-        // The keys whose candidates the second batch reads.
-        let mut read: SmallVec<[usize; BATCH_KEYS]> = SmallVec::new();
         for i in windows {
             let slots = self.batch_slots(i);
-            check_epoch |= meets_resize(&slots);
-            match reads.add_key(&g, i, &hashes[i], &slots) {
+            b.check_epoch |= meets_resize(&slots);
+            match reads.add_key(&g, i, &b.hashes[i], &slots) {
                 Some(n) => {
-                    matching[i] = n;
-                    read.push(i);
+                    b.matching[i] = n;
+                    b.read.push(i);
                 }
                 // Past the region this client knows, or no room.
-                None => unsettled.push(i),
+                None => b.unsettled.push(i),
             }
         }
         let mut verbs = Verbs::new();
-        if check_epoch {
+        if b.check_epoch {
             verbs.push(self.epoch_read());
         }
         verbs.extend(reads.reads());
+        b.reads = Some(reads);
         if !verbs.is_empty() {
-            self.conn.post(&verbs)?;
+            self.conn.start(&verbs)?;
         }
+        Ok(())
+    }
+
+    /// Waits for the second batch and reads each key's lowest copy;
+    /// returns the keys the single path settles.
+    pub(crate) fn get_done(
+        &mut self,
+        b: GetBatch,
+        keys: &[&[u8]],
+        values: &mut [Vec<u8>],
+        found: &mut [bool],
+    ) -> Result<Unsettled> {
+        self.conn.finish()?;
+        let GetBatch {
+            hashes,
+            clock,
+            reads,
+            matching,
+            read,
+            check_epoch,
+            mut unsettled,
+            ..
+        } = b;
         let moved = check_epoch && self.epoch_changed();
-        if !clock.in_time() || moved {
+        let Some(reads) = reads.filter(|_| clock.in_time() && !moved) else {
             unsettled.extend(read);
             return Ok(unsettled);
-        }
+        };
         for i in read {
             match self.lowest_candidate(keys[i], &reads, i) {
                 Lowest::Found(index, slot, kind, value) => {

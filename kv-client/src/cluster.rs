@@ -10,6 +10,10 @@ use std::time::{Duration, Instant};
 use kv_cluster::{shard_address, ClusterSource, ClusterState};
 use kv_common::layout::shard_of;
 
+use smallvec::SmallVec;
+
+use crate::batch::GetBatch;
+use crate::local::BATCH_KEYS;
 use crate::map_source::MapSource;
 use crate::{Client, ClientOptions, Error, Result, ServerStats, VerbStats};
 
@@ -161,15 +165,117 @@ impl ClusterClient {
     }
 
     /// The values of many keys, in order, as [`Client::get_many`] reads
-    /// them: the keys of each shard in batches at its server, one shard
-    /// after another (a round trip per shard the keys fall in, not one for
-    /// all).
+    /// them, the keys of each shard at its server: each batch is posted to
+    /// every server the keys fall in before any is waited for, so the
+    /// batch costs the round trips of one server's, not their sum. A shard
+    /// whose batch fails (its server moved or went) is read again the way
+    /// [`ClusterClient::get`] retries.
     ///
     /// # Errors
     ///
     /// The first error any shard's batch meets, as [`ClusterClient::get`]'s.
     pub fn get_many<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<Vec<Option<Vec<u8>>>> {
-        self.per_shard(keys, None, |c, batch| c.get_many(batch))
+        let mut answers = vec![None; keys.len()];
+        let mut retry = Vec::new();
+        let by_shard = self.by_shard(keys.iter().map(AsRef::as_ref))?;
+        // Connected first: each batch then goes out at once.
+        let mut shards = Vec::new();
+        for (shard, at) in by_shard {
+            match self.connection(shard) {
+                Ok(_) => shards.push((shard, at)),
+                Err(_) => retry.push((shard, at)),
+            }
+        }
+        let rounds = shards.iter().map(|(_, at)| at.len().div_ceil(BATCH_KEYS));
+        for round in 0..rounds.max().unwrap_or(0) {
+            let parts: Vec<(u32, &[usize])> = shards
+                .iter()
+                .filter_map(|(shard, at)| {
+                    let part = at.chunks(BATCH_KEYS).nth(round)?;
+                    Some((*shard, part))
+                })
+                .collect();
+            let failed = self.get_overlapped(keys, &parts, &mut answers);
+            retry.extend(
+                failed
+                    .into_iter()
+                    .map(|(shard, part)| (shard, part.to_vec())),
+            );
+        }
+        for (shard, at) in retry {
+            let batch: Vec<&[u8]> = at.iter().map(|&i| keys[i].as_ref()).collect();
+            let got = self.on(shard, |c| c.get_many(&batch))?;
+            for (i, answer) in at.into_iter().zip(got) {
+                answers[i] = answer;
+            }
+        }
+        Ok(answers)
+    }
+
+    /// One batch of each shard's keys (`parts`: a shard and the positions
+    /// of up to `BATCH_KEYS` of its keys): every shard's first batch is
+    /// started, then every shard's second, then each is finished. Returns
+    /// the parts whose shard failed, to be read again.
+    fn get_overlapped<'p, K: AsRef<[u8]>>(
+        &mut self,
+        keys: &[K],
+        parts: &[(u32, &'p [usize])],
+        answers: &mut [Option<Vec<u8>>],
+    ) -> Vec<(u32, &'p [usize])> {
+        struct Part<'p, 'k> {
+            shard: u32,
+            at: &'p [usize],
+            keys: SmallVec<[&'k [u8]; BATCH_KEYS]>,
+            values: Vec<Vec<u8>>,
+            found: Vec<bool>,
+            batch: Option<GetBatch>,
+        }
+        let mut going: Vec<Part<'p, '_>> = parts
+            .iter()
+            .map(|&(shard, at)| Part {
+                shard,
+                at,
+                keys: at.iter().map(|&i| keys[i].as_ref()).collect(),
+                values: vec![Vec::new(); at.len()],
+                found: vec![false; at.len()],
+                batch: None,
+            })
+            .collect();
+        let mut failed = Vec::new();
+        // Each step of every part before the next step of any.
+        for step in 0..3 {
+            going.retain_mut(|p| {
+                let Some(Some(client)) = self.shards.get_mut(p.shard as usize) else {
+                    failed.push((p.shard, p.at));
+                    return false;
+                };
+                let done = match (step, p.batch.take()) {
+                    (0, _) => client.get_started(&p.keys).map(|b| p.batch = Some(b)),
+                    (1, Some(mut b)) => client
+                        .get_second(&mut b, &p.keys, &mut p.values, &mut p.found)
+                        .map(|()| p.batch = Some(b)),
+                    (_, Some(b)) => client
+                        .get_done(b, &p.keys, &mut p.values, &mut p.found)
+                        .and_then(|unsettled| {
+                            unsettled.into_iter().try_for_each(|i| {
+                                p.found[i] = client.get_into_bytes(p.keys[i], &mut p.values[i])?;
+                                Ok(())
+                            })
+                        }),
+                    (_, None) => Err(Error::Internal("a batch step without its batch".into())),
+                };
+                if done.is_err() {
+                    failed.push((p.shard, p.at));
+                }
+                done.is_ok()
+            });
+        }
+        for p in going {
+            for ((i, value), found) in p.at.iter().zip(p.values).zip(p.found) {
+                answers[*i] = found.then_some(value);
+            }
+        }
+        failed
     }
 
     /// Stores many pairs, as [`Client::put_many`] does, shard by shard.

@@ -101,6 +101,12 @@ fn keys_spread_over_three_servers_and_a_dead_one_fails_only_its_shards() {
     }
     assert_eq!(failed, keys_per_member["m1"]);
     assert_eq!(served, KEYS - failed);
+    // A batch over every shard fails on m1's, naming it.
+    let all: Vec<String> = (0..KEYS).map(key).collect();
+    match fresh.get_many(&all) {
+        Err(Error::ShardUnavailable { server, .. }) => assert_eq!(server, "m1"),
+        other => panic!("a batch with m1's keys: {other:?}"),
+    }
 
     let _m1 = start_member(&url, dir.path(), "m1", &[]);
     eventually(
@@ -112,6 +118,10 @@ fn keys_spread_over_three_servers_and_a_dead_one_fails_only_its_shards() {
             })
         },
     );
+    let values = fresh.get_many(&all).expect("a batch over every shard");
+    for (i, value) in values.iter().enumerate() {
+        assert_eq!(value.as_deref(), Some(format!("v{i}").as_bytes()));
+    }
 }
 
 /// A member's one metrics endpoint shows each shard it serves, labelled.

@@ -24,6 +24,19 @@ pub trait Connection: Send {
     fn local_mut(&mut self) -> &mut [u8];
     /// Posts the verbs with one doorbell and returns when all completed.
     fn post(&mut self, verbs: &[Verb]) -> Result<(), TransportError>;
+    /// Posts the verbs with one doorbell and returns without waiting for
+    /// them: [`Connection::finish`] does, before the local buffer is read
+    /// or any other call is made on this connection. A client of several
+    /// servers starts a batch on each, then waits for all: one round trip
+    /// for the lot. Where verbs complete as they are posted (shm), this is
+    /// all of [`Connection::post`].
+    fn start(&mut self, verbs: &[Verb]) -> Result<(), TransportError> {
+        self.post(verbs)
+    }
+    /// Waits for the verbs [`Connection::start`] posted (nothing if none).
+    fn finish(&mut self) -> Result<(), TransportError> {
+        Ok(())
+    }
     fn stats(&self) -> &VerbStats;
     /// Whether a batch costs a round trip of its own (a network's), so
     /// that reads which may prove unneeded are worth posting together. Over
