@@ -93,7 +93,9 @@ pub(crate) struct GetBatch {
     matching: [usize; BATCH_KEYS],
     read: SmallVec<[usize; BATCH_KEYS]>,
     check_epoch: bool,
-    unsettled: Unsettled,
+    /// The keys the single path settles: known after the first batch for
+    /// some, after the second for all.
+    pub(crate) unsettled: Unsettled,
 }
 
 impl Client {
@@ -108,7 +110,7 @@ impl Client {
     ) -> Result<Unsettled> {
         let mut batch = self.get_started(keys)?;
         self.get_second(&mut batch, keys, values, found)?;
-        self.get_done(batch, keys, values, found)
+        self.get_done(&mut batch, keys, values, found)
     }
 
     /// Starts the first batch of a GET of `keys` (up to `BATCH_KEYS`).
@@ -191,29 +193,22 @@ impl Client {
     /// returns the keys the single path settles.
     pub(crate) fn get_done(
         &mut self,
-        b: GetBatch,
+        b: &mut GetBatch,
         keys: &[&[u8]],
         values: &mut [Vec<u8>],
         found: &mut [bool],
     ) -> Result<Unsettled> {
         self.conn.finish()?;
-        let GetBatch {
-            hashes,
-            clock,
-            reads,
-            matching,
-            read,
-            check_epoch,
-            mut unsettled,
-            ..
-        } = b;
-        let moved = check_epoch && self.epoch_changed();
-        let Some(reads) = reads.filter(|_| clock.in_time() && !moved) else {
+        let (hashes, clock, matching) = (&b.hashes, b.clock, &b.matching);
+        let mut unsettled = std::mem::take(&mut b.unsettled);
+        let read = std::mem::take(&mut b.read);
+        let moved = b.check_epoch && self.epoch_changed();
+        let Some(reads) = b.reads.as_ref().filter(|_| clock.in_time() && !moved) else {
             unsettled.extend(read);
             return Ok(unsettled);
         };
         for i in read {
-            match self.lowest_candidate(keys[i], &reads, i) {
+            match self.lowest_candidate(keys[i], reads, i) {
                 Lowest::Found(index, slot, kind, value) => {
                     copy_out(self.conn.local(), value, &mut values[i]);
                     found[i] = true;

@@ -173,7 +173,8 @@ impl ClusterClient {
     ///
     /// # Errors
     ///
-    /// The first error any shard's batch meets, as [`ClusterClient::get`]'s.
+    /// The error of a shard that still fails when read again, as
+    /// [`ClusterClient::get`]'s.
     pub fn get_many<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<Vec<Option<Vec<u8>>>> {
         let mut answers = vec![None; keys.len()];
         let mut retry = Vec::new();
@@ -187,21 +188,17 @@ impl ClusterClient {
             }
         }
         let rounds = shards.iter().map(|(_, at)| at.len().div_ceil(BATCH_KEYS));
+        // A shard that failed is read again whole, and not in later rounds.
+        let mut failed: Vec<u32> = Vec::new();
         for round in 0..rounds.max().unwrap_or(0) {
             let parts: Vec<(u32, &[usize])> = shards
                 .iter()
-                .filter_map(|(shard, at)| {
-                    let part = at.chunks(BATCH_KEYS).nth(round)?;
-                    Some((*shard, part))
-                })
+                .filter(|(shard, _)| !failed.contains(shard))
+                .filter_map(|(shard, at)| Some((*shard, at.chunks(BATCH_KEYS).nth(round)?)))
                 .collect();
-            let failed = self.get_overlapped(keys, &parts, &mut answers);
-            retry.extend(
-                failed
-                    .into_iter()
-                    .map(|(shard, part)| (shard, part.to_vec())),
-            );
+            failed.extend(self.get_overlapped(keys, &parts, &mut answers));
         }
+        retry.extend(shards.into_iter().filter(|(s, _)| failed.contains(s)));
         for (shard, at) in retry {
             let batch: Vec<&[u8]> = at.iter().map(|&i| keys[i].as_ref()).collect();
             let got = self.on(shard, |c| c.get_many(&batch))?;
@@ -214,14 +211,16 @@ impl ClusterClient {
 
     /// One batch of each shard's keys (`parts`: a shard and the positions
     /// of up to `BATCH_KEYS` of its keys): every shard's first batch is
-    /// started, then every shard's second, then each is finished. Returns
-    /// the parts whose shard failed, to be read again.
-    fn get_overlapped<'p, K: AsRef<[u8]>>(
+    /// started, then every shard's second, then all are finished, and only
+    /// then are the keys no batch settled read one by one (a slow one must
+    /// not make the other shards' batches late). Returns the shards that
+    /// failed, to be read again.
+    fn get_overlapped<K: AsRef<[u8]>>(
         &mut self,
         keys: &[K],
-        parts: &[(u32, &'p [usize])],
+        parts: &[(u32, &[usize])],
         answers: &mut [Option<Vec<u8>>],
-    ) -> Vec<(u32, &'p [usize])> {
+    ) -> Vec<u32> {
         struct Part<'p, 'k> {
             shard: u32,
             at: &'p [usize],
@@ -230,7 +229,7 @@ impl ClusterClient {
             found: Vec<bool>,
             batch: Option<GetBatch>,
         }
-        let mut going: Vec<Part<'p, '_>> = parts
+        let mut going: Vec<Part<'_, '_>> = parts
             .iter()
             .map(|&(shard, at)| Part {
                 shard,
@@ -243,29 +242,26 @@ impl ClusterClient {
             .collect();
         let mut failed = Vec::new();
         // Each step of every part before the next step of any.
-        for step in 0..3 {
+        for step in 0..4 {
             going.retain_mut(|p| {
                 let Some(Some(client)) = self.shards.get_mut(p.shard as usize) else {
-                    failed.push((p.shard, p.at));
+                    failed.push(p.shard);
                     return false;
                 };
-                let done = match (step, p.batch.take()) {
+                let done = match (step, p.batch.as_mut()) {
                     (0, _) => client.get_started(&p.keys).map(|b| p.batch = Some(b)),
-                    (1, Some(mut b)) => client
-                        .get_second(&mut b, &p.keys, &mut p.values, &mut p.found)
-                        .map(|()| p.batch = Some(b)),
-                    (_, Some(b)) => client
+                    (1, Some(b)) => client.get_second(b, &p.keys, &mut p.values, &mut p.found),
+                    (2, Some(b)) => client
                         .get_done(b, &p.keys, &mut p.values, &mut p.found)
-                        .and_then(|unsettled| {
-                            unsettled.into_iter().try_for_each(|i| {
-                                p.found[i] = client.get_into_bytes(p.keys[i], &mut p.values[i])?;
-                                Ok(())
-                            })
-                        }),
+                        .map(|unsettled| b.unsettled = unsettled),
+                    (_, Some(b)) => b.unsettled.iter().try_for_each(|&i| {
+                        p.found[i] = client.get_into_bytes(p.keys[i], &mut p.values[i])?;
+                        Ok(())
+                    }),
                     (_, None) => Err(Error::Internal("a batch step without its batch".into())),
                 };
                 if done.is_err() {
-                    failed.push((p.shard, p.at));
+                    failed.push(p.shard);
                 }
                 done.is_ok()
             });

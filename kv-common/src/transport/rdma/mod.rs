@@ -435,6 +435,8 @@ impl Connection for RdmaConnection {
     }
 
     fn attach(&mut self, region: &RemoteRegion, local_len: usize) -> Result<(), TransportError> {
+        // No READ may land in a buffer being replaced.
+        self.finish()?;
         self.local = Some(Mr::alloc(&self.pd, local_len, LOCAL_ONLY)?);
         self.remote = Some(*region);
         Ok(())
@@ -482,11 +484,16 @@ impl Connection for RdmaConnection {
         if self.started.is_empty() {
             return Ok(());
         }
-        let verbs = std::mem::take(&mut self.started);
-        self.channel.wait_for(verbs.len(), COMPLETION_TIMEOUT)?;
-        let local = self.local.as_ref().map_or(&[][..], Mr::bytes);
-        self.stats.record_batch(&verbs, local);
-        Ok(())
+        let waited = self
+            .channel
+            .wait_for(self.started.len(), COMPLETION_TIMEOUT);
+        if waited.is_ok() {
+            let local = self.local.as_ref().map_or(&[][..], Mr::bytes);
+            self.stats.record_batch(&self.started, local);
+        }
+        // Kept for its capacity: a batch is started per operation.
+        self.started.clear();
+        waited
     }
 
     fn stats(&self) -> &VerbStats {
