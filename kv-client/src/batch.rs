@@ -291,6 +291,15 @@ impl Client {
     }
 }
 
+/// A multi-key DELETE between its first batch's start and its finish:
+/// the keys' hashes, their settled hints (whose CAS the first batch
+/// posted), and the batch's clock.
+pub(crate) struct DeleteBatch {
+    hashes: Hashes,
+    blind: SmallVec<[Option<Hint>; BATCH_KEYS]>,
+    clock: OpClock,
+}
+
 /// How one key of a multi-key PUT is being written.
 #[derive(Clone, Copy)]
 enum Publish {
@@ -313,8 +322,11 @@ enum Publish {
 }
 
 /// A multi-key PUT under way: its pairs (those one batch holds), their
-/// hashes, the slots that publish their new blocks, and each key's plan.
-struct PutBatch<'p> {
+/// hashes, the slots that publish their new blocks, and each key's plan;
+/// between [`Client::put_started`] and [`Client::put_finished`], the clock
+/// of its first batch.
+pub(crate) struct PutBatch<'p> {
+    clock: Option<OpClock>,
     /// The geometry the batch started under.
     g: Geometry,
     /// Keys and values; with `Blocks::SettledCounters`, each value is the
@@ -349,6 +361,17 @@ impl Client {
         pairs: &[(&[u8], &[u8])],
         kind: Blocks,
     ) -> Result<(usize, Unsettled)> {
+        let mut put = self.put_started(pairs, kind)?;
+        self.put_finished(&mut put)
+    }
+
+    /// Stages the blocks of the leading pairs one batch holds and starts
+    /// the first batch (see [`Client::put_batch`]).
+    pub(crate) fn put_started<'p>(
+        &mut self,
+        pairs: &'p [(&'p [u8], &'p [u8])],
+        kind: Blocks,
+    ) -> Result<PutBatch<'p>> {
         let blocks = self.stage_blocks(pairs, kind)?;
         let pairs = &pairs[..blocks.len()];
         let g = self.info.geometry;
@@ -357,21 +380,34 @@ impl Client {
             .map(|i| Slot::new(hashes[i].fingerprint, blocks[i].1, blocks[i].0))
             .collect();
         let mut put = PutBatch {
+            clock: None,
             g,
             pairs,
             hashes,
             news,
             plan: SmallVec::new(),
         };
-        let clock = self.put_first_batch(&mut put, &blocks)?;
-        let located = self.settle_blind(&mut put, clock);
-        self.plan_publishes(&mut put, &located)?;
-        let published = self.publish(&mut put, clock)?;
-        self.resolve_published(&mut put, clock, published)?;
-        let unsettled = (0..pairs.len())
+        put.clock = Some(self.put_first_batch(&mut put, &blocks)?);
+        Ok(put)
+    }
+
+    /// Waits for the first batch [`Client::put_started`] started, then
+    /// runs the others. Returns how many pairs the batch took, and those
+    /// it could not settle.
+    pub(crate) fn put_finished(&mut self, put: &mut PutBatch) -> Result<(usize, Unsettled)> {
+        self.conn.finish()?;
+        self.pause_if_slow();
+        let clock = put
+            .clock
+            .ok_or_else(|| Error::Internal("a PUT batch finished before it started".into()))?;
+        let located = self.settle_blind(put, clock);
+        self.plan_publishes(put, &located)?;
+        let published = self.publish(put, clock)?;
+        self.resolve_published(put, clock, published)?;
+        let unsettled = (0..put.pairs.len())
             .filter(|&i| !matches!(put.plan[i], Publish::Done))
             .collect();
-        Ok((pairs.len(), unsettled))
+        Ok((put.pairs.len(), unsettled))
     }
 
     /// Encodes the leading pairs' blocks into the candidate area, as many
@@ -429,8 +465,8 @@ impl Client {
         Ok(blocks)
     }
 
-    /// The first batch: every block's WRITE, and each key's settled hint's
-    /// CAS or its windows. Returns its clock.
+    /// Starts the first batch: every block's WRITE, and each key's settled
+    /// hint's CAS or its windows. Returns its clock.
     fn put_first_batch(&mut self, put: &mut PutBatch, blocks: &[Staged]) -> Result<OpClock> {
         let g = put.g;
         let mut verbs = Verbs::new();
@@ -458,8 +494,7 @@ impl Client {
             }
         }
         let clock = self.timing.start();
-        self.conn.post(&reads_last(verbs))?;
-        self.pause_if_slow();
+        self.conn.start(&reads_last(verbs))?;
         Ok(clock)
     }
 
@@ -635,6 +670,13 @@ impl Client {
     /// key's copy in a third. `out[i]` says whether key `i` was there;
     /// returns the keys the batch could not settle.
     pub(crate) fn delete_batch(&mut self, keys: &[&[u8]], out: &mut [bool]) -> Result<Unsettled> {
+        let started = self.delete_started(keys)?;
+        self.delete_finished(&started, keys, out)
+    }
+
+    /// Starts the first batch of a DELETE of `keys` (see
+    /// [`Client::delete_batch`]).
+    pub(crate) fn delete_started(&mut self, keys: &[&[u8]]) -> Result<DeleteBatch> {
         let hashes = hash_keys(keys.iter().copied(), self.info.geometry.bucket_count);
         let mut verbs = Verbs::new();
         let mut blind: SmallVec<[Option<Hint>; BATCH_KEYS]> = SmallVec::new();
@@ -648,9 +690,30 @@ impl Client {
             blind.push(hint);
         }
         let clock = self.timing.start();
-        self.conn.post(&reads_last(verbs))?;
-        self.pause_if_slow();
+        self.conn.start(&reads_last(verbs))?;
+        Ok(DeleteBatch {
+            hashes,
+            blind,
+            clock,
+        })
+    }
 
+    /// Waits for the first batch [`Client::delete_started`] started, then
+    /// runs the others; returns the keys the single path settles.
+    pub(crate) fn delete_finished(
+        &mut self,
+        started: &DeleteBatch,
+        keys: &[&[u8]],
+        out: &mut [bool],
+    ) -> Result<Unsettled> {
+        self.conn.finish()?;
+        self.pause_if_slow();
+        let DeleteBatch {
+            hashes,
+            blind,
+            clock,
+        } = started;
+        let clock = *clock;
         let mut unsettled = Unsettled::new();
         let mut located: SmallVec<[bool; BATCH_KEYS]> = SmallVec::new();
         for (i, hint) in blind.iter().enumerate() {
@@ -662,7 +725,7 @@ impl Client {
             }
             located.push(hint.is_none());
         }
-        let copies = self.writer_copies(keys, &hashes, &located)?;
+        let copies = self.writer_copies(keys, hashes, &located)?;
 
         // Third batch: per key, a CAS that empties the one copy a reader
         // sees (a counter that has not settled is left to its creator). A

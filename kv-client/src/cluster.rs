@@ -39,6 +39,9 @@ pub struct ClusterClient {
     shards: Vec<Option<Client>>,
 }
 
+/// A shard's pairs of a `put_many`.
+type Pairs<'p> = Vec<(&'p [u8], &'p [u8])>;
+
 /// How long a client tries etcd (or the members) again when they fail to
 /// answer.
 const ETCD_RETRY: Duration = Duration::from_secs(2);
@@ -274,52 +277,205 @@ impl ClusterClient {
         failed
     }
 
-    /// Stores many pairs, as [`Client::put_many`] does, shard by shard.
+    /// Stores many pairs, as [`Client::put_many`] does, the pairs of each
+    /// shard at its server: each batch's first step (its blocks and CASes,
+    /// all of it for keys with settled hints) is posted to every server
+    /// before any is waited for; the rest of each runs server by server. A
+    /// shard whose batch fails is written again whole the way
+    /// [`ClusterClient::put`] retries (a PUT redone is a PUT).
     ///
     /// # Errors
     ///
-    /// The first error any shard's batch meets, as [`ClusterClient::put`]'s;
-    /// some of the other pairs may have been stored (the call is not
-    /// atomic).
+    /// [`Error::ValueTooLarge`] before anything is written; else the error
+    /// of a shard that still fails when written again, as
+    /// [`ClusterClient::put`]'s. Some of the other pairs may have been
+    /// stored (the call is not atomic).
     pub fn put_many<K: AsRef<[u8]>, V: AsRef<[u8]>>(&mut self, pairs: &[(K, V)]) -> Result<()> {
+        let mut shards = Vec::new();
+        let mut retry = Vec::new();
         for (shard, at) in self.by_shard(pairs.iter().map(|(k, _)| k.as_ref()))? {
             let batch: Vec<(&[u8], &[u8])> = at
                 .iter()
                 .map(|&i| (pairs[i].0.as_ref(), pairs[i].1.as_ref()))
                 .collect();
+            let Ok(client) = self.connection(shard) else {
+                retry.push((shard, batch));
+                continue;
+            };
+            let max = client.max_value();
+            if let Some((_, v)) = batch.iter().find(|(_, v)| v.len() > max) {
+                return Err(Error::ValueTooLarge { len: v.len(), max });
+            }
+            shards.push((shard, batch));
+        }
+        // Pairs written so far, per shard; None once its shard failed.
+        let mut done: Vec<Option<usize>> = vec![Some(0); shards.len()];
+        while shards
+            .iter()
+            .zip(&done)
+            .any(|((_, b), d)| d.is_some_and(|d| d < b.len()))
+        {
+            self.put_overlapped(&shards, &mut done);
+        }
+        retry.extend(
+            shards
+                .into_iter()
+                .zip(done)
+                .filter_map(|(shard, d)| d.is_none().then_some(shard)),
+        );
+        for (shard, batch) in retry {
             self.on(shard, |c| c.put_many(&batch))?;
         }
         Ok(())
     }
 
-    /// Removes many keys, as [`Client::delete_many`] does, shard by shard,
-    /// and says for each whether it was there.
+    /// The next batch of each shard's pairs that `done` says are left:
+    /// every first step started, then each finished, then the pairs no
+    /// batch settled written one by one. A shard that fails gets None.
+    fn put_overlapped(&mut self, shards: &[(u32, Pairs<'_>)], done: &mut [Option<usize>]) {
+        let mut started = Vec::new();
+        for (n, (shard, batch)) in shards.iter().enumerate() {
+            let Some(from) = done[n].filter(|&d| d < batch.len()) else {
+                continue;
+            };
+            let Some(Some(client)) = self.shards.get_mut(*shard as usize) else {
+                done[n] = None;
+                continue;
+            };
+            match client.put_started(&batch[from..], crate::batch::Blocks::Values) {
+                Ok(put) => started.push((n, from, put)),
+                Err(_) => done[n] = None,
+            }
+        }
+        let mut singles = Vec::new();
+        for (n, from, mut put) in started {
+            let finished = match self.shards.get_mut(shards[n].0 as usize) {
+                Some(Some(client)) => client.put_finished(&mut put),
+                _ => Err(Error::Internal("a shard's connection vanished".into())),
+            };
+            match finished {
+                Ok((took, unsettled)) => {
+                    done[n] = Some(from + took);
+                    singles.push((n, from, unsettled));
+                }
+                Err(_) => done[n] = None,
+            }
+        }
+        for (n, from, unsettled) in singles {
+            let (shard, batch) = &shards[n];
+            let Some(Some(client)) = self.shards.get_mut(*shard as usize) else {
+                done[n] = None;
+                continue;
+            };
+            let wrote = unsettled
+                .iter()
+                .try_for_each(|&i| client.put(batch[from + i].0, batch[from + i].1));
+            if wrote.is_err() {
+                done[n] = None;
+            }
+        }
+    }
+
+    /// Removes many keys, as [`Client::delete_many`] does, the keys of each
+    /// shard at its server, and says for each whether it was there. Each
+    /// batch's first step (all of it for keys with settled hints) is
+    /// posted to every server before any is waited for; the rest of each
+    /// runs server by server. A shard whose batch fails is done again the
+    /// way [`ClusterClient::delete`] retries (a key the failed batch
+    /// removed still counts as there).
     ///
     /// # Errors
     ///
-    /// The first error any shard's batch meets, as
+    /// The error of a shard that still fails when done again, as
     /// [`ClusterClient::delete`]'s.
     pub fn delete_many<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<Vec<bool>> {
-        self.per_shard(keys, false, |c, batch| c.delete_many(batch))
-    }
-
-    /// Runs `op` on each shard's keys (in the caller's order within the
-    /// shard) and gives its answers back at the keys' positions.
-    fn per_shard<K: AsRef<[u8]>, T: Clone>(
-        &mut self,
-        keys: &[K],
-        none: T,
-        op: impl Fn(&mut Client, &[&[u8]]) -> Result<Vec<T>>,
-    ) -> Result<Vec<T>> {
-        let mut answers = vec![none; keys.len()];
+        let mut out = vec![false; keys.len()];
+        let mut shards = Vec::new();
+        let mut retry = Vec::new();
         for (shard, at) in self.by_shard(keys.iter().map(AsRef::as_ref))? {
-            let batch: Vec<&[u8]> = at.iter().map(|&i| keys[i].as_ref()).collect();
-            let got = self.on(shard, |c| op(c, &batch))?;
-            for (i, answer) in at.into_iter().zip(got) {
-                answers[i] = answer;
+            match self.connection(shard) {
+                Ok(_) => shards.push((shard, at)),
+                Err(_) => retry.push((shard, at)),
             }
         }
-        Ok(answers)
+        let rounds = shards.iter().map(|(_, at)| at.len().div_ceil(BATCH_KEYS));
+        let mut failed: Vec<u32> = Vec::new();
+        for round in 0..rounds.max().unwrap_or(0) {
+            let parts: Vec<(u32, &[usize])> = shards
+                .iter()
+                .filter(|(shard, _)| !failed.contains(shard))
+                .filter_map(|(shard, at)| Some((*shard, at.chunks(BATCH_KEYS).nth(round)?)))
+                .collect();
+            failed.extend(self.delete_overlapped(keys, &parts, &mut out));
+        }
+        retry.extend(shards.into_iter().filter(|(s, _)| failed.contains(s)));
+        for (shard, at) in retry {
+            let batch: Vec<&[u8]> = at.iter().map(|&i| keys[i].as_ref()).collect();
+            let got = self.on(shard, |c| c.delete_many(&batch))?;
+            for (i, was) in at.into_iter().zip(got) {
+                out[i] |= was;
+            }
+        }
+        Ok(out)
+    }
+
+    /// One batch of each shard's keys (`parts`, as for
+    /// [`Self::get_overlapped`]): every first step started, then each
+    /// finished, then the keys no batch settled removed one by one. What
+    /// each key's removal found goes to `out` (even from a shard that then
+    /// failed: a key a batch removed was there). Returns the shards that
+    /// failed.
+    fn delete_overlapped<K: AsRef<[u8]>>(
+        &mut self,
+        keys: &[K],
+        parts: &[(u32, &[usize])],
+        out: &mut [bool],
+    ) -> Vec<u32> {
+        let mut failed = Vec::new();
+        let mut started = Vec::new();
+        for &(shard, at) in parts {
+            let batch: SmallVec<[&[u8]; BATCH_KEYS]> =
+                at.iter().map(|&i| keys[i].as_ref()).collect();
+            let Some(Some(client)) = self.shards.get_mut(shard as usize) else {
+                failed.push(shard);
+                continue;
+            };
+            match client.delete_started(&batch) {
+                Ok(delete) => started.push((shard, at, batch, delete)),
+                Err(_) => failed.push(shard),
+            }
+        }
+        let mut singles = Vec::new();
+        for (shard, at, batch, delete) in started {
+            let mut found = vec![false; at.len()];
+            let finished = match self.shards.get_mut(shard as usize) {
+                Some(Some(client)) => client.delete_finished(&delete, &batch, &mut found),
+                _ => Err(Error::Internal("a shard's connection vanished".into())),
+            };
+            for (&i, was) in at.iter().zip(&found) {
+                out[i] |= was;
+            }
+            match finished {
+                Ok(unsettled) => singles.push((shard, at, batch, unsettled)),
+                Err(_) => failed.push(shard),
+            }
+        }
+        for (shard, at, batch, unsettled) in singles {
+            let Some(Some(client)) = self.shards.get_mut(shard as usize) else {
+                failed.push(shard);
+                continue;
+            };
+            for i in unsettled {
+                match client.delete_bytes(batch[i]) {
+                    Ok(was) => out[at[i]] |= was,
+                    Err(_) => {
+                        failed.push(shard);
+                        break;
+                    }
+                }
+            }
+        }
+        failed
     }
 
     /// The positions of `keys` grouped by shard, in order within each.

@@ -208,6 +208,31 @@ fn batches_span_shards(url: &str) {
         .filter(|v| v.is_some())
         .count();
     assert_eq!(present, 50, "the odd keys stay");
+
+    // Several batches per shard, and with slot hints the blind path (a
+    // warm batch is its first step only).
+    let options = kv_client::ClientOptions::default().with_slot_cache_entries(4096);
+    let mut warm = ClusterClient::connect_with(url, options).expect("connect");
+    let many: Vec<(String, String)> = (0..300)
+        .map(|i| (format!("many{i}"), format!("m{i}")))
+        .collect();
+    for round in 0..2 {
+        let pairs: Vec<(&str, String)> = many
+            .iter()
+            .map(|(k, v)| (k.as_str(), format!("{v}.{round}")))
+            .collect();
+        warm.put_many(&pairs).expect("put_many");
+        let keys: Vec<&str> = many.iter().map(|(k, _)| k.as_str()).collect();
+        let values = warm.get_many(&keys).expect("get_many");
+        for ((k, v), read) in pairs.iter().zip(&values) {
+            assert_eq!(read.as_deref(), Some(v.as_bytes()), "{k}, round {round}");
+        }
+    }
+    let keys: Vec<String> = (0..400).map(|i| format!("many{i}")).collect();
+    let deleted = warm.delete_many(&keys).expect("delete_many");
+    assert_eq!(deleted, (0..400).map(|i| i < 300).collect::<Vec<_>>());
+    let after = kv.get_many(&keys).expect("get_many");
+    assert!(after.iter().all(Option::is_none), "deleted keys read back");
 }
 
 /// `kv --server etcd://...` (or `cluster+...`) reads and writes keys
