@@ -366,7 +366,8 @@ impl Client {
     }
 
     /// Stages the blocks of the leading pairs one batch holds and starts
-    /// the first batch (see [`Client::put_batch`]).
+    /// the first batch (see [`Client::put_batch`]). [`Client::put_finished`]
+    /// must follow, on this client, before any other call on it.
     pub(crate) fn put_started<'p>(
         &mut self,
         pairs: &'p [(&'p [u8], &'p [u8])],
@@ -675,7 +676,8 @@ impl Client {
     }
 
     /// Starts the first batch of a DELETE of `keys` (see
-    /// [`Client::delete_batch`]).
+    /// [`Client::delete_batch`]). [`Client::delete_finished`] must follow,
+    /// with the same keys, on this client, before any other call on it.
     pub(crate) fn delete_started(&mut self, keys: &[&[u8]]) -> Result<DeleteBatch> {
         let hashes = hash_keys(keys.iter().copied(), self.info.geometry.bucket_count);
         let mut verbs = Verbs::new();
@@ -706,6 +708,7 @@ impl Client {
         keys: &[&[u8]],
         out: &mut [bool],
     ) -> Result<Unsettled> {
+        debug_assert_eq!(keys.len(), started.blind.len());
         self.conn.finish()?;
         self.pause_if_slow();
         let DeleteBatch {

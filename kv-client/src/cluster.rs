@@ -42,6 +42,41 @@ pub struct ClusterClient {
 /// A shard's pairs of a `put_many`.
 type Pairs<'p> = Vec<(&'p [u8], &'p [u8])>;
 
+/// Where a shard's part of a cluster write stands.
+enum Progress {
+    /// Keys or pairs done so far.
+    Going(usize),
+    /// Its server moved or went: done again from here, by `on`.
+    Redo(usize),
+    /// An error a retry would not cure.
+    Failed(Error),
+}
+
+impl Progress {
+    /// What an error met by the batch from `from` on leaves: a redo from
+    /// there for what `on` retries (a server that moved or went), else the
+    /// error.
+    fn after(e: Error, from: usize) -> Progress {
+        let gone = matches!(e, Error::ShardUnavailable { .. } | Error::Refused(_))
+            || (e.is_retryable() && !matches!(e, Error::Contended(_)));
+        match gone {
+            true => Progress::Redo(from),
+            false => Progress::Failed(e),
+        }
+    }
+
+    /// Whether this part still has some of its `len` keys to do here.
+    fn left(&self, len: usize) -> bool {
+        matches!(*self, Progress::Going(done) if done < len)
+    }
+}
+
+/// A shard's connection that is not there (nothing clears one during a
+/// batch; said rather than assumed).
+fn gone() -> Error {
+    Error::Internal("a shard's connection vanished during a batch".into())
+}
+
 /// How long a client tries etcd (or the members) again when they fail to
 /// answer.
 const ETCD_RETRY: Duration = Duration::from_secs(2);
@@ -278,16 +313,18 @@ impl ClusterClient {
     }
 
     /// Stores many pairs, as [`Client::put_many`] does, the pairs of each
-    /// shard at its server: each batch's first step (its blocks and CASes,
-    /// all of it for keys with settled hints) is posted to every server
-    /// before any is waited for; the rest of each runs server by server. A
-    /// shard whose batch fails is written again whole the way
-    /// [`ClusterClient::put`] retries (a PUT redone is a PUT).
+    /// shard at its server: each batch's first step (its blocks' WRITEs,
+    /// and per key the hinted CAS or its windows: all of it for keys with
+    /// settled hints) is posted to every server before any is waited for;
+    /// the rest of each runs server by server. A shard whose server moved
+    /// or went is written again from its failed batch on, the way
+    /// [`ClusterClient::put`] retries.
     ///
     /// # Errors
     ///
-    /// [`Error::ValueTooLarge`] before anything is written; else the error
-    /// of a shard that still fails when written again, as
+    /// [`Error::ValueTooLarge`] before anything is written (checked at
+    /// every shard whose server answered); else the first error a shard
+    /// met that a retry would not cure, or that a retry met, as
     /// [`ClusterClient::put`]'s. Some of the other pairs may have been
     /// stored (the call is not atomic).
     pub fn put_many<K: AsRef<[u8]>, V: AsRef<[u8]>>(&mut self, pairs: &[(K, V)]) -> Result<()> {
@@ -308,71 +345,73 @@ impl ClusterClient {
             }
             shards.push((shard, batch));
         }
-        // Pairs written so far, per shard; None once its shard failed.
-        let mut done: Vec<Option<usize>> = vec![Some(0); shards.len()];
+        let mut progress: Vec<Progress> = shards.iter().map(|_| Progress::Going(0)).collect();
         while shards
             .iter()
-            .zip(&done)
-            .any(|((_, b), d)| d.is_some_and(|d| d < b.len()))
+            .zip(&progress)
+            .any(|((_, b), p)| p.left(b.len()))
         {
-            self.put_overlapped(&shards, &mut done);
+            self.put_overlapped(&shards, &mut progress);
         }
-        retry.extend(
-            shards
-                .into_iter()
-                .zip(done)
-                .filter_map(|(shard, d)| d.is_none().then_some(shard)),
-        );
+        for ((shard, batch), p) in shards.into_iter().zip(progress) {
+            match p {
+                Progress::Going(_) => {}
+                Progress::Redo(from) => retry.push((shard, batch[from..].to_vec())),
+                Progress::Failed(e) => return Err(e),
+            }
+        }
         for (shard, batch) in retry {
             self.on(shard, |c| c.put_many(&batch))?;
         }
         Ok(())
     }
 
-    /// The next batch of each shard's pairs that `done` says are left:
+    /// The next batch of each shard's pairs that `progress` says are left:
     /// every first step started, then each finished, then the pairs no
-    /// batch settled written one by one. A shard that fails gets None.
-    fn put_overlapped(&mut self, shards: &[(u32, Pairs<'_>)], done: &mut [Option<usize>]) {
+    /// batch settled written one by one.
+    fn put_overlapped(&mut self, shards: &[(u32, Pairs<'_>)], progress: &mut [Progress]) {
         let mut started = Vec::new();
         for (n, (shard, batch)) in shards.iter().enumerate() {
-            let Some(from) = done[n].filter(|&d| d < batch.len()) else {
+            let Progress::Going(from) = progress[n] else {
                 continue;
             };
-            let Some(Some(client)) = self.shards.get_mut(*shard as usize) else {
-                done[n] = None;
+            if from == batch.len() {
                 continue;
+            }
+            let begun = match self.shards.get_mut(*shard as usize) {
+                Some(Some(client)) => {
+                    client.put_started(&batch[from..], crate::batch::Blocks::Values)
+                }
+                _ => Err(gone()),
             };
-            match client.put_started(&batch[from..], crate::batch::Blocks::Values) {
+            match begun {
                 Ok(put) => started.push((n, from, put)),
-                Err(_) => done[n] = None,
+                Err(e) => progress[n] = Progress::after(e, from),
             }
         }
         let mut singles = Vec::new();
         for (n, from, mut put) in started {
             let finished = match self.shards.get_mut(shards[n].0 as usize) {
                 Some(Some(client)) => client.put_finished(&mut put),
-                _ => Err(Error::Internal("a shard's connection vanished".into())),
+                _ => Err(gone()),
             };
             match finished {
-                Ok((took, unsettled)) => {
-                    done[n] = Some(from + took);
-                    singles.push((n, from, unsettled));
-                }
-                Err(_) => done[n] = None,
+                Ok((took, unsettled)) => singles.push((n, from, took, unsettled)),
+                Err(e) => progress[n] = Progress::after(e, from),
             }
         }
-        for (n, from, unsettled) in singles {
+        for (n, from, took, unsettled) in singles {
             let (shard, batch) = &shards[n];
-            let Some(Some(client)) = self.shards.get_mut(*shard as usize) else {
-                done[n] = None;
-                continue;
+            let wrote = match self.shards.get_mut(*shard as usize) {
+                Some(Some(client)) => unsettled
+                    .iter()
+                    .try_for_each(|&i| client.put(batch[from + i].0, batch[from + i].1)),
+                _ => Err(gone()),
             };
-            let wrote = unsettled
-                .iter()
-                .try_for_each(|&i| client.put(batch[from + i].0, batch[from + i].1));
-            if wrote.is_err() {
-                done[n] = None;
-            }
+            progress[n] = match wrote {
+                Ok(()) => Progress::Going(from + took),
+                Err(e) => Progress::after(e, from),
+            };
         }
     }
 
@@ -380,14 +419,14 @@ impl ClusterClient {
     /// shard at its server, and says for each whether it was there. Each
     /// batch's first step (all of it for keys with settled hints) is
     /// posted to every server before any is waited for; the rest of each
-    /// runs server by server. A shard whose batch fails is done again the
-    /// way [`ClusterClient::delete`] retries (a key the failed batch
-    /// removed still counts as there).
+    /// runs server by server. A shard whose server moved or went is done
+    /// again from its failed batch on, the way [`ClusterClient::delete`]
+    /// retries (a key the failed batch saw removed still counts as there).
     ///
     /// # Errors
     ///
-    /// The error of a shard that still fails when done again, as
-    /// [`ClusterClient::delete`]'s.
+    /// The first error a shard met that a retry would not cure, or that a
+    /// retry met, as [`ClusterClient::delete`]'s.
     pub fn delete_many<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<Vec<bool>> {
         let mut out = vec![false; keys.len()];
         let mut shards = Vec::new();
@@ -398,17 +437,21 @@ impl ClusterClient {
                 Err(_) => retry.push((shard, at)),
             }
         }
-        let rounds = shards.iter().map(|(_, at)| at.len().div_ceil(BATCH_KEYS));
-        let mut failed: Vec<u32> = Vec::new();
-        for round in 0..rounds.max().unwrap_or(0) {
-            let parts: Vec<(u32, &[usize])> = shards
-                .iter()
-                .filter(|(shard, _)| !failed.contains(shard))
-                .filter_map(|(shard, at)| Some((*shard, at.chunks(BATCH_KEYS).nth(round)?)))
-                .collect();
-            failed.extend(self.delete_overlapped(keys, &parts, &mut out));
+        let mut progress: Vec<Progress> = shards.iter().map(|_| Progress::Going(0)).collect();
+        while shards
+            .iter()
+            .zip(&progress)
+            .any(|((_, at), p)| p.left(at.len()))
+        {
+            self.delete_overlapped(keys, &shards, &mut progress, &mut out);
         }
-        retry.extend(shards.into_iter().filter(|(s, _)| failed.contains(s)));
+        for ((shard, at), p) in shards.into_iter().zip(progress) {
+            match p {
+                Progress::Going(_) => {}
+                Progress::Redo(from) => retry.push((shard, at[from..].to_vec())),
+                Progress::Failed(e) => return Err(e),
+            }
+        }
         for (shard, at) in retry {
             let batch: Vec<&[u8]> = at.iter().map(|&i| keys[i].as_ref()).collect();
             let got = self.on(shard, |c| c.delete_many(&batch))?;
@@ -419,63 +462,66 @@ impl ClusterClient {
         Ok(out)
     }
 
-    /// One batch of each shard's keys (`parts`, as for
-    /// [`Self::get_overlapped`]): every first step started, then each
-    /// finished, then the keys no batch settled removed one by one. What
-    /// each key's removal found goes to `out` (even from a shard that then
-    /// failed: a key a batch removed was there). Returns the shards that
-    /// failed.
+    /// The next `BATCH_KEYS` keys of each shard (`shards`: a shard and its
+    /// keys' positions) that `progress` says are left: every first step
+    /// started, then each finished, then the keys no batch settled
+    /// removed one by one. What each removal found goes to `out`, even
+    /// from a batch that then failed (a key it removed was there).
     fn delete_overlapped<K: AsRef<[u8]>>(
         &mut self,
         keys: &[K],
-        parts: &[(u32, &[usize])],
+        shards: &[(u32, Vec<usize>)],
+        progress: &mut [Progress],
         out: &mut [bool],
-    ) -> Vec<u32> {
-        let mut failed = Vec::new();
+    ) {
         let mut started = Vec::new();
-        for &(shard, at) in parts {
-            let batch: SmallVec<[&[u8]; BATCH_KEYS]> =
-                at.iter().map(|&i| keys[i].as_ref()).collect();
-            let Some(Some(client)) = self.shards.get_mut(shard as usize) else {
-                failed.push(shard);
+        for (n, (shard, at)) in shards.iter().enumerate() {
+            let Progress::Going(from) = progress[n] else {
                 continue;
             };
-            match client.delete_started(&batch) {
-                Ok(delete) => started.push((shard, at, batch, delete)),
-                Err(_) => failed.push(shard),
+            let at = &at[from..at.len().min(from + BATCH_KEYS)];
+            if at.is_empty() {
+                continue;
+            }
+            let batch: SmallVec<[&[u8]; BATCH_KEYS]> =
+                at.iter().map(|&i| keys[i].as_ref()).collect();
+            let begun = match self.shards.get_mut(*shard as usize) {
+                Some(Some(client)) => client.delete_started(&batch),
+                _ => Err(gone()),
+            };
+            match begun {
+                Ok(delete) => started.push((n, from, at, batch, delete)),
+                Err(e) => progress[n] = Progress::after(e, from),
             }
         }
         let mut singles = Vec::new();
-        for (shard, at, batch, delete) in started {
+        for (n, from, at, batch, delete) in started {
             let mut found = vec![false; at.len()];
-            let finished = match self.shards.get_mut(shard as usize) {
+            let finished = match self.shards.get_mut(shards[n].0 as usize) {
                 Some(Some(client)) => client.delete_finished(&delete, &batch, &mut found),
-                _ => Err(Error::Internal("a shard's connection vanished".into())),
+                _ => Err(gone()),
             };
             for (&i, was) in at.iter().zip(&found) {
                 out[i] |= was;
             }
             match finished {
-                Ok(unsettled) => singles.push((shard, at, batch, unsettled)),
-                Err(_) => failed.push(shard),
+                Ok(unsettled) => singles.push((n, from, at, batch, unsettled)),
+                Err(e) => progress[n] = Progress::after(e, from),
             }
         }
-        for (shard, at, batch, unsettled) in singles {
-            let Some(Some(client)) = self.shards.get_mut(shard as usize) else {
-                failed.push(shard);
-                continue;
+        for (n, from, at, batch, unsettled) in singles {
+            let removed = match self.shards.get_mut(shards[n].0 as usize) {
+                Some(Some(client)) => unsettled.iter().try_for_each(|&i| {
+                    out[at[i]] |= client.delete_bytes(batch[i])?;
+                    Ok(())
+                }),
+                _ => Err(gone()),
             };
-            for i in unsettled {
-                match client.delete_bytes(batch[i]) {
-                    Ok(was) => out[at[i]] |= was,
-                    Err(_) => {
-                        failed.push(shard);
-                        break;
-                    }
-                }
-            }
+            progress[n] = match removed {
+                Ok(()) => Progress::Going(from + at.len()),
+                Err(e) => Progress::after(e, from),
+            };
         }
-        failed
     }
 
     /// The positions of `keys` grouped by shard, in order within each.

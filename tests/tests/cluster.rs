@@ -209,14 +209,19 @@ fn batches_span_shards(url: &str) {
         .count();
     assert_eq!(present, 50, "the odd keys stay");
 
-    // Several batches per shard, and with slot hints the blind path (a
-    // warm batch is its first step only).
+    // Several batches per shard; with slot hints settled (a settle period
+    // after they were first seen), a warm batch is its first step only.
     let options = kv_client::ClientOptions::default().with_slot_cache_entries(4096);
     let mut warm = ClusterClient::connect_with(url, options).expect("connect");
     let many: Vec<(String, String)> = (0..300)
         .map(|i| (format!("many{i}"), format!("m{i}")))
         .collect();
     for round in 0..2 {
+        if round == 1 {
+            std::thread::sleep(Duration::from_millis(400));
+            let keys: Vec<&str> = many.iter().map(|(k, _)| k.as_str()).collect();
+            warm.get_many(&keys).expect("get_many");
+        }
         let pairs: Vec<(&str, String)> = many
             .iter()
             .map(|(k, v)| (k.as_str(), format!("{v}.{round}")))
