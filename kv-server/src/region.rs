@@ -391,6 +391,15 @@ impl Offline {
             header,
         })
     }
+
+    /// Opens the region and revokes its clients (see [`revoke_clients`]):
+    /// a server that died keeps its clients' keys valid, and none may read
+    /// or write what is then read (a clean shutdown revoked them already).
+    fn stopped(path: &Path, settle: std::time::Duration) -> Result<Offline, ServerError> {
+        let offline = Offline::open(path)?;
+        revoke_clients(&offline.region, path, settle)?;
+        Ok(offline)
+    }
 }
 
 /// Zeroes every client key of a region no server uses, then waits
@@ -429,10 +438,7 @@ pub fn read_entries(
 ) -> Result<u64, ServerError> {
     let Offline {
         _lock, region, g, ..
-    } = Offline::open(path)?;
-    // A server that died keeps its clients' keys valid: none may read or
-    // write what is being read (a clean shutdown revoked them already).
-    revoke_clients(&region, path, settle)?;
+    } = Offline::stopped(path, settle)?;
     for_each_entry(&region, &g, f).map_err(|e| region_error(path, e))
 }
 
@@ -483,8 +489,7 @@ pub fn read_counters_at(
 ) -> Result<u64, ServerError> {
     let Offline {
         _lock, region, g, ..
-    } = Offline::open(path)?;
-    revoke_clients(&region, path, settle)?;
+    } = Offline::stopped(path, settle)?;
     let mut entries = Entries::new(f);
     for &pos in positions {
         let word = region

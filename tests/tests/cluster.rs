@@ -344,6 +344,31 @@ fn busy_client(
     })
 }
 
+/// Waits until member m2 has joined and taken shards, with no move under
+/// way, then stops `client` (a [`busy_client`]), which must have met no
+/// error; the last value it wrote to each key.
+fn m2_joins_under(
+    url: &str,
+    stop: &AtomicBool,
+    client: std::thread::JoinHandle<(Vec<String>, BTreeMap<usize, String>)>,
+) -> BTreeMap<usize, String> {
+    eventually("m2 joins and takes shards", Duration::from_secs(90), || {
+        let status = cluster_status(url);
+        status.contains("member m2 ")
+            && !status.contains(": 0 shards")
+            && !status.contains("moving")
+    });
+    stop.store(true, Ordering::SeqCst);
+    let (errors, last) = client.join().expect("the client");
+    assert!(
+        errors.is_empty(),
+        "{} errors: {:?}",
+        errors.len(),
+        &errors[..errors.len().min(5)]
+    );
+    last
+}
+
 #[test]
 fn while_etcd_is_down_the_data_path_carries_on_and_membership_waits() {
     let mut etcd = EtcdServer::start();
@@ -373,20 +398,7 @@ fn while_etcd_is_down_the_data_path_carries_on_and_membership_waits() {
     assert!(during > 100, "{during} operations while etcd was down");
 
     // Back: the new server joins and gets its share while the client runs.
-    eventually("m2 joins and takes shards", Duration::from_secs(90), || {
-        let status = cluster_status(&url);
-        status.contains("member m2 ")
-            && !status.contains(": 0 shards")
-            && !status.contains("moving")
-    });
-    stop.store(true, Ordering::SeqCst);
-    let (errors, last) = client.join().expect("the client");
-    assert!(
-        errors.is_empty(),
-        "{} errors: {:?}",
-        errors.len(),
-        &errors[..errors.len().min(5)]
-    );
+    let last = m2_joins_under(&url, &stop, client);
     let mut kv = ClusterClient::connect(&url).expect("connect");
     for (i, value) in last {
         assert_eq!(
@@ -451,20 +463,7 @@ fn a_client_without_etcd_reads_the_map_from_the_members_through_an_outage_and_a_
 
     // m2 joins and shards move to it while the client runs; the client
     // follows the moves through the members alone.
-    eventually("m2 joins and takes shards", Duration::from_secs(90), || {
-        let status = cluster_status(&url);
-        status.contains("member m2 ")
-            && !status.contains(": 0 shards")
-            && !status.contains("moving")
-    });
-    stop.store(true, Ordering::SeqCst);
-    let (errors, last) = client.join().expect("the client");
-    assert!(
-        errors.is_empty(),
-        "{} errors: {:?}",
-        errors.len(),
-        &errors[..errors.len().min(5)]
-    );
+    let last = m2_joins_under(&url, &stop, client);
     let mut after = ClusterClient::connect(&members).expect("connect");
     assert!((0..after.shards()).any(|s| after.owner(s) == Some("m2")));
     for (i, value) in last {
