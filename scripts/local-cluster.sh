@@ -6,7 +6,8 @@
 #
 # Needs etcd (Debian: etcd-server) and a build of kv-server (cargo build
 # --release -p kv-server; protoc, Debian protobuf-compiler, to build it).
-# Clients then connect with kv_client::ClusterClient::connect(URL), and
+# Clients then connect with kv_client::ClusterClient::connect(URL), or
+# without etcd through the members (the address it prints last), and
 # `kv-server cluster status URL` shows who serves which shards.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -41,4 +42,5 @@ done
 sleep 2
 "$server" cluster status "$url"
 echo "cluster $url is up (logs in $work); Ctrl-C stops it"
+echo "its members, for clients without etcd: cluster+shm://$work/a,$work/b,$work/c"
 wait
