@@ -291,13 +291,27 @@ impl Client {
     }
 }
 
-/// A multi-key DELETE between its first batch's start and its finish:
-/// the keys' hashes, their settled hints (whose CAS the first batch
-/// posted), and the batch's clock.
+/// A multi-key DELETE under way (see [`Client::delete_batch`]): the keys'
+/// hashes, their settled hints (whose CAS the first batch posted), the
+/// first batch's clock; then the copies read and the CASes that empty
+/// them.
 pub(crate) struct DeleteBatch {
     hashes: Hashes,
     blind: SmallVec<[Option<Hint>; BATCH_KEYS]>,
     clock: OpClock,
+    /// Which keys' windows the first batch read.
+    located: SmallVec<[bool; BATCH_KEYS]>,
+    copies: Option<CopyReads>,
+    /// Each CAS of the third batch: key, position, the slot it empties.
+    cases: SmallVec<[(usize, SlotPos, Slot); BATCH_KEYS]>,
+    unsettled: Unsettled,
+}
+
+/// The second batch of a multi-key write: the blocks its keys' windows
+/// point at, and which keys it can settle.
+struct CopyReads {
+    reads: CandidateReads,
+    settles: SmallVec<[bool; BATCH_KEYS]>,
 }
 
 /// How one key of a multi-key PUT is being written.
@@ -327,6 +341,9 @@ enum Publish {
 /// of its first batch.
 pub(crate) struct PutBatch<'p> {
     clock: Option<OpClock>,
+    /// The second batch (the located keys' copies), and the third's clock.
+    copies: Option<CopyReads>,
+    published: Option<OpClock>,
     /// The geometry the batch started under.
     g: Geometry,
     /// Keys and values; with `Blocks::SettledCounters`, each value is the
@@ -335,6 +352,11 @@ pub(crate) struct PutBatch<'p> {
     hashes: Hashes,
     news: SmallVec<[Slot; BATCH_KEYS]>,
     plan: SmallVec<[Publish; BATCH_KEYS]>,
+}
+
+/// A batch step taken out of its order (a bug, said rather than assumed).
+fn out_of_order(what: &str) -> Error {
+    Error::Internal(format!("a {what} batch's steps out of order"))
 }
 
 /// A block staged for a multi-key PUT: where it goes, its class, where it
@@ -356,18 +378,25 @@ impl Client {
     /// next, the CASes (and inserted keys' windows, for the duplicate check)
     /// in a third. Returns how many pairs it took, and those it could not
     /// settle, which the caller writes by the single-key path.
+    ///
+    /// Each batch is also a step of its own ([`Client::put_started`],
+    /// [`Client::put_second`], [`Client::put_third`], [`Client::put_done`]),
+    /// each starting its batch and the next waiting for it, so that a
+    /// cluster client takes each step on every server before the next.
     pub(crate) fn put_batch(
         &mut self,
         pairs: &[(&[u8], &[u8])],
         kind: Blocks,
     ) -> Result<(usize, Unsettled)> {
         let mut put = self.put_started(pairs, kind)?;
-        self.put_finished(&mut put)
+        self.put_second(&mut put)?;
+        self.put_third(&mut put)?;
+        self.put_done(&mut put)
     }
 
     /// Stages the blocks of the leading pairs one batch holds and starts
-    /// the first batch (see [`Client::put_batch`]). [`Client::put_finished`]
-    /// must follow, on this client, before any other call on it.
+    /// the first batch (see [`Client::put_batch`]). The other steps must
+    /// follow, in order, on this client, before any other call on it.
     pub(crate) fn put_started<'p>(
         &mut self,
         pairs: &'p [(&'p [u8], &'p [u8])],
@@ -382,6 +411,8 @@ impl Client {
             .collect();
         let mut put = PutBatch {
             clock: None,
+            copies: None,
+            published: None,
             g,
             pairs,
             hashes,
@@ -392,18 +423,38 @@ impl Client {
         Ok(put)
     }
 
-    /// Waits for the first batch [`Client::put_started`] started, then
-    /// runs the others. Returns how many pairs the batch took, and those
-    /// it could not settle.
-    pub(crate) fn put_finished(&mut self, put: &mut PutBatch) -> Result<(usize, Unsettled)> {
+    /// Waits for the first batch; settles the blind CASes, and starts the
+    /// second batch: the located keys' copies.
+    pub(crate) fn put_second(&mut self, put: &mut PutBatch) -> Result<()> {
         self.conn.finish()?;
         self.pause_if_slow();
-        let clock = put
-            .clock
-            .ok_or_else(|| Error::Internal("a PUT batch finished before it started".into()))?;
+        let clock = put.clock.ok_or_else(|| out_of_order("PUT"))?;
         let located = self.settle_blind(put, clock);
-        self.plan_publishes(put, &located)?;
-        let published = self.publish(put, clock)?;
+        let keys: SmallVec<[&[u8]; BATCH_KEYS]> = put.pairs.iter().map(|p| p.0).collect();
+        put.copies = Some(self.copies_started(&keys, &put.hashes, &located)?);
+        Ok(())
+    }
+
+    /// Waits for the copies; plans each located key's CAS and starts the
+    /// third batch: the CASes.
+    pub(crate) fn put_third(&mut self, put: &mut PutBatch) -> Result<()> {
+        self.conn.finish()?;
+        let (clock, copies) = match (put.clock, put.copies.take()) {
+            (Some(clock), Some(copies)) => (clock, copies),
+            _ => return Err(out_of_order("PUT")),
+        };
+        self.plan_publishes(put, &copies);
+        put.published = Some(self.publish(put, clock)?);
+        Ok(())
+    }
+
+    /// Waits for the CASes and settles what they did. Returns how many
+    /// pairs the batch took, and those it could not settle.
+    pub(crate) fn put_done(&mut self, put: &mut PutBatch) -> Result<(usize, Unsettled)> {
+        self.conn.finish()?;
+        let (Some(clock), Some(published)) = (put.clock, put.published) else {
+            return Err(out_of_order("PUT"));
+        };
         self.resolve_published(put, clock, published)?;
         let unsettled = (0..put.pairs.len())
             .filter(|&i| !matches!(put.plan[i], Publish::Done))
@@ -519,13 +570,16 @@ impl Client {
         located
     }
 
-    /// The second batch reads the located keys' copies (the staged blocks
-    /// are written: their space is free again); each gets its CAS.
-    fn plan_publishes(&mut self, put: &mut PutBatch, located: &[bool]) -> Result<()> {
+    /// Each located key's CAS, from its copies the second batch read (into
+    /// the staged blocks' space: they are written, so it is free again).
+    fn plan_publishes(&mut self, put: &mut PutBatch, read: &CopyReads) {
         let keys: SmallVec<[&[u8]; BATCH_KEYS]> = put.pairs.iter().map(|p| p.0).collect();
-        let copies = self.writer_copies(&keys, &put.hashes, located)?;
+        let copies = self.copies_done(&keys, read);
         let mut taken: SmallVec<[SlotPos; BATCH_KEYS]> = SmallVec::new();
-        for i in (0..put.pairs.len()).filter(|&i| located[i]) {
+        let located: SmallVec<[usize; BATCH_KEYS]> = (0..put.pairs.len())
+            .filter(|&i| matches!(put.plan[i], Publish::Located))
+            .collect();
+        for i in located {
             put.plan[i] = match copies[i].as_ref().map(|c| c.first()) {
                 None => Publish::Single,
                 // The lowest copy is updated; copies above it belong to
@@ -540,7 +594,6 @@ impl Client {
                 },
             };
         }
-        Ok(())
     }
 
     /// Where key `k` of the batch inserts: an empty slot no other key of
@@ -584,7 +637,7 @@ impl Client {
             }
         }
         if !verbs.is_empty() {
-            self.conn.post(&reads_last(verbs))?;
+            self.conn.start(&reads_last(verbs))?;
         }
         Ok(published)
     }
@@ -670,13 +723,17 @@ impl Client {
     /// then all), the blocks found in a second, the CASes that empty each
     /// key's copy in a third. `out[i]` says whether key `i` was there;
     /// returns the keys the batch could not settle.
+    ///
+    /// Each batch is a step of its own, as [`Client::put_batch`]'s.
     pub(crate) fn delete_batch(&mut self, keys: &[&[u8]], out: &mut [bool]) -> Result<Unsettled> {
-        let started = self.delete_started(keys)?;
-        self.delete_finished(&started, keys, out)
+        let mut delete = self.delete_started(keys)?;
+        self.delete_second(&mut delete, keys, out)?;
+        self.delete_third(&mut delete, keys, out)?;
+        self.delete_done(&mut delete, out)
     }
 
     /// Starts the first batch of a DELETE of `keys` (see
-    /// [`Client::delete_batch`]). [`Client::delete_finished`] must follow,
+    /// [`Client::delete_batch`]). The other steps must follow, in order,
     /// with the same keys, on this client, before any other call on it.
     pub(crate) fn delete_started(&mut self, keys: &[&[u8]]) -> Result<DeleteBatch> {
         let hashes = hash_keys(keys.iter().copied(), self.info.geometry.bucket_count);
@@ -697,49 +754,56 @@ impl Client {
             hashes,
             blind,
             clock,
+            located: SmallVec::new(),
+            copies: None,
+            cases: SmallVec::new(),
+            unsettled: Unsettled::new(),
         })
     }
 
-    /// Waits for the first batch [`Client::delete_started`] started, then
-    /// runs the others; returns the keys the single path settles.
-    pub(crate) fn delete_finished(
+    /// Waits for the first batch: a blind CAS that held removed its key.
+    /// Starts the second batch: the located keys' copies.
+    pub(crate) fn delete_second(
         &mut self,
-        started: &DeleteBatch,
+        d: &mut DeleteBatch,
         keys: &[&[u8]],
         out: &mut [bool],
-    ) -> Result<Unsettled> {
-        debug_assert_eq!(keys.len(), started.blind.len());
+    ) -> Result<()> {
+        debug_assert_eq!(keys.len(), d.blind.len());
         self.conn.finish()?;
         self.pause_if_slow();
-        let DeleteBatch {
-            hashes,
-            blind,
-            clock,
-        } = started;
-        let clock = *clock;
-        let mut unsettled = Unsettled::new();
-        let mut located: SmallVec<[bool; BATCH_KEYS]> = SmallVec::new();
-        for (i, hint) in blind.iter().enumerate() {
+        for (i, hint) in d.blind.iter().enumerate() {
             if let Some(hint) = hint {
                 match self.batch_cas_won(i, hint.slot) {
                     true => out[i] = true,
-                    false => unsettled.push(i),
+                    false => d.unsettled.push(i),
                 }
             }
-            located.push(hint.is_none());
+            d.located.push(hint.is_none());
         }
-        let copies = self.writer_copies(keys, hashes, &located)?;
+        d.copies = Some(self.copies_started(keys, &d.hashes, &d.located)?);
+        Ok(())
+    }
 
-        // Third batch: per key, a CAS that empties the one copy a reader
-        // sees (a counter that has not settled is left to its creator). A
-        // key with extra copies goes to the single path, which removes them
-        // before the lowest, only once each is gone (a copy left behind
-        // would become the lowest and bring back an older value).
-        let in_time = clock.in_time();
-        let mut cases: SmallVec<[(usize, SlotPos, Slot); BATCH_KEYS]> = SmallVec::new();
-        for i in (0..keys.len()).filter(|&i| located[i]) {
+    /// Waits for the copies. Starts the third batch: per key, a CAS that
+    /// empties the one copy a reader sees (a counter that has not settled
+    /// is left to its creator). A key with extra copies goes to the single
+    /// path, which removes them before the lowest, only once each is gone
+    /// (a copy left behind would become the lowest and bring back an older
+    /// value).
+    pub(crate) fn delete_third(
+        &mut self,
+        d: &mut DeleteBatch,
+        keys: &[&[u8]],
+        out: &mut [bool],
+    ) -> Result<()> {
+        self.conn.finish()?;
+        let read = d.copies.take().ok_or_else(|| out_of_order("DELETE"))?;
+        let copies = self.copies_done(keys, &read);
+        let in_time = d.clock.in_time();
+        for i in (0..keys.len()).filter(|&i| d.located[i]) {
             let Some(copies) = &copies[i] else {
-                unsettled.push(i);
+                d.unsettled.push(i);
                 continue;
             };
             let mut readable = copies.iter().filter(|c| c.2.is_readable());
@@ -747,51 +811,50 @@ impl Client {
                 // Read in time, no copy: the key was not there.
                 (None, _) if in_time => out[i] = false,
                 (Some(&(index, slot, _)), None) if in_time => {
-                    cases.push((i, hashes[i].slot_pos(index), slot));
+                    d.cases.push((i, d.hashes[i].slot_pos(index), slot));
                 }
-                _ => unsettled.push(i),
+                _ => d.unsettled.push(i),
             }
         }
-        unsettled.extend(self.empty_slots(&cases, out)?);
-        Ok(unsettled)
-    }
-
-    /// CASes each key's slot (key, position, value) empty in one batch;
-    /// `out[key]` is set where it held. Returns the keys whose CAS lost.
-    fn empty_slots(
-        &mut self,
-        cases: &[(usize, SlotPos, Slot)],
-        out: &mut [bool],
-    ) -> Result<Unsettled> {
-        let verbs: Verbs = cases
+        let verbs: Verbs = d
+            .cases
             .iter()
             .map(|&(k, pos, slot)| self.batch_cas(k, pos, slot, Slot::EMPTY))
             .collect();
         if !verbs.is_empty() {
-            self.conn.post(&verbs)?;
+            self.conn.start(&verbs)?;
         }
-        let mut failed = Unsettled::new();
-        for &(k, _, slot) in cases {
-            match self.batch_cas_won(k, slot) {
-                true => out[k] = true,
-                false => failed.push(k),
-            }
-        }
-        Ok(failed)
+        Ok(())
     }
 
-    /// Every copy of each `located` key, as a writer sees them, lowest
-    /// first, from the windows the last batch read: the blocks of the
-    /// matching slots are read in one batch. None for a key that batch
-    /// cannot settle: a resize under way, a block past the region, failing
-    /// validation, not fitting, or a counter copy (the single path locks a
-    /// settled counter, and gives up a pending one, before unlinking it).
-    fn writer_copies(
+    /// Waits for the CASes: `out[key]` is set where one held. Returns the
+    /// keys the single path settles.
+    pub(crate) fn delete_done(
+        &mut self,
+        d: &mut DeleteBatch,
+        out: &mut [bool],
+    ) -> Result<Unsettled> {
+        self.conn.finish()?;
+        let mut unsettled = std::mem::take(&mut d.unsettled);
+        for &(k, _, slot) in &d.cases {
+            match self.batch_cas_won(k, slot) {
+                true => out[k] = true,
+                false => unsettled.push(k),
+            }
+        }
+        Ok(unsettled)
+    }
+
+    /// Starts the batch that reads every copy of each `located` key, as a
+    /// writer sees them, from the windows the last batch read: the blocks
+    /// of the matching slots. A key that batch cannot settle is left out: a
+    /// resize under way, a block past the region, or not fitting.
+    fn copies_started(
         &mut self,
         keys: &[&[u8]],
         hashes: &[KeyHash],
         located: &[bool],
-    ) -> Result<SmallVec<[Option<WriterCopies>; BATCH_KEYS]>> {
+    ) -> Result<CopyReads> {
         let g = self.info.geometry;
         let mut reads = CandidateReads::new(self.layout.reads, self.layout.len, MAX_BATCH_VERBS);
         let mut settles: SmallVec<[bool; BATCH_KEYS]> = located.iter().copied().collect();
@@ -801,15 +864,28 @@ impl Client {
                 !meets_resize(&slots) && reads.add_key(&g, i, &hashes[i], &slots).is_some();
         }
         if !reads.is_empty() {
-            self.conn.post(&reads.reads().collect::<Verbs>())?;
+            self.conn.start(&reads.reads().collect::<Verbs>())?;
         }
-        Ok((0..keys.len())
+        Ok(CopyReads { reads, settles })
+    }
+
+    /// Each key's copies as [`Client::copies_started`]'s batch read them,
+    /// lowest first, once it is finished. None for a key the batch cannot
+    /// settle: left out of it, failing validation, or a counter copy (the
+    /// single path locks a settled counter, and gives up a pending one,
+    /// before unlinking it).
+    fn copies_done(
+        &self,
+        keys: &[&[u8]],
+        read: &CopyReads,
+    ) -> SmallVec<[Option<WriterCopies>; BATCH_KEYS]> {
+        (0..keys.len())
             .map(|i| {
-                settles[i]
-                    .then(|| self.writer_copies_of(keys[i], &reads, i))
+                read.settles[i]
+                    .then(|| self.writer_copies_of(keys[i], &read.reads, i))
                     .flatten()
             })
-            .collect())
+            .collect()
     }
 
     /// Key `k`'s copies as a writer judges its candidates' blocks

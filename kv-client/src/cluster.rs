@@ -2,8 +2,10 @@
 //! ([`kv_common::layout::shard_of`]), through a connection to the server
 //! that owns the shard, made when the shard is first used. The shard map
 //! and the members come from etcd or from any member ([`MapSource`]), read
-//! at connect and again when a shard's server cannot be reached; etcd is
-//! never on the data path.
+//! at connect, followed from then on by a thread of the client's own
+//! ([`MapWatch`]: a shard that moved is sought at its new owner before its
+//! old one is asked), and read again at once when a shard's server cannot
+//! be reached or refuses. etcd is never on the data path.
 
 use std::time::{Duration, Instant};
 
@@ -12,9 +14,9 @@ use kv_common::layout::shard_of;
 
 use smallvec::SmallVec;
 
-use crate::batch::GetBatch;
+use crate::batch::{Blocks, DeleteBatch, GetBatch, PutBatch, Unsettled};
 use crate::local::BATCH_KEYS;
-use crate::map_source::MapSource;
+use crate::map_source::{MapSource, MapWatch};
 use crate::{Client, ClientOptions, Error, Result, ServerStats, VerbStats};
 
 /// A cluster, with the API of one server's [`Client`] for single keys.
@@ -32,6 +34,9 @@ pub struct ClusterClient {
     source: ClusterSource,
     options: ClientOptions,
     map: MapSource,
+    /// The newest state the client's follower has seen.
+    watch: MapWatch,
+    /// The state it routes by.
     state: ClusterState,
     /// When `state` was read.
     read_at: Instant,
@@ -77,6 +82,17 @@ fn gone() -> Error {
     Error::Internal("a shard's connection vanished during a batch".into())
 }
 
+/// The steps of a multi-key batch at one server, each waiting for what the
+/// one before started: a GET's first batch, its blocks, their check, the
+/// keys left to the single path; a PUT's or DELETE's first batch, the
+/// copies, the CASes, their outcomes.
+const STEPS: usize = 4;
+
+/// A batch's step without its batch (likewise).
+fn out_of_order() -> Error {
+    Error::Internal("a batch step without its batch".into())
+}
+
 /// How long a client tries etcd (or the members) again when they fail to
 /// answer.
 const ETCD_RETRY: Duration = Duration::from_secs(2);
@@ -115,11 +131,13 @@ impl ClusterClient {
         let source = ClusterSource::parse(url).map_err(Error::InvalidAddress)?;
         let mut map = MapSource::open(&source, options.connect_options())?;
         let state = map.read(None)?;
+        let watch = MapWatch::start(&map, &state)?;
         let shards = (0..state.config.shards).map(|_| None).collect();
         Ok(ClusterClient {
             source,
             options,
             map,
+            watch,
             state,
             read_at: Instant::now(),
             shards,
@@ -136,9 +154,17 @@ impl ClusterClient {
         shard_of(key.as_ref(), self.shards())
     }
 
-    /// The member that owns `shard` in the map last read, if any.
+    /// The member that owns `shard` in the map the client routes by, if
+    /// any.
     pub fn owner(&self, shard: u32) -> Option<&str> {
         self.state.shard_map()?.owner(shard)
+    }
+
+    /// The epoch of the newest shard map the client has seen (0 before the
+    /// first map): the one its next operation routes by.
+    pub fn map_epoch(&mut self) -> u64 {
+        self.follow();
+        self.state.shard_map().map_or(0, |m| m.epoch)
     }
 
     /// The value of `key`, or None.
@@ -214,6 +240,7 @@ impl ClusterClient {
     /// The error of a shard that still fails when read again, as
     /// [`ClusterClient::get`]'s.
     pub fn get_many<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<Vec<Option<Vec<u8>>>> {
+        self.follow();
         let mut answers = vec![None; keys.len()];
         let mut retry = Vec::new();
         let by_shard = self.by_shard(keys.iter().map(AsRef::as_ref))?;
@@ -279,31 +306,23 @@ impl ClusterClient {
             })
             .collect();
         let mut failed = Vec::new();
-        // Each step of every part before the next step of any.
-        for step in 0..4 {
-            going.retain_mut(|p| {
-                let Some(Some(client)) = self.shards.get_mut(p.shard as usize) else {
-                    failed.push(p.shard);
-                    return false;
-                };
-                let done = match (step, p.batch.as_mut()) {
-                    (0, _) => client.get_started(&p.keys).map(|b| p.batch = Some(b)),
-                    (1, Some(b)) => client.get_second(b, &p.keys, &mut p.values, &mut p.found),
-                    (2, Some(b)) => client
-                        .get_done(b, &p.keys, &mut p.values, &mut p.found)
-                        .map(|unsettled| b.unsettled = unsettled),
-                    (_, Some(b)) => b.unsettled.iter().try_for_each(|&i| {
-                        p.found[i] = client.get_into_bytes(p.keys[i], &mut p.values[i])?;
-                        Ok(())
-                    }),
-                    (_, None) => Err(Error::Internal("a batch step without its batch".into())),
-                };
-                if done.is_err() {
-                    failed.push(p.shard);
-                }
-                done.is_ok()
-            });
-        }
+        self.in_steps(
+            &mut going,
+            |p| p.shard,
+            |step, client, p| match (step, p.batch.as_mut()) {
+                (0, _) => client.get_started(&p.keys).map(|b| p.batch = Some(b)),
+                (1, Some(b)) => client.get_second(b, &p.keys, &mut p.values, &mut p.found),
+                (2, Some(b)) => client
+                    .get_done(b, &p.keys, &mut p.values, &mut p.found)
+                    .map(|unsettled| b.unsettled = unsettled),
+                (_, Some(b)) => b.unsettled.iter().try_for_each(|&i| {
+                    p.found[i] = client.get_into_bytes(p.keys[i], &mut p.values[i])?;
+                    Ok(())
+                }),
+                (_, None) => Err(out_of_order()),
+            },
+            |p, _| failed.push(p.shard),
+        );
         for p in going {
             for ((i, value), found) in p.at.iter().zip(p.values).zip(p.found) {
                 answers[*i] = found.then_some(value);
@@ -313,12 +332,12 @@ impl ClusterClient {
     }
 
     /// Stores many pairs, as [`Client::put_many`] does, the pairs of each
-    /// shard at its server: each batch's first step (its blocks' WRITEs,
-    /// and per key the hinted CAS or its windows: all of it for keys with
-    /// settled hints) is posted to every server before any is waited for;
-    /// the rest of each runs server by server. A shard whose server moved
-    /// or went is written again from its failed batch on, the way
-    /// [`ClusterClient::put`] retries.
+    /// shard at its server: each step of a batch (its blocks' WRITEs and
+    /// the keys' windows or hinted CASes; the copies; the CASes) is posted
+    /// to every server before any is waited for, so a batch costs the
+    /// round trips of one server's (one for keys with settled hints). A
+    /// shard whose server moved or went is written again from its failed
+    /// batch on, the way [`ClusterClient::put`] retries.
     ///
     /// # Errors
     ///
@@ -328,6 +347,7 @@ impl ClusterClient {
     /// [`ClusterClient::put`]'s. Some of the other pairs may have been
     /// stored (the call is not atomic).
     pub fn put_many<K: AsRef<[u8]>, V: AsRef<[u8]>>(&mut self, pairs: &[(K, V)]) -> Result<()> {
+        self.follow();
         let mut shards = Vec::new();
         let mut retry = Vec::new();
         for (shard, at) in self.by_shard(pairs.iter().map(|(k, _)| k.as_ref()))? {
@@ -345,21 +365,9 @@ impl ClusterClient {
             }
             shards.push((shard, batch));
         }
-        let mut progress: Vec<Progress> = shards.iter().map(|_| Progress::Going(0)).collect();
-        while shards
-            .iter()
-            .zip(&progress)
-            .any(|((_, b), p)| p.left(b.len()))
-        {
-            self.put_overlapped(&shards, &mut progress);
-        }
-        for ((shard, batch), p) in shards.into_iter().zip(progress) {
-            match p {
-                Progress::Going(_) => {}
-                Progress::Redo(from) => retry.push((shard, batch[from..].to_vec())),
-                Progress::Failed(e) => return Err(e),
-            }
-        }
+        self.in_rounds(shards, &mut retry, |c, shards, progress| {
+            c.put_overlapped(shards, progress);
+        })?;
         for (shard, batch) in retry {
             self.on(shard, |c| c.put_many(&batch))?;
         }
@@ -367,59 +375,67 @@ impl ClusterClient {
     }
 
     /// The next batch of each shard's pairs that `progress` says are left:
-    /// every first step started, then each finished, then the pairs no
-    /// batch settled written one by one.
+    /// each step of the batch taken on every server before the next, then
+    /// the pairs no batch settled written one by one.
     fn put_overlapped(&mut self, shards: &[(u32, Pairs<'_>)], progress: &mut [Progress]) {
-        let mut started = Vec::new();
-        for (n, (shard, batch)) in shards.iter().enumerate() {
-            let Progress::Going(from) = progress[n] else {
-                continue;
-            };
-            if from == batch.len() {
-                continue;
-            }
-            let begun = match self.shards.get_mut(*shard as usize) {
-                Some(Some(client)) => {
-                    client.put_started(&batch[from..], crate::batch::Blocks::Values)
-                }
-                _ => Err(gone()),
-            };
-            match begun {
-                Ok(put) => started.push((n, from, put)),
-                Err(e) => progress[n] = Progress::after(e, from),
-            }
+        struct Part<'p> {
+            n: usize,
+            shard: u32,
+            from: usize,
+            put: Option<PutBatch<'p>>,
+            took: usize,
+            unsettled: Unsettled,
         }
-        let mut singles = Vec::new();
-        for (n, from, mut put) in started {
-            let finished = match self.shards.get_mut(shards[n].0 as usize) {
-                Some(Some(client)) => client.put_finished(&mut put),
-                _ => Err(gone()),
-            };
-            match finished {
-                Ok((took, unsettled)) => singles.push((n, from, took, unsettled)),
-                Err(e) => progress[n] = Progress::after(e, from),
-            }
-        }
-        for (n, from, took, unsettled) in singles {
-            let (shard, batch) = &shards[n];
-            let wrote = match self.shards.get_mut(*shard as usize) {
-                Some(Some(client)) => unsettled
+        let mut going: Vec<Part<'_>> = (0..shards.len())
+            .filter_map(|n| match progress[n] {
+                Progress::Going(from) if from < shards[n].1.len() => Some(Part {
+                    n,
+                    shard: shards[n].0,
+                    from,
+                    put: None,
+                    took: 0,
+                    unsettled: Unsettled::new(),
+                }),
+                _ => None,
+            })
+            .collect();
+        self.in_steps(
+            &mut going,
+            |p| p.shard,
+            |step, client, p| match (step, p.put.as_mut()) {
+                (0, _) => client
+                    .put_started(&shards[p.n].1[p.from..], Blocks::Values)
+                    .map(|put| p.put = Some(put)),
+                (1, Some(put)) => client.put_second(put),
+                (2, Some(put)) => client.put_third(put),
+                (3, Some(put)) => client
+                    .put_done(put)
+                    .map(|(took, unsettled)| (p.took, p.unsettled) = (took, unsettled)),
+                _ => Err(out_of_order()),
+            },
+            |p, e| progress[p.n] = Progress::after(e, p.from),
+        );
+        for p in going {
+            let batch = &shards[p.n].1[p.from..];
+            let wrote = match self.shards.get_mut(p.shard as usize) {
+                Some(Some(client)) => p
+                    .unsettled
                     .iter()
-                    .try_for_each(|&i| client.put(batch[from + i].0, batch[from + i].1)),
+                    .try_for_each(|&i| client.put(batch[i].0, batch[i].1)),
                 _ => Err(gone()),
             };
-            progress[n] = match wrote {
-                Ok(()) => Progress::Going(from + took),
-                Err(e) => Progress::after(e, from),
+            progress[p.n] = match wrote {
+                Ok(()) => Progress::Going(p.from + p.took),
+                Err(e) => Progress::after(e, p.from),
             };
         }
     }
 
     /// Removes many keys, as [`Client::delete_many`] does, the keys of each
     /// shard at its server, and says for each whether it was there. Each
-    /// batch's first step (all of it for keys with settled hints) is
-    /// posted to every server before any is waited for; the rest of each
-    /// runs server by server. A shard whose server moved or went is done
+    /// step of a batch (the keys' windows or hinted CASes; the copies; the
+    /// CASes) is posted to every server before any is waited for. A shard
+    /// whose server moved or went is done
     /// again from its failed batch on, the way [`ClusterClient::delete`]
     /// retries (a key the failed batch saw removed still counts as there).
     ///
@@ -428,6 +444,7 @@ impl ClusterClient {
     /// The first error a shard met that a retry would not cure, or that a
     /// retry met, as [`ClusterClient::delete`]'s.
     pub fn delete_many<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<Vec<bool>> {
+        self.follow();
         let mut out = vec![false; keys.len()];
         let mut shards = Vec::new();
         let mut retry = Vec::new();
@@ -437,21 +454,9 @@ impl ClusterClient {
                 Err(_) => retry.push((shard, at)),
             }
         }
-        let mut progress: Vec<Progress> = shards.iter().map(|_| Progress::Going(0)).collect();
-        while shards
-            .iter()
-            .zip(&progress)
-            .any(|((_, at), p)| p.left(at.len()))
-        {
-            self.delete_overlapped(keys, &shards, &mut progress, &mut out);
-        }
-        for ((shard, at), p) in shards.into_iter().zip(progress) {
-            match p {
-                Progress::Going(_) => {}
-                Progress::Redo(from) => retry.push((shard, at[from..].to_vec())),
-                Progress::Failed(e) => return Err(e),
-            }
-        }
+        self.in_rounds(shards, &mut retry, |c, shards, progress| {
+            c.delete_overlapped(keys, shards, progress, &mut out);
+        })?;
         for (shard, at) in retry {
             let batch: Vec<&[u8]> = at.iter().map(|&i| keys[i].as_ref()).collect();
             let got = self.on(shard, |c| c.delete_many(&batch))?;
@@ -463,10 +468,10 @@ impl ClusterClient {
     }
 
     /// The next `BATCH_KEYS` keys of each shard (`shards`: a shard and its
-    /// keys' positions) that `progress` says are left: every first step
-    /// started, then each finished, then the keys no batch settled
-    /// removed one by one. What each removal found goes to `out`, even
-    /// from a batch that then failed (a key it removed was there).
+    /// keys' positions) that `progress` says are left: each step of the
+    /// batch taken on every server before the next, then the keys no batch
+    /// settled removed one by one. What each removal found goes to `out`,
+    /// even from a batch that then failed (a key it removed was there).
     fn delete_overlapped<K: AsRef<[u8]>>(
         &mut self,
         keys: &[K],
@@ -474,53 +479,128 @@ impl ClusterClient {
         progress: &mut [Progress],
         out: &mut [bool],
     ) {
-        let mut started = Vec::new();
-        for (n, (shard, at)) in shards.iter().enumerate() {
-            let Progress::Going(from) = progress[n] else {
-                continue;
-            };
-            let at = &at[from..at.len().min(from + BATCH_KEYS)];
-            if at.is_empty() {
-                continue;
-            }
-            let batch: SmallVec<[&[u8]; BATCH_KEYS]> =
-                at.iter().map(|&i| keys[i].as_ref()).collect();
-            let begun = match self.shards.get_mut(*shard as usize) {
-                Some(Some(client)) => client.delete_started(&batch),
-                _ => Err(gone()),
-            };
-            match begun {
-                Ok(delete) => started.push((n, from, at, batch, delete)),
-                Err(e) => progress[n] = Progress::after(e, from),
-            }
+        struct Part<'p, 'k> {
+            n: usize,
+            shard: u32,
+            from: usize,
+            at: &'p [usize],
+            keys: SmallVec<[&'k [u8]; BATCH_KEYS]>,
+            found: SmallVec<[bool; BATCH_KEYS]>,
+            delete: Option<DeleteBatch>,
+            unsettled: Unsettled,
         }
-        let mut singles = Vec::new();
-        for (n, from, at, batch, delete) in started {
-            let mut found = vec![false; at.len()];
-            let finished = match self.shards.get_mut(shards[n].0 as usize) {
-                Some(Some(client)) => client.delete_finished(&delete, &batch, &mut found),
-                _ => Err(gone()),
-            };
-            for (&i, was) in at.iter().zip(&found) {
+        let mut going: Vec<Part<'_, '_>> = (0..shards.len())
+            .filter_map(|n| {
+                let Progress::Going(from) = progress[n] else {
+                    return None;
+                };
+                let all = &shards[n].1;
+                let at = &all[from..all.len().min(from + BATCH_KEYS)];
+                (!at.is_empty()).then(|| Part {
+                    n,
+                    shard: shards[n].0,
+                    from,
+                    at,
+                    keys: at.iter().map(|&i| keys[i].as_ref()).collect(),
+                    found: smallvec::smallvec![false; at.len()],
+                    delete: None,
+                    unsettled: Unsettled::new(),
+                })
+            })
+            .collect();
+        self.in_steps(
+            &mut going,
+            |p| p.shard,
+            |step, client, p| match (step, p.delete.as_mut()) {
+                (0, _) => client.delete_started(&p.keys).map(|d| p.delete = Some(d)),
+                (1, Some(d)) => client.delete_second(d, &p.keys, &mut p.found),
+                (2, Some(d)) => client.delete_third(d, &p.keys, &mut p.found),
+                (3, Some(d)) => client
+                    .delete_done(d, &mut p.found)
+                    .map(|unsettled| p.unsettled = unsettled),
+                _ => Err(out_of_order()),
+            },
+            |p, e| {
+                for (&i, was) in p.at.iter().zip(&p.found) {
+                    out[i] |= was;
+                }
+                progress[p.n] = Progress::after(e, p.from);
+            },
+        );
+        for p in going {
+            for (&i, was) in p.at.iter().zip(&p.found) {
                 out[i] |= was;
             }
-            match finished {
-                Ok(unsettled) => singles.push((n, from, at, batch, unsettled)),
-                Err(e) => progress[n] = Progress::after(e, from),
-            }
-        }
-        for (n, from, at, batch, unsettled) in singles {
-            let removed = match self.shards.get_mut(shards[n].0 as usize) {
-                Some(Some(client)) => unsettled.iter().try_for_each(|&i| {
-                    out[at[i]] |= client.delete_bytes(batch[i])?;
+            let removed = match self.shards.get_mut(p.shard as usize) {
+                Some(Some(client)) => p.unsettled.iter().try_for_each(|&i| {
+                    out[p.at[i]] |= client.delete_bytes(p.keys[i])?;
                     Ok(())
                 }),
                 _ => Err(gone()),
             };
-            progress[n] = match removed {
-                Ok(()) => Progress::Going(from + at.len()),
-                Err(e) => Progress::after(e, from),
+            progress[p.n] = match removed {
+                Ok(()) => Progress::Going(p.from + p.at.len()),
+                Err(e) => Progress::after(e, p.from),
             };
+        }
+    }
+
+    /// Runs `round` over the shards' parts of a write (`shards`: a shard and
+    /// its items) until none has items left to do at its server: what is
+    /// to be redone (the server moved or went) is added to `retry`.
+    ///
+    /// # Errors
+    ///
+    /// The first error that a retry would not cure.
+    fn in_rounds<T: Clone>(
+        &mut self,
+        shards: Vec<(u32, Vec<T>)>,
+        retry: &mut Vec<(u32, Vec<T>)>,
+        mut round: impl FnMut(&mut Self, &[(u32, Vec<T>)], &mut [Progress]),
+    ) -> Result<()> {
+        let mut progress: Vec<Progress> = shards.iter().map(|_| Progress::Going(0)).collect();
+        while shards
+            .iter()
+            .zip(&progress)
+            .any(|((_, items), p)| p.left(items.len()))
+        {
+            round(self, &shards, &mut progress);
+        }
+        for ((shard, items), p) in shards.into_iter().zip(progress) {
+            match p {
+                Progress::Going(_) => {}
+                Progress::Redo(from) => retry.push((shard, items[from..].to_vec())),
+                Progress::Failed(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes each of the [`STEPS`] steps of every part (`shard`: the shard
+    /// it is of) on its server before the next step of any, so that each
+    /// step costs one round trip for all of them. A part whose step fails
+    /// is told to `failed` and dropped.
+    fn in_steps<P>(
+        &mut self,
+        parts: &mut Vec<P>,
+        shard: impl Fn(&P) -> u32,
+        mut step: impl FnMut(usize, &mut Client, &mut P) -> Result<()>,
+        mut failed: impl FnMut(&P, Error),
+    ) {
+        for n in 0..STEPS {
+            parts.retain_mut(|p| {
+                let done = match self.shards.get_mut(shard(p) as usize) {
+                    Some(Some(client)) => step(n, client, p),
+                    _ => Err(gone()),
+                };
+                match done {
+                    Ok(()) => true,
+                    Err(e) => {
+                        failed(p, e);
+                        false
+                    }
+                }
+            });
         }
     }
 
@@ -609,6 +689,7 @@ impl ClusterClient {
     /// MOVE_WAIT; otherwise once. The error then names the shard and its
     /// server.
     fn on<T>(&mut self, shard: u32, mut op: impl FnMut(&mut Client) -> Result<T>) -> Result<T> {
+        self.follow();
         let started = Instant::now();
         let mut reread = false;
         // Until then, a shard that just moved may still be starting at its
@@ -675,15 +756,38 @@ impl ClusterClient {
     }
 
     fn reread(&mut self) -> Result<()> {
-        self.state = self.map.read(Some(&self.state))?;
+        let state = self.map.read(Some(&self.state))?;
         self.read_at = Instant::now();
-        if self.state.config.shards as usize != self.shards.len() {
+        if state.config.shards as usize != self.shards.len() {
             return Err(Error::Cluster(format!(
                 "{} now has {} shards (it was made anew): connect again",
-                self.source, self.state.config.shards
+                self.source, state.config.shards
             )));
         }
+        self.adopt(state);
         Ok(())
+    }
+
+    /// Routes by the newest state the follower has seen, if it is newer.
+    fn follow(&mut self) {
+        if let Some(state) = self.watch.board.newer_than(self.state.revision) {
+            // A cluster made anew is found by the next reread, which says so.
+            if state.config.shards as usize == self.shards.len() {
+                self.adopt(state);
+            }
+        }
+    }
+
+    /// Routes by `state` from now on: the connection of each shard whose
+    /// server changed is dropped, so that its next operation goes to the
+    /// new one.
+    fn adopt(&mut self, state: ClusterState) {
+        for shard in 0..self.shards.len() as u32 {
+            if server(&self.state, shard) != server(&state, shard) {
+                self.shards[shard as usize] = None;
+            }
+        }
+        self.state = state;
     }
 
     fn connection(&mut self, shard: u32) -> Result<&mut Client> {
@@ -737,4 +841,10 @@ impl ClusterClient {
             reason: format!("{reason} (cluster {})", self.source),
         }
     }
+}
+
+/// Who serves `shard` in `state`: its owner's record (its address and
+/// incarnation), if it has a live one.
+fn server(state: &ClusterState, shard: u32) -> Option<&kv_cluster::MemberRecord> {
+    state.member(state.shard_map()?.owner(shard)?)
 }

@@ -3,6 +3,19 @@
 //! out the map it follows at its own address ([`Request::ClusterMap`]).
 //! Reading from members needs no async runtime, gRPC or protoc, and keeps
 //! working while etcd is down.
+//!
+//! A client also follows the map between its operations ([`MapWatch`]): a
+//! thread of its own watches etcd (from the revision read, read whole
+//! after a compaction), or asks the members again every
+//! [`MEMBERS_POLL`] (a member's channel is served by a thread of its, so
+//! a long-held ask per client would crowd the members out). The newest
+//! state waits on a [`Board`] that the client looks at, one atomic load,
+//! before each operation.
+
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use kv_cluster::directory::{self, MemberView};
 use kv_cluster::{ClusterSource, ClusterState};
@@ -19,8 +32,12 @@ pub(crate) enum MapSource {
     Members(Members),
 }
 
+/// How often a client that reads the map from the members asks them again.
+pub(crate) const MEMBERS_POLL: Duration = Duration::from_secs(1);
+
 /// The members a client knows: those it was given, and those the map it
 /// holds names.
+#[derive(Clone)]
 pub(crate) struct Members {
     seeds: Vec<Address>,
     known: Vec<Address>,
@@ -60,6 +77,93 @@ impl MapSource {
             MapSource::Etcd(etcd) => etcd.state().map_err(|e| Error::Cluster(e.to_string())),
             MapSource::Members(members) => members.read(newest),
         }
+    }
+}
+
+/// The newest cluster state a follower has seen.
+#[derive(Default)]
+pub(crate) struct Board {
+    /// Its revision: looked at before each operation, without the lock.
+    revision: AtomicI64,
+    newest: Mutex<Option<ClusterState>>,
+}
+
+impl Board {
+    fn offer(&self, state: &ClusterState) {
+        let Ok(mut newest) = self.newest.lock() else {
+            return;
+        };
+        if newest.as_ref().is_none_or(|n| state.revision > n.revision) {
+            *newest = Some(state.clone());
+            self.revision.store(state.revision, Ordering::Release);
+        }
+    }
+
+    /// The newest state, if it is newer than `revision`.
+    pub(crate) fn newer_than(&self, revision: i64) -> Option<ClusterState> {
+        if self.revision.load(Ordering::Acquire) <= revision {
+            return None;
+        }
+        let newest = self.newest.lock().ok()?;
+        newest.as_ref().filter(|s| s.revision > revision).cloned()
+    }
+}
+
+/// A client's follower of the map: a thread that keeps a [`Board`]
+/// current, and stops once this is dropped.
+pub(crate) struct MapWatch {
+    pub(crate) board: Arc<Board>,
+    _follower: Follower,
+}
+
+/// Held only to be dropped: each stops its thread then.
+enum Follower {
+    #[cfg(feature = "etcd")]
+    Etcd {
+        _thread: kv_cluster::follow::Follower,
+    },
+    /// The thread sees its channel closed.
+    Members { _stop: mpsc::Sender<()> },
+}
+
+impl MapWatch {
+    /// Follows the cluster `source` reads, from `from` (read from it) on.
+    pub(crate) fn start(source: &MapSource, from: &ClusterState) -> Result<MapWatch> {
+        let board = Arc::new(Board::default());
+        let follower = match source {
+            #[cfg(feature = "etcd")]
+            MapSource::Etcd(etcd) => {
+                let board = board.clone();
+                let offer = move |state: &ClusterState| board.offer(state);
+                kv_cluster::follow::Follower::start(etcd.url(), from.clone(), offer)
+                    .map(|thread| Follower::Etcd { _thread: thread })
+                    .map_err(|e| Error::Cluster(e.to_string()))?
+            }
+            MapSource::Members(members) => {
+                let (stop, stopped) = mpsc::channel::<()>();
+                let (mut members, board) = (members.clone(), board.clone());
+                let mut newest = from.clone();
+                std::thread::Builder::new()
+                    .name("onekv-map".into())
+                    .spawn(move || {
+                        while let Err(RecvTimeoutError::Timeout) =
+                            stopped.recv_timeout(MEMBERS_POLL)
+                        {
+                            // None answered: asked again at the next turn.
+                            if let Ok(state) = members.read(Some(&newest)) {
+                                board.offer(&state);
+                                newest = state;
+                            }
+                        }
+                    })
+                    .map_err(|e| Error::Cluster(format!("cannot start a thread: {e}")))?;
+                Follower::Members { _stop: stop }
+            }
+        };
+        Ok(MapWatch {
+            board,
+            _follower: follower,
+        })
     }
 }
 

@@ -4,7 +4,10 @@
 
 use std::time::Duration;
 
-use etcd_client::{Client, Compare, CompareOp, ConnectOptions, GetOptions, PutOptions, Txn, TxnOp};
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, GetOptions, PutOptions, Txn, TxnOp, WatchOptions,
+    WatchStream,
+};
 
 pub use crate::records::ClusterState;
 use crate::records::{decode, encode, ClusterConfig, MemberRecord, ShardMap};
@@ -40,6 +43,42 @@ impl Keys {
     }
     pub fn coordinator(&self) -> String {
         format!("{}coordinator", self.prefix)
+    }
+
+    /// What the record at `key` is, decoded from `value`.
+    pub(crate) fn record(&self, key: &[u8], value: &[u8]) -> Result<Record, ClusterError> {
+        Ok(if key == self.config().as_bytes() {
+            Record::Config(decode("the cluster's config", value)?)
+        } else if key == self.map().as_bytes() {
+            Record::Map(decode("the shard map", value)?)
+        } else if key.starts_with(self.members().as_bytes()) {
+            Record::Member(decode("a member record", value)?)
+        } else {
+            Record::Other
+        })
+    }
+}
+
+/// One of a cluster's records in etcd.
+pub(crate) enum Record {
+    Config(ClusterConfig),
+    Map(ShardMap),
+    Member(MemberRecord),
+    /// The coordinator's election, and keys of later versions.
+    Other,
+}
+
+/// A map of as many shards as the cluster has, or none.
+pub(crate) fn check_map(state: &ClusterState) -> Result<(), ClusterError> {
+    match state.shard_map() {
+        Some(m) if m.owners.len() != state.config.shards as usize => {
+            Err(ClusterError::Damaged(format!(
+                "the shard map has {} shards, the cluster {}",
+                m.owners.len(),
+                state.config.shards
+            )))
+        }
+        _ => Ok(()),
     }
 }
 
@@ -120,35 +159,35 @@ impl Etcd {
         let revision = reply.header().map_or(0, |h| h.revision());
         let (mut config, mut map, mut members) = (None, None, Vec::new());
         for kv in reply.kvs() {
-            let key = kv.key();
-            if key == self.keys.config().as_bytes() {
-                config = Some(decode::<ClusterConfig>("the cluster's config", kv.value())?);
-            } else if key == self.keys.map().as_bytes() {
-                map = Some((
-                    decode::<ShardMap>("the shard map", kv.value())?,
-                    kv.mod_revision(),
-                ));
-            } else if key.starts_with(self.keys.members().as_bytes()) {
-                members.push(decode::<MemberRecord>("a member record", kv.value())?);
+            match self.keys.record(kv.key(), kv.value())? {
+                Record::Config(c) => config = Some(c),
+                Record::Map(m) => map = Some((m, kv.mod_revision())),
+                Record::Member(m) => members.push(m),
+                Record::Other => {}
             }
         }
         let config = config.ok_or_else(|| ClusterError::NoSuchCluster(self.url.to_string()))?;
         config.validate().map_err(ClusterError::Damaged)?;
-        if let Some((m, _)) = &map {
-            if m.owners.len() != config.shards as usize {
-                return Err(ClusterError::Damaged(format!(
-                    "the shard map has {} shards, the cluster {}",
-                    m.owners.len(),
-                    config.shards
-                )));
-            }
-        }
-        Ok(ClusterState {
+        let state = ClusterState {
             config,
             members,
             map,
             revision,
-        })
+        };
+        check_map(&state)?;
+        Ok(state)
+    }
+
+    /// Changes under the cluster's prefix after `revision`, as they happen.
+    pub async fn watch_from(&mut self, revision: i64) -> Result<WatchStream, ClusterError> {
+        let prefix = self.keys.prefix().to_string();
+        let options = WatchOptions::new()
+            .with_prefix()
+            .with_start_revision(revision + 1);
+        self.client
+            .watch(prefix, Some(options))
+            .await
+            .map_err(self.error())
     }
 
     /// Writes `map` if the map is still as last read (`based_on`: its
@@ -245,5 +284,9 @@ impl BlockingEtcd {
     ) -> Result<bool, ClusterError> {
         self.runtime
             .block_on(self.etcd.publish_map(map, based_on, None))
+    }
+
+    pub fn url(&self) -> &ClusterUrl {
+        self.etcd.url()
     }
 }

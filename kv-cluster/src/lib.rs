@@ -12,6 +12,8 @@ pub mod url;
 #[cfg(feature = "etcd")]
 pub mod etcd;
 #[cfg(feature = "etcd")]
+pub mod follow;
+#[cfg(feature = "etcd")]
 pub mod member;
 
 pub use records::{

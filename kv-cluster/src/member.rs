@@ -31,7 +31,6 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use etcd_client::WatchOptions;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
@@ -465,21 +464,13 @@ async fn serve_lease(
                 }
                 stale = false;
                 if changes.is_none() {
-                    let watch = tokio::time::timeout_at(renewal.held_until, watch_from(etcd, revision));
-                    changes = watch.await.ok().flatten();
+                    let watch = tokio::time::timeout_at(renewal.held_until, etcd.watch_from(revision));
+                    changes = watch.await.ok().and_then(Result::ok);
                     (stale, retry_at) = (changes.is_none(), Instant::now() + pause);
                 }
             }
         }
     }
-}
-
-async fn watch_from(etcd: &mut Etcd, revision: i64) -> Option<etcd_client::WatchStream> {
-    let prefix = etcd.keys.prefix().to_string();
-    let options = WatchOptions::new()
-        .with_prefix()
-        .with_start_revision(revision + 1);
-    etcd.client.watch(prefix, Some(options)).await.ok()
 }
 
 /// Waits for a change under the prefix: true; false when the watch is gone

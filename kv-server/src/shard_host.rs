@@ -136,13 +136,21 @@ impl ShardHost {
         self.metrics.as_ref().map(MetricsEndpoint::address)
     }
 
-    /// Shows the shards served now on the metrics endpoint.
+    /// Shows the shards served now on the metrics endpoint: a shard being
+    /// sent too, until its move stops it.
     fn show_served(&self) {
-        let served = self
+        let mut served: ShardServers = self
             .serving
             .iter()
             .map(|(shard, s)| (*shard, Arc::downgrade(&s.server.shared)))
             .collect();
+        if let Some(s) = &self.sending {
+            let server = s.server.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(server) = server.as_ref() {
+                served.push((s.m.shard, Arc::downgrade(&server.shared)));
+                served.sort_by_key(|(shard, _)| *shard);
+            }
+        }
         *self.shown.lock().unwrap_or_else(|e| e.into_inner()) = served;
     }
 
@@ -261,7 +269,6 @@ impl ShardHost {
             Err(e) => return tracing::error!(shard = m.shard, "cannot move: {e}"),
         };
         let server = Arc::new(Mutex::new(self.serving.remove(&m.shard).map(|s| s.server)));
-        self.show_served();
         let flags = Arc::new(MoveFlags::default());
         flags.proceed.store(true, Ordering::SeqCst);
         let (url, target) = (self.url.clone(), m.clone());
@@ -283,6 +290,7 @@ impl ShardHost {
                 self.serve_on(m.shard, &server);
             }
         }
+        self.show_served();
     }
 
     /// Keeps serving `shard` with the server a move held, if it still
@@ -567,4 +575,59 @@ fn finish_move(url: &ClusterUrl, m: &ShardMove, copied: bool) -> Result<bool, St
         }
     }
     Err("the map kept changing".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scrape(at: std::net::SocketAddr) -> String {
+        use std::io::{Read, Write};
+        let mut http = std::net::TcpStream::connect(at).expect("the metrics endpoint");
+        http.write_all(b"GET /metrics HTTP/1.0\r\n\r\n")
+            .expect("ask");
+        let mut reply = String::new();
+        http.read_to_string(&mut reply).expect("the figures");
+        reply
+    }
+
+    fn map(moving: Option<ShardMove>) -> ShardMap {
+        ShardMap {
+            epoch: 1 + u64::from(moving.is_some()),
+            owners: vec![Some("m0".into()), Some("m0".into())],
+            moving,
+        }
+    }
+
+    /// The shard stays served while its move's copy runs (here it never
+    /// gets going: no etcd answers where the target is), and so it stays
+    /// on the member's metrics.
+    #[test]
+    fn a_shard_being_sent_stays_on_the_metrics_endpoint() {
+        let dir = tempfile::tempdir().expect("a directory");
+        let listen =
+            Address::parse(&format!("shm://{}/m0", dir.path().display())).expect("an address");
+        let mut template = ServerConfig::new(listen);
+        template.metrics_listen = Some(([127, 0, 0, 1], 0).into());
+        let url = ClusterUrl::parse("etcd://127.0.0.1:1/nowhere").expect("a url");
+        let mut host = ShardHost::new(template, "m0".into(), url).expect("a host");
+        let at = host.metrics_address().expect("metrics");
+        host.follow(&map(None), || true);
+        let shown = |reply: &str| reply.matches("onekv_clients_connected{shard=").count();
+        assert_eq!(shown(&scrape(at)), 2);
+
+        let moving = ShardMove {
+            shard: 1,
+            to: "m1".into(),
+            secret: "00".into(),
+        };
+        host.follow(&map(Some(moving)), || true);
+        assert!(host.sending.is_some(), "the move is under way");
+        let reply = scrape(at);
+        assert_eq!(shown(&reply), 2, "{reply}");
+        assert!(
+            reply.contains("onekv_clients_connected{shard=\"1\"}"),
+            "{reply}"
+        );
+    }
 }

@@ -12,7 +12,8 @@ use std::time::Duration;
 
 use kv_client::{Client, ClusterClient, ClusterPool, Error};
 use kv_cluster::etcd::BlockingEtcd;
-use kv_cluster::{shard_address, ClusterUrl, ShardMap};
+use kv_cluster::follow::Follower;
+use kv_cluster::{shard_address, ClusterState, ClusterUrl, ShardMap};
 use onekv_tests::cluster::{
     cluster_status, create_cluster, member_address, members_url, start_member, EtcdServer,
 };
@@ -316,50 +317,67 @@ fn a_member_paused_past_its_lease_serves_nothing_until_it_joins_again() {
     );
 }
 
-/// Writes and reads every key in turn until `stop`; the errors it met
-/// (text), how many operations it made, and the last value of each key.
-fn busy_client(
-    url: String,
+/// A client that writes and reads every key in turn on a thread of its
+/// own, until stopped.
+struct BusyClient {
     stop: Arc<AtomicBool>,
+    /// Operations made so far.
     ops: Arc<AtomicU64>,
-) -> std::thread::JoinHandle<(Vec<String>, BTreeMap<usize, String>)> {
-    std::thread::spawn(move || {
-        let mut kv = ClusterClient::connect(&url).expect("connect");
-        let (mut errors, mut last) = (Vec::new(), BTreeMap::new());
-        let mut n = 0usize;
-        while !stop.load(Ordering::SeqCst) {
-            let i = n % KEYS;
-            let value = format!("w{n}");
-            match kv.put(key(i), &value).and_then(|()| kv.get(key(i))) {
-                Ok(Some(read)) if read == value.as_bytes() => {
-                    last.insert(i, value);
+    /// The errors it met (text), and the last value of each key.
+    thread: std::thread::JoinHandle<(Vec<String>, BTreeMap<usize, String>)>,
+}
+
+impl BusyClient {
+    /// Starts one on the cluster at `url`, and waits until it runs.
+    fn start(url: &str) -> BusyClient {
+        let (stop, ops) = (
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(AtomicU64::new(0)),
+        );
+        let (url, stopped, made) = (url.to_string(), stop.clone(), ops.clone());
+        let thread = std::thread::spawn(move || {
+            let mut kv = ClusterClient::connect(&url).expect("connect");
+            let (mut errors, mut last) = (Vec::new(), BTreeMap::new());
+            let mut n = 0usize;
+            while !stopped.load(Ordering::SeqCst) {
+                let i = n % KEYS;
+                let value = format!("w{n}");
+                match kv.put(key(i), &value).and_then(|()| kv.get(key(i))) {
+                    Ok(Some(read)) if read == value.as_bytes() => {
+                        last.insert(i, value);
+                    }
+                    Ok(other) => errors.push(format!("{}: read {other:?} after {value}", key(i))),
+                    Err(e) => errors.push(format!("{}: {e}", key(i))),
                 }
-                Ok(other) => errors.push(format!("{}: read {other:?} after {value}", key(i))),
-                Err(e) => errors.push(format!("{}: {e}", key(i))),
+                made.fetch_add(1, Ordering::SeqCst);
+                n += 1;
             }
-            ops.fetch_add(1, Ordering::SeqCst);
-            n += 1;
-        }
-        (errors, last)
-    })
+            (errors, last)
+        });
+        let busy = BusyClient { stop, ops, thread };
+        eventually("the client runs", Duration::from_secs(30), || {
+            busy.ops() > 100
+        });
+        busy
+    }
+
+    fn ops(&self) -> u64 {
+        self.ops.load(Ordering::SeqCst)
+    }
 }
 
 /// Waits until member m2 has joined and taken shards, with no move under
-/// way, then stops `client` (a [`busy_client`]), which must have met no
-/// error; the last value it wrote to each key.
-fn m2_joins_under(
-    url: &str,
-    stop: &AtomicBool,
-    client: std::thread::JoinHandle<(Vec<String>, BTreeMap<usize, String>)>,
-) -> BTreeMap<usize, String> {
+/// way, then stops `client`, which must have met no error; the last value
+/// it wrote to each key.
+fn m2_joins_under(url: &str, client: BusyClient) -> BTreeMap<usize, String> {
     eventually("m2 joins and takes shards", Duration::from_secs(90), || {
         let status = cluster_status(url);
         status.contains("member m2 ")
             && !status.contains(": 0 shards")
             && !status.contains("moving")
     });
-    stop.store(true, Ordering::SeqCst);
-    let (errors, last) = client.join().expect("the client");
+    client.stop.store(true, Ordering::SeqCst);
+    let (errors, last) = client.thread.join().expect("the client");
     assert!(
         errors.is_empty(),
         "{} errors: {:?}",
@@ -378,27 +396,20 @@ fn while_etcd_is_down_the_data_path_carries_on_and_membership_waits() {
     let m0 = start_member(&url, dir.path(), "m0", &[]);
     let _m1 = start_member(&url, dir.path(), "m1", &[]);
     drop(load(&url));
-    let (stop, ops) = (
-        Arc::new(AtomicBool::new(false)),
-        Arc::new(AtomicU64::new(0)),
-    );
-    let client = busy_client(url.clone(), stop.clone(), ops.clone());
-    eventually("the client runs", Duration::from_secs(30), || {
-        ops.load(Ordering::SeqCst) > 100
-    });
+    let client = BusyClient::start(&url);
 
     // Down for three lease TTLs (2 s each): no lease can expire meanwhile,
     // and the members serve on. A server started now waits to join.
     etcd.kill();
-    let at_kill = ops.load(Ordering::SeqCst);
+    let at_kill = client.ops();
     let _m2 = start_member(&url, dir.path(), "m2", &[]);
     std::thread::sleep(Duration::from_secs(6));
-    let during = ops.load(Ordering::SeqCst) - at_kill;
+    let during = client.ops() - at_kill;
     etcd.start_again();
     assert!(during > 100, "{during} operations while etcd was down");
 
     // Back: the new server joins and gets its share while the client runs.
-    let last = m2_joins_under(&url, &stop, client);
+    let last = m2_joins_under(&url, client);
     let mut kv = ClusterClient::connect(&url).expect("connect");
     for (i, value) in last {
         assert_eq!(
@@ -419,7 +430,7 @@ fn a_client_without_etcd_reads_the_map_from_the_members_through_an_outage_and_a_
     create_cluster(&url, 4, 2);
     let _m0 = start_member(&url, dir.path(), "m0", &[]);
     let _m1 = start_member(&url, dir.path(), "m1", &[]);
-    let by_etcd = load(&url);
+    let mut by_etcd = load(&url);
     // The first address given is no member's: the next one answers.
     let members = members_url(dir.path(), &["nobody", "m1"]);
     let mut kv = ClusterClient::connect(&members).expect("the map from a member");
@@ -443,14 +454,7 @@ fn a_client_without_etcd_reads_the_map_from_the_members_through_an_outage_and_a_
     let region = region.err().map(|e| e.to_string()).unwrap_or_default();
     assert!(region.contains("serves one region"), "{region}");
 
-    let (stop, ops) = (
-        Arc::new(AtomicBool::new(false)),
-        Arc::new(AtomicU64::new(0)),
-    );
-    let client = busy_client(members.clone(), stop.clone(), ops.clone());
-    eventually("the client runs", Duration::from_secs(30), || {
-        ops.load(Ordering::SeqCst) > 100
-    });
+    let client = BusyClient::start(&members);
 
     // With etcd down a client still connects: the members hand out the
     // map they last saw.
@@ -463,7 +467,21 @@ fn a_client_without_etcd_reads_the_map_from_the_members_through_an_outage_and_a_
 
     // m2 joins and shards move to it while the client runs; the client
     // follows the moves through the members alone.
-    let last = m2_joins_under(&url, &stop, client);
+    let last = m2_joins_under(&url, client);
+    // Clients that made no operation since before the outage have followed
+    // the map (etcd's watch through its restart; the members' map).
+    let newest = BlockingEtcd::connect(&ClusterUrl::parse(&url).expect("url"))
+        .and_then(|mut etcd| etcd.state())
+        .expect("etcd's state");
+    let epoch = newest.shard_map().expect("a map").epoch;
+    for idle in [&mut kv, &mut by_etcd] {
+        eventually(
+            "an idle client follows the map",
+            Duration::from_secs(10),
+            || idle.map_epoch() >= epoch,
+        );
+        assert!((0..idle.shards()).any(|s| idle.owner(s) == Some("m2")));
+    }
     let mut after = ClusterClient::connect(&members).expect("connect");
     assert!((0..after.shards()).any(|s| after.owner(s) == Some("m2")));
     for (i, value) in last {
@@ -510,6 +528,49 @@ fn of_two_coordinators_publishing_against_one_map_exactly_one_wins() {
     let winner = if won[0] { "a" } else { "b" };
     let after = b.state().expect("state").map.expect("a map").0;
     assert_eq!(after, map(winner, current.epoch + 1));
+}
+
+#[test]
+fn a_map_follower_reads_the_state_whole_after_etcd_compacts_what_it_would_watch() {
+    let etcd = EtcdServer::start();
+    let url = ClusterUrl::parse(&etcd.url("follow")).expect("url");
+    create_cluster(&url.to_string(), 4, 1);
+    let mut writer = BlockingEtcd::connect(&url).expect("etcd");
+    let map = |epoch| ShardMap {
+        epoch,
+        owners: vec![Some(format!("m{epoch}")); 4],
+        moving: None,
+    };
+    assert!(writer.publish_map(&map(1), None).expect("etcd answers"));
+    let old = writer.state().expect("state");
+    // Changed twice, and the history compacted up to the second change: a
+    // watch from `old` on is cancelled, so only a whole read finds epoch 3.
+    let mut revision = old.map.as_ref().expect("a map").1;
+    for epoch in [2, 3] {
+        assert!(writer
+            .publish_map(&map(epoch), Some(revision))
+            .expect("etcd answers"));
+        revision = writer.state().expect("state").map.expect("a map").1;
+    }
+    etcd.compact(revision);
+
+    let (sender, seen) = std::sync::mpsc::channel();
+    let _follower = Follower::start(&url, old, move |s: &ClusterState| {
+        let _ = sender.send(s.clone());
+    })
+    .expect("a follower");
+    let epoch_of = |s: ClusterState| s.map.expect("a map").0.epoch;
+    let next = || seen.recv_timeout(Duration::from_secs(30)).expect("a state");
+    assert_eq!(epoch_of(next()), 3);
+    // Then followed change by change, as the watch reports them.
+    assert!(writer
+        .publish_map(&map(4), Some(revision))
+        .expect("etcd answers"));
+    let fourth = next();
+    let whole = writer.state().expect("state");
+    let revision = fourth.revision;
+    assert_eq!(fourth, ClusterState { revision, ..whole });
+    assert_eq!(epoch_of(fourth), 4);
 }
 
 #[test]
