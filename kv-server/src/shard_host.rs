@@ -84,6 +84,9 @@ pub struct ShardHost {
     map: Option<ShardMap>,
     /// When to follow it again if this member is behind it (see `poll`).
     retry_at: Option<Instant>,
+    /// Why each shard that cannot start failed last: logged once, not at
+    /// every retry.
+    failing: BTreeMap<u32, String>,
     /// The member's metrics endpoint (`--metrics-listen`), labelled by
     /// shard, and the shards it shows.
     metrics: Option<MetricsEndpoint>,
@@ -126,6 +129,7 @@ impl ShardHost {
             sent: None,
             map: None,
             retry_at: None,
+            failing: BTreeMap::new(),
             metrics,
             shown,
         })
@@ -253,8 +257,17 @@ impl ShardHost {
                 };
                 tracing::info!(shard, address = %server.address(), epoch, "{role}");
                 self.serving.insert(shard, Served { server, secret });
+                self.failing.remove(&shard);
             }
-            Err(e) => tracing::error!(shard, "cannot serve: {e}"),
+            Err(e) => {
+                let why = e.to_string();
+                if self.failing.get(&shard) == Some(&why) {
+                    tracing::debug!(shard, "still cannot serve: {why}");
+                } else {
+                    tracing::error!(shard, "cannot serve (tried again each second): {why}");
+                    self.failing.insert(shard, why);
+                }
+            }
         }
     }
 
@@ -596,6 +609,53 @@ mod tests {
             epoch: 1 + u64::from(moving.is_some()),
             owners: vec![Some("m0".into()), Some("m0".into())],
             moving,
+        }
+    }
+
+    /// A shard that cannot start is tried again at each follow, and its
+    /// error logged once (again only when it changes).
+    #[test]
+    fn a_shard_that_cannot_start_is_logged_once() {
+        #[derive(Clone, Default)]
+        struct Log(Arc<Mutex<Vec<u8>>>);
+        impl std::io::Write for Log {
+            fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+                self.0
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .extend_from_slice(bytes);
+                Ok(bytes.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let log = Log::default();
+        let writer = log.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_max_level(tracing::Level::INFO)
+            .with_ansi(false)
+            .finish();
+        let dir = tempfile::tempdir().expect("a directory");
+        // No such directory: the shards' region files cannot be made.
+        let listen = format!("shm://{}/gone/m0", dir.path().display());
+        let template = ServerConfig::new(Address::parse(&listen).expect("an address"));
+        let url = ClusterUrl::parse("etcd://127.0.0.1:1/nowhere").expect("a url");
+        tracing::subscriber::with_default(subscriber, || {
+            let mut host = ShardHost::new(template, "m0".into(), url).expect("a host");
+            for _ in 0..3 {
+                host.follow(&map(None), || true);
+            }
+            assert!(host.serving.is_empty());
+        });
+        let text =
+            String::from_utf8_lossy(&log.0.lock().unwrap_or_else(|e| e.into_inner())).to_string();
+        for shard in ["shard=0", "shard=1"] {
+            let lines = text
+                .lines()
+                .filter(|l| l.contains("cannot serve") && l.contains(shard));
+            assert_eq!(lines.count(), 1, "{text}");
         }
     }
 
