@@ -88,9 +88,7 @@ impl Client {
 
 /// A seed for the client's pseudo-random numbers, apart in every client.
 fn seed() -> u64 {
-    use std::hash::BuildHasher;
-    // RandomState is seeded from the OS's randomness.
-    std::collections::hash_map::RandomState::new().hash_one(std::process::id()) | 1
+    kv_common::random::u64() | 1
 }
 
 /// What every call returns.

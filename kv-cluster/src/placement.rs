@@ -91,16 +91,11 @@ pub fn next_map(
 
 /// A secret for a move: 128 bits from the OS's randomness, as hex.
 pub fn random_secret() -> String {
-    use std::hash::BuildHasher;
-    // RandomState is seeded from the OS's randomness, anew each time.
-    (0..2)
-        .map(|i| {
-            format!(
-                "{:016x}",
-                std::collections::hash_map::RandomState::new().hash_one(i)
-            )
-        })
-        .collect()
+    format!(
+        "{:016x}{:016x}",
+        kv_common::random::u64(),
+        kv_common::random::u64()
+    )
 }
 
 #[cfg(test)]

@@ -6,6 +6,7 @@ pub mod address;
 pub mod layout;
 pub mod mapping;
 pub mod protocol;
+pub mod random;
 pub mod secret;
 pub mod size;
 pub mod transport;

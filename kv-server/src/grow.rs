@@ -657,13 +657,8 @@ pub(crate) fn fault_point(step: &str) {
 /// of the configured secret, and is admitted even when `--max-clients` are
 /// connected (a full server must still be able to resize).
 pub fn mover_token() -> [u8; 32] {
-    use std::hash::BuildHasher;
-    // RandomState is seeded from the OS's randomness.
     let mut token = [0u8; 32];
-    for (i, part) in token.chunks_mut(8).enumerate() {
-        let word = std::collections::hash_map::RandomState::new().hash_one(i);
-        part.copy_from_slice(&word.to_le_bytes());
-    }
+    kv_common::random::fill(&mut token);
     token
 }
 

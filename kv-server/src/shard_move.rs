@@ -247,7 +247,8 @@ impl Copier {
         Copier {
             target,
             sent: HashMap::new(),
-            seed: rand_seed(),
+            // Random: no client can know it in advance.
+            seed: kv_common::random::u64(),
             values: Vec::with_capacity(BATCH),
             counters: Vec::with_capacity(BATCH),
             pass: 0,
@@ -359,18 +360,6 @@ impl Copier {
         self.changed += gone.len() as u64;
         Ok(())
     }
-}
-
-/// A seed for the values' hashes that no client can know in advance.
-fn rand_seed() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos()),
-    );
-    h.finish()
 }
 
 /// Keys put per batch.

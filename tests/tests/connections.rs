@@ -99,6 +99,53 @@ fn clients_beyond_max_clients_are_refused_with_the_limit() {
     clients[0].put(b"first", b"still").unwrap();
 }
 
+/// A raw connection to a test server's control endpoint, over either
+/// transport, that never says anything.
+enum Silent {
+    Shm(UnixStream),
+    Rdma(std::net::TcpStream),
+}
+
+impl Silent {
+    fn connect(address: &str) -> Silent {
+        match Address::parse(address).unwrap() {
+            Address::Shm { region } => {
+                Silent::Shm(UnixStream::connect(Address::shm_socket(&region)).unwrap())
+            }
+            Address::Rdma { host, port } => {
+                Silent::Rdma(std::net::TcpStream::connect((host.as_str(), port)).unwrap())
+            }
+        }
+    }
+
+    /// Whether the server still holds it open.
+    fn open(&mut self) -> bool {
+        let mut byte = [0u8; 1];
+        let read = match self {
+            Silent::Shm(s) => s.set_nonblocking(true).and_then(|()| s.read(&mut byte)),
+            Silent::Rdma(s) => s.set_nonblocking(true).and_then(|()| s.read(&mut byte)),
+        };
+        matches!(read, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+    }
+}
+
+/// A connection that never speaks is closed only at the server's handshake
+/// timeout; meanwhile other clients connect as if it were not there (over
+/// rdma its handshake is taken by the event loop, not by the accept).
+#[test]
+fn a_client_that_connects_and_stays_silent_holds_up_no_other() {
+    let srv = TestServer::start(|c| c.timeouts.handshake = Duration::from_secs(300));
+    let mut silent = Silent::connect(&srv.address);
+    let mut kv = Client::connect(&srv.address).unwrap();
+    kv.put(b"past", b"the silent one").unwrap();
+    assert_eq!(
+        kv.get(b"past").unwrap().as_deref(),
+        Some(&b"the silent one"[..])
+    );
+    // Nobody waited for it: it is still open.
+    assert!(silent.open());
+}
+
 #[test]
 fn a_silent_server_makes_connect_time_out_instead_of_hanging() {
     let dir = region_dir();

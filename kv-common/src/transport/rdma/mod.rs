@@ -36,7 +36,7 @@ use super::connection::{
     ConnectOptions, Connection, ControlListener, ControlPeer, Fenced, Received,
 };
 use super::error::TransportError;
-use super::framing::{read_frame, write_frame};
+use super::framing::{read_frame, write_frame, FrameReader};
 use super::gid::{self, GidEntry};
 use super::verb::{ReadOrder, Verb, VerbStats, MAX_BATCH_VERBS};
 use crate::mapping::SharedRegion;
@@ -205,23 +205,26 @@ impl Channel {
         })
     }
 
-    /// Trades endpoints with the peer over the handshake socket (the
-    /// client sends first) and connects the queue pair to its.
-    fn exchange(&mut self, side: Side) -> Result<(), TransportError> {
+    /// The client's half of the handshake: sends its endpoint over the
+    /// handshake socket, then connects the queue pair to the server's.
+    fn exchange(&mut self) -> Result<(), TransportError> {
         let mine = protocol::encode(&self.qp.endpoint())?;
-        let theirs = if side == Side::Client {
-            write_frame(&mut self.tcp, &mine)?;
-            read_frame(&mut self.tcp)?
-        } else {
-            let theirs = read_frame(&mut self.tcp)?;
-            write_frame(&mut self.tcp, &mine)?;
-            theirs
-        };
-        let theirs = theirs
+        write_frame(&mut self.tcp, &mine)?;
+        let theirs = read_frame(&mut self.tcp)?
             .ok_or_else(|| TransportError::Disconnected("peer left during the handshake".into()))?;
-        let remote: Endpoint = protocol::decode(&theirs)?;
-        self.qp.connect(&remote)?;
+        self.qp.connect(&protocol::decode(&theirs)?)?;
         Ok(())
+    }
+
+    /// The server's half, once the client's endpoint (`theirs`) came: the
+    /// queue pair is connected before the client learns ours, so its first
+    /// Send finds it ready.
+    fn answer(&mut self, theirs: &[u8]) -> Result<(), TransportError> {
+        self.qp.connect(&protocol::decode::<Endpoint>(theirs)?)?;
+        let mine = protocol::encode(&self.qp.endpoint())?;
+        // A few dozen bytes into a fresh socket's empty buffer: this write
+        // does not block, though the socket does not block either.
+        write_frame(&mut self.tcp, &mine)
     }
 
     fn check(&self) -> Result<(), TransportError> {
@@ -352,7 +355,7 @@ impl RdmaConnection {
         let device = device_for(tcp.local_addr()?.ip(), &Overrides::from_env()?)?;
         let pd = Pd::new(device)?;
         let mut channel = Channel::new(&pd, tcp, Side::Client)?;
-        channel.exchange(Side::Client)?;
+        channel.exchange()?;
         channel.tcp.set_read_timeout(None)?;
         Ok(RdmaConnection {
             pd,
@@ -654,17 +657,20 @@ impl ControlListener for RdmaListener {
         }
     }
 
+    /// Accepts the handshake socket and makes the queue pair; the client's
+    /// endpoint is taken later, by whoever serves the channel (see
+    /// [`RdmaPeer::try_recv`]), so a client that connects and stays silent
+    /// holds up no other client's accept.
     fn accept(&self) -> Result<Box<dyn ControlPeer>, TransportError> {
         let (tcp, _) = self.tcp.accept()?;
-        tcp.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
+        tcp.set_nonblocking(true)?;
         let served = self.serving(tcp.local_addr()?.ip())?;
-        let mut channel = Channel::new(&served.pd, tcp, Side::Server)?;
-        channel.exchange(Side::Server)?;
-        channel.tcp.set_nonblocking(true)?;
+        let channel = Channel::new(&served.pd, tcp, Side::Server)?;
         channel.qp.recv_cq.arm()?;
         Ok(Box::new(RdmaPeer {
             channel,
             registration: served.mr.clone(),
+            handshake: Some(FrameReader::default()),
         }))
     }
 
@@ -687,6 +693,9 @@ fn remote_of(mr: &Mr) -> RemoteRegion {
 pub struct RdmaPeer {
     channel: Channel,
     registration: Arc<Mutex<Option<Registration>>>,
+    /// Until the client's endpoint has come over the handshake socket: its
+    /// bytes so far.
+    handshake: Option<FrameReader>,
 }
 
 impl ControlPeer for RdmaPeer {
@@ -697,6 +706,19 @@ impl ControlPeer for RdmaPeer {
     }
 
     fn try_recv(&mut self) -> Result<Received, TransportError> {
+        if let Some(handshake) = self.handshake.as_mut() {
+            let theirs = match handshake.poll(&mut self.channel.tcp) {
+                Ok(Received::Message(theirs)) => theirs,
+                Ok(waiting) => return Ok(waiting),
+                Err(_) => return Ok(Received::Closed),
+            };
+            self.handshake = None;
+            // The client's requests come as Sends from now on.
+            return match self.channel.answer(&theirs) {
+                Ok(()) => Ok(Received::Nothing),
+                Err(_) => Ok(Received::Closed),
+            };
+        }
         // Nothing is ever sent on the handshake socket after the handshake:
         // readable means the client closed it or died.
         let mut probe = [0u8; 1];

@@ -632,10 +632,9 @@ impl Qp {
         if qp.is_null() {
             return Err(os_error("ibv_create_qp"));
         }
-        let psn = (std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(7, |d| d.subsec_nanos()))
-            & 0xff_ffff;
+        // Random, so that nobody off the path can inject packets into the
+        // connection by guessing where its sequence starts (24 bits).
+        let psn = (crate::random::u64() & 0xff_ffff) as u32;
         let qp = Qp {
             qp,
             pd: pd.clone(),

@@ -39,7 +39,8 @@ impl KeyTable {
         Ok(KeyTable {
             region,
             free: Mutex::new((0..KEY_TABLE_ENTRIES as u32).rev().collect()),
-            next_key: AtomicU32::new(random_u32()),
+            // Random, so that the keys of successive servers differ.
+            next_key: AtomicU32::new(crate::random::u64() as u32),
         })
     }
 
@@ -85,16 +86,4 @@ impl KeyTable {
             }
         }
     }
-}
-
-/// keys of successive servers differ.
-fn random_u32() -> u32 {
-    let seed = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64)
-        ^ (std::process::id() as u64) << 32;
-    let mut z = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    (z ^ (z >> 31)) as u32
 }
