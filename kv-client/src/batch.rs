@@ -303,7 +303,7 @@ pub(crate) struct DeleteBatch {
     located: SmallVec<[bool; BATCH_KEYS]>,
     copies: Option<CopyReads>,
     /// Each CAS of the third batch: key, position, the slot it empties.
-    cases: SmallVec<[(usize, SlotPos, Slot); BATCH_KEYS]>,
+    cases: Option<SmallVec<[(usize, SlotPos, Slot); BATCH_KEYS]>>,
     unsettled: Unsettled,
 }
 
@@ -756,7 +756,7 @@ impl Client {
             clock,
             located: SmallVec::new(),
             copies: None,
-            cases: SmallVec::new(),
+            cases: None,
             unsettled: Unsettled::new(),
         })
     }
@@ -801,6 +801,7 @@ impl Client {
         let read = d.copies.take().ok_or_else(|| out_of_order("DELETE"))?;
         let copies = self.copies_done(keys, &read);
         let in_time = d.clock.in_time();
+        let mut cases = SmallVec::new();
         for i in (0..keys.len()).filter(|&i| d.located[i]) {
             let Some(copies) = &copies[i] else {
                 d.unsettled.push(i);
@@ -811,19 +812,19 @@ impl Client {
                 // Read in time, no copy: the key was not there.
                 (None, _) if in_time => out[i] = false,
                 (Some(&(index, slot, _)), None) if in_time => {
-                    d.cases.push((i, d.hashes[i].slot_pos(index), slot));
+                    cases.push((i, d.hashes[i].slot_pos(index), slot));
                 }
                 _ => d.unsettled.push(i),
             }
         }
-        let verbs: Verbs = d
-            .cases
+        let verbs: Verbs = cases
             .iter()
             .map(|&(k, pos, slot)| self.batch_cas(k, pos, slot, Slot::EMPTY))
             .collect();
         if !verbs.is_empty() {
             self.conn.start(&verbs)?;
         }
+        d.cases = Some(cases);
         Ok(())
     }
 
@@ -835,8 +836,9 @@ impl Client {
         out: &mut [bool],
     ) -> Result<Unsettled> {
         self.conn.finish()?;
+        let cases = d.cases.take().ok_or_else(|| out_of_order("DELETE"))?;
         let mut unsettled = std::mem::take(&mut d.unsettled);
-        for &(k, _, slot) in &d.cases {
+        for (k, _, slot) in cases {
             match self.batch_cas_won(k, slot) {
                 true => out[k] = true,
                 false => unsettled.push(k),

@@ -38,6 +38,11 @@ pub struct ClusterClient {
     watch: MapWatch,
     /// The state it routes by.
     state: ClusterState,
+    /// The newest revision looked at on the follower's board.
+    board_seen: i64,
+    /// When each shard was seen to change owners: its new owner may still
+    /// be opening it for a while (MOVE_SETTLE).
+    moved_at: Vec<Option<Instant>>,
     /// When `state` was read.
     read_at: Instant,
     /// A connection per shard, once used.
@@ -138,6 +143,8 @@ impl ClusterClient {
             options,
             map,
             watch,
+            board_seen: state.revision,
+            moved_at: vec![None; state.config.shards as usize],
             state,
             read_at: Instant::now(),
             shards,
@@ -694,7 +701,7 @@ impl ClusterClient {
         let mut reread = false;
         // Until then, a shard that just moved may still be starting at its
         // new owner: its connection is tried again.
-        let mut moved_until: Option<Instant> = None;
+        let mut moved_until = self.settled_at(shard);
         // Since when etcd has failed to answer.
         let mut etcd_failing: Option<Instant> = None;
         loop {
@@ -731,7 +738,6 @@ impl ClusterClient {
                 // to etcd: the map is read at most once per REREAD_EVERY.
                 std::thread::sleep(REREAD_EVERY.saturating_sub(self.read_at.elapsed()));
             }
-            let owner = self.owner(shard).map(str::to_string);
             // A connection to etcd broken by its restart fails once: tried
             // again for a moment, not for the whole wait.
             match self.reread() {
@@ -744,11 +750,16 @@ impl ClusterClient {
                     continue;
                 }
             }
-            if !self.is_moving(shard) && self.owner(shard) != owner.as_deref() {
-                moved_until = Some(Instant::now() + MOVE_SETTLE);
-            }
+            moved_until = moved_until.max(self.settled_at(shard));
             reread = true;
         }
+    }
+
+    /// Until when `shard`'s new owner may still be opening it, if it
+    /// changed owners a moment ago.
+    fn settled_at(&self, shard: u32) -> Option<Instant> {
+        let until = self.moved_at[shard as usize]? + MOVE_SETTLE;
+        (Instant::now() < until).then_some(until)
     }
 
     fn is_moving(&self, shard: u32) -> bool {
@@ -770,21 +781,35 @@ impl ClusterClient {
 
     /// Routes by the newest state the follower has seen, if it is newer.
     fn follow(&mut self) {
-        if let Some(state) = self.watch.board.newer_than(self.state.revision) {
-            // A cluster made anew is found by the next reread, which says so.
-            if state.config.shards as usize == self.shards.len() {
-                self.adopt(state);
-            }
+        let Some(state) = self.watch.board.newer_than(self.board_seen) else {
+            return;
+        };
+        self.board_seen = state.revision;
+        // A cluster made anew is found by the next reread, which says so.
+        if state.config.shards as usize == self.shards.len() && state.revision > self.state.revision
+        {
+            self.adopt(state);
         }
     }
 
     /// Routes by `state` from now on: the connection of each shard whose
     /// server changed is dropped, so that its next operation goes to the
-    /// new one.
+    /// new one, and a shard that changed owners is given time to open
+    /// there.
     fn adopt(&mut self, state: ClusterState) {
+        let now = Instant::now();
         for shard in 0..self.shards.len() as u32 {
             if server(&self.state, shard) != server(&state, shard) {
                 self.shards[shard as usize] = None;
+            }
+            let owner = |s: &ClusterState| {
+                s.shard_map()
+                    .and_then(|m| m.owner(shard))
+                    .map(str::to_string)
+            };
+            let moving = state.shard_map().is_some_and(|m| m.is_moving(shard));
+            if !moving && owner(&self.state) != owner(&state) {
+                self.moved_at[shard as usize] = Some(now);
             }
         }
         self.state = state;
@@ -843,8 +868,9 @@ impl ClusterClient {
     }
 }
 
-/// Who serves `shard` in `state`: its owner's record (its address and
-/// incarnation), if it has a live one.
-fn server(state: &ClusterState, shard: u32) -> Option<&kv_cluster::MemberRecord> {
-    state.member(state.shard_map()?.owner(shard)?)
+/// Who serves `shard` in `state`: its owner's address and incarnation, if
+/// it has a live record (a member that starts draining still serves).
+fn server(state: &ClusterState, shard: u32) -> Option<(&str, i64)> {
+    let member = state.member(state.shard_map()?.owner(shard)?)?;
+    Some((member.listen.as_str(), member.incarnation))
 }

@@ -99,27 +99,35 @@ fn etcd_error(url: &ClusterUrl) -> impl Fn(etcd_client::Error) -> ClusterError +
 
 impl Etcd {
     pub async fn connect(url: &ClusterUrl) -> Result<Etcd, ClusterError> {
-        Etcd::connect_with(url, Some(REQUEST_TIMEOUT)).await
+        let options = ConnectOptions::new().with_timeout(REQUEST_TIMEOUT);
+        Etcd::connect_with(url, options).await
     }
 
     /// A connection whose requests may wait as long as they need (a
     /// campaign is answered only once won).
     pub async fn connect_untimed(url: &ClusterUrl) -> Result<Etcd, ClusterError> {
-        Etcd::connect_with(url, None).await
+        Etcd::connect_with(url, ConnectOptions::new()).await
+    }
+
+    /// A connection for a long watch, which the request timeout does not
+    /// bound: pings find a connection gone silent or half-open (its stream
+    /// then ends, and the watch is made again), and an etcd member cut off
+    /// from its leader refuses the watch rather than holding it silent.
+    pub async fn connect_watching(url: &ClusterUrl) -> Result<Etcd, ClusterError> {
+        let options = ConnectOptions::new()
+            .with_timeout(REQUEST_TIMEOUT)
+            .with_keep_alive(REQUEST_TIMEOUT, REQUEST_TIMEOUT)
+            .with_keep_alive_while_idle(true)
+            .with_require_leader(true);
+        Etcd::connect_with(url, options).await
     }
 
     pub fn url(&self) -> &ClusterUrl {
         &self.url
     }
 
-    async fn connect_with(
-        url: &ClusterUrl,
-        timeout: Option<Duration>,
-    ) -> Result<Etcd, ClusterError> {
-        let mut options = ConnectOptions::new().with_connect_timeout(REQUEST_TIMEOUT);
-        if let Some(timeout) = timeout {
-            options = options.with_timeout(timeout);
-        }
+    async fn connect_with(url: &ClusterUrl, options: ConnectOptions) -> Result<Etcd, ClusterError> {
+        let options = options.with_connect_timeout(REQUEST_TIMEOUT);
         let client = Client::connect(&url.endpoints, Some(options))
             .await
             .map_err(etcd_error(url))?;

@@ -63,7 +63,7 @@ async fn follow(url: &ClusterUrl, mut state: ClusterState, mut publish: impl FnM
     let mut reload = false;
     loop {
         if etcd.is_none() {
-            etcd = Etcd::connect(url).await.ok();
+            etcd = Etcd::connect_watching(url).await.ok();
         }
         let Some(e) = etcd.as_mut() else {
             tokio::time::sleep(RETRY).await;
@@ -95,30 +95,39 @@ async fn follow(url: &ClusterUrl, mut state: ClusterState, mut publish: impl FnM
         // Until the watch ends: etcd away (watched again from the last
         // change applied) or told it cannot go on (read whole).
         while let Ok(Some(reply)) = changes.message().await {
-            match apply(&keys, &mut state, &reply) {
-                Ok(true) => publish(&state),
-                Ok(false) => {}
+            match apply(&keys, &state, &reply) {
+                Ok(Some(next)) => {
+                    state = next;
+                    publish(&state);
+                }
+                Ok(None) => {}
                 Err(()) => {
                     reload = true;
                     break;
                 }
             }
         }
-        if !reload {
-            tokio::time::sleep(RETRY).await;
-        }
+        // Not at once: a watch that etcd keeps refusing must not spin.
+        tokio::time::sleep(RETRY).await;
     }
 }
 
-/// Applies one watch reply to `state`: whether it changed it; Err when the
-/// state must be read whole (the watch was cancelled, as when etcd has
+/// `state` with one watch reply applied, if it changed anything; Err when
+/// the state must be read whole (the watch was cancelled, as when etcd has
 /// compacted the revisions it was to start from; the config changed, or a
-/// record does not decode).
-fn apply(keys: &Keys, state: &mut ClusterState, reply: &WatchResponse) -> Result<bool, ()> {
+/// record does not decode). A reply is applied whole or not at all.
+fn apply(
+    keys: &Keys,
+    state: &ClusterState,
+    reply: &WatchResponse,
+) -> Result<Option<ClusterState>, ()> {
     if reply.canceled() || reply.compact_revision() > 0 {
         return Err(());
     }
-    let mut changed = false;
+    if reply.events().is_empty() {
+        return Ok(None);
+    }
+    let mut state = state.clone();
     for event in reply.events() {
         let Some(kv) = event.kv() else { continue };
         let key = kv.key();
@@ -143,10 +152,9 @@ fn apply(keys: &Keys, state: &mut ClusterState, reply: &WatchResponse) -> Result
             }
         }
         state.revision = state.revision.max(kv.mod_revision());
-        changed = true;
     }
     // In key order, as a whole read gives them.
     state.members.sort_by(|a, b| a.id.cmp(&b.id));
-    check_map(state).map_err(|_| ())?;
-    Ok(changed)
+    check_map(&state).map_err(|_| ())?;
+    Ok(Some(state))
 }
