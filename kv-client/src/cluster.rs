@@ -2,9 +2,9 @@
 //! ([`kv_common::layout::shard_of`]), through a connection to the server
 //! that owns the shard, made when the shard is first used. The shard map
 //! and the members come from etcd or from any member ([`MapSource`]), read
-//! at connect, followed from then on by a thread of the client's own
-//! ([`MapWatch`]: a shard that moved is sought at its new owner before its
-//! old one is asked), and read again at once when a shard's server cannot
+//! at connect, followed from then on by a thread that the process's clients
+//! of the cluster share ([`MapWatch`]: a shard that moved is sought at its
+//! new owner before its old one is asked), and read again at once when a shard's server cannot
 //! be reached or refuses. etcd is never on the data path.
 
 use std::time::{Duration, Instant};
@@ -136,7 +136,7 @@ impl ClusterClient {
         let source = ClusterSource::parse(url).map_err(Error::InvalidAddress)?;
         let mut map = MapSource::open(&source, options.connect_options())?;
         let state = map.read(None)?;
-        let watch = MapWatch::start(&map, &state)?;
+        let watch = MapWatch::start(&source.to_string(), &map, &state)?;
         let shards = (0..state.config.shards).map(|_| None).collect();
         Ok(ClusterClient {
             source,
@@ -781,7 +781,7 @@ impl ClusterClient {
 
     /// Routes by the newest state the follower has seen, if it is newer.
     fn follow(&mut self) {
-        let Some(state) = self.watch.board.newer_than(self.board_seen) else {
+        let Some(state) = self.watch.board().newer_than(self.board_seen) else {
             return;
         };
         self.board_seen = state.revision;

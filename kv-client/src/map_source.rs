@@ -5,16 +5,16 @@
 //! working while etcd is down.
 //!
 //! A client also follows the map between its operations ([`MapWatch`]): a
-//! thread of its own watches etcd (from the revision read, read whole
-//! after a compaction), or asks the members again every
-//! [`MEMBERS_POLL`] (a member's channel is served by a thread of its, so
-//! a long-held ask per client would crowd the members out). The newest
-//! state waits on a [`Board`] that the client looks at, one atomic load,
-//! before each operation.
+//! thread, one for all of a process's clients of the cluster, watches
+//! etcd (from the revision read, read whole after a compaction), or asks
+//! the members again every [`MEMBERS_POLL`] (a member serves each channel
+//! on a thread of its own, so a long-held ask per client would crowd the
+//! members out). The newest state waits on a [`Board`] that the client
+//! looks at, one atomic load, before each operation.
 
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use kv_cluster::directory::{self, MemberView};
@@ -110,11 +110,19 @@ impl Board {
 }
 
 /// A client's follower of the map: a thread that keeps a [`Board`]
-/// current, and stops once this is dropped.
+/// current. The clients of one cluster in a process share it (a pool's, a
+/// benchmark's threads): it stops once the last of them is dropped.
 pub(crate) struct MapWatch {
-    pub(crate) board: Arc<Board>,
+    following: Arc<Following>,
+}
+
+struct Following {
+    board: Arc<Board>,
     _follower: Follower,
 }
+
+/// The followers running in this process, by the address of their cluster.
+static FOLLOWING: Mutex<Vec<(String, Weak<Following>)>> = Mutex::new(Vec::new());
 
 /// Held only to be dropped: each stops its thread then.
 enum Follower {
@@ -127,8 +135,34 @@ enum Follower {
 }
 
 impl MapWatch {
-    /// Follows the cluster `source` reads, from `from` (read from it) on.
-    pub(crate) fn start(source: &MapSource, from: &ClusterState) -> Result<MapWatch> {
+    /// Follows the cluster at `address` (which `source` reads), from `from`
+    /// (read from it) on, unless a client of this process already does.
+    pub(crate) fn start(
+        address: &str,
+        source: &MapSource,
+        from: &ClusterState,
+    ) -> Result<MapWatch> {
+        let mut running = FOLLOWING.lock().unwrap_or_else(|e| e.into_inner());
+        running.retain(|(_, f)| f.strong_count() > 0);
+        if let Some(following) = running
+            .iter()
+            .find(|(a, _)| a == address)
+            .and_then(|(_, f)| f.upgrade())
+        {
+            return Ok(MapWatch { following });
+        }
+        let following = Arc::new(Following::start(source, from)?);
+        running.push((address.to_string(), Arc::downgrade(&following)));
+        Ok(MapWatch { following })
+    }
+
+    pub(crate) fn board(&self) -> &Board {
+        &self.following.board
+    }
+}
+
+impl Following {
+    fn start(source: &MapSource, from: &ClusterState) -> Result<Following> {
         let board = Arc::new(Board::default());
         let follower = match source {
             #[cfg(feature = "etcd")]
@@ -160,7 +194,7 @@ impl MapWatch {
                 Follower::Members { _stop: stop }
             }
         };
-        Ok(MapWatch {
+        Ok(Following {
             board,
             _follower: follower,
         })
@@ -249,4 +283,43 @@ fn ask(member: &Address, options: &ConnectOptions) -> Result<MemberView> {
         }
     })
     .map_err(Error::Cluster)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kv_cluster::ClusterConfig;
+
+    fn nowhere() -> (MapSource, ClusterState) {
+        let dir = std::env::temp_dir().join("onekv-no-such-member");
+        let seeds = vec![Address::parse(&format!("shm://{}", dir.display())).expect("an address")];
+        let source = MapSource::open(&ClusterSource::Members(seeds), ConnectOptions::default());
+        let state = ClusterState {
+            config: ClusterConfig {
+                shards: 1,
+                initial_members: 1,
+            },
+            members: Vec::new(),
+            map: None,
+            revision: 1,
+        };
+        (source.expect("a source"), state)
+    }
+
+    /// Clients of one cluster share a follower while any of them lives;
+    /// another cluster's clients have their own.
+    #[test]
+    fn clients_of_one_cluster_share_one_follower() {
+        let (source, state) = nowhere();
+        let a = MapWatch::start("cluster+shm:///a", &source, &state).expect("a watch");
+        let b = MapWatch::start("cluster+shm:///a", &source, &state).expect("a watch");
+        let other = MapWatch::start("cluster+shm:///b", &source, &state).expect("a watch");
+        assert!(Arc::ptr_eq(&a.following, &b.following));
+        assert!(!Arc::ptr_eq(&a.following, &other.following));
+        let first = Arc::downgrade(&a.following);
+        drop((a, b));
+        assert_eq!(first.strong_count(), 0, "the follower outlived its clients");
+        let again = MapWatch::start("cluster+shm:///a", &source, &state).expect("a watch");
+        assert!(!Arc::ptr_eq(&again.following, &other.following));
+    }
 }
