@@ -20,11 +20,12 @@ GUEST_IP=10.0.2.15
 # and a client that reads the map from the members through an etcd outage
 # and a move; the cluster's other tests are about etcd, the same on
 # either transport, and run on shm. connections: a silent handshake
-# socket holds up no other client (the others are about shm sockets).
+# socket holds up no other client, and a client past the connection cap
+# is refused with the reason (the others are about shm sockets).
 read -ra TESTS <<< "${RXE_TESTS:-linearizability counters concurrent_insert one_sided reuse restart crash_recovery fencing resize header_damage batch_model shard_move cluster connections}"
 # The tests of a suite run in the VM, where not all of them.
 declare -A FILTERS=([cluster]="keys_spread_over_three_servers a_client_without_etcd"
-                  [connections]="a_client_that_connects_and_stays_silent")
+                  [connections]="a_client_that_connects_and_stays_silent beyond_the_connection_cap")
 mkdir -p "$WORK"
 
 log() { echo "rxe-vm: $*" >&2; }

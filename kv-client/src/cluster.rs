@@ -699,9 +699,8 @@ impl ClusterClient {
         self.follow();
         let started = Instant::now();
         let mut reread = false;
-        // Until then, a shard that just moved may still be starting at its
-        // new owner: its connection is tried again.
-        let mut moved_until = self.settled_at(shard);
+        // A refusal is tried again for MOVE_SETTLE from the first.
+        let mut refused_until: Option<Instant> = None;
         // Since when etcd has failed to answer.
         let mut etcd_failing: Option<Instant> = None;
         loop {
@@ -712,8 +711,8 @@ impl ClusterClient {
                 // A wrong secret, or a move's target that the map names
                 // owner but that is still open to the copier only (for a
                 // moment): tried again for MOVE_SETTLE.
-                Err(e @ Error::Refused(_)) if moved_until.is_none_or(|t| Instant::now() < t) => {
-                    moved_until.get_or_insert(Instant::now() + MOVE_SETTLE);
+                Err(e @ Error::Refused(_)) if refused_until.is_none_or(|t| Instant::now() < t) => {
+                    refused_until.get_or_insert(Instant::now() + MOVE_SETTLE);
                     e
                 }
                 // A version mismatch, a lasting refusal: the same anywhere.
@@ -721,7 +720,10 @@ impl ClusterClient {
             };
             self.shards[shard as usize] = None;
             let moving = self.is_moving(shard);
-            let settling = moved_until.is_some_and(|t| Instant::now() < t);
+            // A shard that just moved may still be starting at its new
+            // owner: its connection is tried again meanwhile.
+            let settling =
+                refused_until.is_some_and(|t| Instant::now() < t) || self.just_moved(shard);
             if !moving && !settling && reread {
                 return Err(match error {
                     Error::ShardUnavailable { .. } | Error::Refused(_) => error,
@@ -750,16 +752,14 @@ impl ClusterClient {
                     continue;
                 }
             }
-            moved_until = moved_until.max(self.settled_at(shard));
             reread = true;
         }
     }
 
-    /// Until when `shard`'s new owner may still be opening it, if it
-    /// changed owners a moment ago.
-    fn settled_at(&self, shard: u32) -> Option<Instant> {
-        let until = self.moved_at[shard as usize]? + MOVE_SETTLE;
-        (Instant::now() < until).then_some(until)
+    /// Whether `shard` changed owners so lately that its new owner may
+    /// still be opening it.
+    fn just_moved(&self, shard: u32) -> bool {
+        self.moved_at[shard as usize].is_some_and(|t| t.elapsed() < MOVE_SETTLE)
     }
 
     fn is_moving(&self, shard: u32) -> bool {
@@ -775,29 +775,28 @@ impl ClusterClient {
                 self.source, state.config.shards
             )));
         }
-        self.adopt(state);
+        self.adopt(state, Instant::now());
         Ok(())
     }
 
     /// Routes by the newest state the follower has seen, if it is newer.
     fn follow(&mut self) {
-        let Some(state) = self.watch.board().newer_than(self.board_seen) else {
+        let Some((state, seen_at)) = self.watch.board().newer_than(self.board_seen) else {
             return;
         };
         self.board_seen = state.revision;
         // A cluster made anew is found by the next reread, which says so.
         if state.config.shards as usize == self.shards.len() && state.revision > self.state.revision
         {
-            self.adopt(state);
+            self.adopt(state, seen_at);
         }
     }
 
-    /// Routes by `state` from now on: the connection of each shard whose
-    /// server changed is dropped, so that its next operation goes to the
-    /// new one, and a shard that changed owners is given time to open
-    /// there.
-    fn adopt(&mut self, state: ClusterState) {
-        let now = Instant::now();
+    /// Routes by `state` (read at `seen_at`) from now on: the connection of
+    /// each shard whose server changed is dropped, so that its next
+    /// operation goes to the new one, and a shard that changed owners is
+    /// given time to open there.
+    fn adopt(&mut self, state: ClusterState, seen_at: Instant) {
         for shard in 0..self.shards.len() as u32 {
             if server(&self.state, shard) != server(&state, shard) {
                 self.shards[shard as usize] = None;
@@ -808,8 +807,9 @@ impl ClusterClient {
                     .map(str::to_string)
             };
             let moving = state.shard_map().is_some_and(|m| m.is_moving(shard));
-            if !moving && owner(&self.state) != owner(&state) {
-                self.moved_at[shard as usize] = Some(now);
+            let new_owner = owner(&state);
+            if !moving && new_owner.is_some() && owner(&self.state) != new_owner {
+                self.moved_at[shard as usize] = Some(seen_at);
             }
         }
         self.state = state;

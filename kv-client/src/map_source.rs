@@ -15,7 +15,7 @@
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kv_cluster::directory::{self, MemberView};
 use kv_cluster::{ClusterSource, ClusterState};
@@ -85,7 +85,8 @@ impl MapSource {
 pub(crate) struct Board {
     /// Its revision: looked at before each operation, without the lock.
     revision: AtomicI64,
-    newest: Mutex<Option<ClusterState>>,
+    /// The state, and when it came.
+    newest: Mutex<Option<(ClusterState, Instant)>>,
 }
 
 impl Board {
@@ -93,19 +94,25 @@ impl Board {
         let Ok(mut newest) = self.newest.lock() else {
             return;
         };
-        if newest.as_ref().is_none_or(|n| state.revision > n.revision) {
-            *newest = Some(state.clone());
+        if newest
+            .as_ref()
+            .is_none_or(|(n, _)| state.revision > n.revision)
+        {
+            *newest = Some((state.clone(), Instant::now()));
             self.revision.store(state.revision, Ordering::Release);
         }
     }
 
-    /// The newest state, if it is newer than `revision`.
-    pub(crate) fn newer_than(&self, revision: i64) -> Option<ClusterState> {
+    /// The newest state and when it came, if it is newer than `revision`.
+    pub(crate) fn newer_than(&self, revision: i64) -> Option<(ClusterState, Instant)> {
         if self.revision.load(Ordering::Acquire) <= revision {
             return None;
         }
         let newest = self.newest.lock().ok()?;
-        newest.as_ref().filter(|s| s.revision > revision).cloned()
+        newest
+            .as_ref()
+            .filter(|(s, _)| s.revision > revision)
+            .cloned()
     }
 }
 

@@ -84,6 +84,8 @@ pub(crate) fn check_map(state: &ClusterState) -> Result<(), ClusterError> {
 
 /// How long one request to etcd may take before it is given up.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
+/// How often a long watch's connection is pinged.
+const WATCH_PING: Duration = Duration::from_secs(10);
 
 /// A connection to the etcd that holds one cluster.
 #[derive(Clone)]
@@ -113,11 +115,12 @@ impl Etcd {
     /// bound: pings find a connection gone silent or half-open (its stream
     /// then ends, and the watch is made again), and an etcd member cut off
     /// from its leader refuses the watch rather than holding it silent.
+    /// Pings go only while the watch is open, and no more often than etcd
+    /// allows by default (one per 5 s, `--grpc-keepalive-min-time`).
     pub async fn connect_watching(url: &ClusterUrl) -> Result<Etcd, ClusterError> {
         let options = ConnectOptions::new()
             .with_timeout(REQUEST_TIMEOUT)
-            .with_keep_alive(REQUEST_TIMEOUT, REQUEST_TIMEOUT)
-            .with_keep_alive_while_idle(true)
+            .with_keep_alive(WATCH_PING, REQUEST_TIMEOUT)
             .with_require_leader(true);
         Etcd::connect_with(url, options).await
     }

@@ -38,7 +38,14 @@ struct Channel {
     session: Session,
     opened: Instant,
     last_seen: Instant,
+    /// Beyond the cap: why its first request is answered with a refusal.
+    refusal: Option<String>,
 }
+
+/// Channels beyond the cap that cannot take a reply yet (an rdma handshake
+/// under way) kept until their first request, to be refused with the
+/// reason. More are closed at once.
+const REFUSING: usize = 64;
 
 pub struct EventLoop {
     shared: Arc<Shared>,
@@ -119,18 +126,23 @@ impl EventLoop {
     }
 
     fn add(&mut self, mut peer: Box<dyn ControlPeer>) {
+        let mut refusal = None;
         if self.channels.len() >= self.max_channels {
             // Say why before hanging up; the client reads it as the reply
-            // to its Connect.
+            // to its Connect. A channel that cannot take it yet (an rdma
+            // handshake under way) is kept, within REFUSING more, to be
+            // told at its first request.
             self.shared.counters.refuse(control::Refusal::Connections);
-            let m = format!(
+            let why = format!(
                 "the server has {} control connections open, its limit",
                 self.max_channels
             );
-            if let Ok(bytes) = protocol::encode(&control::error(ErrorKind::TooManyClients, m)) {
-                let _ = peer.send(&bytes);
+            let reply = protocol::encode(&control::error(ErrorKind::TooManyClients, why.clone()));
+            let told = reply.is_ok_and(|b| peer.send(&b).is_ok());
+            if told || self.channels.len() >= self.max_channels + REFUSING {
+                return;
             }
-            return;
+            refusal = Some(why);
         }
         let id = self.next_id;
         self.next_id += 1;
@@ -159,6 +171,7 @@ impl EventLoop {
                 session: Session::default(),
                 opened: now,
                 last_seen: now,
+                refusal,
             },
         );
         self.shared.counters.connections.fetch_add(1, Relaxed);
@@ -208,29 +221,10 @@ impl EventLoop {
                 }
             };
             ch.last_seen = Instant::now();
-            let (reply, after) = match protocol::decode::<Request>(&bytes) {
-                Ok(request) => {
-                    let ending = if request == Request::Disconnect {
-                        Ending::Goodbye
-                    } else {
-                        Ending::Unannounced
-                    };
-                    let (reply, after) =
-                        control::handle(&shared, &mut ch.session, &mut *ch.peer, request);
-                    if after == After::Close {
-                        close = Some(ending);
-                    }
-                    (reply, after)
-                }
-                Err(e) => {
-                    c.malformed.fetch_add(1, Relaxed);
-                    let after = control::offence(&mut ch.session);
-                    if after == After::Close {
-                        close = Some(Ending::Unannounced);
-                    }
-                    (control::error(ErrorKind::Malformed, e.to_string()), after)
-                }
-            };
+            let (reply, after, ending) = respond(&shared, ch, &bytes);
+            if ending.is_some() {
+                close = ending;
+            }
             let sent = protocol::encode(&reply)
                 .map_err(TransportError::from)
                 .and_then(|b| ch.peer.send(&b));
@@ -285,5 +279,40 @@ impl EventLoop {
     fn forget_fd(&self, fd: RawFd) {
         // SAFETY: the descriptor is still open: its peer has not been dropped.
         let _ = self.poller.delete(unsafe { BorrowedFd::borrow_raw(fd) });
+    }
+}
+
+/// The reply to one request on `ch`, what follows it, and how the channel
+/// ends if it is to close.
+fn respond(
+    shared: &Shared,
+    ch: &mut Channel,
+    bytes: &[u8],
+) -> (protocol::Response, After, Option<Ending>) {
+    if let Some(why) = ch.refusal.take() {
+        let reply = control::error(ErrorKind::TooManyClients, why);
+        return (reply, After::Close, Some(Ending::Unannounced));
+    }
+    match protocol::decode::<Request>(bytes) {
+        Ok(request) => {
+            let ending = if request == Request::Disconnect {
+                Ending::Goodbye
+            } else {
+                Ending::Unannounced
+            };
+            let (reply, after) = control::handle(shared, &mut ch.session, &mut *ch.peer, request);
+            let ending = (after == After::Close).then_some(ending);
+            (reply, after, ending)
+        }
+        Err(e) => {
+            shared.counters.malformed.fetch_add(1, Relaxed);
+            let after = control::offence(&mut ch.session);
+            let ending = (after == After::Close).then_some(Ending::Unannounced);
+            (
+                control::error(ErrorKind::Malformed, e.to_string()),
+                after,
+                ending,
+            )
+        }
     }
 }

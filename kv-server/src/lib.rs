@@ -630,8 +630,9 @@ fn channel_cap(max_clients: u64) -> usize {
     budget.min(wanted) as usize
 }
 
-/// Accepts control channels and hands them to the event loop. (Accepting
-/// an rdma channel includes its handshake, which must not hold up the loop.)
+/// Accepts control channels and hands them to the event loop, which also
+/// takes an rdma channel's handshake (accepting it only makes its queue
+/// pair).
 fn accept_loop(
     shared: Arc<Shared>,
     listener: Arc<dyn ControlListener>,

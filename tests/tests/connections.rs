@@ -146,6 +146,28 @@ fn a_client_that_connects_and_stays_silent_holds_up_no_other() {
     assert!(silent.open());
 }
 
+/// Past the cap on open connections (twice `max_clients`), a client is
+/// refused with the reason, over rdma too (where the reply has to wait for
+/// its handshake).
+#[test]
+fn beyond_the_connection_cap_a_client_is_refused_with_the_reason() {
+    let srv = TestServer::start(|c| {
+        c.max_clients = 1;
+        c.timeouts.handshake = Duration::from_secs(300);
+    });
+    let mut silent: Vec<Silent> = (0..2).map(|_| Silent::connect(&srv.address)).collect();
+    eventually(
+        "both silent connections open",
+        Duration::from_secs(30),
+        || srv.server.stats().connections == 2,
+    );
+    match Client::connect(&srv.address) {
+        Err(Error::Refused(why)) => assert!(why.contains("its limit"), "{why}"),
+        other => panic!("not refused with the reason: {:?}", other.map(|_| ())),
+    }
+    assert!(silent.iter_mut().all(Silent::open));
+}
+
 #[test]
 fn a_silent_server_makes_connect_time_out_instead_of_hanging() {
     let dir = region_dir();

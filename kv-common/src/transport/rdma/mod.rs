@@ -22,6 +22,7 @@ use std::io::Read;
 use std::net::{IpAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use verbs::{
@@ -667,10 +668,13 @@ impl ControlListener for RdmaListener {
         let served = self.serving(tcp.local_addr()?.ip())?;
         let channel = Channel::new(&served.pd, tcp, Side::Server)?;
         channel.qp.recv_cq.arm()?;
+        let mut fds = vec![channel.tcp.as_raw_fd()];
+        fds.extend(channel.qp.recv_cq.event_fd().ok());
         Ok(Box::new(RdmaPeer {
-            channel,
+            channel: Some(channel),
+            fds,
             registration: served.mr.clone(),
-            handshake: Some(FrameReader::default()),
+            handshake: Handshake::Reading(FrameReader::default()),
         }))
     }
 
@@ -691,51 +695,113 @@ fn remote_of(mr: &Mr) -> RemoteRegion {
 }
 
 pub struct RdmaPeer {
-    channel: Channel,
+    /// None while a thread of its own answers the handshake.
+    channel: Option<Channel>,
+    /// The channel's descriptors, from accept on.
+    fds: Vec<RawFd>,
     registration: Arc<Mutex<Option<Registration>>>,
-    /// Until the client's endpoint has come over the handshake socket: its
-    /// bytes so far.
-    handshake: Option<FrameReader>,
+    handshake: Handshake,
+}
+
+/// The server's half of a handshake, taken by whoever serves the channel.
+enum Handshake {
+    /// The client's endpoint, as far as it has come.
+    Reading(FrameReader),
+    /// Connecting the queue pair to it and sending ours, on a thread of its
+    /// own: the kernel may take a second to resolve the client's address,
+    /// and a hostile endpoint must not hold up the thread that serves every
+    /// channel. The channel comes back with the outcome.
+    Answering(JoinHandle<(Channel, Result<(), TransportError>)>),
+    Done,
+}
+
+impl RdmaPeer {
+    /// Moves the handshake on as far as it goes without waiting: Nothing
+    /// while it goes on, Closed if it failed, None once done.
+    fn handshake(&mut self) -> Option<Received> {
+        match &mut self.handshake {
+            Handshake::Done => None,
+            Handshake::Reading(reader) => {
+                let channel = self.channel.as_mut()?;
+                let theirs = match reader.poll(&mut channel.tcp) {
+                    Ok(Received::Message(theirs)) => theirs,
+                    Ok(waiting) => return Some(waiting),
+                    Err(_) => return Some(Received::Closed),
+                };
+                let mut channel = self.channel.take()?;
+                let answering = std::thread::Builder::new()
+                    .name("kv-handshake".into())
+                    .spawn(move || {
+                        let answered = channel.answer(&theirs);
+                        (channel, answered)
+                    });
+                match answering {
+                    Ok(thread) => {
+                        self.handshake = Handshake::Answering(thread);
+                        Some(Received::Nothing)
+                    }
+                    Err(_) => Some(Received::Closed),
+                }
+            }
+            // The client sends only once it has our endpoint, which the
+            // thread sends last: a Send that wakes us finds it all but done.
+            Handshake::Answering(thread) if !thread.is_finished() => Some(Received::Nothing),
+            Handshake::Answering(_) => {
+                let Handshake::Answering(thread) =
+                    std::mem::replace(&mut self.handshake, Handshake::Done)
+                else {
+                    return Some(Received::Closed);
+                };
+                match thread.join() {
+                    Ok((channel, answered)) => {
+                        self.channel = Some(channel);
+                        answered.is_err().then_some(Received::Closed)
+                    }
+                    Err(_) => Some(Received::Closed),
+                }
+            }
+        }
+    }
+
+    fn channel(&mut self) -> Result<&mut Channel, TransportError> {
+        match (&self.handshake, self.channel.as_mut()) {
+            (Handshake::Done, Some(channel)) => Ok(channel),
+            _ => Err(TransportError::Disconnected(
+                "the client's handshake has not finished".into(),
+            )),
+        }
+    }
 }
 
 impl ControlPeer for RdmaPeer {
     fn fds(&self) -> Vec<RawFd> {
-        let mut fds = vec![self.channel.tcp.as_raw_fd()];
-        fds.extend(self.channel.qp.recv_cq.event_fd().ok());
-        fds
+        self.fds.clone()
     }
 
     fn try_recv(&mut self) -> Result<Received, TransportError> {
-        if let Some(handshake) = self.handshake.as_mut() {
-            let theirs = match handshake.poll(&mut self.channel.tcp) {
-                Ok(Received::Message(theirs)) => theirs,
-                Ok(waiting) => return Ok(waiting),
-                Err(_) => return Ok(Received::Closed),
-            };
-            self.handshake = None;
-            // The client's requests come as Sends from now on.
-            return match self.channel.answer(&theirs) {
-                Ok(()) => Ok(Received::Nothing),
-                Err(_) => Ok(Received::Closed),
-            };
+        if let Some(waiting) = self.handshake() {
+            return Ok(waiting);
         }
+        let Ok(channel) = self.channel() else {
+            return Ok(Received::Closed);
+        };
         // Nothing is ever sent on the handshake socket after the handshake:
         // readable means the client closed it or died.
         let mut probe = [0u8; 1];
-        match self.channel.tcp.read(&mut probe) {
+        match channel.tcp.read(&mut probe) {
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
             _ => return Ok(Received::Closed),
         }
-        self.channel.qp.recv_cq.take_event();
-        let received = match self.channel.take_received() {
+        channel.qp.recv_cq.take_event();
+        let received = match channel.take_received() {
             Ok(Some(bytes)) => return Ok(Received::Message(bytes)),
             Ok(None) => Received::Nothing,
             Err(_) => return Ok(Received::Closed),
         };
         // Re-arm, then look once more: a receive that completed before the
         // arming raises no event.
-        self.channel.qp.recv_cq.arm()?;
-        match self.channel.take_received() {
+        channel.qp.recv_cq.arm()?;
+        match channel.take_received() {
             Ok(Some(bytes)) => Ok(Received::Message(bytes)),
             Ok(None) => Ok(received),
             Err(_) => Ok(Received::Closed),
@@ -745,7 +811,7 @@ impl ControlPeer for RdmaPeer {
     fn send(&mut self, bytes: &[u8]) -> Result<(), TransportError> {
         // One server thread serves every client: a client that does not
         // take its reply (no receive posted) is dropped, not waited for.
-        self.channel.send(bytes, PEER_SEND_TIMEOUT)
+        self.channel()?.send(bytes, PEER_SEND_TIMEOUT)
     }
 
     fn admit(&mut self) -> Result<RemoteRegion, TransportError> {
@@ -761,8 +827,12 @@ impl ControlPeer for RdmaPeer {
     }
 
     fn fence(&mut self) -> Fenced {
-        if let Err(e) = self.channel.qp.set_error() {
-            self.channel.broken = Some(format!("fencing failed: {e}"));
+        // A channel still answering its handshake is dropped with it (its
+        // thread ends, and the queue pair goes with the channel).
+        if let Some(channel) = self.channel.as_mut() {
+            if let Err(e) = channel.qp.set_error() {
+                channel.broken = Some(format!("fencing failed: {e}"));
+            }
         }
         Fenced::Revoked
     }
