@@ -742,7 +742,7 @@ impl ClusterClient {
             }
             // A connection to etcd broken by its restart fails once: tried
             // again for a moment, not for the whole wait.
-            match self.reread() {
+            match self.reread_past(shard) {
                 Ok(()) => etcd_failing = None,
                 Err(e) if etcd_failing.get_or_insert_with(Instant::now).elapsed() > ETCD_RETRY => {
                     return Err(e)
@@ -768,6 +768,22 @@ impl ClusterClient {
 
     fn reread(&mut self) -> Result<()> {
         let state = self.map.read(Some(&self.state))?;
+        self.take(state)
+    }
+
+    /// Reads the map again after `shard`'s server would not serve it (see
+    /// [`MapSource::read_past`]).
+    fn reread_past(&mut self, shard: u32) -> Result<()> {
+        let failed = self
+            .owner(shard)
+            .and_then(|owner| self.state.member(owner))
+            .and_then(|m| kv_common::Address::parse(&m.listen).ok());
+        let state = self.map.read_past(Some(&self.state), failed.as_ref())?;
+        self.take(state)
+    }
+
+    /// Routes by `state`, just read, unless the cluster was made anew.
+    fn take(&mut self, state: ClusterState) -> Result<()> {
         self.read_at = Instant::now();
         if state.config.shards as usize != self.shards.len() {
             return Err(Error::Cluster(format!(

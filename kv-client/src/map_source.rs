@@ -72,10 +72,25 @@ impl MapSource {
 
     /// The cluster now, never older than `newest` (what the caller holds).
     pub(crate) fn read(&mut self, newest: Option<&ClusterState>) -> Result<ClusterState> {
+        self.read_past(newest, None)
+    }
+
+    /// As [`Self::read`], after the server `failed` (a member's address)
+    /// would not serve what `newest` says it owns. etcd is read as ever.
+    /// Members are asked from `failed` on, for a view newer than `newest`:
+    /// a member drops a shard only once it has seen the map that moves it,
+    /// so its own view shows where the shard went even while the member
+    /// that answered last lags (its watch being made again after an etcd
+    /// outage, say).
+    pub(crate) fn read_past(
+        &mut self,
+        newest: Option<&ClusterState>,
+        failed: Option<&Address>,
+    ) -> Result<ClusterState> {
         match self {
             #[cfg(feature = "etcd")]
             MapSource::Etcd(etcd) => etcd.state().map_err(|e| Error::Cluster(e.to_string())),
-            MapSource::Members(members) => members.read(newest),
+            MapSource::Members(members) => members.read(newest, failed),
         }
     }
 }
@@ -191,7 +206,7 @@ impl Following {
                             stopped.recv_timeout(MEMBERS_POLL)
                         {
                             // None answered: asked again at the next turn.
-                            if let Ok(state) = members.read(Some(&newest)) {
+                            if let Ok(state) = members.read(Some(&newest), None) {
                                 board.offer(&state);
                                 newest = state;
                             }
@@ -212,13 +227,26 @@ impl Members {
     /// Asks the known members in turn, from the last that answered, until
     /// one's view is at least as new as `newest`. If none is, `newest`
     /// stands: a member behind etcd would route to owners that have moved
-    /// on.
-    fn read(&mut self, newest: Option<&ClusterState>) -> Result<ClusterState> {
-        let revision = newest.map_or(i64::MIN, |s| s.revision);
+    /// on. With `failed`, from that member on, until one's view is newer
+    /// than `newest` (see [`MapSource::read_past`]).
+    fn read(
+        &mut self,
+        newest: Option<&ClusterState>,
+        failed: Option<&Address>,
+    ) -> Result<ClusterState> {
+        let held = newest.map_or(i64::MIN, |s| s.revision);
+        let enough = if failed.is_some() {
+            held.saturating_add(1)
+        } else {
+            held
+        };
+        let first = failed
+            .and_then(|f| self.known.iter().position(|a| a == f))
+            .unwrap_or(self.last);
         let mut best: Option<(usize, ClusterState)> = None;
         let mut failures = Vec::new();
         for turn in 0..self.known.len() {
-            let at = (self.last + turn) % self.known.len();
+            let at = (first + turn) % self.known.len();
             let view = match ask(&self.known[at], &self.options) {
                 Ok(view) => view,
                 Err(e) => {
@@ -243,7 +271,7 @@ impl Members {
             if newer {
                 best = Some((at, view.state));
             }
-            if best.as_ref().is_some_and(|(_, b)| b.revision >= revision) {
+            if best.as_ref().is_some_and(|(_, b)| b.revision >= enough) {
                 break;
             }
         }

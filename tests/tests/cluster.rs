@@ -13,7 +13,9 @@ use std::time::Duration;
 use kv_client::{Client, ClusterClient, ClusterPool, Error};
 use kv_cluster::etcd::BlockingEtcd;
 use kv_cluster::follow::Follower;
-use kv_cluster::{shard_address, ClusterState, ClusterUrl, ShardMap};
+use kv_cluster::{shard_address, ClusterConfig, ClusterState, ClusterUrl, MemberRecord, ShardMap};
+use kv_server::directory::Directory;
+use kv_server::Server;
 use onekv_tests::cluster::{
     cluster_status, create_cluster, member_address, members_url, start_member, EtcdServer,
 };
@@ -420,6 +422,59 @@ fn while_etcd_is_down_the_data_path_carries_on_and_membership_waits() {
     let (_, log) = m0.terminate();
     assert!(log.contains("etcd cannot be reached"), "{log}");
     assert!(!log.contains("serving nothing until joined again"), "{log}");
+}
+
+/// A member behind the others (its watch made again after an etcd outage,
+/// say) does not hide a move: when the shard's old owner no longer serves
+/// it, the client asks that owner, whose view shows where it went, and
+/// not only the member that answered last.
+#[test]
+fn a_client_asks_the_owner_that_dropped_a_shard_where_it_went() {
+    let dir = region_dir();
+    let listen = |id: &str| member_address(dir.path(), id);
+    let state = |owner: &str, revision: i64| ClusterState {
+        config: ClusterConfig {
+            shards: 1,
+            initial_members: 1,
+        },
+        members: ["m0", "m1", "m2"]
+            .map(|id| MemberRecord {
+                id: id.into(),
+                listen: listen(id).to_string(),
+                incarnation: 1,
+                draining: false,
+            })
+            .to_vec(),
+        map: Some((
+            ShardMap {
+                epoch: revision as u64,
+                owners: vec![Some(owner.into())],
+                moving: None,
+            },
+            revision,
+        )),
+        revision,
+    };
+    // m0 handed shard 0 over to m2 and saw the map that says so; m1 has
+    // not seen it yet.
+    let m0 = Directory::serve(&listen("m0"), "m0", "lagging").expect("m0's directory");
+    m0.show(Some(&state("m2", 20)));
+    let m1 = Directory::serve(&listen("m1"), "m1", "lagging").expect("m1's directory");
+    m1.show(Some(&state("m0", 10)));
+    let at_m2 = shard_address(&listen("m2"), 0).expect("an address");
+    let mut config = onekv_tests::test_config(&dir.path().join("m2.shard-0"));
+    config.address = at_m2;
+    let _m2 = Server::start(config).expect("m2 serves shard 0");
+
+    let mut kv = ClusterClient::connect(&members_url(dir.path(), &["m1"])).expect("connect");
+    assert_eq!(kv.owner(0), Some("m0"), "the lagging member's map");
+    kv.put("moved", "found")
+        .expect("put at the shard's new owner");
+    assert_eq!(kv.owner(0), Some("m2"));
+    assert_eq!(
+        kv.get("moved").expect("get").as_deref(),
+        Some(&b"found"[..])
+    );
 }
 
 #[test]
