@@ -22,10 +22,13 @@ GUEST_IP=10.0.2.15
 # either transport, and run on shm. connections: a silent handshake
 # socket holds up no other client, and a client past the connection cap
 # is refused with the reason (the others are about shm sockets).
-read -ra TESTS <<< "${RXE_TESTS:-linearizability counters concurrent_insert one_sided reuse restart crash_recovery fencing resize header_damage batch_model shard_move cluster connections}"
+# kv_common: the device's memory windows and access flags, as the
+# protection of a client's writes will rely on them (ignored off a device).
+read -ra TESTS <<< "${RXE_TESTS:-linearizability counters concurrent_insert one_sided reuse restart crash_recovery fencing resize header_damage batch_model shard_move cluster connections kv_common}"
 # The tests of a suite run in the VM, where not all of them.
 declare -A FILTERS=([cluster]="keys_spread_over_three_servers a_client_without_etcd"
-                  [connections]="a_client_that_connects_and_stays_silent beyond_the_connection_cap")
+                  [connections]="a_client_that_connects_and_stays_silent beyond_the_connection_cap"
+                  [kv_common]="window_tests --include-ignored --nocapture")
 mkdir -p "$WORK"
 
 log() { echo "rxe-vm: $*" >&2; }
@@ -44,7 +47,7 @@ fi
 # --- onekv built with the rdma backend -------------------------------------
 log "building with --features rdma"
 cargo build --release --features rdma -p kv-server -p kv-client -p kv-bench -p onekv-tests --bins
-test_bins=$(cargo test --release --features rdma -p onekv-tests --no-run --message-format=json 2>/dev/null |
+test_bins=$(cargo test --release --features rdma -p onekv-tests -p kv-common --no-run --message-format=json 2>/dev/null |
   python3 -c '
 import json, sys
 want = set(sys.argv[1:])
@@ -170,6 +173,8 @@ for t in /tests/*; do
     echo "RXE-OK: suite $name: $line"
   fi
 done
+
+grep -ho 'RXE-WINDOW:.*' /tmp/kv_common.log 2>/dev/null || true
 
 # No GID is configured anywhere: every connection picks its device and GID
 # from the route to its peer (see kv-common/src/transport/gid.rs).

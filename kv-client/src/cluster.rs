@@ -719,6 +719,7 @@ impl ClusterClient {
                 Err(e) => return Err(e),
             };
             self.shards[shard as usize] = None;
+            let ask_owner = turned_away(&error);
             let moving = self.is_moving(shard);
             // A shard that just moved may still be starting at its new
             // owner: its connection is tried again meanwhile.
@@ -742,7 +743,7 @@ impl ClusterClient {
             }
             // A connection to etcd broken by its restart fails once: tried
             // again for a moment, not for the whole wait.
-            match self.reread_past(shard) {
+            match self.reread_past(ask_owner.then_some(shard)) {
                 Ok(()) => etcd_failing = None,
                 Err(e) if etcd_failing.get_or_insert_with(Instant::now).elapsed() > ETCD_RETRY => {
                     return Err(e)
@@ -771,11 +772,11 @@ impl ClusterClient {
         self.take(state)
     }
 
-    /// Reads the map again after `shard`'s server would not serve it (see
-    /// [`MapSource::read_past`]).
-    fn reread_past(&mut self, shard: u32) -> Result<()> {
-        let failed = self
-            .owner(shard)
+    /// Reads the map again, asking first the owner of `shard`, whose host
+    /// turned the shard's connection away (see [`MapSource::read_past`]).
+    fn reread_past(&mut self, shard: Option<u32>) -> Result<()> {
+        let failed = shard
+            .and_then(|shard| self.owner(shard))
             .and_then(|owner| self.state.member(owner))
             .and_then(|m| kv_common::Address::parse(&m.listen).ok());
         let state = self.map.read_past(Some(&self.state), failed.as_ref())?;
@@ -882,6 +883,19 @@ impl ClusterClient {
             reason: format!("{reason} (cluster {})", self.source),
         }
     }
+}
+
+/// Whether `error` came from a host that answered: nothing listens for
+/// the shard there (the member dropped it, or died on a live host). A host
+/// that did not answer is not asked again for the map at once: that would
+/// cost a second connect timeout.
+fn turned_away(error: &Error) -> bool {
+    use std::io::ErrorKind::{ConnectionRefused, NotFound};
+    matches!(
+        error,
+        Error::Unreachable(kv_common::transport::TransportError::Unreachable { source, .. })
+            if matches!(source.kind(), ConnectionRefused | NotFound)
+    )
 }
 
 /// Who serves `shard` in `state`: its owner's address and incarnation, if

@@ -43,6 +43,9 @@ pub(crate) struct Members {
     known: Vec<Address>,
     /// Which of `known` answered last: asked first next time.
     last: usize,
+    /// Those that did not answer at the last read: passed over when the
+    /// follower takes turns.
+    silent: Vec<Address>,
     /// The cluster's name, once a member said it.
     cluster: Option<String>,
     options: ConnectOptions,
@@ -64,6 +67,7 @@ impl MapSource {
                 seeds: seeds.clone(),
                 known: seeds.clone(),
                 last: 0,
+                silent: Vec::new(),
                 cluster: None,
                 options,
             })),
@@ -77,11 +81,11 @@ impl MapSource {
 
     /// As [`Self::read`], after the server `failed` (a member's address)
     /// would not serve what `newest` says it owns. etcd is read as ever.
-    /// Members are asked from `failed` on, for a view newer than `newest`:
-    /// a member drops a shard only once it has seen the map that moves it,
-    /// so its own view shows where the shard went even while the member
-    /// that answered last lags (its watch being made again after an etcd
-    /// outage, say).
+    /// Members are asked from `failed` on: a member drops a shard only once
+    /// it has seen the map that moves it, so its own view shows where the
+    /// shard went even while the member that answered last lags (its watch
+    /// being made again after an etcd outage, say). A dead one is passed
+    /// over, as in [`Self::read`].
     pub(crate) fn read_past(
         &mut self,
         newest: Option<&ClusterState>,
@@ -210,6 +214,7 @@ impl Following {
                                 board.offer(&state);
                                 newest = state;
                             }
+                            members.take_turns();
                         }
                     })
                     .map_err(|e| Error::Cluster(format!("cannot start a thread: {e}")))?;
@@ -227,22 +232,23 @@ impl Members {
     /// Asks the known members in turn, from the last that answered, until
     /// one's view is at least as new as `newest`. If none is, `newest`
     /// stands: a member behind etcd would route to owners that have moved
-    /// on. With `failed`, from that member on, until one's view is newer
-    /// than `newest` (see [`MapSource::read_past`]).
+    /// on. With `failed`, from that member on (see
+    /// [`MapSource::read_past`]).
     fn read(
         &mut self,
         newest: Option<&ClusterState>,
         failed: Option<&Address>,
     ) -> Result<ClusterState> {
         let held = newest.map_or(i64::MIN, |s| s.revision);
-        let enough = if failed.is_some() {
-            held.saturating_add(1)
-        } else {
-            held
-        };
+        // The failed owner may be one this reader has not asked yet (the
+        // map that names it came through the follower).
+        if let Some(f) = failed.filter(|f| !self.known.contains(f)) {
+            self.known.push(f.clone());
+        }
         let first = failed
             .and_then(|f| self.known.iter().position(|a| a == f))
             .unwrap_or(self.last);
+        self.silent.clear();
         let mut best: Option<(usize, ClusterState)> = None;
         let mut failures = Vec::new();
         for turn in 0..self.known.len() {
@@ -251,6 +257,7 @@ impl Members {
                 Ok(view) => view,
                 Err(e) => {
                     failures.push(format!("{}: {e}", self.known[at]));
+                    self.silent.push(self.known[at].clone());
                     continue;
                 }
             };
@@ -271,7 +278,7 @@ impl Members {
             if newer {
                 best = Some((at, view.state));
             }
-            if best.as_ref().is_some_and(|(_, b)| b.revision >= enough) {
+            if best.as_ref().is_some_and(|(_, b)| b.revision >= held) {
                 break;
             }
         }
@@ -288,6 +295,25 @@ impl Members {
         self.learn(&state);
         self.last = self.known.iter().position(|a| *a == answered).unwrap_or(0);
         Ok(state)
+    }
+
+    /// Starts the next read at the member after the one that answered
+    /// last, passing over those that did not answer: a member that lags
+    /// (its watch made again after an etcd outage, say) holds a follower
+    /// back for one turn, not for good, and a dead one costs no connect
+    /// timeout per turn.
+    fn take_turns(&mut self) {
+        let n = self.known.len().max(1);
+        for _ in 0..n {
+            self.last = (self.last + 1) % n;
+            if self
+                .known
+                .get(self.last)
+                .is_none_or(|a| !self.silent.contains(a))
+            {
+                return;
+            }
+        }
     }
 
     /// Asks, from now on, the members given and those `state` names.

@@ -351,6 +351,11 @@ pub struct ServerStats {
     /// Stray frozen slots the server thawed (found outside a resize by a
     /// scan, or reported by a writer that met them).
     pub thawed_slots: u64,
+    /// Times the server found the header changed behind its back (a
+    /// record or the epoch word not what it holds: damage, or a client
+    /// that wrote there) and wrote it back. Last, so that a client older
+    /// than it still reads the rest (postcard leaves trailing bytes be).
+    pub header_repairs: u64,
 }
 
 impl ServerStats {

@@ -51,6 +51,7 @@ pub struct Counters {
     pub declined_resizes: AtomicU64,
     pub frozen_slots: AtomicU64,
     pub thawed_slots: AtomicU64,
+    pub header_repairs: AtomicU64,
     pub resizes: AtomicU64,
     pub growths: AtomicU64,
 }
@@ -160,6 +161,8 @@ pub struct Shared {
     /// which epoch and when: clients asking again soon after get the reason
     /// instead of another attempt.
     pub refused_resize: Mutex<Option<(u64, String, Instant)>>,
+    /// When header repairs were last logged (see `grow::repair_header`).
+    pub header_repair_warned: Mutex<Option<Instant>>,
     /// What the server's own resize connection presents (see `grow.rs`).
     pub mover_token: [u8; 32],
     pub secret: Option<Vec<u8>>,
@@ -334,6 +337,7 @@ impl Shared {
             declined_resizes: c.declined_resizes.load(Relaxed),
             frozen_slots: c.frozen_slots.load(Relaxed),
             thawed_slots: c.thawed_slots.load(Relaxed),
+            header_repairs: c.header_repairs.load(Relaxed),
         }
     }
 }

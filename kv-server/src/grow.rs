@@ -93,6 +93,7 @@ pub fn run(shared: Arc<Shared>) {
             control::account_cpu(&shared.counters, &mut cpu_mark);
             continue;
         }
+        repair_header(&shared);
         if wanted.thaw {
             // At most one pass a second: a client that keeps freezing
             // slots and reporting them must not keep this thread scanning.
@@ -440,6 +441,40 @@ fn thaw(shared: &Shared, g: &Geometry, mover: Mover) {
         }
         std::thread::sleep(Duration::from_millis(100));
         mover = Mover::connect(shared).ok();
+    }
+}
+
+/// Least time between two warnings of header repairs: a client that keeps
+/// writing there must not flood the log (the metric counts each).
+const REPAIR_WARN_GAP: Duration = Duration::from_secs(60);
+
+/// Writes the header back where it differs from the geometry in force:
+/// at each pass of this thread, and at stop. Only this thread switches
+/// geometries, so between its switches the header must say what it holds;
+/// anything else is damage, or a client that wrote there (over shm a
+/// client maps the header; over rdma the region is one registration). A
+/// bumped epoch word would send every client that meets a frozen slot to
+/// ask for a geometry that does not exist, and a restart would refuse the
+/// region as one whose record in force is damaged; a scribbled record
+/// would leave a restart to rebuild.
+pub(crate) fn repair_header(shared: &Shared) {
+    match header::finish_switch(&shared.region, &shared.geometry()) {
+        Ok(false) => {}
+        Ok(true) => {
+            let repairs = shared.counters.header_repairs.fetch_add(1, Relaxed) + 1;
+            let mut warned = shared
+                .header_repair_warned
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            if warned.is_none_or(|at| at.elapsed() >= REPAIR_WARN_GAP) {
+                *warned = Some(Instant::now());
+                tracing::warn!(
+                    repairs,
+                    "the header had changed (damage, or a client wrote there): written back"
+                );
+            }
+        }
+        Err(e) => tracing::warn!("repairing the header: {e}"),
     }
 }
 

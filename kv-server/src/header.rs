@@ -80,7 +80,8 @@ pub fn write_twin(region: &SharedRegion, g: &Geometry) -> Result<(), AccessError
 /// Finishes a switch to `g` (the geometry in force) that a crash
 /// interrupted, or that a damaged record undid: the epoch word and both
 /// records name `g` afterwards. Returns whether anything was rewritten.
-/// Before anyone is admitted.
+/// Before anyone is admitted, or by the thread that switches geometries
+/// (between its switches).
 pub fn finish_switch(region: &SharedRegion, g: &Geometry) -> Result<bool, AccessError> {
     let mut words = [0u64; HEADER_READ_WORDS];
     region.read(0, &mut words)?;

@@ -364,6 +364,11 @@ impl Server {
             let _ = t.join();
         }
         self.listener.deregister();
+        // What a client wrote over the header since the grow thread's last
+        // pass must not make the next start refuse the region.
+        if !self.shared.handed_over() {
+            grow::repair_header(&self.shared);
+        }
         if let Err(e) = self.shared.region.flush() {
             tracing::warn!("flushing the region: {e}");
         }
@@ -511,6 +516,7 @@ fn new_shared(
         grow: (Mutex::new(GrowRequests::default()), Condvar::new()),
         client_epochs: Mutex::new(HashMap::new()),
         refused_resize: Mutex::new(None),
+        header_repair_warned: Mutex::new(None),
         mover_token: grow::mover_token(),
         secret: config.secret.clone(),
         op_deadline: config.op_deadline,

@@ -155,6 +155,7 @@ const FAMILIES: &[Family] = &[
     ("resizes_declined", "Resize requests declined: the index was not full enough to warrant one.", None, |s| Value::Counter(s.declined_resizes)),
     ("frozen_slots", "Frozen slots in the index at the last scan (outside a resize or a shard's move: stray bits about to be thawed).", None, |s| Value::Gauge(s.frozen_slots)),
     ("thawed_slots", "Stray frozen slots thawed (found by a scan or reported by a writer).", None, |s| Value::Counter(s.thawed_slots)),
+    ("header_repairs", "Times the header (a record, the epoch word) was found changed from the geometry in force and written back.", None, |s| Value::Counter(s.header_repairs)),
     ("resizing", "1 while a resize migrates the index (or a shard's move froze it).", None, |s| Value::Gauge(u64::from(s.resizing))),
     ("epoch", "Changes of the geometry since the region was created.", None, |s| Value::Gauge(s.epoch)),
     ("corrupt_slots", "Slots pointing at space that cannot be a block, found by the scans.", None, |s| Value::Gauge(s.corrupt_slots)),

@@ -427,7 +427,8 @@ fn while_etcd_is_down_the_data_path_carries_on_and_membership_waits() {
 /// A member behind the others (its watch made again after an etcd outage,
 /// say) does not hide a move: when the shard's old owner no longer serves
 /// it, the client asks that owner, whose view shows where it went, and
-/// not only the member that answered last.
+/// not only the member that answered last; an idle client's follower asks
+/// the members in turn.
 #[test]
 fn a_client_asks_the_owner_that_dropped_a_shard_where_it_went() {
     let dir = region_dir();
@@ -475,6 +476,15 @@ fn a_client_asks_the_owner_that_dropped_a_shard_where_it_went() {
         kv.get("moved").expect("get").as_deref(),
         Some(&b"found"[..])
     );
+    drop(kv);
+
+    // A client that makes no operation learns the newer map too: its
+    // follower asks the members in turn, not only the one that answered.
+    let mut idle = ClusterClient::connect(&members_url(dir.path(), &["m1"])).expect("connect");
+    assert_eq!(idle.owner(0), Some("m0"), "the lagging member's map");
+    eventually("an idle client follows", Duration::from_secs(10), || {
+        idle.map_epoch() == 20
+    });
 }
 
 #[test]

@@ -7,7 +7,7 @@ use std::os::unix::fs::FileExt;
 use std::time::{Duration, Instant};
 
 use kv_client::{Client, Error};
-use kv_common::layout::Slot;
+use kv_common::layout::{Slot, EPOCH_OFFSET};
 use kv_server::region::{self, CheckMode};
 use kv_server::Server;
 use onekv_tests::{region_dir, test_config};
@@ -258,6 +258,68 @@ fn stray_frozen_slots_are_found_by_scans_and_by_check() {
         assert_eq!(
             kv.get(format!("key{i}").as_bytes()).unwrap(),
             Some(value(i))
+        );
+    }
+}
+
+/// The header's bytes: both records and the epoch word.
+fn header_bytes(path: &std::path::Path) -> Vec<u8> {
+    let mut bytes = vec![0u8; EPOCH_OFFSET as usize + 8];
+    std::fs::File::open(path)
+        .unwrap()
+        .read_exact_at(&mut bytes, 0)
+        .unwrap();
+    bytes
+}
+
+/// A client that writes over the header (over shm it maps it; over rdma
+/// the region is one registration): it bumps the epoch word, which would
+/// make a restart refuse the region (a record in force older than the
+/// epoch published), and scribbles over the spare record. The server
+/// writes both back from the geometry it holds, at its next pass and at
+/// stop, and counts it; a restart finds every key.
+#[test]
+fn a_header_a_client_wrote_over_is_written_back() {
+    let Stored {
+        dir: _dir,
+        path,
+        config,
+        server,
+        mut kv,
+    } = stored_keys();
+    let pristine = header_bytes(&path);
+    let g = server.geometry();
+    let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    file.write_all_at(&(g.epoch + 7).to_le_bytes(), EPOCH_OFFSET)
+        .unwrap();
+    file.write_all_at(&[0x5a; 64], g.twin_record_offset())
+        .unwrap();
+    for i in 0..20 {
+        kv.put(format!("key{i}").as_bytes(), b"past the tampering")
+            .unwrap();
+    }
+    onekv_tests::eventually("the header written back", Duration::from_secs(30), || {
+        header_bytes(&path) == pristine
+    });
+    assert!(server.stats().header_repairs >= 1, "{:?}", server.stats());
+    kv.close().unwrap();
+    // Again just before a stop, which writes it back too.
+    file.write_all_at(&(g.epoch + 9).to_le_bytes(), EPOCH_OFFSET)
+        .unwrap();
+    drop(server);
+    assert_eq!(header_bytes(&path), pristine, "the header at stop");
+
+    let _server = Server::start(config.clone()).expect("a restart takes the region");
+    let mut kv = Client::connect(&config.address.to_string()).unwrap();
+    for i in 0..200 {
+        let expected = if i < 20 {
+            b"past the tampering".to_vec()
+        } else {
+            value(i)
+        };
+        assert_eq!(
+            kv.get(format!("key{i}").as_bytes()).unwrap(),
+            Some(expected)
         );
     }
 }

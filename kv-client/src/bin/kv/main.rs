@@ -245,6 +245,7 @@ fn stats(kv: &mut Client) -> Result<Vec<String>, String> {
         format!("declined_resizes {}", s.declined_resizes),
         format!("frozen_slots {}", s.frozen_slots),
         format!("thawed_slots {}", s.thawed_slots),
+        format!("header_repairs {}", s.header_repairs),
         format!("buckets {} (slots {})", s.bucket_count, s.index_slots),
         format!(
             "live_slots {} (as of index scan {})",

@@ -17,6 +17,8 @@
 //! connection from the device its address belongs to.
 
 mod verbs;
+#[cfg(test)]
+mod window_tests;
 
 use std::io::Read;
 use std::net::{IpAddr, TcpListener, TcpStream, ToSocketAddrs};

@@ -34,12 +34,14 @@ fn os_error(what: &str) -> io::Error {
 
 /// Checks what a destroy or free call returned. Such a call fails only when
 /// the object is still in use (a bug here) or the device has gone; the
-/// object then leaks, which is said rather than ignored.
-fn released(rc: i32, what: &str) {
+/// object then leaks, which is said rather than ignored. Whether it was
+/// released.
+fn released(rc: i32, what: &str) -> bool {
     if rc != 0 {
         let e = io::Error::from_raw_os_error(rc.abs());
         eprintln!("onekv: {what} failed ({e}); its resources leak");
     }
+    rc == 0
 }
 
 /// An opened RDMA device and its port 1.
@@ -55,6 +57,9 @@ pub struct Device {
     /// Outstanding RDMA READs/atomics per QP the device allows.
     pub max_rd_atomic: u8,
     pub atomic_cap: ibv_atomic_cap::Type,
+    /// Whether it has type-2 memory windows (bound by a work request on
+    /// one queue pair, usable only through it).
+    pub memory_windows: bool,
 }
 
 // SAFETY: libibverbs' calls on a context are thread-safe; the struct's own
@@ -143,6 +148,7 @@ impl Device {
             mtu: ibv_mtu::IBV_MTU_1024,
             max_rd_atomic: 1,
             atomic_cap: ibv_atomic_cap::IBV_ATOMIC_NONE,
+            memory_windows: false,
         };
         // SAFETY: plain-old-data out-parameters, zero is a valid start.
         let mut dattr: ibv_device_attr = unsafe { std::mem::zeroed() };
@@ -152,6 +158,9 @@ impl Device {
         }
         device.max_rd_atomic = dattr.max_qp_rd_atom.clamp(1, 16) as u8;
         device.atomic_cap = dattr.atomic_cap;
+        let type_2 = ibv_device_cap_flags::IBV_DEVICE_MEM_WINDOW_TYPE_2A.0
+            | ibv_device_cap_flags::IBV_DEVICE_MEM_WINDOW_TYPE_2B.0;
+        device.memory_windows = dattr.device_cap_flags & type_2 != 0 && dattr.max_mw > 0;
         // SAFETY: plain-old-data out-parameter, zero is a valid start.
         let mut pattr: ibv_port_attr = unsafe { std::mem::zeroed() };
         // SAFETY: a live context and an out-parameter of the right type.
@@ -285,10 +294,19 @@ unsafe impl Send for Mr {}
 unsafe impl Sync for Mr {}
 
 pub const LOCAL_ONLY: u32 = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0;
-pub const REMOTE_ALL: u32 = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0
-    | ibv_access_flags::IBV_ACCESS_REMOTE_READ.0
-    | ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0
-    | ibv_access_flags::IBV_ACCESS_REMOTE_ATOMIC.0;
+pub const REMOTE_READ: u32 = ibv_access_flags::IBV_ACCESS_REMOTE_READ.0;
+pub const REMOTE_WRITE: u32 = ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0;
+pub const REMOTE_ATOMIC: u32 = ibv_access_flags::IBV_ACCESS_REMOTE_ATOMIC.0;
+/// Memory windows may be bound over the registration.
+#[cfg_attr(
+    not(test),
+    expect(
+        dead_code,
+        reason = "for the windows of leases (issue 27); the device checks use it now"
+    )
+)]
+pub const MW_BIND: u32 = ibv_access_flags::IBV_ACCESS_MW_BIND.0;
+pub const REMOTE_ALL: u32 = LOCAL_ONLY | REMOTE_READ | REMOTE_WRITE | REMOTE_ATOMIC;
 
 impl Mr {
     /// A zeroed, 8-byte aligned buffer of `len` bytes, registered.
@@ -364,7 +382,70 @@ impl Drop for Mr {
     fn drop(&mut self) {
         // SAFETY: registered in `register`; its memory is still owned here
         // and dropped only after this.
-        released(unsafe { ibv_dereg_mr(self.mr) }, "ibv_dereg_mr");
+        if !released(unsafe { ibv_dereg_mr(self.mr) }, "ibv_dereg_mr") {
+            // Still registered: the device may reach the memory, which must
+            // then never be freed or reused.
+            std::mem::forget(std::mem::replace(
+                &mut self.memory,
+                Memory::Owned(Vec::new()),
+            ));
+        }
+    }
+}
+
+/// A type-2 memory window: remote access to a range of a registration
+/// (one with [`MW_BIND`]), granted by a bind posted on one queue pair and
+/// usable only by that queue pair's peer, until it is invalidated or the
+/// queue pair is gone.
+pub struct Mw {
+    mw: *mut ibv_mw,
+    /// The registration it was last bound over: kept while the window may
+    /// reach its memory (a registration is refused deregistration while a
+    /// window is bound, and its memory must not be freed under it).
+    parent: Option<Arc<Mr>>,
+    _pd: Arc<Pd>,
+}
+
+// SAFETY: a window is used only through thread-safe verbs; its pointer
+// never changes after `alloc`.
+unsafe impl Send for Mw {}
+// SAFETY: as for Send; binding needs `&mut self`.
+unsafe impl Sync for Mw {}
+
+#[cfg_attr(
+    not(test),
+    expect(
+        dead_code,
+        reason = "for the windows of leases (issue 27); the device checks use it now"
+    )
+)]
+impl Mw {
+    pub fn alloc(pd: &Arc<Pd>) -> io::Result<Mw> {
+        // SAFETY: a live protection domain.
+        let mw = unsafe { ibv_alloc_mw(pd.pd, ibv_mw_type::IBV_MW_TYPE_2) };
+        match mw {
+            Some(mw) if !mw.is_null() => Ok(Mw {
+                mw,
+                parent: None,
+                _pd: pd.clone(),
+            }),
+            Some(_) => Err(os_error("ibv_alloc_mw")),
+            None => Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "the RDMA provider has no memory windows",
+            )),
+        }
+    }
+}
+
+impl Drop for Mw {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `alloc`; a window still bound is unbound by
+        // its deallocation.
+        if !released(unsafe { ibv_dealloc_mw(self.mw) }, "ibv_dealloc_mw") {
+            // Possibly still bound: its registration stays.
+            std::mem::forget(self.parent.take());
+        }
     }
 }
 
@@ -862,6 +943,96 @@ impl Qp {
         // SAFETY: the range lies in `mr` (checked above), which outlives the
         // queue pair's use of it.
         let rc = unsafe { ibv_post_recv(self.qp, &mut wr, &mut bad) };
+        if rc != 0 {
+            return Err(io::Error::from_raw_os_error(rc));
+        }
+        Ok(())
+    }
+}
+
+/// Memory windows, bound and invalidated through a queue pair's send queue.
+#[cfg_attr(
+    not(test),
+    expect(
+        dead_code,
+        reason = "for the windows of leases (issue 27); the device checks use it now"
+    )
+)]
+impl Qp {
+    /// Binds `mw` over `range` (byte offsets) of `mr` for this queue
+    /// pair's peer, with `access` (remote flags), under a key whose low
+    /// byte is fresh and random: a peer that knew the window's last key
+    /// cannot use it. Its completion carries the new key as its id; the
+    /// window serves from then on. Returns the new key. A bind that
+    /// completes in error leaves the window unusable: deallocate it.
+    pub fn bind(
+        &self,
+        mw: &mut Mw,
+        mr: &Arc<Mr>,
+        range: std::ops::Range<u64>,
+        access: u32,
+    ) -> io::Result<u32> {
+        if range.start > range.end || range.end > mr.len() as u64 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "window of {range:?} outside a {}-byte registration",
+                    mr.len()
+                ),
+            ));
+        }
+        // SAFETY: the window this Mw owns; only binds (which take it
+        // `&mut`) change its key.
+        let current = unsafe { (*mw.mw).rkey };
+        let mut key = (crate::random::u64() & 0xff) as u32;
+        if key == current & 0xff {
+            key ^= 1;
+        }
+        let rkey = (current & !0xff) | key;
+        // SAFETY: a zeroed work request, then the fields a bind reads.
+        let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+        wr.wr_id = u64::from(rkey);
+        wr.opcode = ibv_wr_opcode::IBV_WR_BIND_MW;
+        wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+        wr.bind_mw_tso_union.bind_mw = bind_mw_t {
+            mw: mw.mw,
+            rkey,
+            bind_info: ibv_mw_bind_info {
+                mr: mr.mr,
+                addr: mr.addr() + range.start,
+                length: range.end - range.start,
+                mw_access_flags: access,
+            },
+        };
+        self.post_one(&mut wr)?;
+        mw.parent = Some(mr.clone());
+        // The provider names the window by the key it holds now in the next
+        // bind (and refuses the key it was allocated with once rebound).
+        // SAFETY: as above; read by the provider only while posting.
+        unsafe { (*mw.mw).rkey = rkey };
+        Ok(rkey)
+    }
+
+    /// Invalidates the window of key `rkey` bound on this queue pair: from
+    /// its completion (whose id is `rkey`) on, the peer's accesses through
+    /// it fail.
+    pub fn invalidate(&self, rkey: u32) -> io::Result<()> {
+        // SAFETY: a zeroed work request, then the fields an invalidate reads.
+        let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+        wr.wr_id = u64::from(rkey);
+        wr.opcode = ibv_wr_opcode::IBV_WR_LOCAL_INV;
+        wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+        wr.imm_data_invalidated_rkey_union.invalidated_rkey = rkey;
+        self.post_one(&mut wr)
+    }
+
+    fn post_one(&self, wr: &mut ibv_send_wr) -> io::Result<()> {
+        let mut bad = std::ptr::null_mut();
+        // SAFETY: a live queue pair and one work request with no local
+        // memory; the window and registration it names outlive the call.
+        // Afterwards a bound window holds its registration (`Mw::parent`),
+        // and a registration that cannot be deregistered leaks its memory.
+        let rc = unsafe { ibv_post_send(self.qp, wr, &mut bad) };
         if rc != 0 {
             return Err(io::Error::from_raw_os_error(rc));
         }
