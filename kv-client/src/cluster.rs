@@ -654,7 +654,7 @@ impl ClusterClient {
     ///
     /// [`Error::Cluster`] when neither etcd nor any member answers.
     pub fn status(&mut self) -> Result<String> {
-        self.reread()?;
+        self.reread(None)?;
         let s = &self.state;
         Ok(kv_cluster::records::describe(
             &s.config,
@@ -743,7 +743,7 @@ impl ClusterClient {
             }
             // A connection to etcd broken by its restart fails once: tried
             // again for a moment, not for the whole wait.
-            match self.reread_past(ask_owner.then_some(shard)) {
+            match self.reread(ask_owner.then_some(shard)) {
                 Ok(()) => etcd_failing = None,
                 Err(e) if etcd_failing.get_or_insert_with(Instant::now).elapsed() > ETCD_RETRY => {
                     return Err(e)
@@ -767,24 +767,15 @@ impl ClusterClient {
         self.state.shard_map().is_some_and(|m| m.is_moving(shard))
     }
 
-    fn reread(&mut self) -> Result<()> {
-        let state = self.map.read(Some(&self.state))?;
-        self.take(state)
-    }
-
-    /// Reads the map again, asking first the owner of `shard`, whose host
-    /// turned the shard's connection away (see [`MapSource::read_past`]).
-    fn reread_past(&mut self, shard: Option<u32>) -> Result<()> {
-        let failed = shard
+    /// Reads the map again; with `refused_shard`, asking first the owner of
+    /// that shard, whose host turned its connection away (see
+    /// [`MapSource::read_past`]).
+    fn reread(&mut self, refused_shard: Option<u32>) -> Result<()> {
+        let failed = refused_shard
             .and_then(|shard| self.owner(shard))
             .and_then(|owner| self.state.member(owner))
             .and_then(|m| kv_common::Address::parse(&m.listen).ok());
         let state = self.map.read_past(Some(&self.state), failed.as_ref())?;
-        self.take(state)
-    }
-
-    /// Routes by `state`, just read, unless the cluster was made anew.
-    fn take(&mut self, state: ClusterState) -> Result<()> {
         self.read_at = Instant::now();
         if state.config.shards as usize != self.shards.len() {
             return Err(Error::Cluster(format!(

@@ -139,6 +139,27 @@ impl Setup {
         assert!(done.ok(), "bind: {}", done.status_text());
         rkey
     }
+
+    /// A fresh pair and a window bound on its server's end: the server's
+    /// end, the client's, the window and its key.
+    fn bound_pair(&self) -> (Qp, Qp, Mw, u32) {
+        let (server, client) = self.pair();
+        let mut mw = Mw::alloc(&self.server).expect("a window");
+        let rkey = self.bind(&server, &mut mw);
+        (server, client, mw, rkey)
+    }
+
+    /// Where a write through the window of key `rkey` goes.
+    fn window(&self, rkey: u32) -> (u64, u32) {
+        (self.bindable.addr(), rkey)
+    }
+}
+
+/// Invalidates the window of key `rkey` on the server's end `qp`.
+fn invalidate(qp: &Qp, rkey: u32) {
+    qp.invalidate(rkey).expect("invalidate posted");
+    let done = completion(&qp.send_cq);
+    assert!(done.ok(), "invalidate: {}", done.status_text());
 }
 
 fn completion(cq: &Cq) -> Completion {
@@ -185,12 +206,9 @@ fn a_registration_without_remote_write_takes_reads_and_atomics_but_no_write() {
 #[ignore = "needs an RDMA device: run by scripts/rxe-vm.sh"]
 fn a_window_admits_writes_from_its_queue_pair_only_and_none_once_invalidated() {
     let mut s = setup();
-    let base = s.bindable.addr();
-    let (server, client) = s.pair();
-    let mut mw = Mw::alloc(&s.server).expect("a window");
-    let rkey = s.bind(&server, &mut mw);
+    let (server, client, _mw, rkey) = s.bound_pair();
     assert!(
-        s.write(&client, (base, rkey), AT, 1),
+        s.write(&client, s.window(rkey), AT, 1),
         "the window's own write refused"
     );
     assert_eq!(s.word(AT), 1);
@@ -198,16 +216,14 @@ fn a_window_admits_writes_from_its_queue_pair_only_and_none_once_invalidated() {
     // Another client's queue pair, even on the same protection domains.
     let (_other_server, other) = s.pair();
     assert!(
-        !s.write(&other, (base, rkey), AT + 8, 2),
+        !s.write(&other, s.window(rkey), AT + 8, 2),
         "another queue pair wrote"
     );
     assert_eq!(s.word(AT + 8), 0);
 
-    server.invalidate(rkey).expect("invalidate posted");
-    let done = completion(&server.send_cq);
-    assert!(done.ok(), "invalidate: {}", done.status_text());
+    invalidate(&server, rkey);
     assert!(
-        !s.write(&client, (base, rkey), AT + 16, 3),
+        !s.write(&client, s.window(rkey), AT + 16, 3),
         "an invalidated window wrote"
     );
     assert_eq!(s.word(AT + 16), 0);
@@ -217,17 +233,16 @@ fn a_window_admits_writes_from_its_queue_pair_only_and_none_once_invalidated() {
 #[ignore = "needs an RDMA device: run by scripts/rxe-vm.sh"]
 fn a_window_bound_again_under_a_new_key_refuses_the_old_one() {
     let mut s = setup();
-    let base = s.bindable.addr();
-    let (server, client) = s.pair();
-    let mut mw = Mw::alloc(&s.server).expect("a window");
-    let old = s.bind(&server, &mut mw);
-    server.invalidate(old).expect("invalidate posted");
-    assert!(completion(&server.send_cq).ok());
+    let (server, client, mut mw, old) = s.bound_pair();
+    invalidate(&server, old);
     let new = s.bind(&server, &mut mw);
     assert_ne!(old, new);
-    assert!(s.write(&client, (base, new), AT, 1), "the new key refused");
     assert!(
-        !s.write(&client, (base, old), AT + 8, 2),
+        s.write(&client, s.window(new), AT, 1),
+        "the new key refused"
+    );
+    assert!(
+        !s.write(&client, s.window(old), AT + 8, 2),
         "the old key wrote"
     );
     assert_eq!((s.word(AT), s.word(AT + 8)), (1, 0));
@@ -240,12 +255,9 @@ fn a_window_bound_again_under_a_new_key_refuses_the_old_one() {
 #[ignore = "needs an RDMA device: run by scripts/rxe-vm.sh"]
 fn how_far_a_window_bounds_writes() {
     let mut s = setup();
-    let base = s.bindable.addr();
-    let (server, client) = s.pair();
-    let mut mw = Mw::alloc(&s.server).expect("a window");
-    let rkey = s.bind(&server, &mut mw);
+    let (_server, client, _mw, rkey) = s.bound_pair();
     let outside = AT + SPAN;
-    let escaped = s.write(&client, (base, rkey), outside, 5);
+    let escaped = s.write(&client, s.window(rkey), outside, 5);
     let landed = s.word(outside) == 5;
     let mut out = std::io::stdout().lock();
     let _ = writeln!(
