@@ -22,13 +22,16 @@ GUEST_IP=10.0.2.15
 # either transport, and run on shm. connections: a silent handshake
 # socket holds up no other client, and a client past the connection cap
 # is refused with the reason (the others are about shm sockets).
-# kv_common: the device's memory windows and access flags, as the
-# protection of a client's writes will rely on them (ignored off a device).
-read -ra TESTS <<< "${RXE_TESTS:-linearizability counters concurrent_insert one_sided reuse restart crash_recovery fencing resize header_damage batch_model shard_move cluster connections kv_common}"
+# kv_common: the device's memory windows and access flags, which the
+# protection of a client's writes relies on, and what a window costs;
+# protection: hostile clients write across the region (both ignored off a
+# device).
+read -ra TESTS <<< "${RXE_TESTS:-linearizability counters concurrent_insert one_sided reuse restart crash_recovery fencing resize header_damage batch_model shard_move cluster connections kv_common protection}"
 # The tests of a suite run in the VM, where not all of them.
 declare -A FILTERS=([cluster]="keys_spread_over_three_servers a_client_without_etcd"
                   [connections]="a_client_that_connects_and_stays_silent beyond_the_connection_cap"
-                  [kv_common]="window_tests --include-ignored --nocapture")
+                  [kv_common]="window_tests --include-ignored --nocapture"
+                  [protection]="--include-ignored --nocapture")
 mkdir -p "$WORK"
 
 log() { echo "rxe-vm: $*" >&2; }
@@ -174,7 +177,8 @@ for t in /tests/*; do
   fi
 done
 
-grep -ho 'RXE-WINDOW:.*' /tmp/kv_common.log 2>/dev/null || true
+grep -hoE 'RXE-(WINDOW|DEVICE):.*' /tmp/kv_common.log 2>/dev/null || true
+grep -ho 'RXE-LEASES:.*' /tmp/protection.log 2>/dev/null || true
 
 # No GID is configured anywhere: every connection picks its device and GID
 # from the route to its peer (see kv-common/src/transport/gid.rs).
@@ -194,6 +198,13 @@ if kv-bench micro --server rdma://$IP:7471 --keys 5000 --seconds 2 --threads 1 >
 cat /tmp/micro.log
 kill -TERM $server
 if wait $server; then ok "kv-server shutdown"; else bad "kv-server shutdown"; cat /tmp/server.log; fi
+# The same micro run against a daemon that lets every client write
+# anywhere (as before writes were confined to leases): what confining costs.
+ONEKV_RDMA_WRITES=open kv-server --listen rdma://$IP:7472 --memory 64MiB --stats-interval 0 > /tmp/open.log 2>&1 &
+server=$!
+sleep 2
+if kv-bench micro --server rdma://$IP:7472 --keys 5000 --seconds 2 --threads 1 > /tmp/micro-open.log 2>&1; then ok "kv-bench micro, open writes"; else bad "kv-bench micro, open writes"; cat /tmp/micro-open.log; fi
+kill -TERM $server; wait $server
 
 # p50 and round trips of one line of the micro table; and ratios of a p50
 # to ib_read_lat and to the same boot's raw READ.
@@ -205,6 +216,10 @@ if [ -n "$read_us" ] && [ -n "$raw_us" ]; then
     [ -n "$us" ] && echo "RXE-RATIO: $op p50 ${us} us = $(awk "BEGIN{printf \"%.2f\", $us/$read_us}")x ib_read_lat, $(awk "BEGIN{printf \"%.2f\", $us/$raw_us}")x raw READ (${rt} round trips)"
   done
 fi
+for op in GET-warm UPDATE-warm INSERT UPDATE-cold; do
+  confined=$(col $op 4); open=$(awk -v op="$op" '$1==op {print $4; exit}' /tmp/micro-open.log)
+  [ -n "$confined" ] && [ -n "$open" ] && echo "RXE-PROTECTION: $op p50 ${confined} us confined to leases, ${open} us open: $(awk "BEGIN{printf \"%.2f\", $confined/$open}")x"
+done
 # Keys per second of one get_many of 16 keys against single cold GETs.
 single=$(col GET-cold 3); batched=$(col GET-batch 3)
 if [ -n "$single" ] && [ -n "$batched" ]; then

@@ -146,6 +146,9 @@ impl Error {
             ErrorKind::VersionMismatch => Error::VersionMismatch(message),
             ErrorKind::IndexFull => Error::IndexFull(message),
             ErrorKind::ClusterMember => Error::InvalidAddress(message),
+            // The server closes the channel: a lost connection, which the
+            // client makes again (and leases anew).
+            ErrorKind::WriteGrant => Error::Transport(TransportError::Disconnected(message)),
             other => Error::Protocol(format!("{other:?}: {message}")),
         }
     }

@@ -42,7 +42,20 @@ impl Client {
         let give_up = Instant::now() + SPACE_WAIT;
         loop {
             match self.conn.call(&Request::Lease { min_len: size })? {
-                Response::Leased(extents) => {
+                Response::Leased {
+                    extents,
+                    write_keys,
+                } => {
+                    if !write_keys.is_empty() && write_keys.len() != extents.len() {
+                        return Err(Error::Protocol(format!(
+                            "a lease of {} extents with {} write keys",
+                            extents.len(),
+                            write_keys.len()
+                        )));
+                    }
+                    for (&e, &key) in extents.iter().zip(&write_keys) {
+                        self.conn.allow_writes(e, key);
+                    }
                     self.alloc.add_extents(&extents);
                     // Space the region grew by: learn its geometry first.
                     let end = extents.iter().map(|e| e.offset + e.len).max();
@@ -105,6 +118,9 @@ impl Client {
     }
 
     fn give_back_call(&mut self, spent: Vec<Spent>, unlinked: Vec<Unlinked>) -> Result<()> {
+        for s in &spent {
+            self.conn.forget_writes(s.extent);
+        }
         match self.conn.call(&Request::GiveBack { spent, unlinked })? {
             Response::GivenBack => Ok(()),
             other => Err(unexpected(other)),

@@ -27,11 +27,12 @@ pub struct RemoteRegion {
 /// counter is sealed before it is unlinked, which one-round-trip atomics
 /// rely on; 7: a resize request names the key that found no room; 8:
 /// clients report the blocks they unlink and declare the blocks of the
-/// space they give back). A request or reply added at the end of its enum
-/// needs no new version: the others' encoding is unchanged, and a peer
-/// that lacks it fails to decode that one message (a client of version 8
-/// before `ClusterMap` meets a member's address that way).
-pub const PROTOCOL_VERSION: u32 = 8;
+/// space they give back; 9: a lease carries the keys its WRITEs take). A
+/// request or reply added at the end of its enum needs no new version: the
+/// others' encoding is unchanged, and a peer that lacks it fails to decode
+/// that one message (a client of version 8 before `ClusterMap` meets a
+/// member's address that way).
+pub const PROTOCOL_VERSION: u32 = 9;
 /// Largest encoded message either side accepts.
 pub const MAX_MESSAGE: usize = 64 * 1024;
 
@@ -270,6 +271,9 @@ pub enum ErrorKind {
     /// A shard map was asked of a single server, or of a member that is
     /// out of its cluster until it rejoins.
     NoMap,
+    /// Leased space could not be made writable for this client (over rdma,
+    /// its memory window): the server closes the channel and the lease.
+    WriteGrant,
 }
 
 /// Counters a server keeps about its control plane and heap.
@@ -353,9 +357,19 @@ pub struct ServerStats {
     pub thawed_slots: u64,
     /// Times the server found the header changed behind its back (a
     /// record or the epoch word not what it holds: damage, or a client
-    /// that wrote there) and wrote it back. Last, so that a client older
-    /// than it still reads the rest (postcard leaves trailing bytes be).
+    /// that wrote there) and wrote it back. This and the fields after it
+    /// come last, so that a client older than them still reads the rest
+    /// (postcard leaves trailing bytes be).
     pub header_repairs: u64,
+    /// Clients cut off because their data path failed on a request of
+    /// their own: over rdma, an access the device refused (a WRITE outside
+    /// their leases, a key not theirs), which puts their queue pair in
+    /// error.
+    pub faulted_clients: u64,
+    /// Leases that could not be made writable for their client (over rdma,
+    /// registering the extent or binding its window failed); the client
+    /// was cut off.
+    pub write_grant_failures: u64,
 }
 
 impl ServerStats {
@@ -386,7 +400,13 @@ impl ServerStats {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Response {
     Connected(ConnectInfo),
-    Leased(Vec<Extent>),
+    /// Heap space leased, and the key a WRITE into each extent carries
+    /// (in the same order; empty where writes need no key of their own:
+    /// shm, or rdma serving the region writable by all).
+    Leased {
+        extents: Vec<Extent>,
+        write_keys: Vec<u32>,
+    },
     GivenBack,
     /// Reports of unlinked blocks were taken. `more`: whether the server
     /// wants more now; false while index scans reclaim space at less cost

@@ -11,13 +11,13 @@ use std::time::{Duration, Instant};
 use kv_common::layout::{Geometry, SLOTS_PER_BUCKET};
 use kv_common::mapping::SharedRegion;
 use kv_common::protocol::{
-    ConnectInfo, ErrorKind, GeometryInfo, Request, Response, ServerStats, Spent, Unlinked,
+    ConnectInfo, ErrorKind, Extent, GeometryInfo, Request, Response, ServerStats, Spent, Unlinked,
     PROTOCOL_VERSION,
 };
 use kv_common::transport::{ControlListener, ControlPeer, Fenced};
 use kv_common::Address;
 
-use crate::heap::{ClientId, HeapPool, LeaseRefusal};
+use crate::heap::{ClientId, HeapPool, LeaseRefusal, MAX_CONFINED_LEASE_EXTENTS};
 use crate::index_load::{self, ResizePolicy};
 
 /// Bad give-backs or malformed messages one client may send before it is
@@ -52,6 +52,8 @@ pub struct Counters {
     pub frozen_slots: AtomicU64,
     pub thawed_slots: AtomicU64,
     pub header_repairs: AtomicU64,
+    pub faulted_clients: AtomicU64,
+    pub write_grant_failures: AtomicU64,
     pub resizes: AtomicU64,
     pub growths: AtomicU64,
 }
@@ -338,6 +340,8 @@ impl Shared {
             frozen_slots: c.frozen_slots.load(Relaxed),
             thawed_slots: c.thawed_slots.load(Relaxed),
             header_repairs: c.header_repairs.load(Relaxed),
+            faulted_clients: c.faulted_clients.load(Relaxed),
+            write_grant_failures: c.write_grant_failures.load(Relaxed),
         }
     }
 }
@@ -414,10 +418,10 @@ pub fn handle(
                 After::Close,
             )
         }
-        (Request::Lease { min_len }, Some(id)) => lease(shared, session, id, min_len),
+        (Request::Lease { min_len }, Some(id)) => lease(shared, session, peer, id, min_len),
         (Request::GiveBack { spent, unlinked }, Some(id)) => {
             report(shared, &unlinked);
-            give_back(shared, session, id, spent)
+            give_back(shared, session, peer, id, spent)
         }
         (Request::Unlinked { blocks }, Some(_)) => {
             c.report_messages.fetch_add(1, Relaxed);
@@ -515,7 +519,13 @@ fn connect(
 }
 
 /// A `Lease`: heap extents for client `id`, or why there are none now.
-fn lease(shared: &Shared, session: &mut Session, id: ClientId, min_len: u64) -> (Response, After) {
+fn lease(
+    shared: &Shared,
+    session: &mut Session,
+    peer: &mut dyn ControlPeer,
+    id: ClientId,
+    min_len: u64,
+) -> (Response, After) {
     let c = &shared.counters;
     c.leases.fetch_add(1, Relaxed);
     let chunk_size = shared.geometry().chunk_size;
@@ -526,7 +536,11 @@ fn lease(shared: &Shared, session: &mut Session, id: ClientId, min_len: u64) -> 
     }
     let (leased, held) = match shared.pool.lock() {
         Ok(mut p) => {
-            let leased = p.lease(id, min_len);
+            let most = match peer.confines_writes() {
+                true => MAX_CONFINED_LEASE_EXTENTS,
+                false => usize::MAX,
+            };
+            let leased = p.lease(id, min_len, most);
             let held = leased
                 .is_err()
                 .then(|| (p.retired_bytes(), p.aging_bytes(), p.leased_bytes()));
@@ -546,7 +560,18 @@ fn lease(shared: &Shared, session: &mut Session, id: ClientId, min_len: u64) -> 
     match grow_instead_of_collecting(shared, leased) {
         Ok(extents) => {
             tracing::trace!(client = id, extents = extents.len(), "leased");
-            (Response::Leased(extents), After::Stay)
+            match grant_writes(shared, peer, id, &extents) {
+                Ok(write_keys) => (
+                    Response::Leased {
+                        extents,
+                        write_keys,
+                    },
+                    After::Stay,
+                ),
+                // Closing ends the session: the lease is retired with the
+                // rest of what the client held.
+                Err(m) => (error(ErrorKind::WriteGrant, m), After::Close),
+            }
         }
         Err(LeaseRefusal::Busy) => {
             shared.wake_reclaimer();
@@ -571,6 +596,29 @@ fn lease(shared: &Shared, session: &mut Session, id: ClientId, min_len: u64) -> 
             (error(ErrorKind::BadExtent, m), After::Stay)
         }
     }
+}
+
+/// Makes each of `extents`, newly leased to client `id`, writable by it:
+/// the keys its WRITEs there carry (none where writes are not confined).
+fn grant_writes(
+    shared: &Shared,
+    peer: &mut dyn ControlPeer,
+    id: ClientId,
+    extents: &[Extent],
+) -> Result<Vec<u32>, String> {
+    let mut keys = Vec::new();
+    for &e in extents {
+        match peer.grant_writes(e) {
+            Ok(Some(key)) => keys.push(key),
+            Ok(None) => {}
+            Err(why) => {
+                shared.counters.write_grant_failures.fetch_add(1, Relaxed);
+                tracing::warn!(client = id, "could not make a lease writable: {why}");
+                return Err(format!("could not make the lease writable: {why}"));
+            }
+        }
+    }
+    Ok(keys)
 }
 
 /// Reports of unlinked blocks, from any client: queued for the reclaimer
@@ -602,18 +650,36 @@ fn report(shared: &Shared, blocks: &[Unlinked]) {
 fn give_back(
     shared: &Shared,
     session: &mut Session,
+    peer: &mut dyn ControlPeer,
     id: ClientId,
     mut spent: Vec<Spent>,
 ) -> (Response, After) {
     let c = &shared.counters;
     c.give_backs.fetch_add(1, Relaxed);
+    // Before the pool may lease the space again (a give-back it refuses
+    // loses them all the same: it named them).
+    for s in &spent {
+        if let Err(why) = peer.revoke_writes(s.extent) {
+            c.write_grant_failures.fetch_add(1, Relaxed);
+            tracing::warn!(client = id, "could not revoke a lease's window: {why}");
+            let m = format!("could not end writes into a given-back lease: {why}");
+            return (error(ErrorKind::WriteGrant, m), After::Close);
+        }
+    }
+    // A WRITE the client began before its window went may still be landing
+    // in space it never carved (a window's key is checked when a WRITE
+    // begins): that space waits a grace period.
+    let uncarved_ready = match peer.confines_writes() {
+        true => Instant::now() + shared.grace(),
+        false => Instant::now(),
+    };
     if !shared.reports_pay.load(Relaxed) {
         // Scans reclaim this space: where its blocks begin would only
         // cost keeping.
         spent.iter_mut().for_each(|s| s.starts = Vec::new());
     }
     let result = match shared.pool.lock() {
-        Ok(mut p) => p.give_back(id, &spent),
+        Ok(mut p) => p.give_back(id, &spent, uncarved_ready),
         Err(_) => Err("heap pool unavailable".into()),
     };
     match result {

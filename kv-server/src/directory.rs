@@ -136,7 +136,7 @@ fn serve_peer(mut peer: Box<dyn ControlPeer>, answerer: &Answerer) {
                 wait_readable(&peer.fds(), left);
                 continue;
             }
-            Ok(Received::Closed) | Err(_) => return,
+            Ok(Received::Closed | Received::Faulted(_)) | Err(_) => return,
         };
         let (reply, stay) = match protocol::decode::<Request>(&bytes) {
             Ok(request) => answerer.answer(request),

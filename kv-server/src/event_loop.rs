@@ -201,6 +201,16 @@ impl EventLoop {
                     close = Some(Ending::Unannounced);
                     break;
                 }
+                Ok(Received::Faulted(why)) => {
+                    c.faulted_clients.fetch_add(1, Relaxed);
+                    tracing::warn!(
+                        client = ch.session.client,
+                        "cutting off a client whose queue pair failed on a request of its own \
+                         (an access it has no right to, or a malformed one): {why}"
+                    );
+                    close = Some(Ending::Unannounced);
+                    break;
+                }
                 Err(TransportError::Codec(e)) => {
                     // The framing itself is broken: say why, then hang up.
                     c.malformed.fetch_add(1, Relaxed);

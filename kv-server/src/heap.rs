@@ -62,6 +62,10 @@ pub const MAX_LEASE_EXTENTS: usize = 1024;
 /// Most extents one client may hold at once (an honest one holds one lease's
 /// worth: it gives everything back before leasing again).
 pub const MAX_CLIENT_EXTENTS: usize = 4 * MAX_LEASE_EXTENTS;
+/// Most extents one lease hands a client whose writes are confined to its
+/// leases (over rdma): each costs a registration and a memory window, made
+/// on the thread that serves every client.
+pub const MAX_CONFINED_LEASE_EXTENTS: usize = 16;
 /// Most reports waiting to be checked (16 MiB of them); beyond, reports
 /// are dropped and what they named is left to a collection.
 pub const MAX_READY_REPORTS: usize = 1 << 20;
@@ -209,8 +213,14 @@ impl HeapPool {
     /// less as it runs short (so that clients share what is left instead of
     /// one holding it all). The first extent holds at least `min_len`; when
     /// no single extent holds the whole share, more are added (holes a
-    /// collection freed), lowest offsets first.
-    pub fn lease(&mut self, client: ClientId, min_len: u64) -> Result<Vec<Extent>, LeaseRefusal> {
+    /// collection freed), lowest offsets first, at most `max_extents` in
+    /// all.
+    pub fn lease(
+        &mut self,
+        client: ClientId,
+        min_len: u64,
+        max_extents: usize,
+    ) -> Result<Vec<Extent>, LeaseRefusal> {
         self.mature(Instant::now());
         let held = self.extents_held.get(&client).copied().unwrap_or(0);
         if held >= MAX_CLIENT_EXTENTS {
@@ -254,7 +264,10 @@ impl HeapPool {
         self.last_lease = Some(Instant::now());
         let mut out = vec![self.take_free(offset, len)];
         let mut total = len;
-        while total < want && out.len() < MAX_LEASE_EXTENTS.min(MAX_CLIENT_EXTENTS - held) {
+        let most = MAX_LEASE_EXTENTS
+            .min(max_extents)
+            .min(MAX_CLIENT_EXTENTS - held);
+        while total < want && out.len() < most {
             let Some((&offset, &len)) = self.free.iter().next() else {
                 break;
             };
@@ -303,10 +316,16 @@ impl HeapPool {
     /// Takes back space `client` will not write into again, with where its
     /// blocks begin. Each extent must lie inside one of its leases, and no
     /// two may overlap; otherwise the whole message is refused and nothing
-    /// changes. What the client says it never carved is free at once;
-    /// reports waiting on the space are now checked.
+    /// changes. What the client says it never carved is free from
+    /// `uncarved_ready` (at once, unless a WRITE it had begun may still be
+    /// landing there); reports waiting on the space are now checked.
     /// Returns how many waiting reports were dropped (the queue was full).
-    pub fn give_back(&mut self, client: ClientId, spent: &[Spent]) -> Result<u64, String> {
+    pub fn give_back(
+        &mut self,
+        client: ClientId,
+        spent: &[Spent],
+        uncarved_ready: Instant,
+    ) -> Result<u64, String> {
         let mut sorted: Vec<&Spent> = spent.iter().collect();
         sorted.sort_by_key(|s| s.extent.offset);
         let mut splits = 0usize;
@@ -356,10 +375,15 @@ impl HeapPool {
                 .next_multiple_of(START_GRANULE)
                 .min(e.len);
             if carved < e.len {
-                self.insert_free(Extent {
+                let uncarved = Extent {
                     offset: e.offset + carved,
                     len: e.len - carved,
-                });
+                };
+                if uncarved_ready > now {
+                    self.push_aging(uncarved_ready, uncarved);
+                } else {
+                    self.insert_free(uncarved);
+                }
             }
             self.leased_total += carved;
             if carved > 0 {
@@ -800,7 +824,7 @@ mod tests {
     /// Gives `extents` back with nothing declared of them.
     fn give_back(p: &mut HeapPool, client: ClientId, extents: &[Extent]) -> Result<(), String> {
         let spent: Vec<Spent> = extents.iter().map(|&e| Spent::undeclared(e)).collect();
-        p.give_back(client, &spent).map(|_| ())
+        p.give_back(client, &spent, Instant::now()).map(|_| ())
     }
 
     /// A pool over [0, len) whose first collection found `live` in use.
@@ -821,7 +845,7 @@ mod tests {
 
     /// A lease that must be granted as one extent.
     fn lease1(p: &mut HeapPool, client: ClientId, min_len: u64) -> Extent {
-        let got = p.lease(client, min_len).unwrap();
+        let got = p.lease(client, min_len, usize::MAX).unwrap();
         assert_eq!(got.len(), 1, "{got:?}");
         got[0]
     }
@@ -836,22 +860,22 @@ mod tests {
     /// A lease that finds no room is busy until a collection has looked;
     /// one that then finds `live` as it was leaves the heap full.
     fn full_after_a_collection(p: &mut HeapPool, min_len: u64, live: &[Extent]) {
-        assert_eq!(p.lease(9, min_len), Err(LeaseRefusal::Busy));
+        assert_eq!(p.lease(9, min_len, usize::MAX), Err(LeaseRefusal::Busy));
         std::thread::sleep(Duration::from_millis(1));
         collect_at(p, Instant::now(), live);
-        assert_eq!(p.lease(9, min_len), Err(LeaseRefusal::Full));
+        assert_eq!(p.lease(9, min_len, usize::MAX), Err(LeaseRefusal::Full));
         // Space deleted since that collection is looked for again.
-        assert_eq!(p.lease(9, min_len), Err(LeaseRefusal::Busy));
+        assert_eq!(p.lease(9, min_len, usize::MAX), Err(LeaseRefusal::Busy));
     }
 
     #[test]
     fn leases_chunks_then_shares_what_is_left() {
         let mut p = pool(64 << 10, 4096, &[]);
-        assert_eq!(p.lease(1, 64), Ok(vec![ext(0, 4096)]));
+        assert_eq!(p.lease(1, 64, usize::MAX), Ok(vec![ext(0, 4096)]));
         // Plenty left: whole chunks.
         assert_eq!(lease1(&mut p, 2, 64).len, 4096);
         let mut got = 8192;
-        while let Ok(es) = p.lease(3, 64) {
+        while let Ok(es) = p.lease(3, 64, usize::MAX) {
             for e in es {
                 assert!(e.len <= 4096);
                 got += e.len;
@@ -867,7 +891,7 @@ mod tests {
         // Live 64-byte blocks every 256 bytes: free space is 192-byte holes.
         let live: Vec<Extent> = (0..1024).map(|i| ext(i * 256, 64)).collect();
         let mut p = pool(256 << 10, 64 << 10, &live);
-        let got = p.lease(1, 128).unwrap();
+        let got = p.lease(1, 128, usize::MAX).unwrap();
         assert!(got.len() > 1 && got.len() <= MAX_LEASE_EXTENTS);
         assert!(got[0].len >= 128);
         let total: u64 = got.iter().map(|e| e.len).sum();
@@ -881,12 +905,22 @@ mod tests {
     }
 
     #[test]
+    fn a_lease_gathers_no_more_holes_than_its_client_takes() {
+        let live: Vec<Extent> = (0..1024).map(|i| ext(i * 256, 64)).collect();
+        let mut p = pool(256 << 10, 64 << 10, &live);
+        let got = p.lease(1, 128, 16).unwrap();
+        assert_eq!(got.len(), 16);
+        let more = p.lease(2, 128, 16).unwrap();
+        assert!(more.iter().all(|e| !got.contains(e)));
+    }
+
+    #[test]
     fn low_space_asks_for_a_collection_only_after_new_writes() {
         // 80% live: free space is low, but nothing was written since the
         // scan, so scanning again would find nothing new.
         let mut p = pool(64 << 10, 4096, &[ext(0, 52 << 10)]);
         assert_eq!(p.need(Instant::now(), p.end / 4, 0), Need::No);
-        p.lease(1, 64).unwrap();
+        p.lease(1, 64, usize::MAX).unwrap();
         assert_eq!(p.need(Instant::now(), p.end / 4, 0), Need::Soon);
         collect_at(&mut p, Instant::now(), &[ext(0, 52 << 10)]);
         assert_eq!(p.need(Instant::now(), p.end / 4, 0), Need::No);
@@ -1017,20 +1051,20 @@ mod tests {
         let a = lease1(&mut p, 1, 4096);
         let _b = lease1(&mut p, 1, 4096);
         give_back(&mut p, 1, &[a]).unwrap();
-        assert_eq!(p.lease(2, 64), Err(LeaseRefusal::Busy));
+        assert_eq!(p.lease(2, 64, usize::MAX), Err(LeaseRefusal::Busy));
         assert_eq!(p.need(Instant::now(), p.end / 4, 0), Need::Now);
         let now = Instant::now() + Duration::from_millis(1);
         p.collect(now, map(8192, &[]), now + HOUR);
         // Aging for an hour: still busy, not full.
-        assert_eq!(p.lease(2, 64), Err(LeaseRefusal::Busy));
+        assert_eq!(p.lease(2, 64, usize::MAX), Err(LeaseRefusal::Busy));
         let mut q = pool(4096, 4096, &[]);
-        q.lease(1, 64).unwrap();
+        q.lease(1, 64, usize::MAX).unwrap();
         // Full only once a collection that began after the shortage found
         // nothing.
-        assert_eq!(q.lease(2, 64), Err(LeaseRefusal::Busy));
+        assert_eq!(q.lease(2, 64, usize::MAX), Err(LeaseRefusal::Busy));
         let now = Instant::now() + Duration::from_millis(1);
         q.collect(now, map(4096, &[]), now);
-        assert_eq!(q.lease(2, 64), Err(LeaseRefusal::Full));
+        assert_eq!(q.lease(2, 64, usize::MAX), Err(LeaseRefusal::Full));
     }
 
     /// A collection long past says nothing of deletes since: a lease that
@@ -1038,15 +1072,15 @@ mod tests {
     #[test]
     fn a_stale_collection_does_not_make_the_heap_full() {
         let mut p = pool(8192, 4096, &[ext(0, 8192)]);
-        assert_eq!(p.lease(1, 64), Err(LeaseRefusal::Busy));
+        assert_eq!(p.lease(1, 64, usize::MAX), Err(LeaseRefusal::Busy));
         std::thread::sleep(Duration::from_millis(1));
         collect_at(&mut p, Instant::now(), &[ext(0, 8192)]);
         // Its client gave up; deletes come; a lease long after.
         std::thread::sleep(FRESH_SCAN + Duration::from_millis(50));
-        assert_eq!(p.lease(2, 64), Err(LeaseRefusal::Busy));
+        assert_eq!(p.lease(2, 64, usize::MAX), Err(LeaseRefusal::Busy));
         std::thread::sleep(Duration::from_millis(1));
         collect_at(&mut p, Instant::now(), &[ext(0, 4096)]);
-        assert_eq!(p.lease(2, 64).map(|es| es[0].offset), Ok(4096));
+        assert_eq!(p.lease(2, 64, usize::MAX).map(|es| es[0].offset), Ok(4096));
     }
 
     /// Deletes unlink blocks in settled space, which no pool state shows:
@@ -1059,12 +1093,12 @@ mod tests {
         let now = Instant::now();
         p.collect(now, map(8192, &[ext(0, 8192)]), now);
         assert_eq!(p.free_bytes(), 0);
-        assert_eq!(p.lease(1, 64), Err(LeaseRefusal::Busy));
+        assert_eq!(p.lease(1, 64, usize::MAX), Err(LeaseRefusal::Busy));
         assert_eq!(p.need(Instant::now(), p.end / 4, 0), Need::Now);
         // Half of it deleted since.
         std::thread::sleep(Duration::from_millis(1));
         collect_at(&mut p, Instant::now(), &[ext(0, 4096)]);
-        assert_eq!(p.lease(1, 64).map(|es| es[0].offset), Ok(4096));
+        assert_eq!(p.lease(1, 64, usize::MAX).map(|es| es[0].offset), Ok(4096));
     }
 
     #[test]
@@ -1075,7 +1109,7 @@ mod tests {
         let now = Instant::now();
         p.collect(now, map(1 << 20, &[]), now);
         assert_eq!(p.free_bytes(), before, "a collection freed index space");
-        while let Ok(es) = p.lease(1, 4096) {
+        while let Ok(es) = p.lease(1, 4096, usize::MAX) {
             for e in es {
                 assert!(e.offset + e.len <= index.offset || e.offset >= index.offset + index.len);
             }
@@ -1115,13 +1149,32 @@ mod tests {
     }
 
     #[test]
+    fn uncarved_space_given_back_is_free_from_when_it_is_told() {
+        let mut p = pool(1 << 20, 64 << 10, &[]);
+        let a = lease1(&mut p, 1, 64);
+        let later = Instant::now() + std::time::Duration::from_secs(3600);
+        p.give_back(1, &[carved(a, 128, 2)], later).unwrap();
+        assert_eq!(p.aging_bytes(), a.len - 256, "waits out its grace period");
+        p.mature(Instant::now());
+        assert_eq!(p.aging_bytes(), a.len - 256);
+        p.mature(later);
+        assert_eq!(p.aging_bytes(), 0);
+        // Told nothing may still land there: free at once.
+        let b = lease1(&mut p, 2, 64);
+        p.give_back(2, &[carved(b, 128, 2)], Instant::now())
+            .unwrap();
+        assert_eq!(p.aging_bytes(), 0);
+    }
+
+    #[test]
     fn a_report_in_leased_space_waits_for_the_give_back() {
         let mut p = pool(1 << 20, 64 << 10, &[]);
         let a = lease1(&mut p, 1, 64);
         // Client 2 unlinked a block client 1 wrote: it waits with the lease.
         assert_eq!(p.report(&[report(a.offset + 128, 128)]), 0);
         assert!(p.take_ready(10).is_empty());
-        p.give_back(1, &[carved(a, 128, 2)]).unwrap();
+        p.give_back(1, &[carved(a, 128, 2)], Instant::now())
+            .unwrap();
         let ready = p.take_ready(10);
         assert_eq!(ready, vec![report(a.offset + 128, 128)]);
         let e = p
@@ -1145,7 +1198,8 @@ mod tests {
         let mut p = pool(1 << 20, 64 << 10, &[]);
         let a = lease1(&mut p, 1, 64);
         let b = lease1(&mut p, 2, 64);
-        p.give_back(1, &[carved(a, 128, 4)]).unwrap();
+        p.give_back(1, &[carved(a, 128, 4)], Instant::now())
+            .unwrap();
         // What was not carved is free at once.
         assert_eq!(p.reported_block(report(a.offset + 512, 128)), None);
         // Inside a block, two blocks as one, leased space, outside the
@@ -1177,7 +1231,8 @@ mod tests {
     fn a_scan_forgets_the_blocks_it_frees() {
         let mut p = pool(1 << 20, 64 << 10, &[]);
         let a = lease1(&mut p, 1, 64);
-        p.give_back(1, &[carved(a, 128, 8)]).unwrap();
+        p.give_back(1, &[carved(a, 128, 8)], Instant::now())
+            .unwrap();
         let u = report(a.offset + 256, 128);
         assert!(p.reported_block(u).is_some());
         let now = Instant::now() + Duration::from_millis(1);

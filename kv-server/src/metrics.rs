@@ -156,6 +156,8 @@ const FAMILIES: &[Family] = &[
     ("frozen_slots", "Frozen slots in the index at the last scan (outside a resize or a shard's move: stray bits about to be thawed).", None, |s| Value::Gauge(s.frozen_slots)),
     ("thawed_slots", "Stray frozen slots thawed (found by a scan or reported by a writer).", None, |s| Value::Counter(s.thawed_slots)),
     ("header_repairs", "Times the header (a record, the epoch word) was found changed from the geometry in force and written back.", None, |s| Value::Counter(s.header_repairs)),
+    ("faulted_clients", "Clients cut off because the device refused a request of theirs (over rdma: a write outside their leases, a key not theirs).", None, |s| Value::Counter(s.faulted_clients)),
+    ("write_grant_failures", "Leases that could not be made writable for their client (its memory window); the client was cut off.", None, |s| Value::Counter(s.write_grant_failures)),
     ("resizing", "1 while a resize migrates the index (or a shard's move froze it).", None, |s| Value::Gauge(u64::from(s.resizing))),
     ("epoch", "Changes of the geometry since the region was created.", None, |s| Value::Gauge(s.epoch)),
     ("corrupt_slots", "Slots pointing at space that cannot be a block, found by the scans.", None, |s| Value::Gauge(s.corrupt_slots)),

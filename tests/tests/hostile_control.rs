@@ -18,7 +18,7 @@ fn liar(srv: &TestServer) -> UnixStream {
 
 fn lease(s: &mut UnixStream) -> Extent {
     match call(s, &Request::Lease { min_len: 64 }) {
-        Some(Response::Leased(es)) if es.len() == 1 => es[0],
+        Some(Response::Leased { extents: es, .. }) if es.len() == 1 => es[0],
         other => panic!("lease refused: {other:?}"),
     }
 }
@@ -199,7 +199,9 @@ fn space_a_client_hoards_comes_back_when_it_vanishes() {
     let total = srv.server.stats().heap_free;
     let mut s = liar(&srv);
     let mut hoard = 0;
-    while let Some(Response::Leased(es)) = call(&mut s, &Request::Lease { min_len: 64 }) {
+    while let Some(Response::Leased { extents: es, .. }) =
+        call(&mut s, &Request::Lease { min_len: 64 })
+    {
         hoard += es.iter().map(|e| e.len).sum::<u64>();
     }
     assert_eq!(hoard, total, "the hoarder did not get everything");

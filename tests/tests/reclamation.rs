@@ -109,7 +109,7 @@ fn forged_reports(live: &[Unlinked], old: &[Unlinked]) -> Vec<Unlinked> {
 /// and reports them all (nothing there reads as a block).
 fn declare_a_lease_full_of_blocks(s: &mut UnixStream) {
     let mine = match call(s, &Request::Lease { min_len: 64 }) {
-        Some(Response::Leased(es)) => es[0],
+        Some(Response::Leased { extents: es, .. }) => es[0],
         other => panic!("lease refused: {other:?}"),
     };
     let fake: Vec<Unlinked> = (0..mine.len / 64)
@@ -265,7 +265,8 @@ fn space_a_client_gives_back_uncarved_is_free_at_once() {
     let srv = TestServer::start(|_| {});
     let mut s = liar(&srv);
     let before = srv.server.stats().heap_free;
-    let Some(Response::Leased(es)) = call(&mut s, &Request::Lease { min_len: 64 }) else {
+    let Some(Response::Leased { extents: es, .. }) = call(&mut s, &Request::Lease { min_len: 64 })
+    else {
         panic!("no lease");
     };
     let spent: Vec<Spent> = es

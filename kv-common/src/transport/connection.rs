@@ -6,7 +6,7 @@ use std::sync::Arc;
 use super::error::TransportError;
 use super::verb::{ReadOrder, Verb, VerbStats};
 use crate::mapping::SharedRegion;
-use crate::protocol::{RemoteRegion, Request, Response};
+use crate::protocol::{Extent, RemoteRegion, Request, Response};
 
 /// A client's connection to one server: control channel plus data path.
 pub trait Connection: Send {
@@ -38,6 +38,12 @@ pub trait Connection: Send {
         Ok(())
     }
     fn stats(&self) -> &VerbStats;
+    /// The server granted writes into `extent` (a lease) under `key`: the
+    /// WRITEs that land in it carry that key from now on. Backends whose
+    /// writes need no key of their own ignore it.
+    fn allow_writes(&mut self, _extent: Extent, _key: u32) {}
+    /// The lease of `extent` is given back: no more WRITEs land in it.
+    fn forget_writes(&mut self, _extent: Extent) {}
     /// Whether a batch costs a round trip of its own (a network's), so
     /// that reads which may prove unneeded are worth posting together. Over
     /// shm a batch costs only what its verbs copy, and such reads are best
@@ -73,6 +79,10 @@ pub enum Received {
     Nothing,
     /// The client has gone.
     Closed,
+    /// The client's data path broke on something it did (over rdma, an
+    /// access it had no right to, which puts its queue pair in error): why.
+    /// The channel is as good as closed.
+    Faulted(String),
 }
 
 /// A connection that has been closed: every call fails as disconnected (a
@@ -130,6 +140,24 @@ pub trait ControlPeer: Send {
     /// Cuts this client off the data path: from now on its verbs fail. Done
     /// before any space it held is reused.
     fn fence(&mut self) -> Fenced;
+    /// Whether this client WRITEs only into its leases, each made writable
+    /// by [`grant_writes`](ControlPeer::grant_writes). Not on shm, which
+    /// is one trust domain (see `docs/rdma.md`, "Protection").
+    fn confines_writes(&self) -> bool {
+        false
+    }
+    /// Lets this client WRITE into `extent`, newly leased to it: the key
+    /// its WRITEs there carry, or None where writes are not confined.
+    fn grant_writes(&mut self, _extent: Extent) -> Result<Option<u32>, TransportError> {
+        Ok(None)
+    }
+    /// Ends the grants that overlap `extent` (given back): once this
+    /// returns Ok, no WRITE of this client begins there. On an error its
+    /// data path may still reach the space: cut it off (`fence`) before the
+    /// space is reused.
+    fn revoke_writes(&mut self, _extent: Extent) -> Result<(), TransportError> {
+        Ok(())
+    }
 }
 
 /// The server's side of a backend: it registers the region and accepts

@@ -156,7 +156,7 @@ mod tests {
                 match r.poll(&mut s).unwrap() {
                     Received::Message(m) => got.push(m),
                     Received::Nothing => break,
-                    Received::Closed => unreachable!(),
+                    Received::Closed | Received::Faulted(_) => unreachable!(),
                 }
             }
             assert_eq!(got, vec![b"hello".to_vec(), vec![], vec![7; 300]]);

@@ -246,6 +246,8 @@ fn stats(kv: &mut Client) -> Result<Vec<String>, String> {
         format!("frozen_slots {}", s.frozen_slots),
         format!("thawed_slots {}", s.thawed_slots),
         format!("header_repairs {}", s.header_repairs),
+        format!("faulted_clients {}", s.faulted_clients),
+        format!("write_grant_failures {}", s.write_grant_failures),
         format!("buckets {} (slots {})", s.bucket_count, s.index_slots),
         format!(
             "live_slots {} (as of index scan {})",

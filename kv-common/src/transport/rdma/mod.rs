@@ -1,7 +1,9 @@
 //! The rdma backend: RC queue pairs over libibverbs. Queue-pair numbers,
 //! PSNs and GIDs are exchanged over a short TCP handshake; after it, control
 //! messages are Send/Recv on the queue pair and data is one-sided READ,
-//! WRITE, CAS and FETCH-AND-ADD on the server's registered region.
+//! WRITE, CAS and FETCH-AND-ADD on the server's registered region. The
+//! region takes READ and atomics under one key; a client's WRITEs go through
+//! the windows of its own leases (`leases`).
 //!
 //! The TCP socket stays open for the connection's life: the server watches
 //! it to learn that a client has gone (an RC queue pair only notices a dead
@@ -16,6 +18,7 @@
 //! of them have global atomics (see `RdmaListener::bind`), and serves each
 //! connection from the device its address belongs to.
 
+mod leases;
 mod verbs;
 #[cfg(test)]
 mod window_tests;
@@ -27,9 +30,10 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use leases::{Grants, WriteKeys};
 use verbs::{
     Completion, Completions, Cq, Device, Endpoint, Gid, Mr, Op, Pd, Qp, QueueDepths, SendWr,
-    LOCAL_ONLY, REMOTE_ALL,
+    LOCAL_ONLY, REMOTE_ALL, REMOTE_ATOMIC, REMOTE_READ,
 };
 
 use rdma_sys::ibv_atomic_cap;
@@ -43,7 +47,7 @@ use super::framing::{read_frame, write_frame, FrameReader};
 use super::gid::{self, GidEntry};
 use super::verb::{ReadOrder, Verb, VerbStats, MAX_BATCH_VERBS};
 use crate::mapping::SharedRegion;
-use crate::protocol::{self, RemoteRegion, Request, Response, MAX_MESSAGE};
+use crate::protocol::{self, Extent, RemoteRegion, Request, Response, MAX_MESSAGE};
 
 /// Receive buffers posted per connection, each MAX_MESSAGE long.
 const RECV_SLOTS: usize = 4;
@@ -78,6 +82,21 @@ impl Overrides {
                 .filter(|d| !d.is_empty()),
             gid_index,
         })
+    }
+}
+
+/// Whether a server confines each client's writes to its leases: unless
+/// `ONEKV_RDMA_WRITES=open` makes the region writable by every admitted
+/// client (for devices without memory windows, and to measure what
+/// confining costs).
+fn writes_confined() -> Result<bool, TransportError> {
+    match std::env::var("ONEKV_RDMA_WRITES").as_deref() {
+        Ok("open") => Ok(false),
+        Ok("leases") | Ok("") | Err(_) => Ok(true),
+        Ok(other) => Err(TransportError::Unsupported(format!(
+            "ONEKV_RDMA_WRITES={other}: say leases (the default: a client writes only \
+             into its own leases) or open (anywhere in the region)"
+        ))),
     }
 }
 
@@ -330,6 +349,8 @@ pub struct RdmaConnection {
     started: Vec<Verb>,
     local: Option<Mr>,
     remote: Option<RemoteRegion>,
+    /// The keys of the leases this client may write into.
+    write_keys: WriteKeys,
     stats: VerbStats,
     reply_timeout: Duration,
     /// How long a control message may take to be sent (a completion).
@@ -366,6 +387,7 @@ impl RdmaConnection {
             started: Vec::new(),
             local: None,
             remote: None,
+            write_keys: WriteKeys::default(),
             stats: VerbStats::default(),
             reply_timeout: options.reply_timeout,
             send_timeout: COMPLETION_TIMEOUT,
@@ -390,7 +412,10 @@ impl RdmaConnection {
             let rkey = remote.rkey;
             let op = match *v {
                 Verb::Read { .. } => Op::Read { remote_addr, rkey },
-                Verb::Write { .. } => Op::Write { remote_addr, rkey },
+                Verb::Write { .. } => Op::Write {
+                    remote_addr,
+                    rkey: self.write_keys.for_write(off, len).unwrap_or(rkey),
+                },
                 Verb::Cas { expect, swap, .. } => Op::Cas {
                     remote_addr,
                     rkey,
@@ -505,6 +530,14 @@ impl Connection for RdmaConnection {
     fn stats(&self) -> &VerbStats {
         &self.stats
     }
+
+    fn allow_writes(&mut self, extent: Extent, key: u32) {
+        self.write_keys.allow(extent, key);
+    }
+
+    fn forget_writes(&mut self, extent: Extent) {
+        self.write_keys.forget(extent);
+    }
 }
 
 /// The server's listener: a TCP socket for handshakes, and the devices on
@@ -513,12 +546,25 @@ impl Connection for RdmaConnection {
 pub struct RdmaListener {
     tcp: TcpListener,
     devices: Vec<Served>,
+    /// Whether clients write only into their leases (see `leases`): the
+    /// region is then registered without remote write.
+    confined: bool,
 }
 
 /// A device the region is registered on.
 struct Served {
     pd: Arc<Pd>,
     mr: Arc<Mutex<Option<Registration>>>,
+}
+
+/// What clients may do to the region through its own key: read and
+/// atomics, and write too unless writes are confined to leases.
+fn region_access(confined: bool) -> u32 {
+    if confined {
+        LOCAL_ONLY | REMOTE_READ | REMOTE_ATOMIC
+    } else {
+        REMOTE_ALL
+    }
 }
 
 /// The registered region and how clients name it. After growth, the
@@ -578,6 +624,15 @@ impl RdmaListener {
                 names.join(", ")
             )));
         }
+        let confined = writes_confined()?;
+        if let Some(d) = opened.iter().find(|d| confined && !d.memory_windows) {
+            return Err(TransportError::Unsupported(format!(
+                "RDMA device {} has no type-2 memory windows, by which onekv lets each \
+                 client write only into its own leases; to serve it with the region \
+                 writable by every admitted client, set ONEKV_RDMA_WRITES=open",
+                d.name
+            )));
+        }
         let devices = opened
             .into_iter()
             .map(|device| {
@@ -587,7 +642,11 @@ impl RdmaListener {
                 })
             })
             .collect::<Result<Vec<_>, TransportError>>()?;
-        Ok(RdmaListener { tcp, devices })
+        Ok(RdmaListener {
+            tcp,
+            devices,
+            confined,
+        })
     }
 
     /// The device a connection arriving at `local` is served from: the one
@@ -610,7 +669,7 @@ impl RdmaListener {
 impl ControlListener for RdmaListener {
     fn register(&mut self, region: Arc<SharedRegion>) -> Result<(), TransportError> {
         for served in &self.devices {
-            let mr = Mr::region(&served.pd, region.clone(), REMOTE_ALL)?;
+            let mr = Mr::region(&served.pd, region.clone(), region_access(self.confined))?;
             let remote = remote_of(&mr);
             if let Ok(mut slot) = served.mr.lock() {
                 *slot = Some(Registration {
@@ -634,7 +693,7 @@ impl ControlListener for RdmaListener {
                 return Err(TransportError::NotAttached);
             };
             if r.region.len() > r.remote.len {
-                let mr = Mr::region(&served.pd, r.region.clone(), REMOTE_ALL)?;
+                let mr = Mr::region(&served.pd, r.region.clone(), region_access(self.confined))?;
                 r.remote = remote_of(&mr);
                 r.earlier.push(std::mem::replace(&mut r.mr, mr));
             }
@@ -675,7 +734,10 @@ impl ControlListener for RdmaListener {
         Ok(Box::new(RdmaPeer {
             channel: Some(channel),
             fds,
+            pd: served.pd.clone(),
             registration: served.mr.clone(),
+            confined: self.confined,
+            grants: Grants::default(),
             handshake: Handshake::Reading(FrameReader::default()),
         }))
     }
@@ -697,11 +759,18 @@ fn remote_of(mr: &Mr) -> RemoteRegion {
 }
 
 pub struct RdmaPeer {
+    /// The windows of this client's leases, bound on the channel's queue
+    /// pair: declared first, so that they go before it (`Drop` ends them
+    /// first anyway, by fencing).
+    grants: Grants,
     /// None while a thread of its own answers the handshake.
     channel: Option<Channel>,
     /// The channel's descriptors, from accept on.
     fds: Vec<RawFd>,
+    pd: Arc<Pd>,
     registration: Arc<Mutex<Option<Registration>>>,
+    /// Whether this client writes only through the windows of its leases.
+    confined: bool,
     handshake: Handshake,
 }
 
@@ -766,12 +835,17 @@ impl RdmaPeer {
     }
 
     fn channel(&mut self) -> Result<&mut Channel, TransportError> {
-        match (&self.handshake, self.channel.as_mut()) {
-            (Handshake::Done, Some(channel)) => Ok(channel),
-            _ => Err(TransportError::Disconnected(
-                "the client's handshake has not finished".into(),
-            )),
-        }
+        done(&self.handshake, &mut self.channel).ok_or_else(|| {
+            TransportError::Disconnected("the client's handshake has not finished".into())
+        })
+    }
+}
+
+/// The channel once its handshake is done.
+fn done<'a>(handshake: &Handshake, channel: &'a mut Option<Channel>) -> Option<&'a mut Channel> {
+    match handshake {
+        Handshake::Done => channel.as_mut(),
+        _ => None,
     }
 }
 
@@ -787,18 +861,32 @@ impl ControlPeer for RdmaPeer {
         let Ok(channel) = self.channel() else {
             return Ok(Received::Closed);
         };
+        // A queue pair this end broke (a reply that failed, a fence) says
+        // nothing of what the client did.
+        let sound = channel.broken.is_none();
+        let faulted = |e: TransportError| match sound {
+            true => Received::Faulted(format!("its queue pair failed: {e}")),
+            false => Received::Closed,
+        };
         // Nothing is ever sent on the handshake socket after the handshake:
-        // readable means the client closed it or died.
+        // readable means the client closed it or died. A request it left
+        // is not served (the reply could only time out), but a queue pair
+        // it broke first is told apart.
         let mut probe = [0u8; 1];
         match channel.tcp.read(&mut probe) {
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-            _ => return Ok(Received::Closed),
+            _ => {
+                return Ok(match channel.take_received() {
+                    Err(e) => faulted(e),
+                    Ok(_) => Received::Closed,
+                })
+            }
         }
         channel.qp.recv_cq.take_event();
         let received = match channel.take_received() {
             Ok(Some(bytes)) => return Ok(Received::Message(bytes)),
             Ok(None) => Received::Nothing,
-            Err(_) => return Ok(Received::Closed),
+            Err(e) => return Ok(faulted(e)),
         };
         // Re-arm, then look once more: a receive that completed before the
         // arming raises no event.
@@ -806,7 +894,7 @@ impl ControlPeer for RdmaPeer {
         match channel.take_received() {
             Ok(Some(bytes)) => Ok(Received::Message(bytes)),
             Ok(None) => Ok(received),
-            Err(_) => Ok(Received::Closed),
+            Err(e) => Ok(faulted(e)),
         }
     }
 
@@ -832,11 +920,44 @@ impl ControlPeer for RdmaPeer {
         // A channel still answering its handshake is dropped with it (its
         // thread ends, and the queue pair goes with the channel).
         if let Some(channel) = self.channel.as_mut() {
-            if let Err(e) = channel.qp.set_error() {
-                channel.broken = Some(format!("fencing failed: {e}"));
-            }
+            channel.broken = Some(match channel.qp.set_error() {
+                Ok(()) => "fenced".into(),
+                Err(e) => format!("fencing failed: {e}"),
+            });
         }
+        self.grants.revoke_all();
         Fenced::Revoked
+    }
+
+    fn grant_writes(&mut self, extent: Extent) -> Result<Option<u32>, TransportError> {
+        if !self.confined {
+            return Ok(None);
+        }
+        let region = self
+            .registration
+            .lock()
+            .ok()
+            .and_then(|r| r.as_ref().map(|r| r.region.clone()))
+            .ok_or(TransportError::NotAttached)?;
+        let Some(channel) = done(&self.handshake, &mut self.channel) else {
+            return Err(TransportError::Disconnected(
+                "the client's handshake has not finished".into(),
+            ));
+        };
+        let key = self.grants.grant(&self.pd, channel, region, extent)?;
+        Ok(Some(key))
+    }
+
+    fn confines_writes(&self) -> bool {
+        self.confined
+    }
+
+    fn revoke_writes(&mut self, extent: Extent) -> Result<(), TransportError> {
+        match done(&self.handshake, &mut self.channel) {
+            Some(channel) => self.grants.revoke(channel, extent),
+            // No windows before the handshake is done.
+            None => Ok(()),
+        }
     }
 }
 

@@ -298,13 +298,6 @@ pub const REMOTE_READ: u32 = ibv_access_flags::IBV_ACCESS_REMOTE_READ.0;
 pub const REMOTE_WRITE: u32 = ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0;
 pub const REMOTE_ATOMIC: u32 = ibv_access_flags::IBV_ACCESS_REMOTE_ATOMIC.0;
 /// Memory windows may be bound over the registration.
-#[cfg_attr(
-    not(test),
-    expect(
-        dead_code,
-        reason = "for the windows of leases (issue 27); the device checks use it now"
-    )
-)]
 pub const MW_BIND: u32 = ibv_access_flags::IBV_ACCESS_MW_BIND.0;
 pub const REMOTE_ALL: u32 = LOCAL_ONLY | REMOTE_READ | REMOTE_WRITE | REMOTE_ATOMIC;
 
@@ -322,6 +315,32 @@ impl Mr {
             region.as_mut_ptr() as *mut std::ffi::c_void,
             region.len() as usize,
         );
+        Self::register(pd, ptr, len, access, Memory::Region(region))
+    }
+
+    /// Registers `len` bytes of the server's region from `offset` (a
+    /// lease's extent, over which its window is bound: on Soft-RoCE a
+    /// window bounds accesses only by its registration's range).
+    pub fn range(
+        pd: &Arc<Pd>,
+        region: Arc<SharedRegion>,
+        offset: u64,
+        len: u64,
+        access: u32,
+    ) -> io::Result<Mr> {
+        let end = offset.checked_add(len).filter(|&e| e <= region.len());
+        let (Some(_), Ok(at), Ok(len)) = (end, usize::try_from(offset), usize::try_from(len))
+        else {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "{len} bytes at {offset} outside a {}-byte region",
+                    region.len()
+                ),
+            ));
+        };
+        // SAFETY: offset + len lies inside the mapping, checked above.
+        let ptr = unsafe { region.as_mut_ptr().add(at) } as *mut std::ffi::c_void;
         Self::register(pd, ptr, len, access, Memory::Region(region))
     }
 
@@ -412,13 +431,6 @@ unsafe impl Send for Mw {}
 // SAFETY: as for Send; binding needs `&mut self`.
 unsafe impl Sync for Mw {}
 
-#[cfg_attr(
-    not(test),
-    expect(
-        dead_code,
-        reason = "for the windows of leases (issue 27); the device checks use it now"
-    )
-)]
 impl Mw {
     pub fn alloc(pd: &Arc<Pd>) -> io::Result<Mw> {
         // SAFETY: a live protection domain.
@@ -951,13 +963,6 @@ impl Qp {
 }
 
 /// Memory windows, bound and invalidated through a queue pair's send queue.
-#[cfg_attr(
-    not(test),
-    expect(
-        dead_code,
-        reason = "for the windows of leases (issue 27); the device checks use it now"
-    )
-)]
 impl Qp {
     /// Binds `mw` over `range` (byte offsets) of `mr` for this queue
     /// pair's peer, with `access` (remote flags), under a key whose low

@@ -271,3 +271,56 @@ fn how_far_a_window_bounds_writes() {
     );
     assert_eq!(escaped, landed, "the completion and the memory disagree");
 }
+
+/// What protecting one lease costs the server, printed for the note: a
+/// bind and an invalidate on a window allocated ahead, and the whole of a
+/// lease's window as the server makes it (registering the extent,
+/// allocating and binding the window, then invalidating and freeing both).
+#[test]
+#[ignore = "needs an RDMA device: run by scripts/rxe-vm.sh"]
+fn what_a_window_costs() {
+    const ROUNDS: u32 = 200;
+    let s = setup();
+    let (server, _client) = s.pair();
+    let mut mw = Mw::alloc(&s.server).expect("a window");
+    let started = Instant::now();
+    for _ in 0..ROUNDS {
+        let rkey = s.bind(&server, &mut mw);
+        invalidate(&server, rkey);
+    }
+    let bind_us = started.elapsed().as_secs_f64() * 1e6 / f64::from(ROUNDS);
+    let started = Instant::now();
+    for _ in 0..ROUNDS {
+        let extent = Arc::new(
+            Mr::range(&s.server, s.region.clone(), AT, SPAN, LOCAL_ONLY | MW_BIND)
+                .expect("an extent registered"),
+        );
+        let mut mw = Mw::alloc(&s.server).expect("a window");
+        let rkey = server
+            .bind(&mut mw, &extent, 0..SPAN, REMOTE_WRITE)
+            .expect("bind posted");
+        assert!(completion(&server.send_cq).ok());
+        invalidate(&server, rkey);
+    }
+    let lease_us = started.elapsed().as_secs_f64() * 1e6 / f64::from(ROUNDS);
+    let d = &s.server.device;
+    let atomics = match d.atomic_cap {
+        rdma_sys::ibv_atomic_cap::IBV_ATOMIC_GLOB => "global",
+        rdma_sys::ibv_atomic_cap::IBV_ATOMIC_HCA => "within the adapter",
+        _ => "none",
+    };
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(
+        out,
+        "RXE-DEVICE: {}: atomics {atomics}, type-2 memory windows {}, {} READs/atomics in flight per queue pair",
+        d.name,
+        if d.memory_windows { "yes" } else { "no" },
+        d.max_rd_atomic
+    );
+    let _ = writeln!(
+        out,
+        "RXE-WINDOW: bind + invalidate {bind_us:.1} us; a lease's whole window \
+         (register {SPAN} bytes, allocate, bind, invalidate, free) {lease_us:.1} us \
+         (mean of {ROUNDS})"
+    );
+}
