@@ -90,6 +90,14 @@ impl Raw {
         self.conn.post(&[verb]).is_ok()
     }
 
+    /// WRITEs `value` at `offset` through the window of key `key`, named
+    /// for `extent` (a lease of another client's, or of an earlier one):
+    /// whether the device took it.
+    fn write_with(&mut self, extent: Extent, key: u32, offset: u64, value: u64) -> bool {
+        self.conn.allow_writes(extent, key);
+        self.write(offset, value)
+    }
+
     /// Gives `extent` back, nothing carved from it, without forgetting its
     /// key.
     fn give_back(&mut self, extent: Extent) {
@@ -236,10 +244,8 @@ fn a_window_key_works_only_for_its_client_while_its_lease_lasts() {
     let mut a = raw(&srv);
     let (ea, ka) = a.lease();
     assert!(a.write(ea.offset, 0xa1));
-    let mut b = raw(&srv);
-    b.conn.allow_writes(ea, ka);
     assert!(
-        !b.write(ea.offset + 8, 0xb1),
+        !raw(&srv).write_with(ea, ka, ea.offset + 8, 0xb1),
         "another client's key was taken"
     );
     assert_eq!(word(ea.offset + 8), 0, "the foreign write landed");
@@ -268,10 +274,8 @@ fn a_window_key_works_only_for_its_client_while_its_lease_lasts() {
             .server_stats()
             .is_ok_and(|s| s.faulted_clients >= 1)
     });
-    let mut c2 = raw(&srv);
-    c2.conn.allow_writes(ec, kc);
     assert!(
-        !c2.write(ec.offset + 8, 0xc2),
+        !raw(&srv).write_with(ec, kc, ec.offset + 8, 0xc2),
         "a fenced client's key was taken"
     );
     assert_ne!(word(ec.offset + 8), 0xc2, "the fenced key's write landed");

@@ -311,11 +311,8 @@ impl Mr {
 
     /// Registers the server's region mapping.
     pub fn region(pd: &Arc<Pd>, region: Arc<SharedRegion>, access: u32) -> io::Result<Mr> {
-        let (ptr, len) = (
-            region.as_mut_ptr() as *mut std::ffi::c_void,
-            region.len() as usize,
-        );
-        Self::register(pd, ptr, len, access, Memory::Region(region))
+        let len = region.len();
+        Self::range(pd, region, 0, len, access)
     }
 
     /// Registers `len` bytes of the server's region from `offset` (a
