@@ -3,6 +3,8 @@
 # of SHARDS shards, and three kv-server members over shm, until Ctrl-C.
 #
 #   scripts/local-cluster.sh [SHARDS]      (default 12)
+#   REPLICAS=3 scripts/local-cluster.sh    (three copies of each shard,
+#                                           the members in zones a, b, c)
 #
 # Needs etcd (Debian: etcd-server) and a build of kv-server (cargo build
 # --release -p kv-server; protoc, Debian protobuf-compiler, to build it).
@@ -33,10 +35,10 @@ port=${ETCD_PORT:-23790}
 etcd_here "$work" "$port"
 pids+=($!)
 url="etcd://127.0.0.1:$port/local"
-create_cluster_when_up "$server" "$url" --shards "$shards" --initial-members 3
+create_cluster_when_up "$server" "$url" --shards "$shards" --initial-members 3 --replicas "${REPLICAS:-1}"
 
 for m in a b c; do
-  "$server" --cluster "$url" --member-name "$m" --listen "shm://$work/$m" >"$work/$m.log" 2>&1 &
+  "$server" --cluster "$url" --member-name "$m" --listen "shm://$work/$m" --zone "$m" >"$work/$m.log" 2>&1 &
   pids+=($!)
 done
 sleep 2

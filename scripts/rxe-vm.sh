@@ -25,8 +25,9 @@ GUEST_IP=10.0.2.15
 # kv_common: the device's memory windows and access flags, which the
 # protection of a client's writes relies on, and what a window costs;
 # protection: hostile clients write across the region (both ignored off a
-# device).
-read -ra TESTS <<< "${RXE_TESTS:-linearizability counters concurrent_insert one_sided reuse restart crash_recovery fencing resize header_damage batch_model shard_move cluster connections kv_common protection}"
+# device). replicas: three copies of each shard over rdma members, alike
+# under concurrent writers, and a writer killed between its copies.
+read -ra TESTS <<< "${RXE_TESTS:-linearizability counters concurrent_insert one_sided reuse restart crash_recovery fencing resize header_damage batch_model shard_move cluster replicas connections kv_common protection}"
 # The tests of a suite run in the VM, where not all of them.
 declare -A FILTERS=([cluster]="keys_spread_over_three_servers a_client_without_etcd"
                   [connections]="a_client_that_connects_and_stays_silent beyond_the_connection_cap"

@@ -17,6 +17,7 @@ use smallvec::SmallVec;
 use crate::batch::{Blocks, DeleteBatch, GetBatch, PutBatch, Unsettled};
 use crate::local::BATCH_KEYS;
 use crate::map_source::{MapSource, MapWatch};
+use crate::replicated::{self, Group};
 use crate::{Client, ClientOptions, Error, Result, ServerStats, VerbStats};
 
 /// A cluster, with the API of one server's [`Client`] for single keys.
@@ -45,8 +46,11 @@ pub struct ClusterClient {
     moved_at: Vec<Option<Instant>>,
     /// When `state` was read.
     read_at: Instant,
-    /// A connection per shard, once used.
+    /// A connection per shard, once used: to its primary.
     shards: Vec<Option<Client>>,
+    /// A connection to each backup of a replicated shard, once written
+    /// (all of them, or none).
+    backups: Vec<Vec<Client>>,
 }
 
 /// A shard's pairs of a `put_many`.
@@ -138,6 +142,7 @@ impl ClusterClient {
         let state = map.read(None)?;
         let watch = MapWatch::start(&source.to_string(), &map, &state)?;
         let shards = (0..state.config.shards).map(|_| None).collect();
+        let backups = (0..state.config.shards).map(|_| Vec::new()).collect();
         Ok(ClusterClient {
             source,
             options,
@@ -148,6 +153,7 @@ impl ClusterClient {
             state,
             read_at: Instant::now(),
             shards,
+            backups,
         })
     }
 
@@ -202,7 +208,10 @@ impl ClusterClient {
     /// As [`Client::put`], and [`Error::ShardUnavailable`].
     pub fn put(&mut self, key: impl AsRef<[u8]>, value: impl AsRef<[u8]>) -> Result<()> {
         let (key, value) = (key.as_ref(), value.as_ref());
-        self.on_shard(key, |c| c.put(key, value))
+        match self.is_replicated() {
+            true => self.on_group(key, |g| g.put(key, value)),
+            false => self.on_shard(key, |c| c.put(key, value)),
+        }
     }
 
     /// Removes `key`; false if it was absent.
@@ -212,7 +221,10 @@ impl ClusterClient {
     /// As [`Client::delete`], and [`Error::ShardUnavailable`].
     pub fn delete(&mut self, key: impl AsRef<[u8]>) -> Result<bool> {
         let key = key.as_ref();
-        self.on_shard(key, |c| c.delete(key))
+        match self.is_replicated() {
+            true => self.on_group(key, |g| g.delete(key)),
+            false => self.on_shard(key, |c| c.delete(key)),
+        }
     }
 
     /// Adds `delta` to the counter `key` and returns its new value.
@@ -222,7 +234,10 @@ impl ClusterClient {
     /// As [`Client::incr`], and [`Error::ShardUnavailable`].
     pub fn incr(&mut self, key: impl AsRef<[u8]>, delta: i64) -> Result<i64> {
         let key = key.as_ref();
-        self.on_shard(key, |c| c.incr(key, delta))
+        match self.is_replicated() {
+            true => self.on_group(key, |g| g.incr(key, delta)),
+            false => self.on_shard(key, |c| c.incr(key, delta)),
+        }
     }
 
     /// The counter `key`, or None.
@@ -232,7 +247,11 @@ impl ClusterClient {
     /// As [`Client::get_counter`], and [`Error::ShardUnavailable`].
     pub fn get_counter(&mut self, key: impl AsRef<[u8]>) -> Result<Option<i64>> {
         let key = key.as_ref();
-        self.on_shard(key, |c| c.get_counter(key))
+        match self.is_replicated() {
+            // Counters of a replicated shard are the text of their value.
+            true => replicated::counter(self.on_shard(key, |c| c.get(key))?),
+            false => self.on_shard(key, |c| c.get_counter(key)),
+        }
     }
 
     /// The values of many keys, in order, as [`Client::get_many`] reads
@@ -355,6 +374,11 @@ impl ClusterClient {
     /// stored (the call is not atomic).
     pub fn put_many<K: AsRef<[u8]>, V: AsRef<[u8]>>(&mut self, pairs: &[(K, V)]) -> Result<()> {
         self.follow();
+        if self.replicas() > 1 {
+            // One at a time: each write's copies are ordered by its own
+            // primary CAS (see `replicated`).
+            return pairs.iter().try_for_each(|(k, v)| self.put(k, v));
+        }
         let mut shards = Vec::new();
         let mut retry = Vec::new();
         for (shard, at) in self.by_shard(pairs.iter().map(|(k, _)| k.as_ref()))? {
@@ -452,6 +476,9 @@ impl ClusterClient {
     /// retry met, as [`ClusterClient::delete`]'s.
     pub fn delete_many<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<Vec<bool>> {
         self.follow();
+        if self.replicas() > 1 {
+            return keys.iter().map(|k| self.delete(k)).collect();
+        }
         let mut out = vec![false; keys.len()];
         let mut shards = Vec::new();
         let mut retry = Vec::new();
@@ -636,7 +663,8 @@ impl ClusterClient {
     }
 
     /// The connection to `shard`'s server, made now if it is not yet: for
-    /// what is a server's own (its geometry, a resize).
+    /// what is a server's own (its geometry, a resize). Of a replicated
+    /// shard, its primary's: a write made through it reaches no backup.
     ///
     /// # Errors
     ///
@@ -677,7 +705,12 @@ impl ClusterClient {
     /// Verbs posted so far over every shard's connection.
     pub fn verb_stats(&self) -> VerbStats {
         let mut total = VerbStats::default();
-        for client in self.shards.iter().flatten() {
+        for client in self
+            .shards
+            .iter()
+            .flatten()
+            .chain(self.backups.iter().flatten())
+        {
             total.add(&client.verb_stats());
         }
         total
@@ -696,6 +729,76 @@ impl ClusterClient {
     /// MOVE_WAIT; otherwise once. The error then names the shard and its
     /// server.
     fn on<T>(&mut self, shard: u32, mut op: impl FnMut(&mut Client) -> Result<T>) -> Result<T> {
+        self.retrying(shard, |this| this.connection(shard).and_then(&mut op))
+    }
+
+    /// Runs `op` on `key`'s replicated shard: its primary and backups, each
+    /// connected when first written; retried as [`Self::on`] retries, which
+    /// a write does only while no copy has it (see `replicated`).
+    fn on_group<T>(
+        &mut self,
+        key: &[u8],
+        mut op: impl FnMut(&mut Group) -> Result<T>,
+    ) -> Result<T> {
+        crate::check_key(key)?;
+        let shard = self.shard_of(key);
+        self.retrying(shard, |this| op(&mut this.group(shard)?))
+    }
+
+    /// Copies of each shard the cluster keeps.
+    fn replicas(&self) -> u32 {
+        self.state.config.replicas
+    }
+
+    /// Whether the cluster keeps more than one copy of each shard (the
+    /// map's backups are checked where it is read, and again where a
+    /// group is connected).
+    fn is_replicated(&mut self) -> bool {
+        self.follow();
+        self.replicas() > 1
+    }
+
+    /// `shard`'s primary and backups, connected.
+    fn group(&mut self, shard: u32) -> Result<Group<'_>> {
+        self.connection(shard)?;
+        let slot = shard as usize;
+        if self.backups[slot].is_empty() {
+            let names: Vec<String> = self
+                .state
+                .shard_map()
+                .map(|m| m.backups(shard).to_vec())
+                .unwrap_or_default();
+            if names.len() + 1 != self.replicas() as usize {
+                return Err(self.unavailable(shard, "the map names too few copies of it"));
+            }
+            let mut backups = Vec::with_capacity(names.len());
+            for name in &names {
+                let address = self.address_at(shard, name)?;
+                backups.push(Client::connect_with(
+                    &address,
+                    self.shard_options(&address),
+                )?);
+            }
+            self.backups[slot] = backups;
+        }
+        let primary = self.shards[slot].as_mut().ok_or_else(gone)?;
+        Ok(Group {
+            primary,
+            backups: &mut self.backups[slot],
+        })
+    }
+
+    /// Runs `attempt` on `shard`'s connections. When the shard's server
+    /// cannot be reached, the map is read again and the operation tried
+    /// there: while the map shows the shard moving, and for a while after
+    /// it moved (its new owner may still be opening it), for up to
+    /// MOVE_WAIT; otherwise once. The error then names the shard and its
+    /// server.
+    fn retrying<T>(
+        &mut self,
+        shard: u32,
+        mut attempt: impl FnMut(&mut Self) -> Result<T>,
+    ) -> Result<T> {
         self.follow();
         let started = Instant::now();
         let mut reread = false;
@@ -704,7 +807,7 @@ impl ClusterClient {
         // Since when etcd has failed to answer.
         let mut etcd_failing: Option<Instant> = None;
         loop {
-            let error = match self.connection(shard).and_then(&mut op) {
+            let error = match attempt(self) {
                 Ok(done) => return Ok(done),
                 Err(e @ Error::ShardUnavailable { .. }) => e,
                 Err(e) if e.is_retryable() && !matches!(e, Error::Contended(_)) => e,
@@ -719,6 +822,7 @@ impl ClusterClient {
                 Err(e) => return Err(e),
             };
             self.shards[shard as usize] = None;
+            self.backups[shard as usize].clear();
             let ask_owner = turned_away(&error);
             let moving = self.is_moving(shard);
             // A shard that just moved may still be starting at its new
@@ -809,6 +913,9 @@ impl ClusterClient {
             if server(&self.state, shard) != server(&state, shard) {
                 self.shards[shard as usize] = None;
             }
+            if backup_servers(&self.state, shard) != backup_servers(&state, shard) {
+                self.backups[shard as usize].clear();
+            }
             let owner = |s: &ClusterState| {
                 s.shard_map()
                     .and_then(|m| m.owner(shard))
@@ -858,10 +965,14 @@ impl ClusterClient {
         let owner = self
             .owner(shard)
             .ok_or_else(|| self.unavailable(shard, "no server owns it yet"))?;
-        let member = self
-            .state
-            .member(owner)
-            .ok_or_else(|| self.unavailable(shard, "its server is not a live member"))?;
+        self.address_at(shard, owner)
+    }
+
+    /// The address of `shard`'s copy at member `id`.
+    fn address_at(&self, shard: u32, id: &str) -> Result<String> {
+        let member = self.state.member(id).ok_or_else(|| {
+            self.unavailable(shard, &format!("its server {id} is not a live member"))
+        })?;
         let listen = kv_common::Address::parse(&member.listen).map_err(Error::Cluster)?;
         let address = shard_address(&listen, shard).map_err(Error::Cluster)?;
         Ok(address.to_string())
@@ -887,6 +998,21 @@ fn turned_away(error: &Error) -> bool {
         Error::Unreachable(kv_common::transport::TransportError::Unreachable { source, .. })
             if matches!(source.kind(), ConnectionRefused | NotFound)
     )
+}
+
+/// Who serves `shard`'s backups in `state`: each one's address and
+/// incarnation, if it has a live record.
+fn backup_servers(state: &ClusterState, shard: u32) -> Vec<Option<(&str, i64)>> {
+    let Some(map) = state.shard_map() else {
+        return Vec::new();
+    };
+    map.backups(shard)
+        .iter()
+        .map(|id| {
+            let member = state.member(id)?;
+            Some((member.listen.as_str(), member.incarnation))
+        })
+        .collect()
 }
 
 /// Who serves `shard` in `state`: its owner's address and incarnation, if

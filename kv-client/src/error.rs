@@ -76,10 +76,11 @@ pub enum Error {
         offset: u64,
     },
     /// The connection was lost (or the counter moved in a way that cannot
-    /// be told apart) after a counter's atomic was posted: it may or may
-    /// not have taken effect, and the call was not redone, which could have
-    /// applied it twice. Read the counter to find out.
-    #[error("a counter update may or may not have taken effect: {0}")]
+    /// be told apart) after a counter's atomic was posted, or a write to a
+    /// replicated shard failed after some of its copies had it: it may or
+    /// may not have taken effect, and the call was not redone, which could
+    /// have applied it twice. Read the key to find out.
+    #[error("an update may or may not have taken effect: {0}")]
     OutcomeUnknown(String),
     /// A counter operation on a key that holds plain bytes.
     #[error("the key holds a value that is not a counter")]

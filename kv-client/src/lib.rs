@@ -59,7 +59,9 @@ mod local;
 mod locate;
 mod map_source;
 mod pool;
+mod primary;
 mod put;
+mod replicated;
 mod slot_cache;
 mod values;
 
@@ -1054,6 +1056,18 @@ fn open(
     let layout = LocalLayout::for_geometry(&g);
     conn.attach(&info.region, layout.len)?;
     Ok((conn, info, layout))
+}
+
+/// Test hook (fault injection): aborts the process at `step` when the
+/// environment variable `ONEKV_CLIENT_FAULT` names it, as a client killed
+/// there would stop. The variable is read once.
+pub(crate) fn fault_point(step: &str) {
+    static FAULT: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    let fault = FAULT.get_or_init(|| std::env::var("ONEKV_CLIENT_FAULT").ok());
+    if fault.as_deref() == Some(step) {
+        eprintln!("ONEKV_CLIENT_FAULT: aborting at {step}");
+        std::process::abort();
+    }
 }
 
 fn unexpected(r: Response) -> Error {

@@ -58,8 +58,12 @@ impl Client {
                     self.cache.forget(key);
                     self.read_windows(kh, None)?
                 }
-                Sighting::Held { clock, alone, .. } => {
-                    held = Some((hint, alone));
+                Sighting::Held {
+                    clock,
+                    alone,
+                    value,
+                } => {
+                    held = Some((hint, alone, value));
                     clock
                 }
                 Sighting::WindowsOnly(clock) => clock,
@@ -71,13 +75,13 @@ impl Client {
         // The hinted slot still held its value (not frozen): its copy can
         // be updated whatever else a resize has frozen. (A sole hint's batch
         // read no windows.)
-        if let Some((hint, alone)) = held {
+        if let Some((hint, alone, value)) = held {
             let exact = alone || hint.is_sole();
             if need == Need::Lowest || exact {
                 let copies = Copies {
                     slots: smallvec![(hint.pos, hint.slot)],
                     kinds: smallvec![Kind::Known],
-                    value: None,
+                    value: Some(value),
                     exact,
                 };
                 return Ok(Located::Found { copies, clock });

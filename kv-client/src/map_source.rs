@@ -359,6 +359,7 @@ mod tests {
             config: ClusterConfig {
                 shards: 1,
                 initial_members: 1,
+                replicas: 1,
             },
             members: Vec::new(),
             map: None,

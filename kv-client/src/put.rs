@@ -25,21 +25,7 @@ use crate::{Client, Error, Result, Step};
 
 impl Client {
     pub(crate) fn put_once(&mut self, key: &[u8], value: &[u8]) -> Result<Step<()>> {
-        let used = block_len(key.len(), value.len());
-        let class = class_for(used).ok_or(Error::ValueTooLarge {
-            len: value.len(),
-            max: self.max_value,
-        })?;
-        // First: leasing may teach this client a new geometry.
-        let offset = self.take_block(class)?;
-        let kh = KeyHash::new(key, self.info.geometry.bucket_count);
-        encode_block(key, value, &mut self.conn.local_mut()[self.layout.block..]);
-        let new = Slot::new(kh.fingerprint, class, offset);
-        let write = Verb::Write {
-            remote: offset,
-            local: self.layout.block,
-            len: used.div_ceil(8) as usize * 8,
-        };
+        let (kh, new, write) = self.new_block(key, value)?;
         // A block that is never published is garbage the server reclaims.
         let mut unwritten = Some(write);
         if let Some(hint) = self.blind_hint(key) {
@@ -70,9 +56,36 @@ impl Client {
         Err(Error::Contended(self.options.max_attempts))
     }
 
+    /// Takes a block for `key`'s new `value` and encodes it locally: the
+    /// key's hash (under the geometry after the lease, which may have
+    /// taught this client a new one), the slot value that will link the
+    /// block, and the WRITE that puts it in place.
+    pub(crate) fn new_block(&mut self, key: &[u8], value: &[u8]) -> Result<(KeyHash, Slot, Verb)> {
+        let used = block_len(key.len(), value.len());
+        let class = class_for(used).ok_or(Error::ValueTooLarge {
+            len: value.len(),
+            max: self.max_value,
+        })?;
+        let offset = self.take_block(class)?;
+        let kh = KeyHash::new(key, self.info.geometry.bucket_count);
+        encode_block(key, value, &mut self.conn.local_mut()[self.layout.block..]);
+        let write = Verb::Write {
+            remote: offset,
+            local: self.layout.block,
+            len: used.div_ceil(8) as usize * 8,
+        };
+        Ok((kh, Slot::new(kh.fingerprint, class, offset), write))
+    }
+
     /// One round trip: the block's WRITE and the CAS of the hinted slot in
     /// one batch. False if the slot changed (the block is written; locate).
-    fn update_blind(&mut self, key: &[u8], hint: Hint, write: Verb, new: Slot) -> Result<bool> {
+    pub(crate) fn update_blind(
+        &mut self,
+        key: &[u8],
+        hint: Hint,
+        write: Verb,
+        new: Slot,
+    ) -> Result<bool> {
         let clock = self.timing.start();
         let cas = self.cas_verb(hint.pos, hint.slot, new);
         self.conn.post(&[write, cas])?;
@@ -89,7 +102,13 @@ impl Client {
     /// else the lowest), after clearing away the copies below it, which no
     /// reader sees (counters not settled). False if one changed meanwhile
     /// or the reads are too old to act on: locate again.
-    fn update(&mut self, key: &[u8], copies: &Copies, new: Slot, clock: OpClock) -> Result<bool> {
+    pub(crate) fn update(
+        &mut self,
+        key: &[u8],
+        copies: &Copies,
+        new: Slot,
+        clock: OpClock,
+    ) -> Result<bool> {
         if copies.slots.is_empty() {
             return Ok(false);
         }
@@ -113,7 +132,7 @@ impl Client {
     /// CAS and a new read of the windows in one batch, where the duplicate
     /// check starts. None if the slot was taken meanwhile or the reads are
     /// too old to act on: locate again.
-    fn insert(
+    pub(crate) fn insert(
         &mut self,
         key: &[u8],
         kh: &KeyHash,

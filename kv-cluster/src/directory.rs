@@ -41,6 +41,14 @@ pub fn page(cluster: &str, state: &ClusterState, first: u32) -> Result<MapPage, 
                 .collect()
         })
         .unwrap_or_default();
+    let backups: Vec<Vec<u32>> = map
+        .filter(|m| !m.backups.is_empty())
+        .map(|m| {
+            (0..shards)
+                .map(|s| m.backups(s).iter().map(|b| name_of(b)).collect())
+                .collect()
+        })
+        .unwrap_or_default();
     let moving = map
         .and_then(|m| m.moving.as_ref())
         .map(|mv| (mv.shard, name_of(&mv.to)));
@@ -65,11 +73,15 @@ pub fn page(cluster: &str, state: &ClusterState, first: u32) -> Result<MapPage, 
         first,
         owners: Vec::new(),
         moving,
+        replicas: state.config.replicas,
+        backups: Vec::new(),
     };
     let rest = owners.get(first as usize..).unwrap_or_default();
+    let rest_backups = backups.get(first as usize..).unwrap_or_default();
     let mut take = rest.len().min(PAGE_SHARDS);
     loop {
         page.owners = rest[..take].to_vec();
+        page.backups = rest_backups[..take.min(rest_backups.len())].to_vec();
         match protocol::encode(&protocol::Response::ClusterMap(page.clone())) {
             Ok(_) => return Ok(page),
             Err(_) if take > 1 => take /= 2,
@@ -99,6 +111,7 @@ pub fn assemble(
         let head = fetch(0)?;
         check(&head, 0)?;
         let mut owners = head.owners.clone();
+        let mut backups = head.backups.clone();
         while head.epoch.is_some() && owners.len() < head.shards as usize {
             let next = fetch(owners.len() as u32)?;
             if next.revision != head.revision {
@@ -112,14 +125,21 @@ pub fn assemble(
             let same = MapPage {
                 first: head.first,
                 owners: head.owners.clone(),
+                backups: head.backups.clone(),
                 ..next.clone()
             };
             if same != head || next.owners.is_empty() {
                 return Err("a member sent pages of one revision that disagree".into());
             }
             owners.extend_from_slice(&next.owners);
+            backups.extend_from_slice(&next.backups);
         }
-        return Ok(view(head, owners));
+        let view = view(head, owners, backups);
+        if let Some(map) = view.state.shard_map() {
+            map.check_groups(view.state.config.replicas)
+                .map_err(|e| format!("a member sent a map whose copies make no sense: {e}"))?;
+        }
+        return Ok(view);
     }
 }
 
@@ -152,14 +172,31 @@ fn check(page: &MapPage, first: u32) -> Result<(), String> {
     {
         return bad("a move it does not name");
     }
+    if page.replicas == 0 || page.replicas > crate::records::MAX_REPLICAS {
+        return bad("its replica count");
+    }
+    let group = page.replicas as usize - 1;
+    if !page.backups.is_empty()
+        && (page.backups.len() != page.owners.len()
+            || page
+                .backups
+                .iter()
+                .any(|b| b.len() != group || b.iter().any(|&m| m >= names)))
+    {
+        return bad("backups it does not name, or of the wrong count");
+    }
     Ok(())
 }
 
-fn view(head: MapPage, owners: Vec<u32>) -> MemberView {
+fn view(head: MapPage, owners: Vec<u32>, backups: Vec<Vec<u32>>) -> MemberView {
     let name = |at: u32| head.names.get(at as usize).cloned();
     let map = head.epoch.map(|epoch| ShardMap {
         epoch,
         owners: owners.iter().map(|&o| name(o)).collect(),
+        backups: backups
+            .iter()
+            .map(|b| b.iter().filter_map(|&m| name(m)).collect())
+            .collect(),
         moving: head.moving.and_then(|(shard, to)| {
             Some(ShardMove {
                 shard,
@@ -177,6 +214,7 @@ fn view(head: MapPage, owners: Vec<u32>) -> MemberView {
             listen: m.listen.clone(),
             incarnation: m.incarnation,
             draining: m.draining,
+            zone: None,
         })
         .collect();
     MemberView {
@@ -185,6 +223,7 @@ fn view(head: MapPage, owners: Vec<u32>) -> MemberView {
             config: ClusterConfig {
                 shards: head.shards,
                 initial_members: head.initial_members,
+                replicas: head.replicas,
             },
             members,
             // A client never writes the map: the revision a change would
@@ -205,6 +244,7 @@ mod tests {
             config: ClusterConfig {
                 shards,
                 initial_members: 2,
+                replicas: 3,
             },
             members: ids
                 .iter()
@@ -213,6 +253,7 @@ mod tests {
                     listen: format!("rdma://10.0.0.1:{}", 7000 + id.len()),
                     incarnation: 5,
                     draining: false,
+                    zone: None,
                 })
                 .collect(),
             map: Some((
@@ -220,6 +261,14 @@ mod tests {
                     epoch: 9,
                     owners: (0..shards)
                         .map(|s| (s % 7 != 3).then(|| ids[s as usize % members].clone()))
+                        .collect(),
+                    backups: (0..shards as usize)
+                        .map(|s| {
+                            vec![
+                                ids[(s + 1) % members].clone(),
+                                ids[(s + 2) % members].clone(),
+                            ]
+                        })
                         .collect(),
                     moving: Some(ShardMove {
                         shard: 1,
@@ -275,10 +324,19 @@ mod tests {
 
     #[test]
     fn damaged_pages_are_refused() {
-        let s = state(16, 2);
+        let s = state(16, 3);
         let mut damaged = page("c", &s, 0).unwrap();
         damaged.owners[3] = 7;
         assert!(assemble(|_| Ok(damaged.clone())).is_err());
+        for change in [
+            |p: &mut MapPage| p.backups[2][1] = 9,
+            |p: &mut MapPage| p.backups[2].pop().map_or((), drop),
+            |p: &mut MapPage| p.replicas = 4,
+        ] {
+            let mut damaged = page("c", &s, 0).unwrap();
+            change(&mut damaged);
+            assert!(assemble(|_| Ok(damaged.clone())).is_err());
+        }
         // Later pages must agree with the first, and hold owners.
         let big = state(10_000, 3);
         for change in [

@@ -78,7 +78,10 @@ pub(crate) fn check_map(state: &ClusterState) -> Result<(), ClusterError> {
                 state.config.shards
             )))
         }
-        _ => Ok(()),
+        Some(m) => m
+            .check_groups(state.config.replicas)
+            .map_err(|e| ClusterError::Damaged(format!("the shard map: {e}"))),
+        None => Ok(()),
     }
 }
 

@@ -96,6 +96,8 @@ pub struct MemberSpec {
     pub id: String,
     pub listen: String,
     pub ttl: Duration,
+    /// Its failure domain (`--zone`), if it names one.
+    pub zone: Option<String>,
 }
 
 impl Membership {
@@ -224,6 +226,7 @@ async fn incarnation(
         listen: spec.listen.clone(),
         incarnation: lease,
         draining: *controls.drains.borrow(),
+        zone: spec.zone.clone(),
     };
     etcd.announce(&record, lease).await?;
     let renewal = Renewal::start(&mut etcd, record, asked, ttl).await?;
@@ -543,7 +546,7 @@ async fn coordinate(
         let next = next_map(
             &state.config,
             map,
-            &state.live_ids(),
+            &state.live_zones(),
             &state.draining_ids(),
             random_secret,
         );

@@ -1,16 +1,22 @@
 //! Which member should own each shard. Pure: the coordinator feeds it what
 //! etcd holds and publishes what it returns.
 
+use std::collections::BTreeMap;
+
 use crate::records::{ClusterConfig, ShardMap, ShardMove};
 
 /// The map the coordinator should publish, or none when nothing needs to
-/// change. `live` are the ids of the members whose records exist,
-/// `draining` those of them that are leaving; `new_secret` makes the
-/// secret of a move.
+/// change. `live` are the ids of the members whose records exist, each
+/// with its zone, `draining` those of them that are leaving; `new_secret`
+/// makes the secret of a move.
 ///
 /// - No map yet: one is made once `initial_members` have joined, the
 ///   shards dealt round-robin over them (sorted, so any coordinator deals
-///   the same way).
+///   the same way); with replicas, each shard's group as [`deal_groups`]
+///   makes them.
+/// - With replicas the map stays as dealt: failover and restoring the
+///   replica count change it (they come next); a shard is not moved, since
+///   a move copies one region and its backups would not follow.
 /// - A move under way is waited for, or dropped if its source is no
 ///   longer live or its target no longer takes shards (it cannot finish;
 ///   the source keeps the shard).
@@ -24,26 +30,33 @@ use crate::records::{ClusterConfig, ShardMap, ShardMove};
 pub fn next_map(
     config: &ClusterConfig,
     map: Option<&ShardMap>,
-    live: &[String],
+    live: &[(String, Option<String>)],
     draining: &[String],
     new_secret: impl FnOnce() -> String,
 ) -> Option<ShardMap> {
-    let mut takers: Vec<&String> = live.iter().filter(|m| !draining.contains(m)).collect();
+    let mut takers: Vec<&String> = live
+        .iter()
+        .map(|(id, _)| id)
+        .filter(|m| !draining.contains(m))
+        .collect();
     takers.sort();
     takers.dedup();
     let Some(map) = map else {
         if takers.is_empty() || takers.len() < config.initial_members as usize {
             return None;
         }
-        let owners = (0..config.shards as usize)
-            .map(|s| Some(takers[s % takers.len()].clone()))
+        let zoned: Vec<(String, Option<String>)> = live
+            .iter()
+            .filter(|(id, _)| !draining.contains(id))
+            .cloned()
             .collect();
-        return Some(ShardMap {
-            epoch: 1,
-            owners,
-            moving: None,
-        });
+        return first_map(config, &zoned);
     };
+    if config.replicas > 1 {
+        return None;
+    }
+    let live: Vec<String> = live.iter().map(|(id, _)| id.clone()).collect();
+    let live = live.as_slice();
     let count = |map: &ShardMap, m: &str| map.shards_of(m).count();
     let fewest = takers.iter().min_by_key(|m| (count(map, m), **m))?;
     let mut next = map.clone();
@@ -89,6 +102,90 @@ pub fn next_map(
     Some(next)
 }
 
+/// The first map, over `members` (each with its zone).
+fn first_map(config: &ClusterConfig, members: &[(String, Option<String>)]) -> Option<ShardMap> {
+    let (owners, backups) = match config.replicas {
+        1 => {
+            let mut ids: Vec<&String> = members.iter().map(|(id, _)| id).collect();
+            ids.sort();
+            ids.dedup();
+            let owners = (0..config.shards as usize)
+                .map(|s| ids[s % ids.len()].clone())
+                .collect();
+            (owners, Vec::new())
+        }
+        r => deal_groups(config.shards, r, members)?,
+    };
+    Some(ShardMap {
+        epoch: 1,
+        owners: owners.into_iter().map(Some).collect(),
+        backups,
+        moving: None,
+    })
+}
+
+/// Deals each of `shards` a group of `replicas` members: its primary and
+/// its backups, all distinct, and in distinct zones where members name
+/// theirs (a member without a zone is a zone of its own). Primaries go
+/// round-robin, so no member leads more than its share ±1; each backup
+/// goes to the eligible member that holds fewest copies so far (ties to
+/// the lowest id), so copies are spread as evenly as the zones allow.
+/// None when the members cannot give every shard `replicas` zones.
+pub fn deal_groups(
+    shards: u32,
+    replicas: u32,
+    members: &[(String, Option<String>)],
+) -> Option<(Vec<String>, Vec<Vec<String>>)> {
+    let mut members: Vec<(String, String)> = members
+        .iter()
+        .map(|(id, zone)| {
+            let zone = zone
+                .clone()
+                .map_or_else(|| format!("member:{id}"), |z| format!("zone:{z}"));
+            (id.clone(), zone)
+        })
+        .collect();
+    members.sort();
+    members.dedup();
+    let zones: std::collections::BTreeSet<&String> = members.iter().map(|(_, z)| z).collect();
+    if replicas == 0 || zones.len() < replicas as usize {
+        return None;
+    }
+    let mut copies: BTreeMap<&str, usize> =
+        members.iter().map(|(id, _)| (id.as_str(), 0)).collect();
+    let mut owners = Vec::with_capacity(shards as usize);
+    let mut backups = Vec::with_capacity(shards as usize);
+    // Primaries by round-robin over the members taken a zone at a time
+    // (the first of each zone, then the second of each...), so that
+    // consecutive shards lead from different zones.
+    let rank = |(id, zone): &(String, String)| {
+        members
+            .iter()
+            .filter(|(other, z)| z == zone && other < id)
+            .count()
+    };
+    let mut by_zone: Vec<&(String, String)> = members.iter().collect();
+    by_zone.sort_by_key(|m| (rank(m), &m.1, &m.0));
+    for shard in 0..shards as usize {
+        let (primary, primary_zone) = by_zone[shard % by_zone.len()];
+        *copies.entry(primary.as_str()).or_default() += 1;
+        let mut used = vec![primary_zone];
+        let mut group = Vec::new();
+        for _ in 1..replicas {
+            let (id, zone) = members
+                .iter()
+                .filter(|(_, z)| !used.contains(&z))
+                .min_by_key(|(id, _)| (copies[id.as_str()], id.as_str()))?;
+            *copies.entry(id.as_str()).or_default() += 1;
+            used.push(zone);
+            group.push(id.clone());
+        }
+        owners.push(primary.clone());
+        backups.push(group);
+    }
+    Some((owners, backups))
+}
+
 /// A secret for a move: 128 bits from the OS's randomness, as hex.
 pub fn random_secret() -> String {
     format!(
@@ -106,6 +203,7 @@ mod tests {
         ClusterConfig {
             shards,
             initial_members,
+            replicas: 1,
         }
     }
 
@@ -117,11 +215,16 @@ mod tests {
         names.iter().map(|s| s.to_string()).collect()
     }
 
+    /// Members as `next_map` takes them: without zones.
+    fn live(names: &[&str]) -> Vec<(String, Option<String>)> {
+        names.iter().map(|s| (s.to_string(), None)).collect()
+    }
+
     #[test]
     fn the_first_map_waits_for_the_initial_members_then_deals_evenly() {
         let c = config(8, 3);
-        assert_eq!(next_map(&c, None, &ids(&["b", "a"]), &[], secret), None);
-        let map = next_map(&c, None, &ids(&["c", "b", "a"]), &[], secret).unwrap();
+        assert_eq!(next_map(&c, None, &live(&["b", "a"]), &[], secret), None);
+        let map = next_map(&c, None, &live(&["c", "b", "a"]), &[], secret).unwrap();
         assert_eq!(map.epoch, 1);
         let counts: Vec<usize> = ["a", "b", "c"]
             .iter()
@@ -130,7 +233,7 @@ mod tests {
         assert_eq!(counts, [3, 3, 2]);
         // Any coordinator deals the same way.
         assert_eq!(
-            next_map(&c, None, &ids(&["a", "c", "b"]), &[], secret),
+            next_map(&c, None, &live(&["a", "c", "b"]), &[], secret),
             Some(map)
         );
     }
@@ -141,16 +244,17 @@ mod tests {
         let map = ShardMap {
             epoch: 7,
             owners: vec![Some("gone".into()), None, Some("a".into()), None],
+            backups: Vec::new(),
             moving: None,
         };
-        let next = next_map(&c, Some(&map), &ids(&["a", "b"]), &[], secret).unwrap();
+        let next = next_map(&c, Some(&map), &live(&["a", "b"]), &[], secret).unwrap();
         assert_eq!(next.epoch, 8);
         assert_eq!(next.owner(0), Some("gone"));
         assert_eq!(next.owner(1), Some("b"));
         assert_eq!(next.owner(2), Some("a"));
         assert!(next.owner(3).is_some());
         assert_eq!(
-            next_map(&c, Some(&next), &ids(&["a", "b"]), &[], secret),
+            next_map(&c, Some(&next), &live(&["a", "b"]), &[], secret),
             None
         );
     }
@@ -158,8 +262,8 @@ mod tests {
     #[test]
     fn a_member_that_joins_gets_shards_one_move_at_a_time_until_balanced() {
         let c = config(6, 2);
-        let mut map = next_map(&c, None, &ids(&["a", "b"]), &[], secret).unwrap();
-        let members = ids(&["a", "b", "c"]);
+        let mut map = next_map(&c, None, &live(&["a", "b"]), &[], secret).unwrap();
+        let members = live(&["a", "b", "c"]);
         let mut moves = 0;
         while let Some(next) = next_map(&c, Some(&map), &members, &[], secret) {
             assert_eq!(next.epoch, map.epoch + 1);
@@ -191,6 +295,7 @@ mod tests {
         let map = ShardMap {
             epoch: 3,
             owners: vec![Some("a".into()), Some("a".into())],
+            backups: Vec::new(),
             moving: Some(ShardMove {
                 shard: 1,
                 to: "b".into(),
@@ -198,10 +303,10 @@ mod tests {
             }),
         };
         assert_eq!(
-            next_map(&c, Some(&map), &ids(&["a", "b"]), &[], secret),
+            next_map(&c, Some(&map), &live(&["a", "b"]), &[], secret),
             None
         );
-        let dropped = next_map(&c, Some(&map), &ids(&["a"]), &[], secret).unwrap();
+        let dropped = next_map(&c, Some(&map), &live(&["a"]), &[], secret).unwrap();
         assert_eq!(dropped.moving, None);
         assert_eq!(dropped.owners, map.owners);
     }
@@ -209,9 +314,9 @@ mod tests {
     #[test]
     fn a_draining_member_hands_every_shard_over() {
         let c = config(4, 2);
-        let mut map = next_map(&c, None, &ids(&["a", "b"]), &[], secret).unwrap();
-        let (live, draining) = (ids(&["a", "b"]), ids(&["b"]));
-        while let Some(next) = next_map(&c, Some(&map), &live, &draining, secret) {
+        let mut map = next_map(&c, None, &live(&["a", "b"]), &[], secret).unwrap();
+        let (members, draining) = (live(&["a", "b"]), ids(&["b"]));
+        while let Some(next) = next_map(&c, Some(&map), &members, &draining, secret) {
             let m = next.moving.clone().expect("a move");
             assert_eq!((map.owner(m.shard), m.to.as_str()), (Some("b"), "a"));
             map = next;
@@ -219,5 +324,81 @@ mod tests {
             map.moving = None;
         }
         assert_eq!(map.shards_of("a").count(), 4);
+    }
+
+    /// Members with zones, as `next_map` takes them.
+    fn zoned(members: &[(&str, &str)]) -> Vec<(String, Option<String>)> {
+        members
+            .iter()
+            .map(|(id, zone)| (id.to_string(), Some(zone.to_string())))
+            .collect()
+    }
+
+    #[test]
+    fn replica_groups_are_distinct_members_in_distinct_zones_with_primaries_spread() {
+        let c = ClusterConfig {
+            shards: 16,
+            initial_members: 3,
+            replicas: 3,
+        };
+        // Two servers in zone x: a group takes at most one of them.
+        let members = zoned(&[("a", "x"), ("b", "x"), ("c", "y"), ("d", "z")]);
+        let map = next_map(&c, None, &members, &[], secret).unwrap();
+        assert_eq!(map.backups.len(), 16);
+        let zone = |id: &str| members.iter().find(|(m, _)| m == id).unwrap().1.clone();
+        for shard in 0..16 {
+            let mut group = vec![map.owner(shard).unwrap().to_string()];
+            group.extend(map.backups(shard).iter().cloned());
+            assert_eq!(group.len(), 3);
+            let mut zones: Vec<_> = group.iter().map(|m| zone(m)).collect();
+            zones.sort();
+            zones.dedup();
+            assert_eq!(zones.len(), 3, "shard {shard}: {group:?}");
+        }
+        let leads: Vec<usize> = ["a", "b", "c", "d"]
+            .iter()
+            .map(|m| map.shards_of(m).count())
+            .collect();
+        assert_eq!(leads, [4, 4, 4, 4]);
+        // c and d are the only servers of their zones: every shard has a
+        // copy on each.
+        assert_eq!(map.copies_of("c").count(), 16);
+        assert_eq!(map.copies_of("d").count(), 16);
+        assert_eq!(map.copies_of("a").count() + map.copies_of("b").count(), 16);
+        // Any coordinator deals the same way; the map then stays.
+        let again = next_map(
+            &c,
+            None,
+            &members.iter().rev().cloned().collect::<Vec<_>>(),
+            &[],
+            secret,
+        );
+        assert_eq!(again.as_ref(), Some(&map));
+        assert_eq!(next_map(&c, Some(&map), &members, &[], secret), None);
+    }
+
+    #[test]
+    fn members_without_zones_are_zones_of_their_own_and_too_few_zones_wait() {
+        let c = ClusterConfig {
+            shards: 5,
+            initial_members: 3,
+            replicas: 3,
+        };
+        let map = next_map(&c, None, &live(&["a", "b", "c", "d", "e"]), &[], secret).unwrap();
+        for shard in 0..5 {
+            let mut group = vec![map.owner(shard).unwrap()];
+            group.extend(map.backups(shard).iter().map(String::as_str));
+            let mut distinct = group.clone();
+            distinct.sort();
+            distinct.dedup();
+            assert_eq!(distinct.len(), 3, "{group:?}");
+            assert_eq!(map.shards_of(group[0]).count(), 1);
+        }
+        // Every member holds 3 copies: 15 spread over 5.
+        for m in ["a", "b", "c", "d", "e"] {
+            assert_eq!(map.copies_of(m).count(), 3, "{m}: {map:?}");
+        }
+        let two_zones = zoned(&[("a", "x"), ("b", "x"), ("c", "y")]);
+        assert_eq!(next_map(&c, None, &two_zones, &[], secret), None);
     }
 }

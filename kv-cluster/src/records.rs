@@ -4,8 +4,9 @@
 //! - `config`: the shard count, fixed at creation;
 //! - `members/<id>`: one record per live server, on that server's etcd
 //!   lease (it vanishes when the server stops renewing);
-//! - `map`: which member owns each shard, with an epoch; changed only by a
-//!   transaction that compares the map's revision (see `etcd`);
+//! - `map`: which member owns each shard (its primary) and which hold its
+//!   backups, with an epoch; changed only by a transaction that compares
+//!   the map's revision (see `etcd`);
 //! - `coordinator`: the election that picks who changes the map.
 
 use kv_common::layout::MAX_SHARDS;
@@ -14,6 +15,8 @@ use serde::{Deserialize, Serialize};
 
 /// Shards of a cluster when `cluster create` is not told.
 pub const DEFAULT_SHARDS: u32 = 64;
+/// The most copies of a shard a cluster keeps.
+pub const MAX_REPLICAS: u32 = 3;
 
 /// Set once, by `cluster create`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -23,6 +26,18 @@ pub struct ClusterConfig {
     /// a cluster started with several servers spreads its shards over all
     /// of them from the start.
     pub initial_members: u32,
+    /// Copies of each shard, on as many distinct members (and zones, where
+    /// members name theirs): a primary and `replicas - 1` backups.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub replicas: u32,
+}
+
+fn one() -> u32 {
+    1
+}
+
+fn is_one(n: &u32) -> bool {
+    *n == 1
 }
 
 impl ClusterConfig {
@@ -35,6 +50,18 @@ impl ClusterConfig {
         }
         if self.initial_members == 0 {
             return Err("--initial-members must be at least 1".into());
+        }
+        if self.replicas == 0 || self.replicas > MAX_REPLICAS {
+            return Err(format!(
+                "--replicas {}: a shard has 1 to {MAX_REPLICAS} copies",
+                self.replicas
+            ));
+        }
+        if self.initial_members < self.replicas {
+            return Err(format!(
+                "--initial-members {} is fewer than --replicas {}: each copy of a shard needs a server of its own",
+                self.initial_members, self.replicas
+            ));
         }
         Ok(())
     }
@@ -54,6 +81,9 @@ pub struct MemberRecord {
     /// Leaving: its shards are being moved to the others.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub draining: bool,
+    /// Its failure domain (`--zone`): no two copies of a shard share one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub zone: Option<String>,
 }
 
 /// Which member owns each shard.
@@ -61,8 +91,15 @@ pub struct MemberRecord {
 pub struct ShardMap {
     /// Raised by every change.
     pub epoch: u64,
-    /// `owners[shard]`: a member id, or none yet.
+    /// `owners[shard]`: a member id, or none yet. The owner is the shard's
+    /// primary: clients read there, and a write is done when it is
+    /// published there (after its backups: see kv-client's `replicated`).
     pub owners: Vec<Option<String>>,
+    /// `backups[shard]`: the members that hold the shard's other copies;
+    /// empty for every shard of a cluster of one replica (and then not
+    /// written at all).
+    #[serde(default, skip_serializing_if = "no_backups")]
+    pub backups: Vec<Vec<String>>,
     /// The shard being moved, if one is (one at a time).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub moving: Option<ShardMove>,
@@ -79,6 +116,10 @@ pub struct ShardMove {
     /// What the copier presents to the target's fresh region (hex); no
     /// client that routes by an older map can know it.
     pub secret: String,
+}
+
+fn no_backups(backups: &[Vec<String>]) -> bool {
+    backups.iter().all(Vec::is_empty)
 }
 
 impl ShardMap {
@@ -98,6 +139,49 @@ impl ShardMap {
             .enumerate()
             .filter(move |(_, o)| o.as_deref() == Some(member))
             .map(|(s, _)| s as u32)
+    }
+
+    /// The members that hold backups of `shard`.
+    pub fn backups(&self, shard: u32) -> &[String] {
+        self.backups.get(shard as usize).map_or(&[], Vec::as_slice)
+    }
+
+    /// Whether every shard has `replicas - 1` backups, distinct and none
+    /// its owner (a map that does not would send writes to fewer copies
+    /// than the cluster keeps).
+    pub fn check_groups(&self, replicas: u32) -> Result<(), String> {
+        if replicas <= 1 && self.backups.is_empty() {
+            return Ok(());
+        }
+        if self.backups.len() != self.owners.len() {
+            return Err(format!(
+                "{} shards but backups for {}",
+                self.owners.len(),
+                self.backups.len()
+            ));
+        }
+        for (shard, group) in self.backups.iter().enumerate() {
+            let mut all: Vec<&str> = group.iter().map(String::as_str).collect();
+            all.extend(self.owners[shard].as_deref());
+            let count = all.len();
+            all.sort_unstable();
+            all.dedup();
+            if group.len() + 1 != replicas as usize || all.len() != count {
+                return Err(format!(
+                    "shard {shard} has backups {group:?}: a cluster of {replicas} copies needs {} distinct others",
+                    replicas.saturating_sub(1)
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The shards `member` holds a copy of: those it owns and those it
+    /// backs up.
+    pub fn copies_of<'a>(&'a self, member: &'a str) -> impl Iterator<Item = u32> + 'a {
+        (0..self.owners.len() as u32).filter(move |&s| {
+            self.owner(s) == Some(member) || self.backups(s).iter().any(|b| b == member)
+        })
     }
 }
 
@@ -120,6 +204,13 @@ impl ClusterState {
     }
     pub fn live_ids(&self) -> Vec<String> {
         self.members.iter().map(|m| m.id.clone()).collect()
+    }
+    /// The live members, each with its zone.
+    pub fn live_zones(&self) -> Vec<(String, Option<String>)> {
+        self.members
+            .iter()
+            .map(|m| (m.id.clone(), m.zone.clone()))
+            .collect()
     }
     /// The live members that are leaving.
     pub fn draining_ids(&self) -> Vec<String> {
@@ -171,6 +262,9 @@ pub fn describe(
     use std::fmt::Write;
     let mut out = String::new();
     let _ = writeln!(out, "shards: {}", config.shards);
+    if config.replicas > 1 {
+        let _ = writeln!(out, "replicas: {}", config.replicas);
+    }
     let Some(map) = map else {
         let _ = writeln!(
             out,
@@ -187,16 +281,29 @@ pub fn describe(
     }
     for m in members {
         let shards: Vec<String> = map.shards_of(&m.id).map(|s| s.to_string()).collect();
-        let _ = writeln!(
+        let backed: Vec<String> = map
+            .copies_of(&m.id)
+            .filter(|&s| map.owner(s) != Some(m.id.as_str()))
+            .map(|s| s.to_string())
+            .collect();
+        let _ = write!(
             out,
-            "member {}{} at {} (incarnation {:x}): {} shards [{}]",
+            "member {}{}{} at {} (incarnation {:x}): {} shards [{}]",
             m.id,
+            m.zone
+                .as_ref()
+                .map(|z| format!(" (zone {z})"))
+                .unwrap_or_default(),
             if m.draining { " (draining)" } else { "" },
             m.listen,
             m.incarnation,
             shards.len(),
             shards.join(" ")
         );
+        let _ = match backed.is_empty() {
+            true => writeln!(out),
+            false => writeln!(out, ", backups of [{}]", backed.join(" ")),
+        };
     }
     let down: Vec<String> = (0..map.owners.len() as u32)
         .filter(|&s| {
@@ -251,6 +358,7 @@ mod tests {
         let map = ShardMap {
             epoch: 4,
             owners: vec![Some("a".into()), None],
+            backups: Vec::new(),
             moving: None,
         };
         assert_eq!(decode::<ShardMap>("map", &encode(&map)).unwrap(), map);
@@ -259,7 +367,28 @@ mod tests {
         let bad = ClusterConfig {
             shards: 0,
             initial_members: 1,
+            replicas: 1,
         };
         assert!(bad.validate().is_err());
+        let good = ClusterConfig {
+            shards: 4,
+            initial_members: 3,
+            replicas: 3,
+        };
+        assert!(good.validate().is_ok());
+        for (initial_members, replicas) in [(2, 3), (4, 4), (1, 0)] {
+            let bad = ClusterConfig {
+                initial_members,
+                replicas,
+                ..good.clone()
+            };
+            assert!(bad.validate().is_err(), "{bad:?}");
+        }
+        // A config written before replicas existed reads as one copy.
+        let old: ClusterConfig = decode("config", br#"{"shards":4,"initial_members":1}"#).unwrap();
+        assert_eq!(old.replicas, 1);
+        assert!(!String::from_utf8(encode(&old))
+            .unwrap()
+            .contains("replicas"));
     }
 }

@@ -478,6 +478,17 @@ const SECOND_BUCKET_SEED: u64 = 0x6f6e_656b_765f_6232;
 /// Most shards a cluster may have (see [`shard_of`]).
 pub const MAX_SHARDS: u32 = 1 << 16;
 
+/// The name of `key`'s insert lock at a replicated shard's primary
+/// (`Request::InsertLock`): a seeded hash, so that it shares no bits with
+/// the key's buckets or shard. Two keys with one name only wait for each
+/// other.
+pub fn key_lock(key: &[u8]) -> u64 {
+    xxh3_64_with_seed(key, KEY_LOCK_SEED)
+}
+
+/// Seeds [`key_lock`].
+const KEY_LOCK_SEED: u64 = 0x6b65_792d_6c6f_636b;
+
 /// Which of a cluster's `shards` holds `key`. It is read from bits 40..56
 /// of the key's first hash: the buckets use at most the low 40
 /// (`MAX_BUCKETS`) and the fingerprint the top 8, so the keys of one shard

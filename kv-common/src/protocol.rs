@@ -27,12 +27,13 @@ pub struct RemoteRegion {
 /// counter is sealed before it is unlinked, which one-round-trip atomics
 /// rely on; 7: a resize request names the key that found no room; 8:
 /// clients report the blocks they unlink and declare the blocks of the
-/// space they give back; 9: a lease carries the keys its WRITEs take). A
+/// space they give back; 9: a lease carries the keys its WRITEs take; 10:
+/// a cluster's map page carries each shard's backups). A
 /// request or reply added at the end of its enum needs no new version: the
 /// others' encoding is unchanged, and a peer that lacks it fails to decode
 /// that one message (a client of version 8 before `ClusterMap` meets a
 /// member's address that way).
-pub const PROTOCOL_VERSION: u32 = 9;
+pub const PROTOCOL_VERSION: u32 = 10;
 /// Largest encoded message either side accepts.
 pub const MAX_MESSAGE: usize = 64 * 1024;
 
@@ -184,6 +185,16 @@ pub enum Request {
         protocol_version: u32,
         first: u32,
     },
+    /// Take (`release`: let go) the insert lock of a key of a replicated
+    /// shard, named by [`crate::layout::key_lock`]: a writer that found
+    /// the key absent at the primary holds it from before it writes the
+    /// backups until it has inserted the key at the primary, so that two
+    /// inserts of one key are never under way at once (see kv-client's
+    /// `replicated`). Answered with [`Response::InsertLock`].
+    InsertLock {
+        key: u64,
+        release: bool,
+    },
 }
 
 /// A live member of a cluster, as a client needs it.
@@ -218,6 +229,11 @@ pub struct MapPage {
     /// The shard being moved and its target (a position in `names`). The
     /// move's secret stays with the members.
     pub moving: Option<(u32, u32)>,
+    /// Copies of each shard.
+    pub replicas: u32,
+    /// The backups of the same shards as `owners` (positions in `names`);
+    /// empty when the cluster keeps one copy.
+    pub backups: Vec<Vec<u32>>,
 }
 
 /// In [`MapPage::owners`]: a shard no member owns yet.
@@ -424,6 +440,13 @@ pub enum Response {
     },
     /// Variants are added at the end: the wire names them by position.
     ClusterMap(MapPage),
+    /// The insert lock asked for: `granted` for `ttl_ms` from when the
+    /// server took the request (to this client, or already its own), or
+    /// held by another client; a release is answered `granted: false`.
+    InsertLock {
+        granted: bool,
+        ttl_ms: u32,
+    },
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -193,6 +193,9 @@ pub struct Shared {
     /// does (see `reclaim.rs`); while not, reports are not taken and
     /// clients are told to hold them back.
     pub reports_pay: AtomicBool,
+    /// Who is inserting which key of a replicated shard (see
+    /// `insert_locks`).
+    pub insert_locks: Mutex<crate::insert_locks::InsertLocks>,
 }
 
 impl Shared {
@@ -453,12 +456,33 @@ pub fn handle(
             shared.wake_reclaimer();
             (Response::Stats(shared.stats()), After::Stay)
         }
+        (Request::InsertLock { key, release }, Some(id)) => {
+            (insert_lock(shared, id, key, release), After::Stay)
+        }
         (Request::Disconnect, Some(id)) => {
             c.disconnects.fetch_add(1, Relaxed);
             tracing::debug!(client = id, "disconnected");
             (Response::Goodbye, After::Close)
         }
     }
+}
+
+/// Takes or lets go client `id`'s insert lock of `key` (see
+/// `insert_locks`).
+fn insert_lock(shared: &Shared, id: ClientId, key: u64, release: bool) -> Response {
+    let mut locks = shared
+        .insert_locks
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let ttl_ms = u32::try_from(locks.ttl().as_millis()).unwrap_or(u32::MAX);
+    let granted = match release {
+        true => {
+            locks.release(key, id);
+            false
+        }
+        false => locks.take(key, id, Instant::now()),
+    };
+    Response::InsertLock { granted, ttl_ms }
 }
 
 /// A `Connect` on a fresh channel: checks the version, the secret and the

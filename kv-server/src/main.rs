@@ -119,6 +119,11 @@ struct ServeArgs {
     /// serve its shards again.
     #[arg(long, requires = "cluster")]
     member_name: Option<String>,
+    /// This server's failure domain (a rack, a host, a data centre): in a
+    /// cluster with --replicas, no two copies of a shard go to servers of
+    /// one zone. A server without a zone is a zone of its own.
+    #[arg(long, requires = "cluster")]
+    zone: Option<String>,
     /// Seconds of this server's etcd lease. A server that has not renewed
     /// it for three quarters of this starts nothing (no shard, no move)
     /// until etcd answers; if etcd then says the lease expired, it stops
@@ -173,6 +178,12 @@ enum ClusterCommand {
         /// (so that all of them get a share from the start).
         #[arg(long, default_value_t = 1)]
         initial_members: u32,
+        /// Copies of each shard (1 to 3), each on a server of its own (and
+        /// of its own --zone): a primary, which clients read, and backups.
+        /// A write returns once every copy has it. Needs at least as many
+        /// --initial-members.
+        #[arg(long, default_value_t = 1)]
+        replicas: u32,
     },
     /// Print the cluster's members and which shards each serves.
     Status {
@@ -272,15 +283,18 @@ fn cluster(action: ClusterCommand) -> Result<(), String> {
             url,
             shards,
             initial_members,
+            replicas,
         } => {
             let config = ClusterConfig {
                 shards,
                 initial_members,
+                replicas,
             };
             let mut etcd = BlockingEtcd::connect(&url).map_err(|e| e.to_string())?;
             etcd.create(&config).map_err(|e| e.to_string())?;
             println!(
-                "created {url}: {shards} shards, dealt once {initial_members} servers have joined"
+                "created {url}: {shards} shards of {replicas} cop{}, dealt once {initial_members} servers have joined",
+                if replicas == 1 { "y" } else { "ies" }
             );
             Ok(())
         }
@@ -318,7 +332,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             if let Some(at) = host.metrics_address() {
                 tracing::info!("metrics of every shard served here at http://{at}/metrics");
             }
-            serve_shards(host, url, ttl, &stop_rx)
+            serve_shards(host, url, (ttl, args.zone), &stop_rx)
         }
         None => serve_region(config, args.stats_interval, &stop_rx),
     }
@@ -331,7 +345,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
 fn serve_shards(
     host: ShardHost,
     url: ClusterUrl,
-    ttl: Duration,
+    (ttl, zone): (Duration, Option<String>),
     stop: &mpsc::Receiver<()>,
 ) -> Result<(), String> {
     let (events_tx, events) = mpsc::channel();
@@ -339,6 +353,7 @@ fn serve_shards(
         id: host.member().to_string(),
         listen: host.listen().to_string(),
         ttl,
+        zone,
     };
     // Bound before joining: a second process on this address fails here.
     let directory = Directory::serve(host.listen(), host.member(), &url.name)
@@ -360,6 +375,11 @@ fn serve_shards(
             tracing::info!("draining: the shards here move to the other servers first (a second signal leaves at once)");
         }
         let drained = member.host.is_empty() || member.others == 0;
+        if signals == 1 && !drained && member.host.keeps_copies() {
+            // Nothing would move: waiting out the drain limit helps nobody.
+            tracing::warn!("leaving without a drain: a cluster of several copies does not move shards yet (their writes wait for this server's return)");
+            break;
+        }
         if signals >= 2 || (signals == 1 && drained) {
             break;
         }

@@ -206,11 +206,13 @@ impl ShardHost {
         self.show_served();
     }
 
-    /// What `map` asks of this member: each shard to serve, with the
-    /// secret it asks (a move's target), and the move to send.
+    /// What `map` asks of this member: each shard to serve (those it owns
+    /// and those it backs up: a backup's region is served as a primary's,
+    /// for the writers that keep it a copy), with the secret it asks (a
+    /// move's target), and the move to send.
     fn plan(&self, map: &ShardMap) -> (BTreeMap<u32, Option<String>>, Option<ShardMove>) {
         let mut wanted: BTreeMap<u32, Option<String>> =
-            map.shards_of(&self.member).map(|s| (s, None)).collect();
+            map.copies_of(&self.member).map(|s| (s, None)).collect();
         let mut outgoing = None;
         if let Some(m) = &map.moving {
             if map.owner(m.shard) == Some(self.member.as_str()) {
@@ -406,12 +408,18 @@ impl ShardHost {
         })
     }
 
+    /// Whether the map keeps several copies of each shard (such a map is
+    /// not changed by moves yet).
+    pub fn keeps_copies(&self) -> bool {
+        self.map.as_ref().is_some_and(|m| !m.backups.is_empty())
+    }
+
     /// Whether this member serves no shard and sends none: it may leave
     /// without making any shard unavailable.
     pub fn is_empty(&self) -> bool {
         let me = self.member.as_str();
         let in_map = self.map.as_ref().is_some_and(|map| {
-            map.shards_of(me).next().is_some() || map.moving.as_ref().is_some_and(|m| m.to == me)
+            map.copies_of(me).next().is_some() || map.moving.as_ref().is_some_and(|m| m.to == me)
         });
         self.serving.is_empty() && self.sending.is_none() && !in_map
     }
@@ -608,6 +616,7 @@ mod tests {
         ShardMap {
             epoch: 1 + u64::from(moving.is_some()),
             owners: vec![Some("m0".into()), Some("m0".into())],
+            backups: Vec::new(),
             moving,
         }
     }

@@ -140,11 +140,17 @@ impl Drop for EtcdServer {
 
 /// `kv-server cluster create URL --shards S --initial-members M`.
 pub fn create_cluster(url: &str, shards: u32, initial_members: u32) {
+    create_cluster_with(url, shards, initial_members, &[]);
+}
+
+/// As [`create_cluster`], with `extra` arguments (`--replicas R`).
+pub fn create_cluster_with(url: &str, shards: u32, initial_members: u32, extra: &[&str]) {
     let out = Command::new(workspace_bin("kv-server"))
         .args(["cluster", "create", url, "--shards"])
         .arg(shards.to_string())
         .arg("--initial-members")
         .arg(initial_members.to_string())
+        .args(extra)
         .output()
         .expect("run kv-server cluster create");
     assert!(

@@ -23,6 +23,25 @@ impl Event {
     }
 }
 
+/// Ends a round in `log`: the reads by thread `reader` that fix each of
+/// `keys` keys' value (`read(k)`), then the round's end.
+pub fn end_round(
+    log: &std::sync::Mutex<Vec<Event>>,
+    keys: usize,
+    reader: usize,
+    mut read: impl FnMut(usize) -> Value,
+) {
+    for k in 0..keys {
+        let v = read(k);
+        let mut log = log.lock().unwrap_or_else(|e| e.into_inner());
+        log.push(Event::Invoke(k, reader, RegisterOp::Read));
+        log.push(Event::Return(k, reader, RegisterRet::ReadOk(v)));
+    }
+    log.lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push(Event::round_end());
+}
+
 /// Checks each round of `events` for each of `keys` keys (named by
 /// `name`), where thread `final_reader` made the reads that end a round;
 /// panics with the history of the first key that is not linearizable.

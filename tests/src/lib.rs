@@ -132,6 +132,15 @@ pub fn parse_tagged(value: &[u8]) -> Option<(String, String, u64)> {
 /// Unwraps a result inside a test's worker thread, aborting the whole test
 /// process on error: a panicking worker would leave the others waiting at a
 /// barrier forever instead of failing the test.
+/// The next number of a xorshift generator (`state` not zero): the
+/// tests' cheap, seeded choices.
+pub fn xorshift(state: &mut u64) -> u64 {
+    *state ^= *state << 13;
+    *state ^= *state >> 7;
+    *state ^= *state << 17;
+    *state
+}
+
 pub fn or_abort<T, E: std::fmt::Display>(result: Result<T, E>, what: &str) -> T {
     match result {
         Ok(v) => v,

@@ -437,6 +437,7 @@ fn a_client_asks_the_owner_that_dropped_a_shard_where_it_went() {
         config: ClusterConfig {
             shards: 1,
             initial_members: 1,
+            replicas: 1,
         },
         members: ["m0", "m1", "m2"]
             .map(|id| MemberRecord {
@@ -444,12 +445,14 @@ fn a_client_asks_the_owner_that_dropped_a_shard_where_it_went() {
                 listen: listen(id).to_string(),
                 incarnation: 1,
                 draining: false,
+                zone: None,
             })
             .to_vec(),
         map: Some((
             ShardMap {
                 epoch: revision as u64,
                 owners: vec![Some(owner.into())],
+                backups: Vec::new(),
                 moving: None,
             },
             revision,
@@ -567,6 +570,7 @@ fn of_two_coordinators_publishing_against_one_map_exactly_one_wins() {
     let map = |owner: &str, epoch| ShardMap {
         epoch,
         owners: vec![Some(owner.to_string()); 4],
+        backups: Vec::new(),
         moving: None,
     };
 
@@ -604,6 +608,7 @@ fn a_map_follower_reads_the_state_whole_after_etcd_compacts_what_it_would_watch(
     let map = |epoch| ShardMap {
         epoch,
         owners: vec![Some(format!("m{epoch}")); 4],
+        backups: Vec::new(),
         moving: None,
     };
     assert!(writer.publish_map(&map(1), None).expect("etcd answers"));

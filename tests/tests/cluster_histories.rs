@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use kv_client::{ClientOptions, ClusterClient};
 use onekv_tests::cluster::{cluster_status, create_cluster, start_member, EtcdServer};
-use onekv_tests::histories::{check_owner, check_rounds, Event};
-use onekv_tests::{eventually, or_abort, region_dir, tagged_value, wait_or_abort};
+use onekv_tests::histories::{check_owner, check_rounds, end_round, Event};
+use onekv_tests::{eventually, or_abort, region_dir, tagged_value, wait_or_abort, xorshift};
 use stateright::semantics::register::{RegisterOp, RegisterRet};
 
 const THREADS: usize = 3;
@@ -78,9 +78,7 @@ fn histories_stay_linearizable_while_a_server_joins_and_another_drains() {
                 while keep_going.load(Ordering::SeqCst) {
                     barrier.wait();
                     for i in 0..OPS_PER_ROUND {
-                        rng ^= rng << 13;
-                        rng ^= rng >> 7;
-                        rng ^= rng << 17;
+                        xorshift(&mut rng);
                         let seq = (round * OPS_PER_ROUND + i) as u64;
                         one_op(&mut kv, log, t, rng, seq);
                     }
@@ -88,13 +86,7 @@ fn histories_stay_linearizable_while_a_server_joins_and_another_drains() {
                     if t == 0 {
                         // The reads that fix each key's value at the
                         // round's end, and whether another round runs.
-                        for k in 0..KEYS {
-                            let v = or_abort(kv.get(key(k)), "get");
-                            let mut log = log.lock().unwrap();
-                            log.push(Event::Invoke(k, THREADS, RegisterOp::Read));
-                            log.push(Event::Return(k, THREADS, RegisterRet::ReadOk(v)));
-                        }
-                        log.lock().unwrap().push(Event::round_end());
+                        end_round(log, KEYS, THREADS, |k| or_abort(kv.get(key(k)), "get"));
                         let n = rounds.fetch_add(1, Ordering::SeqCst) + 1;
                         let more = n < MIN_ROUNDS || !changed.load(Ordering::SeqCst);
                         keep_going.store(more, Ordering::SeqCst);

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use kv_client::{Client, ClientOptions, Error, COUNTER_MAX};
 use onekv_tests::{
-    aggressive_reuse, or_abort, parse_tagged, tagged_value, workspace_bin, TestServer,
+    aggressive_reuse, or_abort, parse_tagged, tagged_value, workspace_bin, xorshift, TestServer,
 };
 use stateright::semantics::{ConsistencyTester, LinearizabilityTester, SequentialSpec};
 
@@ -188,9 +188,7 @@ fn counter_histories_with_deletes_and_puts_are_linearizable_under_aggressive_reu
                 for _ in 0..rounds {
                     barrier.wait();
                     for _ in 0..OPS {
-                        rng ^= rng << 13;
-                        rng ^= rng >> 7;
-                        rng ^= rng << 17;
+                        xorshift(&mut rng);
                         let k = (rng % KEYS as u64) as usize;
                         let key = name(k);
                         let op = match (rng >> 8) % 20 {

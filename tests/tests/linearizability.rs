@@ -10,9 +10,9 @@ use std::time::Duration;
 
 use kv_client::{Client, ClientOptions, ReadOrder};
 use kv_common::protocol::ServerStats;
-use onekv_tests::histories::{check_owner, check_rounds, Event};
+use onekv_tests::histories::{check_owner, check_rounds, end_round, Event};
 use onekv_tests::{
-    aggressive_reuse, or_abort, parse_tagged, tagged_value, wait_or_abort, TestServer,
+    aggressive_reuse, or_abort, parse_tagged, tagged_value, wait_or_abort, xorshift, TestServer,
 };
 use stateright::semantics::register::{RegisterOp, RegisterRet};
 
@@ -305,9 +305,7 @@ fn check_histories(workload: Workload) -> Run {
                 for round in 0..ROUNDS {
                     barrier.wait();
                     for i in 0..OPS_PER_ROUND {
-                        rng ^= rng << 13;
-                        rng ^= rng >> 7;
-                        rng ^= rng << 17;
+                        xorshift(&mut rng);
                         let mut k = (rng % KEYS as u64) as usize;
                         let write = (rng >> 8) % 8 >= 4;
                         if owned_writes && write {
@@ -446,13 +444,9 @@ fn check_histories(workload: Workload) -> Run {
                     if t == 0 {
                         // A read after everyone finished fixes each key's value
                         // at the end of the round (the next round's start).
-                        for k in 0..KEYS {
-                            let v = or_abort(kv.get(key(k).as_bytes()), "get");
-                            let mut log = log.lock().unwrap();
-                            log.push(Event::Invoke(k, THREADS, RegisterOp::Read));
-                            log.push(Event::Return(k, THREADS, RegisterRet::ReadOk(v)));
-                        }
-                        log.lock().unwrap().push(Event::round_end());
+                        end_round(log, KEYS, THREADS, |k| {
+                            or_abort(kv.get(key(k).as_bytes()), "get")
+                        });
                     }
                 }
             });

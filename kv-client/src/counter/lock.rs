@@ -9,6 +9,7 @@ use kv_common::layout::{
 use kv_common::transport::{read_u64, Verb};
 
 use crate::clock::{self, Instant, OpClock};
+use crate::fault_point;
 use crate::hint::Seen;
 use crate::index::Kind;
 use crate::{Client, Result};
@@ -227,14 +228,4 @@ pub(super) fn word_offsets(key: &[u8], slot: Slot) -> (u64, u64) {
 /// A locked settled state word, unlocked in the next generation.
 fn next_generation(locked: u64) -> u64 {
     (locked & !COUNTER_LOCKED).wrapping_add(COUNTER_GENERATION)
-}
-
-/// Test hook (fault injection): aborts the process at `step` when the
-/// environment variable `ONEKV_CLIENT_FAULT` names it, as a client killed
-/// there would stop.
-fn fault_point(step: &str) {
-    if std::env::var("ONEKV_CLIENT_FAULT").is_ok_and(|s| s == step) {
-        eprintln!("ONEKV_CLIENT_FAULT: aborting at {step}");
-        std::process::abort();
-    }
 }

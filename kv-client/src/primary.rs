@@ -1,0 +1,238 @@
+//! A replicated write's two steps at its shard's primary (see
+//! `replicated` for why they are split): observe the key as it is, then,
+//! once the backups have the new value, commit it there by a CAS that
+//! succeeds only if the key is still as observed.
+
+use kv_common::layout::{KeyHash, Slot};
+use kv_common::protocol::{Request, Response};
+use smallvec::SmallVec;
+
+use crate::clock::OpClock;
+use crate::corrupt::CorruptSlot;
+use crate::geometry::Ask;
+use crate::hint::{Hint, Seen};
+use crate::index::{Copies, Value};
+use crate::locate::{Located, Need};
+use crate::{Client, Error, Result, Step};
+
+/// The key at the primary, as a replicated write saw it before it wrote
+/// the backups.
+pub(crate) struct Observed {
+    seen: Sight,
+    /// The geometry the observation was made under: a commit under another
+    /// finds the key elsewhere, so it observes again.
+    epoch: u64,
+    /// The value readers see (when asked for, and the key is there).
+    pub value: Option<Vec<u8>>,
+}
+
+enum Sight {
+    /// A fresh, sole hint: the slot as last seen, no read at all.
+    Hinted(Hint),
+    /// The copies a read found, and its clock.
+    Found { copies: Copies, clock: OpClock },
+    /// No copy a reader sees, as a read of the key's windows found (still
+    /// in the local buffer: `Client::slots`).
+    Absent { kh: KeyHash, clock: OpClock },
+}
+
+/// How a commit ended.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Commit {
+    Done,
+    /// The key changed since it was observed (or the observation is too old
+    /// to act on): nothing was published; observe again.
+    Changed,
+}
+
+impl Observed {
+    /// No copy of the key a reader would see.
+    pub fn is_absent(&self) -> bool {
+        match &self.seen {
+            Sight::Absent { .. } => true,
+            Sight::Found { copies, .. } => copies.visible().is_none(),
+            Sight::Hinted(_) => false,
+        }
+    }
+}
+
+impl Client {
+    /// Observes `key`; with `want_value`, reads the value readers see too
+    /// (no blind hint then). Read-only: redone across resizes and a lost
+    /// connection like any read.
+    pub(crate) fn observe(&mut self, key: &[u8], need: Need, want_value: bool) -> Result<Observed> {
+        crate::check_key(key)?;
+        self.run(|c| c.observe_once(key, need, want_value))
+    }
+
+    fn observe_once(&mut self, key: &[u8], need: Need, want_value: bool) -> Result<Step<Observed>> {
+        let epoch = self.info.geometry.epoch;
+        if !want_value {
+            if let Some(hint) = self.blind_hint(key) {
+                let seen = Sight::Hinted(hint);
+                return Ok(Step::Done(Observed {
+                    seen,
+                    epoch,
+                    value: None,
+                }));
+            }
+        }
+        let kh = KeyHash::new(key, self.info.geometry.bucket_count);
+        let mut corrupt = CorruptSlot::default();
+        for _ in 0..self.options.max_attempts {
+            let (seen, value) = match self.locate(key, &kh, None, need)? {
+                Located::Found { copies, clock } => {
+                    let value = match copies.value.as_ref().filter(|_| want_value) {
+                        Some(Value::Bytes(range)) => {
+                            Some(self.conn.local()[range.clone()].to_vec())
+                        }
+                        Some(Value::Counter(n)) => Some(n.to_string().into_bytes()),
+                        None => None,
+                    };
+                    (Sight::Found { copies, clock }, value)
+                }
+                Located::Absent { clock } => {
+                    // No room for it: the index grows before any copy is
+                    // written, not after the backups have it.
+                    if KeyHash::insert_choice(&self.slots()).is_none() {
+                        return Ok(Step::Full(key.to_vec()));
+                    }
+                    (Sight::Absent { kh, clock }, None)
+                }
+                Located::Retry(suspect) => {
+                    corrupt.saw(key, suspect)?;
+                    continue;
+                }
+                Located::Moved => return Ok(Step::Moved),
+            };
+            return Ok(Step::Done(Observed { seen, epoch, value }));
+        }
+        Err(Error::Contended(self.options.max_attempts))
+    }
+
+    /// Publishes `value` (None: removes the key) over exactly what
+    /// `observed` saw. Nothing is redone here: once a CAS may have been
+    /// posted, a lost connection is an unknown outcome.
+    pub(crate) fn commit(
+        &mut self,
+        key: &[u8],
+        value: Option<&[u8]>,
+        observed: &Observed,
+    ) -> Result<Commit> {
+        if observed.epoch != self.info.geometry.epoch {
+            return Ok(Commit::Changed);
+        }
+        let step = match value {
+            Some(value) => self.commit_value(key, value, observed)?,
+            None => Step::Done(self.commit_removal(key, observed)?),
+        };
+        Ok(match step {
+            Step::Done(true) => Commit::Done,
+            Step::Done(false) | Step::Moved => Commit::Changed,
+            Step::Full(key) => {
+                // The key's buckets are full: the index must grow before
+                // it can go in (a declined resize only means room was made
+                // meanwhile).
+                self.follow_geometry(Ask::Resize {
+                    full_key: Some(&key),
+                })?;
+                Commit::Changed
+            }
+        })
+    }
+
+    fn commit_value(
+        &mut self,
+        key: &[u8],
+        value: &[u8],
+        observed: &Observed,
+    ) -> Result<Step<bool>> {
+        let (_, new, write) = self.new_block(key, value)?;
+        // Leasing may have taught this client a new geometry.
+        if observed.epoch != self.info.geometry.epoch {
+            return Ok(Step::Done(false));
+        }
+        match &observed.seen {
+            Sight::Hinted(hint) => {
+                if !hint.allows_blind_cas(&self.timing) {
+                    return Ok(Step::Done(false));
+                }
+                self.update_blind(key, *hint, write, new).map(Step::Done)
+            }
+            Sight::Found { copies, clock } => {
+                self.conn.post(&[write])?;
+                self.update(key, copies, new, *clock).map(Step::Done)
+            }
+            Sight::Absent { kh, clock } => {
+                self.conn.post(&[write])?;
+                Ok(match self.insert(key, kh, new, *clock)? {
+                    Some(Step::Done(())) => Step::Done(true),
+                    Some(Step::Full(key)) => Step::Full(key),
+                    Some(Step::Moved) => Step::Moved,
+                    None => Step::Done(false),
+                })
+            }
+        }
+    }
+
+    /// Removes every copy readers see, as observed; true if done (or there
+    /// was none).
+    fn commit_removal(&mut self, key: &[u8], observed: &Observed) -> Result<bool> {
+        self.cache.forget(key);
+        match &observed.seen {
+            Sight::Hinted(hint) => {
+                if !hint.allows_blind_cas(&self.timing) {
+                    return Ok(false);
+                }
+                self.cas(hint.pos, hint.slot, Slot::EMPTY)
+            }
+            Sight::Found { copies, clock } => {
+                let readable: SmallVec<[usize; 2]> = (0..copies.slots.len())
+                    .filter(|&i| copies.kinds[i].is_readable())
+                    .collect();
+                let Some((&lowest, extra)) = readable.split_first() else {
+                    return Ok(true);
+                };
+                let (copy, kind) = (copies.slots[lowest], copies.kinds[lowest]);
+                Ok(
+                    self.remove_duplicates(key, copies, extra.iter().copied(), *clock)?
+                        && self.unlink(key, Seen::new(copy, *clock), kind, Slot::EMPTY)?,
+                )
+            }
+            Sight::Absent { .. } => Ok(true),
+        }
+    }
+}
+
+impl Client {
+    /// Asks the server for `key`'s insert lock (see `replicated`): until
+    /// when an observation may start that an insert then acts on, counted
+    /// from before asking, if granted. An insert's CAS is posted within a
+    /// deadline of its observation and lands within another: three
+    /// deadlines of margin, one to spare.
+    pub(crate) fn take_insert_lock(&mut self, key: &[u8]) -> Result<Option<std::time::Instant>> {
+        let asked = std::time::Instant::now();
+        match self.insert_lock(key, false)? {
+            Some(ttl) => Ok(Some(asked + ttl.saturating_sub(3 * self.op_deadline()))),
+            None => Ok(None),
+        }
+    }
+
+    /// Lets `key`'s insert lock go.
+    pub(crate) fn release_insert_lock(&mut self, key: &[u8]) -> Result<()> {
+        self.insert_lock(key, true).map(drop)
+    }
+
+    fn insert_lock(&mut self, key: &[u8], release: bool) -> Result<Option<std::time::Duration>> {
+        let request = Request::InsertLock {
+            key: kv_common::layout::key_lock(key),
+            release,
+        };
+        match self.conn.call(&request)? {
+            Response::InsertLock { granted, ttl_ms } => {
+                Ok(granted.then(|| std::time::Duration::from_millis(u64::from(ttl_ms))))
+            }
+            other => Err(crate::unexpected(other)),
+        }
+    }
+}

@@ -1,0 +1,298 @@
+//! Writes to a replicated shard: a primary, which readers read, and
+//! backups, each a region of its own on another server. A write returns
+//! once every copy has it.
+//!
+//! **The write.** A writer
+//! 1. *observes* the key at the primary: the slot that links the copy
+//!    readers see (a fresh, sole hint counts: no read at all), or that
+//!    there is none;
+//! 2. *sets* the key on every backup (a plain PUT or DELETE there, redone
+//!    as often as it takes);
+//! 3. *commits* at the primary by a CAS from exactly what it observed
+//!    (`Client::commit`): the slot it saw, or, for a key that was absent,
+//!    an empty slot, under the key's *insert lock* (below). If the CAS
+//!    fails, the key changed: the writer starts again from 1.
+//!
+//! **Why every copy ends alike.** Call a write *committed* when its CAS
+//! succeeds; commits of one key follow each other at the primary. Take two
+//! in a row, W then W'. W' observed the slot W's CAS installed (or W's
+//! deletion left empty), so W' observed after W committed, and W' sets
+//! the backups after it observed: W's sets all happened before W's commit,
+//! so they are over before any of W''s begins. Each backup therefore
+//! receives the committed writes in commit order, and after the last of
+//! them holds what the primary holds. (No ABA: a slot value names a block
+//! that is not reused before a grace period, and the CAS is posted within
+//! the deadline of the read or the life of the hint, as for any update;
+//! see `hint`.)
+//!
+//! Sets of writes that do not commit (their CAS failed, and they start
+//! again) may land on a backup after a later commit's: the backup then
+//! differs from the primary until that writer's next round sets the
+//! backups again, or, if its client died, until the key's next committed
+//! write. Such a value is of a write still in flight, or whose outcome its
+//! caller could not learn: every failure after a backup was touched is
+//! [`Error::OutcomeUnknown`]. So a backup holds, for every key, the last
+//! committed write or one in flight after it, never an older one: what a
+//! failover needs, since a backup promoted holds every acknowledged write
+//! (reads go to the primary, which has nothing the backups lack).
+//!
+//! **Why inserts need a lock.** A key that is absent has no slot to CAS
+//! from: two writers that both found it absent insert into two empty slots
+//! and both succeed; the lowest copy wins at the primary (see `dedup`),
+//! while the backups keep whichever set came last. So a writer that finds
+//! the key absent first takes the key's insert lock at the primary's
+//! server (`Request::InsertLock`, a control message: inserts only), then
+//! observes again, and commits its insert only while the lock, by its own
+//! clock started before it asked, has a deadline left. Inserts of one key
+//! then never overlap, and the observation "absent" is as good as a slot:
+//! nobody else can fill it. A lock lapses on its own, so a writer that
+//! died holding it delays that key's next insert by at most the lock's
+//! life (20 operation deadlines).
+//!
+//! **Counters** are plain values here, the decimal text of the number
+//! (what a GET of a counter returns anyway): an increment observes the
+//! value and commits the sum, through the same steps. A FETCH-AND-ADD on
+//! each copy could not be: one applied on a backup and not on the primary
+//! would leave them apart for good. But a sum set on a backup by an
+//! increment that then dies is computed from an older state; were another
+//! increment to commit meanwhile, the backup would hold a value without
+//! it. So increments, too, run under the key's lock: none commits while
+//! another is between its observation and its commit, and a dead one's
+//! sum is overwritten by the next write (it stays an increment whose
+//! outcome is unknown, counted once or not at all). An increment that
+//! fails after setting the backups (a PUT made the key plain meanwhile)
+//! brings them back to the primary's value before it returns (`level`).
+//! What this leaves open: a PUT or DELETE of a counter's key racing an
+//! increment whose client then dies between its copies can leave a backup
+//! with the sum and the primary with the PUT's value until the key's next
+//! write.
+
+use std::time::{Duration, Instant};
+
+use kv_common::layout::COUNTER_MAX;
+
+use crate::locate::Need;
+use crate::primary::Commit;
+use crate::{Client, Error, Result};
+
+/// How long a writer waits before asking again for an insert lock that
+/// another writer holds.
+const LOCK_WAIT: Duration = Duration::from_micros(200);
+
+/// A replicated shard's connections: to its primary and to each backup.
+pub(crate) struct Group<'c> {
+    pub primary: &'c mut Client,
+    pub backups: &'c mut [Client],
+}
+
+/// What a write does to its key.
+#[derive(Clone, Copy)]
+enum Change<'v> {
+    Put(&'v [u8]),
+    Delete,
+    Add(i64),
+}
+
+/// What a committed write did.
+enum Done {
+    /// Stored; an increment's new value.
+    Stored(Option<i64>),
+    /// A delete: whether the key was there.
+    Deleted(bool),
+}
+
+impl Group<'_> {
+    pub fn put(&mut self, key: &[u8], value: &[u8]) -> Result<()> {
+        let max = self.primary.max_value();
+        if value.len() > max {
+            return Err(Error::ValueTooLarge {
+                len: value.len(),
+                max,
+            });
+        }
+        self.write(key, Change::Put(value)).map(drop)
+    }
+
+    pub fn delete(&mut self, key: &[u8]) -> Result<bool> {
+        match self.write(key, Change::Delete)? {
+            Done::Deleted(was) => Ok(was),
+            Done::Stored(_) => Err(Error::Internal("a delete stored a value".into())),
+        }
+    }
+
+    pub fn incr(&mut self, key: &[u8], delta: i64) -> Result<i64> {
+        match self.write(key, Change::Add(delta))? {
+            Done::Stored(Some(now)) => Ok(now),
+            _ => Err(Error::Internal("an increment stored no number".into())),
+        }
+    }
+
+    /// Runs the write's rounds; a failure once a backup may have it is an
+    /// unknown outcome. The insert lock is let go however it ends.
+    fn write(&mut self, key: &[u8], change: Change) -> Result<Done> {
+        crate::check_key(key)?;
+        let mut touched = false;
+        let mut lock = None;
+        let mut done = self.rounds(key, change, &mut touched, &mut lock);
+        if let (Err(e), Change::Add(_), true) = (&done, change, touched) {
+            // The backups may hold a sum the primary will never have.
+            if let Err(why) = self.level(key, lock) {
+                done = Err(Error::OutcomeUnknown(format!(
+                    "{e}; and its copies could not be brought back together: {why}"
+                )));
+            }
+        }
+        if lock.is_some() {
+            // It lapses anyway: a failure to say so costs nothing.
+            let _ = self.primary.release_insert_lock(key);
+        }
+        done.map_err(|e| match e {
+            Error::OutcomeUnknown(_) => e,
+            e if touched => Error::OutcomeUnknown(format!(
+                "the write reached some copies of its shard before it failed: {e}"
+            )),
+            e => e,
+        })
+    }
+
+    fn rounds(
+        &mut self,
+        key: &[u8],
+        change: Change,
+        touched: &mut bool,
+        lock: &mut Option<InsertLock>,
+    ) -> Result<Done> {
+        let need = match change {
+            Change::Delete => Need::Every,
+            Change::Put(_) | Change::Add(_) => Need::Lowest,
+        };
+        let want_value = matches!(change, Change::Add(_));
+        let attempts = self.primary.options.max_attempts;
+        for _ in 0..attempts {
+            let observed = self.primary.observe(key, need, want_value)?;
+            let absent = observed.is_absent();
+            if absent && matches!(change, Change::Delete) {
+                return Ok(Done::Deleted(false));
+            }
+            // Inserts and increments act under the key's lock.
+            let locks = absent || matches!(change, Change::Add(_));
+            if locks && !lock.is_some_and(|l| l.holds(self.primary)) {
+                let connection = self.primary.reconnects();
+                *lock = self
+                    .primary
+                    .take_insert_lock(key)?
+                    .map(|until| InsertLock { until, connection });
+                if lock.is_none() {
+                    std::thread::sleep(LOCK_WAIT);
+                }
+                // Observed again under the lock.
+                continue;
+            }
+            let (value, number) = match change {
+                Change::Put(value) => (Some(value.to_vec()), None),
+                Change::Delete => (None, None),
+                Change::Add(delta) => {
+                    if !absent && observed.value.is_none() {
+                        return Err(Error::Internal("an increment observed no value".into()));
+                    }
+                    let now = add(observed.value.as_deref(), delta)?;
+                    (Some(now.to_string().into_bytes()), Some(now))
+                }
+            };
+            self.set_backups(key, value.as_deref(), touched)?;
+            crate::fault_point("replica-backups-set");
+            if locks && !lock.is_some_and(|l| l.holds(self.primary)) {
+                continue;
+            }
+            if self.primary.commit(key, value.as_deref(), &observed)? == Commit::Done {
+                return Ok(match change {
+                    Change::Delete => Done::Deleted(true),
+                    Change::Put(_) | Change::Add(_) => Done::Stored(number),
+                });
+            }
+        }
+        Err(Error::Contended(attempts))
+    }
+}
+
+impl Group<'_> {
+    /// Sets `key` to `value` (None: removes it) on every backup.
+    fn set_backups(&mut self, key: &[u8], value: Option<&[u8]>, touched: &mut bool) -> Result<()> {
+        for backup in self.backups.iter_mut() {
+            *touched = true;
+            match value {
+                Some(value) => backup.put(key, value)?,
+                None => {
+                    backup.delete(key)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// After an increment failed having set the backups (the key became
+    /// something else than a counter meanwhile): brings the backups back
+    /// to what the primary holds, by a commit of that very value (or, the
+    /// key absent, removes it from them: under the lock no insert can
+    /// fill it meanwhile). Only while `lock` holds.
+    fn level(&mut self, key: &[u8], lock: Option<InsertLock>) -> Result<()> {
+        let mut touched = true;
+        for _ in 0..self.primary.options.max_attempts {
+            if !lock.is_some_and(|l| l.holds(self.primary)) {
+                break;
+            }
+            let observed = self.primary.observe(key, Need::Lowest, true)?;
+            let value = if observed.is_absent() {
+                None
+            } else {
+                observed.value.clone()
+            };
+            if observed.is_absent() == value.is_none() {
+                self.set_backups(key, value.as_deref(), &mut touched)?;
+                if value.is_none()
+                    || self.primary.commit(key, value.as_deref(), &observed)? == Commit::Done
+                {
+                    return Ok(());
+                }
+            }
+        }
+        Err(Error::Contended(self.primary.options.max_attempts))
+    }
+}
+
+/// A key's insert lock at the primary, as this writer holds it.
+#[derive(Clone, Copy)]
+struct InsertLock {
+    /// The last moment an observation may start that an insert acts on.
+    until: Instant,
+    /// The primary connection it was granted to: a connection made anew
+    /// (the server may have restarted, forgetting its locks) holds none.
+    connection: u64,
+}
+
+impl InsertLock {
+    fn holds(&self, primary: &Client) -> bool {
+        Instant::now() < self.until && primary.reconnects() == self.connection
+    }
+}
+
+/// The counter `value` (its decimal text; none: 0) plus `delta`.
+fn add(value: Option<&[u8]>, delta: i64) -> Result<i64> {
+    let now = match value {
+        None => 0,
+        Some(text) => std::str::from_utf8(text)
+            .ok()
+            .and_then(|t| t.parse::<i64>().ok())
+            .ok_or(Error::NotACounter)?,
+    };
+    let sum = i128::from(now) + i128::from(delta);
+    match sum.unsigned_abs() <= COUNTER_MAX as u128 {
+        true => Ok(sum as i64),
+        false => Err(Error::CounterOverflow(sum)),
+    }
+}
+
+/// The counter a replicated shard holds as `value`.
+pub(crate) fn counter(value: Option<Vec<u8>>) -> Result<Option<i64>> {
+    value.map(|v| add(Some(&v), 0)).transpose()
+}
