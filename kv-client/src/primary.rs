@@ -58,14 +58,27 @@ impl Observed {
 
 impl Client {
     /// Observes `key`; with `want_value`, reads the value readers see too
-    /// (no blind hint then). Read-only: redone across resizes and a lost
-    /// connection like any read.
-    pub(crate) fn observe(&mut self, key: &[u8], need: Need, want_value: bool) -> Result<Observed> {
+    /// (no blind hint then); `inserting`: the write would insert an absent
+    /// key, so an absent key whose buckets are full has the index grown
+    /// first. Read-only: redone across resizes and a lost connection like
+    /// any read.
+    pub(crate) fn observe(
+        &mut self,
+        key: &[u8],
+        need: Need,
+        (want_value, inserting): (bool, bool),
+    ) -> Result<Observed> {
         crate::check_key(key)?;
-        self.run(|c| c.observe_once(key, need, want_value))
+        self.run(|c| c.observe_once(key, need, want_value, inserting))
     }
 
-    fn observe_once(&mut self, key: &[u8], need: Need, want_value: bool) -> Result<Step<Observed>> {
+    fn observe_once(
+        &mut self,
+        key: &[u8],
+        need: Need,
+        want_value: bool,
+        inserting: bool,
+    ) -> Result<Step<Observed>> {
         let epoch = self.info.geometry.epoch;
         if !want_value {
             if let Some(hint) = self.blind_hint(key) {
@@ -94,7 +107,7 @@ impl Client {
                 Located::Absent { clock } => {
                     // No room for it: the index grows before any copy is
                     // written, not after the backups have it.
-                    if KeyHash::insert_choice(&self.slots()).is_none() {
+                    if inserting && KeyHash::insert_choice(&self.slots()).is_none() {
                         return Ok(Step::Full(key.to_vec()));
                     }
                     (Sight::Absent { kh, clock }, None)

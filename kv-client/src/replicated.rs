@@ -134,12 +134,21 @@ impl Group<'_> {
         let mut touched = false;
         let mut lock = None;
         let mut done = self.rounds(key, change, &mut touched, &mut lock);
+        // Known not to have taken effect, the copies being level again.
+        let mut unapplied = false;
         if let (Err(e), Change::Add(_), true) = (&done, change, touched) {
             // The backups may hold a sum the primary will never have.
-            if let Err(why) = self.level(key, lock) {
-                done = Err(Error::OutcomeUnknown(format!(
-                    "{e}; and its copies could not be brought back together: {why}"
-                )));
+            match self.level(key, &mut lock) {
+                // No commit of it succeeded (the key stopped being a
+                // counter, or the sum its range).
+                Ok(()) => {
+                    unapplied = matches!(e, Error::NotACounter | Error::CounterOverflow(_));
+                }
+                Err(why) => {
+                    done = Err(Error::OutcomeUnknown(format!(
+                        "{e}; and its copies could not be brought back together: {why}"
+                    )));
+                }
             }
         }
         if lock.is_some() {
@@ -148,7 +157,7 @@ impl Group<'_> {
         }
         done.map_err(|e| match e {
             Error::OutcomeUnknown(_) => e,
-            e if touched => Error::OutcomeUnknown(format!(
+            e if touched && !unapplied => Error::OutcomeUnknown(format!(
                 "the write reached some copies of its shard before it failed: {e}"
             )),
             e => e,
@@ -169,7 +178,8 @@ impl Group<'_> {
         let want_value = matches!(change, Change::Add(_));
         let attempts = self.primary.options.max_attempts;
         for _ in 0..attempts {
-            let observed = self.primary.observe(key, need, want_value)?;
+            let inserting = !matches!(change, Change::Delete);
+            let observed = self.primary.observe(key, need, (want_value, inserting))?;
             let absent = observed.is_absent();
             if absent && matches!(change, Change::Delete) {
                 return Ok(Done::Deleted(false));
@@ -177,14 +187,7 @@ impl Group<'_> {
             // Inserts and increments act under the key's lock.
             let locks = absent || matches!(change, Change::Add(_));
             if locks && !lock.is_some_and(|l| l.holds(self.primary)) {
-                let connection = self.primary.reconnects();
-                *lock = self
-                    .primary
-                    .take_insert_lock(key)?
-                    .map(|until| InsertLock { until, connection });
-                if lock.is_none() {
-                    std::thread::sleep(LOCK_WAIT);
-                }
+                self.relock(key, lock)?;
                 // Observed again under the lock.
                 continue;
             }
@@ -232,31 +235,51 @@ impl Group<'_> {
 
     /// After an increment failed having set the backups (the key became
     /// something else than a counter meanwhile): brings the backups back
-    /// to what the primary holds, by a commit of that very value (or, the
-    /// key absent, removes it from them: under the lock no insert can
-    /// fill it meanwhile). Only while `lock` holds.
-    fn level(&mut self, key: &[u8], lock: Option<InsertLock>) -> Result<()> {
+    /// to what the primary holds. A value is committed again over itself,
+    /// a write ordered like any other. An absent key is removed from the
+    /// backups, which counts only if the key's lock held from before the
+    /// observation until the removals were done (no insert can fill the
+    /// key meanwhile); otherwise the lock is taken again and it is redone.
+    fn level(&mut self, key: &[u8], lock: &mut Option<InsertLock>) -> Result<()> {
         let mut touched = true;
-        for _ in 0..self.primary.options.max_attempts {
-            if !lock.is_some_and(|l| l.holds(self.primary)) {
-                break;
-            }
-            let observed = self.primary.observe(key, Need::Lowest, true)?;
-            let value = if observed.is_absent() {
-                None
-            } else {
-                observed.value.clone()
-            };
-            if observed.is_absent() == value.is_none() {
-                self.set_backups(key, value.as_deref(), &mut touched)?;
-                if value.is_none()
-                    || self.primary.commit(key, value.as_deref(), &observed)? == Commit::Done
-                {
+        let attempts = self.primary.options.max_attempts;
+        for _ in 0..attempts {
+            let held = lock.is_some_and(|l| l.holds(self.primary));
+            let observed = self.primary.observe(key, Need::Lowest, (true, false))?;
+            if !observed.is_absent() {
+                let Some(value) = observed.value.clone() else {
+                    return Err(Error::Internal("a present key observed no value".into()));
+                };
+                self.set_backups(key, Some(&value), &mut touched)?;
+                if self.primary.commit(key, Some(&value), &observed)? == Commit::Done {
                     return Ok(());
                 }
+                continue;
+            }
+            if !held {
+                self.relock(key, lock)?;
+                continue;
+            }
+            self.set_backups(key, None, &mut touched)?;
+            if lock.is_some_and(|l| l.holds(self.primary)) {
+                return Ok(());
             }
         }
-        Err(Error::Contended(self.primary.options.max_attempts))
+        Err(Error::Contended(attempts))
+    }
+
+    /// Asks for `key`'s lock at the primary (again); waits a moment if
+    /// another writer holds it.
+    fn relock(&mut self, key: &[u8], lock: &mut Option<InsertLock>) -> Result<()> {
+        let connection = self.primary.reconnects();
+        *lock = self
+            .primary
+            .take_insert_lock(key)?
+            .map(|until| InsertLock { until, connection });
+        if lock.is_none() {
+            std::thread::sleep(LOCK_WAIT);
+        }
+        Ok(())
     }
 }
 

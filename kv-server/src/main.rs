@@ -341,7 +341,8 @@ fn serve(args: ServeArgs) -> Result<(), String> {
 /// As a cluster member: serves what the map gives it while it holds its
 /// lease, nothing while it may not. The first stop signal drains it (its
 /// shards move to the other servers, then it leaves); a second, no other
-/// server to take them, or a drain longer than DRAIN_LIMIT leaves at once.
+/// server to take them, a cluster of several copies (whose shards do not
+/// move yet), or a drain longer than DRAIN_LIMIT leaves at once.
 fn serve_shards(
     host: ShardHost,
     url: ClusterUrl,

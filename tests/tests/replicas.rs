@@ -10,7 +10,7 @@ use std::process::Command;
 use std::sync::{Barrier, Mutex};
 use std::time::Duration;
 
-use kv_client::{Client, ClientOptions, ClusterClient};
+use kv_client::{Client, ClientOptions, ClusterClient, Error};
 use kv_cluster::etcd::BlockingEtcd;
 use kv_cluster::{shard_address, ClusterUrl};
 use onekv_tests::cluster::{cluster_status, create_cluster_with, start_member, EtcdServer};
@@ -139,6 +139,13 @@ fn every_copy_has_each_write_and_concurrent_writers_leave_them_alike() {
     assert_eq!(kv.incr("hits", -2).expect("incr"), 3);
     assert_eq!(kv.get_counter("hits").expect("get_counter"), Some(3));
     assert_eq!(kv.get("hits").expect("get").as_deref(), Some(&b"3"[..]));
+    // An increment of a plain value is refused before any copy changes.
+    kv.put("plain", "text").expect("put");
+    assert!(matches!(kv.incr("plain", 1), Err(Error::NotACounter)));
+    assert_eq!(
+        assert_alike(&mut groups, &kv, "plain").as_deref(),
+        Some(&b"text"[..])
+    );
     let pairs: Vec<(String, String)> = (60..80)
         .map(|i| (format!("key{i}"), format!("v{i}")))
         .collect();
