@@ -493,6 +493,7 @@ fn raw_connection(address: &str) -> Result<(Box<dyn Connection>, Geometry), Stri
     let info = match conn.call(&Request::Connect {
         protocol_version: PROTOCOL_VERSION,
         secret: vec![],
+        group: 0,
     }) {
         Ok(Response::Connected(info)) => info,
         other => return Err(format!("connect for raw verbs: {other:?}")),

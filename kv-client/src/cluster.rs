@@ -114,6 +114,10 @@ const MOVE_POLL: Duration = Duration::from_millis(50);
 /// How long a shard that has just moved may take to start serving at its
 /// new owner (it reopens the region it received).
 const MOVE_SETTLE: Duration = Duration::from_secs(10);
+/// How long an operation on a replicated shard waits for a copy it cannot
+/// reach to be failed over: the member's lease TTL (3 s by default), the
+/// coordinator's turn, and the copies' restart under the new group epoch.
+const FAILOVER_WAIT: Duration = Duration::from_secs(20);
 
 impl ClusterClient {
     /// Reads the cluster at `url` with default options: from etcd
@@ -726,8 +730,8 @@ impl ClusterClient {
     /// cannot be reached, the map is read again and the operation tried
     /// there: while the map shows the shard moving, and for a while after
     /// it moved (its new owner may still be opening it), for up to
-    /// MOVE_WAIT; otherwise once. The error then names the shard and its
-    /// server.
+    /// MOVE_WAIT; for a replicated shard, for up to FAILOVER_WAIT;
+    /// otherwise once. The error then names the shard and its server.
     fn on<T>(&mut self, shard: u32, mut op: impl FnMut(&mut Client) -> Result<T>) -> Result<T> {
         self.retrying(shard, |this| this.connection(shard).and_then(&mut op))
     }
@@ -768,15 +772,15 @@ impl ClusterClient {
                 .shard_map()
                 .map(|m| m.backups(shard).to_vec())
                 .unwrap_or_default();
-            if names.len() + 1 != self.replicas() as usize {
-                return Err(self.unavailable(shard, "the map names too few copies of it"));
+            if names.len() >= self.replicas() as usize {
+                return Err(self.unavailable(shard, "the map names too many copies of it"));
             }
             let mut backups = Vec::with_capacity(names.len());
             for name in &names {
                 let address = self.address_at(shard, name)?;
                 backups.push(Client::connect_with(
                     &address,
-                    self.shard_options(&address),
+                    self.shard_options(&address, shard),
                 )?);
             }
             self.backups[slot] = backups;
@@ -813,9 +817,15 @@ impl ClusterClient {
                 Err(e) if e.is_retryable() && !matches!(e, Error::Contended(_)) => e,
                 // A wrong secret, or a move's target that the map names
                 // owner but that is still open to the copier only (for a
-                // moment): tried again for MOVE_SETTLE.
+                // moment): tried again for MOVE_SETTLE. A replicated
+                // shard's copy turns away a group epoch it has not reached
+                // yet: for as long as a failover may take.
                 Err(e @ Error::Refused(_)) if refused_until.is_none_or(|t| Instant::now() < t) => {
-                    refused_until.get_or_insert(Instant::now() + MOVE_SETTLE);
+                    let wait = match self.replicas() > 1 {
+                        true => FAILOVER_WAIT,
+                        false => MOVE_SETTLE,
+                    };
+                    refused_until.get_or_insert(Instant::now() + wait);
                     e
                 }
                 // A version mismatch, a lasting refusal: the same anywhere.
@@ -829,7 +839,10 @@ impl ClusterClient {
             // owner: its connection is tried again meanwhile.
             let settling =
                 refused_until.is_some_and(|t| Instant::now() < t) || self.just_moved(shard);
-            if !moving && !settling && reread {
+            // A copy of a replicated shard that cannot be reached may be
+            // failed over (once its lease expires): waited for.
+            let failing_over = self.replicas() > 1 && started.elapsed() < FAILOVER_WAIT;
+            if !moving && !settling && !failing_over && reread {
                 return Err(match error {
                     Error::ShardUnavailable { .. } | Error::Refused(_) => error,
                     other => self.unavailable(shard, &other.to_string()),
@@ -910,10 +923,13 @@ impl ClusterClient {
     /// given time to open there.
     fn adopt(&mut self, state: ClusterState, seen_at: Instant) {
         for shard in 0..self.shards.len() as u32 {
-            if server(&self.state, shard) != server(&state, shard) {
+            // A failover changes the group's epoch: every copy then turns
+            // away connections made under the old one.
+            let new_group = group_epoch(&self.state, shard) != group_epoch(&state, shard);
+            if new_group || server(&self.state, shard) != server(&state, shard) {
                 self.shards[shard as usize] = None;
             }
-            if backup_servers(&self.state, shard) != backup_servers(&state, shard) {
+            if new_group || backup_servers(&self.state, shard) != backup_servers(&state, shard) {
                 self.backups[shard as usize].clear();
             }
             let owner = |s: &ClusterState| {
@@ -934,7 +950,7 @@ impl ClusterClient {
         let slot = shard as usize;
         if self.shards[slot].is_none() {
             let address = self.address_of(shard)?;
-            let client = Client::connect_with(&address, self.shard_options(&address))?;
+            let client = Client::connect_with(&address, self.shard_options(&address, shard))?;
             self.shards[slot] = Some(client);
         }
         self.shards[slot]
@@ -947,7 +963,8 @@ impl ClusterClient {
     /// so that a cluster client keeps as many hints as a single one and no
     /// more (more would cost cache misses over shm; see
     /// [`crate::SlotCacheEntries`]).
-    fn shard_options(&self, address: &str) -> ClientOptions {
+    /// It presents the group epoch the map gives `shard`.
+    fn shard_options(&self, address: &str, shard: u32) -> ClientOptions {
         let total = self
             .options
             .slot_cache_entries
@@ -957,7 +974,9 @@ impl ClusterClient {
                 crate::DEFAULT_SLOT_CACHE_ENTRIES.shm
             });
         let per_shard = total.div_ceil(self.shards.len().max(1));
-        self.options.clone().with_slot_cache_entries(per_shard)
+        let mut options = self.options.clone().with_slot_cache_entries(per_shard);
+        options.group_epoch = group_epoch(&self.state, shard);
+        options
     }
 
     /// The address of `shard` at its owner, as the map last read says.
@@ -1013,6 +1032,11 @@ fn backup_servers(state: &ClusterState, shard: u32) -> Vec<Option<(&str, i64)>> 
             Some((member.listen.as_str(), member.incarnation))
         })
         .collect()
+}
+
+/// The group epoch `state`'s map gives `shard`'s copies.
+fn group_epoch(state: &ClusterState, shard: u32) -> u64 {
+    state.shard_map().map_or(0, |m| m.group_epoch(shard))
 }
 
 /// Who serves `shard` in `state`: its owner's address and incarnation, if

@@ -143,7 +143,9 @@ impl From<TransportError> for Error {
 impl Error {
     pub(crate) fn from_server(kind: ErrorKind, message: String) -> Self {
         match kind {
-            ErrorKind::BadSecret | ErrorKind::TooManyClients => Error::Refused(message),
+            ErrorKind::BadSecret | ErrorKind::TooManyClients | ErrorKind::StaleGroup => {
+                Error::Refused(message)
+            }
             ErrorKind::VersionMismatch => Error::VersionMismatch(message),
             ErrorKind::IndexFull => Error::IndexFull(message),
             ErrorKind::ClusterMember => Error::InvalidAddress(message),

@@ -162,6 +162,11 @@ pub struct ClientOptions {
     /// (connect, lease, stats, the goodbye of [`Client::close`]) before
     /// giving the connection up.
     pub reply_timeout: Duration,
+    /// The group epoch presented at connect: a `ClusterClient` sets the
+    /// one its map gives the shard (a copy admits only clients that route
+    /// by its own, see kv-cluster's `ShardMap::group_epochs`); 0 for a
+    /// single server.
+    pub group_epoch: u64,
     /// Test hook (feature `test-hooks`): see
     /// [`ClientOptions::with_pause_after_index_read`].
     #[cfg(feature = "test-hooks")]
@@ -179,6 +184,7 @@ impl Default for ClientOptions {
             max_attempts: 10_000,
             slot_cache_entries: None,
             reply_timeout: transport::DEFAULT_REPLY_TIMEOUT,
+            group_epoch: 0,
             #[cfg(feature = "test-hooks")]
             pause_after_index_read: None,
             #[cfg(feature = "test-hooks")]
@@ -210,6 +216,15 @@ impl ClientOptions {
     #[must_use]
     pub fn with_slot_cache_entries(mut self, entries: impl Into<Option<usize>>) -> Self {
         self.slot_cache_entries = entries.into();
+        self
+    }
+
+    /// Presents `epoch` as the group epoch at connect (see
+    /// [`ClientOptions::group_epoch`]): to reach one copy of a replicated
+    /// shard directly, as a cluster's tools do.
+    #[must_use]
+    pub fn with_group_epoch(mut self, epoch: u64) -> Self {
+        self.group_epoch = epoch;
         self
     }
 
@@ -1046,6 +1061,7 @@ fn open(
     let info = match conn.call(&Request::Connect {
         protocol_version: PROTOCOL_VERSION,
         secret,
+        group: options.group_epoch,
     })? {
         Response::Connected(info) => info,
         Response::Error { kind, message } => return Err(Error::from_server(kind, message)),
@@ -1067,6 +1083,25 @@ pub(crate) fn fault_point(step: &str) {
     if fault.as_deref() == Some(step) {
         eprintln!("ONEKV_CLIENT_FAULT: aborting at {step}");
         std::process::abort();
+    }
+}
+
+/// Test hook (fault injection): the first time the process reaches
+/// `step`, sleeps for as long as the environment variable
+/// `ONEKV_CLIENT_PAUSE` (`STEP:MILLISECONDS`) says, as a client stalled
+/// there once (descheduled, swapped out) would. Read once.
+pub(crate) fn pause_point(step: &str) {
+    static PAUSE: std::sync::OnceLock<Option<(String, Duration)>> = std::sync::OnceLock::new();
+    static PAUSED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    let pause = PAUSE.get_or_init(|| {
+        let spec = std::env::var("ONEKV_CLIENT_PAUSE").ok()?;
+        let (at, ms) = spec.split_once(':')?;
+        Some((at.to_string(), Duration::from_millis(ms.parse().ok()?)))
+    });
+    if let Some((_, pause)) = pause.as_ref().filter(|(at, _)| at == step) {
+        if !PAUSED.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            std::thread::sleep(*pause);
+        }
     }
 }
 

@@ -34,7 +34,10 @@
 //! [`Error::OutcomeUnknown`]. So a backup holds, for every key, the last
 //! committed write or one in flight after it, never an older one: what a
 //! failover needs, since a backup promoted holds every acknowledged write
-//! (reads go to the primary, which has nothing the backups lack).
+//! (reads go to the primary, which has nothing the backups lack). Two
+//! backups may still disagree (two writers' sets reaching them in
+//! opposite orders), so a failover keeps the promoted copy alone (see
+//! kv-cluster's `placement::failover`).
 //!
 //! **Why inserts need a lock.** A key that is absent has no slot to CAS
 //! from: two writers that both found it absent insert into two empty slots
@@ -59,13 +62,17 @@
 //! it. So increments, too, run under the key's lock: none commits while
 //! another is between its observation and its commit, and a dead one's
 //! sum is overwritten by the next write (it stays an increment whose
-//! outcome is unknown, counted once or not at all). An increment that
+//! outcome is unknown, counted once or not at all). A sum is set on each
+//! backup by a CAS posted while the lock still holds, not by a PUT that is
+//! redone until it lands: a stalled increment's sum could otherwise land
+//! after a later increment's, older than what the primary acknowledged. An increment that
 //! fails after setting the backups (a PUT made the key plain meanwhile)
 //! brings them back to the primary's value before it returns (`level`).
 //! What this leaves open: a PUT or DELETE of a counter's key racing an
 //! increment whose client then dies between its copies can leave a backup
 //! with the sum and the primary with the PUT's value until the key's next
-//! write.
+//! write; and `level`'s sets of a present value are PUTs, which a stalled
+//! client could land after a later increment.
 
 use std::time::{Duration, Instant};
 
@@ -202,7 +209,15 @@ impl Group<'_> {
                     (Some(now.to_string().into_bytes()), Some(now))
                 }
             };
-            self.set_backups(key, value.as_deref(), touched)?;
+            crate::pause_point("replica-before-backups");
+            match (change, value.as_deref()) {
+                (Change::Add(_), Some(sum)) => {
+                    if !self.set_backups_locked(key, sum, *lock, touched)? {
+                        continue;
+                    }
+                }
+                (_, value) => self.set_backups(key, value, touched)?,
+            }
             crate::fault_point("replica-backups-set");
             if locks && !lock.is_some_and(|l| l.holds(self.primary)) {
                 continue;
@@ -231,6 +246,41 @@ impl Group<'_> {
             }
         }
         Ok(())
+    }
+
+    /// Sets an increment's `sum` on every backup by a CAS from what it
+    /// observes there, each CAS posted while the key's lock is held (with
+    /// its margin of deadlines): the sum was computed from the primary's
+    /// value under the lock, so it must not land once the lock may have
+    /// passed to the next increment (a plain PUT, redone until it lands,
+    /// could set a stale sum over a later one's, which a failover would
+    /// then serve). False when the lock lapsed first.
+    fn set_backups_locked(
+        &mut self,
+        key: &[u8],
+        sum: &[u8],
+        lock: Option<InsertLock>,
+        touched: &mut bool,
+    ) -> Result<bool> {
+        let attempts = self.primary.options.max_attempts;
+        for backup in self.backups.iter_mut() {
+            let mut set = false;
+            for _ in 0..attempts {
+                let observed = backup.observe(key, Need::Lowest, (false, true))?;
+                if !lock.is_some_and(|l| l.holds(self.primary)) {
+                    return Ok(false);
+                }
+                *touched = true;
+                if backup.commit(key, Some(sum), &observed)? == Commit::Done {
+                    set = true;
+                    break;
+                }
+            }
+            if !set {
+                return Err(Error::Contended(attempts));
+            }
+        }
+        Ok(true)
     }
 
     /// After an increment failed having set the backups (the key became

@@ -49,6 +49,10 @@ pub fn page(cluster: &str, state: &ClusterState, first: u32) -> Result<MapPage, 
                 .collect()
         })
         .unwrap_or_default();
+    let group_epochs: Vec<u64> = map
+        .filter(|m| m.group_epochs.iter().any(|&e| e != 0))
+        .map(|m| (0..shards).map(|s| m.group_epoch(s)).collect())
+        .unwrap_or_default();
     let moving = map
         .and_then(|m| m.moving.as_ref())
         .map(|mv| (mv.shard, name_of(&mv.to)));
@@ -75,13 +79,16 @@ pub fn page(cluster: &str, state: &ClusterState, first: u32) -> Result<MapPage, 
         moving,
         replicas: state.config.replicas,
         backups: Vec::new(),
+        group_epochs: Vec::new(),
     };
     let rest = owners.get(first as usize..).unwrap_or_default();
     let rest_backups = backups.get(first as usize..).unwrap_or_default();
+    let rest_epochs = group_epochs.get(first as usize..).unwrap_or_default();
     let mut take = rest.len().min(PAGE_SHARDS);
     loop {
         page.owners = rest[..take].to_vec();
         page.backups = rest_backups[..take.min(rest_backups.len())].to_vec();
+        page.group_epochs = rest_epochs[..take.min(rest_epochs.len())].to_vec();
         match protocol::encode(&protocol::Response::ClusterMap(page.clone())) {
             Ok(_) => return Ok(page),
             Err(_) if take > 1 => take /= 2,
@@ -112,6 +119,7 @@ pub fn assemble(
         check(&head, 0)?;
         let mut owners = head.owners.clone();
         let mut backups = head.backups.clone();
+        let mut group_epochs = head.group_epochs.clone();
         while head.epoch.is_some() && owners.len() < head.shards as usize {
             let next = fetch(owners.len() as u32)?;
             if next.revision != head.revision {
@@ -126,6 +134,7 @@ pub fn assemble(
                 first: head.first,
                 owners: head.owners.clone(),
                 backups: head.backups.clone(),
+                group_epochs: head.group_epochs.clone(),
                 ..next.clone()
             };
             if same != head || next.owners.is_empty() {
@@ -133,8 +142,12 @@ pub fn assemble(
             }
             owners.extend_from_slice(&next.owners);
             backups.extend_from_slice(&next.backups);
+            group_epochs.extend_from_slice(&next.group_epochs);
         }
-        let view = view(head, owners, backups);
+        if !group_epochs.is_empty() && group_epochs.len() != owners.len() {
+            return Err("a member sent group epochs for only some shards".into());
+        }
+        let view = view(head, owners, backups, group_epochs);
         if let Some(map) = view.state.shard_map() {
             map.check_groups(view.state.config.replicas)
                 .map_err(|e| format!("a member sent a map whose copies make no sense: {e}"))?;
@@ -181,14 +194,22 @@ fn check(page: &MapPage, first: u32) -> Result<(), String> {
             || page
                 .backups
                 .iter()
-                .any(|b| b.len() != group || b.iter().any(|&m| m >= names)))
+                .any(|b| b.len() > group || b.iter().any(|&m| m >= names)))
     {
-        return bad("backups it does not name, or of the wrong count");
+        return bad("backups it does not name, or too many");
+    }
+    if !page.group_epochs.is_empty() && page.group_epochs.len() != page.owners.len() {
+        return bad("group epochs of the wrong count");
     }
     Ok(())
 }
 
-fn view(head: MapPage, owners: Vec<u32>, backups: Vec<Vec<u32>>) -> MemberView {
+fn view(
+    head: MapPage,
+    owners: Vec<u32>,
+    backups: Vec<Vec<u32>>,
+    group_epochs: Vec<u64>,
+) -> MemberView {
     let name = |at: u32| head.names.get(at as usize).cloned();
     let map = head.epoch.map(|epoch| ShardMap {
         epoch,
@@ -197,6 +218,7 @@ fn view(head: MapPage, owners: Vec<u32>, backups: Vec<Vec<u32>>) -> MemberView {
             .iter()
             .map(|b| b.iter().filter_map(|&m| name(m)).collect())
             .collect(),
+        group_epochs,
         moving: head.moving.and_then(|(shard, to)| {
             Some(ShardMove {
                 shard,
@@ -258,6 +280,8 @@ mod tests {
                 .collect(),
             map: Some((
                 ShardMap {
+                    // Some shards failed over, at various epochs.
+                    group_epochs: (0..u64::from(shards)).map(|s| (s % 5) * 2).collect(),
                     epoch: 9,
                     owners: (0..shards)
                         .map(|s| (s % 7 != 3).then(|| ids[s as usize % members].clone()))
@@ -330,8 +354,9 @@ mod tests {
         assert!(assemble(|_| Ok(damaged.clone())).is_err());
         for change in [
             |p: &mut MapPage| p.backups[2][1] = 9,
-            |p: &mut MapPage| p.backups[2].pop().map_or((), drop),
+            |p: &mut MapPage| p.backups[2].push(0),
             |p: &mut MapPage| p.replicas = 4,
+            |p: &mut MapPage| p.group_epochs.truncate(3),
         ] {
             let mut damaged = page("c", &s, 0).unwrap();
             change(&mut damaged);

@@ -20,12 +20,19 @@
 //! So a member cut off from etcd — etcd down, or this member partitioned
 //! from it — is still the only server of its shards; clients that connect
 //! meanwhile cannot find it (its record has expired) and get
-//! `ShardUnavailable`. Failover to replicas will give shards away without
-//! their owner, and must fence a member cut off from etcd while others
-//! can reach it; that rule comes with the replicas.
+//! `ShardUnavailable`.
+//!
+//! **With replicas** that no longer holds: once a member's lease expires,
+//! the coordinator fails its copies over to their other members
+//! (`placement`). So a member of a replicated cluster stops serving its
+//! copies as soon as its lease is unconfirmed (kv-server's `main`), at
+//! least a quarter TTL before etcd could expire it, and serves them again
+//! once etcd says the lease lives; a replicated cluster's copies thus
+//! wait out an etcd outage. (Telling "etcd is down" from "this member is
+//! cut off from it" would need the peers' word: not built.)
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -67,6 +74,41 @@ enum Hold {
 #[derive(Default)]
 struct HoldFlag(AtomicU8);
 
+/// Until when the member counts its lease as held, as the servers of its
+/// copies read it at each client's connect: they refuse clients past it
+/// even before the member's own loop has stopped them (it may lag, or the
+/// process may just have woken from a pause).
+#[derive(Clone, Debug, Default)]
+pub struct LeaseDeadline(Arc<AtomicU64>);
+
+/// What [`LeaseDeadline`]s count from.
+fn deadline_base() -> std::time::Instant {
+    static BASE: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    *BASE.get_or_init(std::time::Instant::now)
+}
+
+impl LeaseDeadline {
+    fn set(&self, until: Instant) {
+        let nanos = until
+            .into_std()
+            .saturating_duration_since(deadline_base())
+            .as_nanos();
+        self.0
+            .store(u64::try_from(nanos).unwrap_or(u64::MAX), Ordering::SeqCst);
+    }
+
+    fn clear(&self) {
+        self.0.store(0, Ordering::SeqCst);
+    }
+
+    /// Whether the lease may be lost by now (never held, or past the time
+    /// it counts as held).
+    pub fn passed(&self) -> bool {
+        let now = deadline_base().elapsed().as_nanos();
+        u128::from(self.0.load(Ordering::SeqCst)) <= now
+    }
+}
+
 impl HoldFlag {
     fn set(&self, hold: Hold) {
         self.0.store(hold as u8, Ordering::SeqCst);
@@ -87,6 +129,7 @@ pub struct Membership {
     stop: watch::Sender<bool>,
     draining: watch::Sender<bool>,
     held: Arc<HoldFlag>,
+    deadline: LeaseDeadline,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -113,10 +156,12 @@ impl Membership {
         let (stop, stopped) = watch::channel(false);
         let (draining, drains) = watch::channel(false);
         let held = Arc::new(HoldFlag::default());
+        let deadline = LeaseDeadline::default();
         let controls = Controls {
             stopped,
             drains,
             held: Arc::clone(&held),
+            deadline: deadline.clone(),
         };
         let thread = std::thread::Builder::new()
             .name("kv-member".into())
@@ -126,8 +171,15 @@ impl Membership {
             stop,
             draining,
             held,
+            deadline,
             thread: Some(thread),
         })
+    }
+
+    /// Until when the lease counts as held, kept current (see
+    /// [`LeaseDeadline`]).
+    pub fn lease_deadline(&self) -> LeaseDeadline {
+        self.deadline.clone()
     }
 
     /// Whether the lease is known to be held now: false from the moment
@@ -180,6 +232,7 @@ async fn run(
     loop {
         let result = incarnation(&url, &spec, &events, &mut controls).await;
         controls.held.set(Hold::Lost);
+        controls.deadline.clear();
         let why = match result {
             Ok(()) => return,
             Err(e) => e.to_string(),
@@ -256,6 +309,7 @@ struct Controls {
     stopped: watch::Receiver<bool>,
     drains: watch::Receiver<bool>,
     held: Arc<HoldFlag>,
+    deadline: LeaseDeadline,
 }
 
 /// Keeping one lease alive with the member's record on it, and when the
@@ -411,12 +465,14 @@ async fn serve_lease(
     let (mut stale, mut retry_at) = (true, Instant::now());
     let mut acks_open = true;
     loop {
+        controls.deadline.set(renewal.held_until);
         if Instant::now() >= renewal.held_until {
             controls.held.set(Hold::Unconfirmed);
             if !confirm(etcd, &mut renewal, controls).await? {
                 return Ok(());
             }
             controls.held.set(Hold::Held);
+            controls.deadline.set(renewal.held_until);
             acks_open = true;
             // The watch may have broken meanwhile: read the state again.
             (stale, retry_at) = (true, Instant::now());

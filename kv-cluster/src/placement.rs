@@ -14,15 +14,15 @@ use crate::records::{ClusterConfig, ShardMap, ShardMove};
 ///   shards dealt round-robin over them (sorted, so any coordinator deals
 ///   the same way); with replicas, each shard's group as [`deal_groups`]
 ///   makes them.
-/// - With replicas the map stays as dealt: failover and restoring the
-///   replica count change it (they come next); a shard is not moved, since
-///   a move copies one region and its backups would not follow.
+/// - With replicas, only failover changes the map (see [`failover`]):
+///   a shard is not moved, since a move copies one region and its backups
+///   would not follow, and restoring the replica count comes next.
 /// - A move under way is waited for, or dropped if its source is no
 ///   longer live or its target no longer takes shards (it cannot finish;
 ///   the source keeps the shard).
 /// - A shard without an owner goes to the member that owns fewest.
-/// - A shard whose owner is not live keeps it: its region is on that
-///   server, which brings it back when it restarts.
+/// - A shard whose owner is not live keeps it (one copy): its region is
+///   on that server, which brings it back when it restarts.
 /// - A draining member's shards move away first, then, while two members'
 ///   shard counts differ by more than one, a shard of the one with most
 ///   moves to the one with fewest: one move at a time. Ties go to the
@@ -53,7 +53,8 @@ pub fn next_map(
         return first_map(config, &zoned);
     };
     if config.replicas > 1 {
-        return None;
+        let live: Vec<&str> = live.iter().map(|(id, _)| id.as_str()).collect();
+        return failover(map, &live);
     }
     let live: Vec<String> = live.iter().map(|(id, _)| id.clone()).collect();
     let live = live.as_slice();
@@ -102,6 +103,55 @@ pub fn next_map(
     Some(next)
 }
 
+/// The map after the copies of members not in `live` are given up (their
+/// leases expired): a gone backup leaves its group; a shard whose primary
+/// is gone is led by its last live backup alone, under a new group epoch
+/// (the new map's epoch). A shard with no live copy keeps its group: its
+/// copies' servers hold its only state and serve it again when they
+/// return. None when nothing changes.
+///
+/// Why the backup holds every acknowledged write: a write commits at the
+/// primary only after it set every backup, and a backup's value is the
+/// last committed write or a set that landed after it from a writer never
+/// answered (see kv-client's `replicated`), which may take effect now.
+/// Why alone: two such writers' sets may reach two backups in opposite
+/// orders, so the backups left could disagree with the new primary in a
+/// way that a second failover would show readers as a value going back.
+/// They are dropped (their servers delete them) until copies made from the
+/// new primary restore the count.
+fn failover(map: &ShardMap, live: &[&str]) -> Option<ShardMap> {
+    let mut next = map.clone();
+    next.epoch += 1;
+    let mut changed = false;
+    for shard in 0..map.owners.len() {
+        let Some(primary) = map.owners[shard].as_deref() else {
+            continue;
+        };
+        let backups = map.backups(shard as u32);
+        let mut kept: Vec<String> = backups
+            .iter()
+            .filter(|b| live.contains(&b.as_str()))
+            .cloned()
+            .collect();
+        if live.contains(&primary) {
+            if kept.len() != backups.len() {
+                next.backups[shard] = kept;
+                changed = true;
+            }
+            continue;
+        }
+        let Some(promoted) = kept.pop() else {
+            continue;
+        };
+        next.owners[shard] = Some(promoted);
+        next.backups[shard] = Vec::new();
+        next.group_epochs.resize(map.owners.len(), 0);
+        next.group_epochs[shard] = next.epoch;
+        changed = true;
+    }
+    changed.then_some(next)
+}
+
 /// The first map, over `members` (each with its zone).
 fn first_map(config: &ClusterConfig, members: &[(String, Option<String>)]) -> Option<ShardMap> {
     let (owners, backups) = match config.replicas {
@@ -121,6 +171,7 @@ fn first_map(config: &ClusterConfig, members: &[(String, Option<String>)]) -> Op
         owners: owners.into_iter().map(Some).collect(),
         backups,
         moving: None,
+        group_epochs: Vec::new(),
     })
 }
 
@@ -242,6 +293,7 @@ mod tests {
     fn owned_shards_stay_and_unowned_ones_go_to_the_least_loaded() {
         let c = config(4, 1);
         let map = ShardMap {
+            group_epochs: Vec::new(),
             epoch: 7,
             owners: vec![Some("gone".into()), None, Some("a".into()), None],
             backups: Vec::new(),
@@ -296,6 +348,7 @@ mod tests {
             epoch: 3,
             owners: vec![Some("a".into()), Some("a".into())],
             backups: Vec::new(),
+            group_epochs: Vec::new(),
             moving: Some(ShardMove {
                 shard: 1,
                 to: "b".into(),
@@ -400,5 +453,52 @@ mod tests {
         }
         let two_zones = zoned(&[("a", "x"), ("b", "x"), ("c", "y")]);
         assert_eq!(next_map(&c, None, &two_zones, &[], secret), None);
+    }
+
+    #[test]
+    fn a_gone_primary_is_followed_by_its_last_live_backup_and_a_gone_backup_leaves() {
+        let c = ClusterConfig {
+            shards: 6,
+            initial_members: 3,
+            replicas: 3,
+        };
+        let all = live(&["a", "b", "c"]);
+        let map = next_map(&c, None, &all, &[], secret).unwrap();
+        let failed = next_map(&c, Some(&map), &live(&["b", "c"]), &[], secret).unwrap();
+        assert_eq!(failed.epoch, map.epoch + 1);
+        for shard in 0..6 {
+            let (was, now) = (map.owner(shard).unwrap(), failed.owner(shard).unwrap());
+            let old_backups = map.backups(shard);
+            if was == "a" {
+                assert_eq!(now, old_backups.last().unwrap());
+                assert!(failed.backups(shard).is_empty());
+                assert_eq!(failed.group_epoch(shard), failed.epoch);
+            } else {
+                assert_eq!(now, was);
+                let kept: Vec<String> = old_backups.iter().filter(|b| *b != "a").cloned().collect();
+                assert_eq!(failed.backups(shard), kept.as_slice());
+                assert_eq!(failed.group_epoch(shard), 0);
+            }
+            assert_eq!(failed.copies_of("a").count(), 0);
+        }
+        failed.check_groups(3).unwrap();
+        // A map of lone primaries stores no backups at all, and reads back
+        // whole.
+        let last = next_map(&c, Some(&failed), &live(&["c"]), &[], secret).unwrap();
+        let stored: ShardMap = serde_json::from_slice(&crate::records::encode(&last)).unwrap();
+        assert_eq!(stored.backups(0), last.backups(0));
+        stored.check_groups(3).unwrap();
+        // Nothing more to do while the same members live; with none of a
+        // group's copies live, the group stays for its servers' return.
+        assert_eq!(
+            next_map(&c, Some(&failed), &live(&["b", "c"]), &[], secret),
+            None
+        );
+        let none = next_map(&c, Some(&last), &live(&[]), &[], secret);
+        assert_eq!(none, None);
+        for shard in 0..6 {
+            assert_eq!(last.owner(shard), Some("c"));
+            assert!(last.backups(shard).is_empty());
+        }
     }
 }

@@ -96,13 +96,19 @@ pub struct ShardMap {
     /// published there (after its backups: see kv-client's `replicated`).
     pub owners: Vec<Option<String>>,
     /// `backups[shard]`: the members that hold the shard's other copies;
-    /// empty for every shard of a cluster of one replica (and then not
-    /// written at all).
+    /// empty for every shard of a cluster of one replica, or once failovers
+    /// left each shard one copy (and then not written at all).
     #[serde(default, skip_serializing_if = "no_backups")]
     pub backups: Vec<Vec<String>>,
     /// The shard being moved, if one is (one at a time).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub moving: Option<ShardMove>,
+    /// `group_epochs[shard]`: the map epoch at which the shard's primary
+    /// last changed by a failover (0, or absent: never). Every copy admits
+    /// only clients that route by it, so a writer that still knows the
+    /// old primary cannot touch the copies once they serve the new one.
+    #[serde(default, skip_serializing_if = "never_failed_over")]
+    pub group_epochs: Vec<u64>,
 }
 
 /// A shard on its way from its owner to another member (see `shard_move`
@@ -120,6 +126,10 @@ pub struct ShardMove {
 
 fn no_backups(backups: &[Vec<String>]) -> bool {
     backups.iter().all(Vec::is_empty)
+}
+
+fn never_failed_over(epochs: &[u64]) -> bool {
+    epochs.iter().all(|&e| e == 0)
 }
 
 impl ShardMap {
@@ -146,11 +156,16 @@ impl ShardMap {
         self.backups.get(shard as usize).map_or(&[], Vec::as_slice)
     }
 
-    /// Whether every shard has `replicas - 1` backups, distinct and none
-    /// its owner (a map that does not would send writes to fewer copies
-    /// than the cluster keeps).
+    /// The epoch of `shard`'s group: what its copies ask of a client at
+    /// connect (see `group_epochs`).
+    pub fn group_epoch(&self, shard: u32) -> u64 {
+        self.group_epochs.get(shard as usize).copied().unwrap_or(0)
+    }
+
+    /// Whether every shard has at most `replicas - 1` backups, distinct
+    /// and none its owner (fewer once a failover dropped a dead copy).
     pub fn check_groups(&self, replicas: u32) -> Result<(), String> {
-        if replicas <= 1 && self.backups.is_empty() {
+        if self.backups.is_empty() {
             return Ok(());
         }
         if self.backups.len() != self.owners.len() {
@@ -166,9 +181,9 @@ impl ShardMap {
             let count = all.len();
             all.sort_unstable();
             all.dedup();
-            if group.len() + 1 != replicas as usize || all.len() != count {
+            if group.len() + 1 > replicas as usize || all.len() != count {
                 return Err(format!(
-                    "shard {shard} has backups {group:?}: a cluster of {replicas} copies needs {} distinct others",
+                    "shard {shard} has backups {group:?}: a cluster of {replicas} copies has at most {} distinct others",
                     replicas.saturating_sub(1)
                 ));
             }
@@ -319,6 +334,18 @@ pub fn describe(
             down.join(" ")
         );
     }
+    let short: Vec<String> = (0..map.owners.len() as u32)
+        .map(|s| (s, map.backups(s).len() + 1))
+        .filter(|&(_, copies)| copies < config.replicas as usize)
+        .map(|(s, copies)| format!("{s} ({copies} of {})", config.replicas))
+        .collect();
+    if !short.is_empty() {
+        let _ = writeln!(
+            out,
+            "shards short of copies (a failover dropped a dead server's): {}",
+            short.join(", ")
+        );
+    }
     out
 }
 
@@ -356,6 +383,7 @@ mod tests {
     #[test]
     fn records_round_trip_and_damage_is_named() {
         let map = ShardMap {
+            group_epochs: Vec::new(),
             epoch: 4,
             owners: vec![Some("a".into()), None],
             backups: Vec::new(),

@@ -33,7 +33,7 @@ pub struct RemoteRegion {
 /// others' encoding is unchanged, and a peer that lacks it fails to decode
 /// that one message (a client of version 8 before `ClusterMap` meets a
 /// member's address that way).
-pub const PROTOCOL_VERSION: u32 = 10;
+pub const PROTOCOL_VERSION: u32 = 11;
 /// Largest encoded message either side accepts.
 pub const MAX_MESSAGE: usize = 64 * 1024;
 
@@ -129,10 +129,14 @@ pub struct Unlinked {
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Request {
-    /// Must be the first message. `secret` is checked when the server has one.
+    /// Must be the first message. `secret` is checked when the server has
+    /// one; `group`, the group epoch of the shard's copies the client
+    /// routes by (a cluster's map: 0 outside a cluster, or before any
+    /// failover), must be the copy's own.
     Connect {
         protocol_version: u32,
         secret: Vec<u8>,
+        group: u64,
     },
     /// Lease heap space: one or more extents, the first of at least
     /// `min_len` bytes (at most a chunk).
@@ -234,6 +238,9 @@ pub struct MapPage {
     /// The backups of the same shards as `owners` (positions in `names`);
     /// empty when the cluster keeps one copy.
     pub backups: Vec<Vec<u32>>,
+    /// The group epochs of the same shards (what their copies ask at
+    /// connect); empty when none has failed over.
+    pub group_epochs: Vec<u64>,
 }
 
 /// In [`MapPage::owners`]: a shard no member owns yet.
@@ -290,6 +297,9 @@ pub enum ErrorKind {
     /// Leased space could not be made writable for this client (over rdma,
     /// its memory window): the server closes the channel and the lease.
     WriteGrant,
+    /// The client routes by another group epoch than this copy serves
+    /// (a failover changed the shard's primary): it reads the map again.
+    StaleGroup,
 }
 
 /// Counters a server keeps about its control plane and heap.
@@ -513,6 +523,7 @@ mod tests {
             Request::Connect {
                 protocol_version: PROTOCOL_VERSION,
                 secret: b"s3".to_vec(),
+                group: 7,
             },
             Request::Lease { min_len: 4096 },
             Request::GiveBack {

@@ -81,15 +81,19 @@ pub enum Refusal {
     Connections,
     /// The transport could not admit it (no free access key or queue pair).
     Admission,
+    /// It routes by another group epoch (a failover it has not seen, or
+    /// one this copy has not seen yet).
+    Group,
 }
 
 impl Refusal {
-    pub const ALL: [Refusal; 5] = [
+    pub const ALL: [Refusal; 6] = [
         Refusal::Version,
         Refusal::Secret,
         Refusal::Clients,
         Refusal::Connections,
         Refusal::Admission,
+        Refusal::Group,
     ];
 
     /// The metrics label.
@@ -100,6 +104,7 @@ impl Refusal {
             Refusal::Clients => "max_clients",
             Refusal::Connections => "max_connections",
             Refusal::Admission => "admission",
+            Refusal::Group => "group_epoch",
         }
     }
 }
@@ -168,6 +173,10 @@ pub struct Shared {
     /// What the server's own resize connection presents (see `grow.rs`).
     pub mover_token: [u8; 32],
     pub secret: Option<Vec<u8>>,
+    /// The group epoch clients must route by (see `ServerConfig`).
+    pub group_epoch: u64,
+    /// Clients are admitted only before it passes (see `ServerConfig`).
+    pub lease: Option<kv_cluster::member::LeaseDeadline>,
     pub op_deadline: Duration,
     pub max_clients: u64,
     pub pool: Mutex<HeapPool>,
@@ -399,9 +408,10 @@ pub fn handle(
             Request::Connect {
                 protocol_version,
                 secret,
+                group,
             },
             None,
-        ) => connect(shared, session, peer, protocol_version, &secret),
+        ) => connect(shared, session, peer, (protocol_version, group), &secret),
         (Request::Connect { .. }, Some(_)) => {
             c.malformed.fetch_add(1, Relaxed);
             let after = offence(session);
@@ -491,7 +501,7 @@ fn connect(
     shared: &Shared,
     session: &mut Session,
     peer: &mut dyn ControlPeer,
-    protocol_version: u32,
+    (protocol_version, group): (u32, u64),
     secret: &[u8],
 ) -> (Response, After) {
     let c = &shared.counters;
@@ -508,6 +518,19 @@ fn connect(
             tracing::warn!("refused a client with a wrong secret");
             return (error(ErrorKind::BadSecret, "wrong secret"), After::Close);
         }
+    }
+    if shared.lease.as_ref().is_some_and(|l| l.passed()) && !mover {
+        c.refuse(Refusal::Group);
+        let m = "this copy's server cannot confirm its lease: it may have been failed over";
+        return (error(ErrorKind::StaleGroup, m), After::Close);
+    }
+    if group != shared.group_epoch && !mover {
+        c.refuse(Refusal::Group);
+        let m = format!(
+            "this copy serves group epoch {}, the client routes by {group}: read the map again",
+            shared.group_epoch
+        );
+        return (error(ErrorKind::StaleGroup, m), After::Close);
     }
     if !mover && c.connected.load(Relaxed) >= shared.max_clients {
         c.refuse(Refusal::Clients);

@@ -725,6 +725,7 @@ impl Mover {
         let reply = conn.call(&Request::Connect {
             protocol_version: PROTOCOL_VERSION,
             secret: shared.mover_token.to_vec(),
+            group: 0,
         })?;
         let Response::Connected(info) = reply else {
             return Err(TransportError::Unsupported(format!(

@@ -114,6 +114,13 @@ pub struct ServerConfig {
     pub resize_on_request_up_to: u64,
     /// When set, clients must present it to connect.
     pub secret: Option<Vec<u8>>,
+    /// The group epoch a client must route by to connect: a cluster's
+    /// copy of a replicated shard serves the epoch of the map's last
+    /// failover of that shard (0 elsewhere).
+    pub group_epoch: u64,
+    /// A replicated cluster's copy admits clients only while its member's
+    /// lease counts as held (see kv-cluster's `LeaseDeadline`).
+    pub lease: Option<kv_cluster::member::LeaseDeadline>,
     /// File backing the region of an rdma server (a shm address names its
     /// own); by default /dev/shm/onekv-rdma-PORT.
     pub region_file: Option<PathBuf>,
@@ -156,6 +163,8 @@ impl ServerConfig {
             resize_at: 0.8,
             resize_on_request_up_to: DEFAULT_RESIZE_ON_REQUEST,
             secret: None,
+            group_epoch: 0,
+            lease: None,
             region_file: None,
             group_access: false,
             op_deadline: Duration::from_millis(50),
@@ -520,6 +529,8 @@ fn new_shared(
         header_repair_warned: Mutex::new(None),
         mover_token: grow::mover_token(),
         secret: config.secret.clone(),
+        group_epoch: config.group_epoch,
+        lease: config.lease.clone(),
         op_deadline: config.op_deadline,
         max_clients: config.max_clients,
         pool: Mutex::new(found.pool),

@@ -128,7 +128,10 @@ struct ServeArgs {
     /// it for three quarters of this starts nothing (no shard, no move)
     /// until etcd answers; if etcd then says the lease expired, it stops
     /// serving every shard and joins again. While etcd cannot be reached
-    /// it serves its shards on.
+    /// it serves its shards on, but in a cluster with --replicas it stops
+    /// serving its copies (they may be failed over once the lease
+    /// expires) until etcd says the lease lives. The copies of a server
+    /// whose lease expired fail over within about this long.
     #[arg(long, default_value_t = 3, requires = "cluster")]
     lease_ttl: u64,
 }
@@ -360,6 +363,8 @@ fn serve_shards(
     let directory = Directory::serve(host.listen(), host.member(), &url.name)
         .map_err(|e| format!("{}: {e}", host.listen()))?;
     let membership = Membership::join(url, spec, events_tx).map_err(|e| e.to_string())?;
+    let mut host = host;
+    host.set_lease(membership.lease_deadline());
     let mut member = Member {
         host,
         directory,
@@ -378,7 +383,7 @@ fn serve_shards(
         let drained = member.host.is_empty() || member.others == 0;
         if signals == 1 && !drained && member.host.keeps_copies() {
             // Nothing would move: waiting out the drain limit helps nobody.
-            tracing::warn!("leaving without a drain: a cluster of several copies does not move shards yet (their writes wait for this server's return)");
+            tracing::warn!("leaving without a drain: a cluster of several copies does not move shards yet; the copies here fail over to the others, one copy fewer each");
             break;
         }
         if signals >= 2 || (signals == 1 && drained) {
@@ -435,6 +440,18 @@ impl Member {
         if self.joined && membership.lease_lost() {
             tracing::warn!("the etcd lease is gone: serving nothing until joined again");
             self.leave_serving();
+        } else if self.joined && self.host.keeps_copies() && !membership.holds_lease() {
+            // Its copies may be failed over from the moment the lease
+            // expires: they stop now, while it is still held (a quarter of
+            // the TTL of margin), and start again once etcd says it lives
+            // (`poll` follows the map then). The price: a replicated
+            // cluster's shards wait out an etcd outage.
+            if self.host.serves_any() {
+                tracing::warn!(
+                    "the etcd lease is unconfirmed: this server's copies stop until etcd answers"
+                );
+                self.host.stop_all();
+            }
         }
         Ok(())
     }
@@ -446,6 +463,7 @@ impl Member {
                 self.joined = true;
             }
             MemberEvent::State(state) => {
+                self.host.saw(&state);
                 let me = self.host.member();
                 self.others = state
                     .members

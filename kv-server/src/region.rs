@@ -409,12 +409,25 @@ fn revoke_clients(
     path: &Path,
     settle: std::time::Duration,
 ) -> Result<(), ServerError> {
+    zero_keys(region, path)?;
+    std::thread::sleep(settle);
+    Ok(())
+}
+
+/// Zeroes every client key of the region file at `path`, whoever serves
+/// it: each client's next batch there fails (over shm, every batch checks
+/// its key first).
+pub fn revoke_keys(path: &Path) -> Result<(), ServerError> {
+    let region = SharedRegion::open(path).map_err(|e| region_error(path, e))?;
+    zero_keys(&region, path)
+}
+
+fn zero_keys(region: &SharedRegion, path: &Path) -> Result<(), ServerError> {
     for i in 0..KEY_TABLE_ENTRIES {
         region
             .store(KEY_TABLE_OFFSET + i * 8, 0)
             .map_err(|e| region_error(path, e))?;
     }
-    std::thread::sleep(settle);
     Ok(())
 }
 

@@ -30,10 +30,19 @@ use crate::control::Shared;
 use crate::shard_move::{self, Outgoing};
 use crate::{region_path, MetricsEndpoint, Server, ServerConfig, ServerError};
 
-/// A shard's server, and the secret it asks when it is a move's target.
+/// A shard's server, and what it asks of a client.
 struct Served {
     server: Server,
+    asks: Asks,
+}
+
+/// What a shard's server asks of a client at connect: the move's secret
+/// when it is a move's target; the group epoch its copies serve (see
+/// `ShardMap::group_epochs`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct Asks {
     secret: Option<String>,
+    group_epoch: u64,
 }
 
 /// The shards served, as the metrics endpoint reads them: weakly, so that
@@ -82,6 +91,15 @@ pub struct ShardHost {
     sent: Option<ShardMove>,
     /// The map last followed.
     map: Option<ShardMap>,
+    /// Where each member was last seen to listen, the departed included:
+    /// a failover fences the region of a shard's old primary (see
+    /// `fence_old_primaries`).
+    listens: BTreeMap<String, String>,
+    /// Whether the cluster keeps several copies of each shard.
+    replicated: bool,
+    /// The member's lease, which a replicated cluster's copies check at
+    /// each connect.
+    lease: Option<kv_cluster::member::LeaseDeadline>,
     /// When to follow it again if this member is behind it (see `poll`).
     retry_at: Option<Instant>,
     /// Why each shard that cannot start failed last: logged once, not at
@@ -128,6 +146,9 @@ impl ShardHost {
             sending: None,
             sent: None,
             map: None,
+            listens: BTreeMap::new(),
+            replicated: false,
+            lease: None,
             retry_at: None,
             failing: BTreeMap::new(),
             metrics,
@@ -166,21 +187,40 @@ impl ShardHost {
         &self.template.address
     }
 
+    /// The member's lease, as the copies started from now on check it.
+    pub fn set_lease(&mut self, lease: kv_cluster::member::LeaseDeadline) {
+        self.lease = Some(lease);
+    }
+
+    /// Takes in what `state` says besides the map: where its members
+    /// listen (see `listens`), and whether it keeps copies.
+    pub fn saw(&mut self, state: &kv_cluster::ClusterState) {
+        for m in &state.members {
+            self.listens.insert(m.id.clone(), m.listen.clone());
+        }
+        self.replicated = state.config.replicas > 1;
+    }
+
     /// Serves exactly what `map` gives this member: the shards it owns
     /// (reopening their regions when they exist, with every write they
     /// held) and a move's fresh region when it is the target; sends a
-    /// shard it owns that the map moves; stops everything else. A shard
-    /// that cannot start is logged and tried again at the next map.
-    /// Starting stops as soon as `held` says the lease may be lost.
+    /// shard it owns that the map moves; stops everything else. A copy
+    /// whose group epoch changed (a failover) is stopped, so that every
+    /// client routing by the old group loses it, and started again under
+    /// the new epoch after a grace period; a copy the
+    /// map no longer gives this member is deleted (a failover dropped it:
+    /// it misses writes made since). A shard that cannot start is logged
+    /// and tried again at the next map. Starting stops as soon as `held`
+    /// says the lease may be lost.
     pub fn follow(&mut self, map: &ShardMap, held: impl Fn() -> bool) {
-        self.map = Some(map.clone());
+        let before = self.map.replace(map.clone());
         self.retry_at = Some(Instant::now() + RETRY_EVERY);
         let (wanted, outgoing) = self.plan(map);
         let stale: Vec<u32> = self
             .serving
             .iter()
             .filter(|(s, served)| {
-                wanted.get(s) != Some(&served.secret)
+                wanted.get(s) != Some(&served.asks)
                     && Some(**s) != outgoing.as_ref().map(|m| m.shard)
             })
             .map(|(s, _)| *s)
@@ -191,35 +231,125 @@ impl ShardHost {
                 served.server.shutdown();
             }
         }
+        if self.replicated {
+            self.discard_dropped_copies(map, &wanted);
+        }
+        // The shards held here that a failover gave a new primary since
+        // the last map.
+        let failed_over: Vec<u32> = wanted
+            .iter()
+            .filter(|(s, asks)| {
+                before
+                    .as_ref()
+                    .is_some_and(|b| b.group_epoch(**s) != asks.group_epoch)
+            })
+            .map(|(s, _)| *s)
+            .collect();
+        self.fence_old_primaries(before.as_ref(), map, &failed_over);
+        if !failed_over.is_empty() {
+            // Each starts again after a grace period for what the clients
+            // cut off had begun (`Server::start` waits it).
+            tracing::info!(shards = ?failed_over, "failover: serving under the new group epoch");
+        }
         if let Some(m) = outgoing.filter(|_| held()) {
             self.send(m);
         }
-        for (shard, secret) in wanted {
+        for (shard, asks) in wanted {
             if !held() {
                 break;
             }
             if self.serving.contains_key(&shard) {
                 continue;
             }
-            self.start(shard, secret, map.epoch);
+            self.start(shard, asks, map.epoch);
         }
         self.show_served();
     }
 
+    /// Deletes the region of each shard whose copy this member held and
+    /// `map` (a replicated cluster's) no longer gives it: a failover
+    /// dropped it while this member was away, so it misses acknowledged
+    /// writes and must never be served as current again.
+    fn discard_dropped_copies(&self, map: &ShardMap, wanted: &BTreeMap<u32, Asks>) {
+        for shard in 0..map.owners.len() as u32 {
+            if wanted.contains_key(&shard) || self.serving.contains_key(&shard) {
+                continue;
+            }
+            let Ok(path) = self.config_of(shard).and_then(|c| region_path(&c)) else {
+                continue;
+            };
+            match std::fs::remove_file(&path) {
+                Ok(()) => tracing::warn!(
+                    shard,
+                    "deleted this server's copy: the map no longer keeps it here (a failover left it behind)"
+                ),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => tracing::error!(shard, "cannot delete a dropped copy: {e}"),
+            }
+        }
+    }
+
+    /// For each shard in `shards`, whose primary a failover changed from
+    /// `before`: over shm (one host, so the old primary's region file is
+    /// here), revokes every key of the old primary's region, so that a
+    /// client still routing by the old map can no longer read there, even
+    /// if its server is not running to do it. Over rdma a dead server's
+    /// registrations went with its process, and a live one fences itself
+    /// once its lease is unconfirmed (kv-server's `main`).
+    fn fence_old_primaries(&self, before: Option<&ShardMap>, map: &ShardMap, shards: &[u32]) {
+        for &shard in shards {
+            let Some(old) = before.and_then(|b| b.owner(shard)) else {
+                continue;
+            };
+            if map.owner(shard) == Some(old) {
+                continue;
+            }
+            let listen = self.listens.get(old).and_then(|l| Address::parse(l).ok());
+            let Some(Address::Shm { .. }) = listen else {
+                continue;
+            };
+            let Some(at) = listen.and_then(|l| shard_address(&l, shard).ok()) else {
+                continue;
+            };
+            let Address::Shm { region } = at else {
+                continue;
+            };
+            if !region.exists() {
+                continue;
+            }
+            match crate::region::revoke_keys(&region) {
+                Ok(()) => tracing::info!(shard, old, "revoked the old primary's keys"),
+                Err(e) => tracing::warn!(shard, old, "cannot revoke the old primary's keys: {e}"),
+            }
+        }
+    }
+
     /// What `map` asks of this member: each shard to serve (those it owns
     /// and those it backs up: a backup's region is served as a primary's,
-    /// for the writers that keep it a copy), with the secret it asks (a
-    /// move's target), and the move to send.
-    fn plan(&self, map: &ShardMap) -> (BTreeMap<u32, Option<String>>, Option<ShardMove>) {
-        let mut wanted: BTreeMap<u32, Option<String>> =
-            map.copies_of(&self.member).map(|s| (s, None)).collect();
+    /// for the writers that keep it a copy), with what it asks of clients
+    /// (a move target's secret, the group epoch), and the move to send.
+    fn plan(&self, map: &ShardMap) -> (BTreeMap<u32, Asks>, Option<ShardMove>) {
+        let mut wanted: BTreeMap<u32, Asks> = map
+            .copies_of(&self.member)
+            .map(|s| {
+                let asks = Asks {
+                    secret: None,
+                    group_epoch: map.group_epoch(s),
+                };
+                (s, asks)
+            })
+            .collect();
         let mut outgoing = None;
         if let Some(m) = &map.moving {
             if map.owner(m.shard) == Some(self.member.as_str()) {
                 wanted.remove(&m.shard);
                 outgoing = Some(m.clone());
             } else if m.to == self.member {
-                wanted.insert(m.shard, Some(m.secret.clone()));
+                let asks = Asks {
+                    secret: Some(m.secret.clone()),
+                    group_epoch: map.group_epoch(m.shard),
+                };
+                wanted.insert(m.shard, asks);
             }
         }
         (wanted, outgoing)
@@ -239,9 +369,11 @@ impl ShardHost {
         unserved || unsent
     }
 
-    fn start(&mut self, shard: u32, secret: Option<String>, epoch: u64) {
+    fn start(&mut self, shard: u32, asks: Asks, epoch: u64) {
+        let secret = asks.secret.clone();
         let started = self.config_of(shard).and_then(|mut config| {
             prepare_region(&region_path(&config)?, secret.as_deref())?;
+            config.group_epoch = asks.group_epoch;
             if let Some(secret) = &secret {
                 config.secret = Some(secret.as_bytes().to_vec());
                 // Only the copier connects: it sizes the index as the
@@ -258,7 +390,7 @@ impl ShardHost {
                     "serving"
                 };
                 tracing::info!(shard, address = %server.address(), epoch, "{role}");
-                self.serving.insert(shard, Served { server, secret });
+                self.serving.insert(shard, Served { server, asks });
                 self.failing.remove(&shard);
             }
             Err(e) => {
@@ -312,10 +444,11 @@ impl ShardHost {
     /// serves.
     fn serve_on(&mut self, shard: u32, server: &Mutex<Option<Server>>) {
         if let Some(server) = take(server) {
-            let served = Served {
-                server,
+            let asks = Asks {
                 secret: None,
+                group_epoch: server.shared.group_epoch,
             };
+            let served = Served { server, asks };
             self.serving.insert(shard, served);
         }
     }
@@ -379,6 +512,9 @@ impl ShardHost {
         });
         // The member's one endpoint shows every shard (see `new`).
         config.metrics_listen = None;
+        if self.replicated {
+            config.lease.clone_from(&self.lease);
+        }
         Ok(config)
     }
 
@@ -408,10 +544,15 @@ impl ShardHost {
         })
     }
 
-    /// Whether the map keeps several copies of each shard (such a map is
-    /// not changed by moves yet).
+    /// Whether the cluster keeps several copies of each shard (its map is
+    /// not changed by moves yet, and its copies fail over).
     pub fn keeps_copies(&self) -> bool {
-        self.map.as_ref().is_some_and(|m| !m.backups.is_empty())
+        self.replicated
+    }
+
+    /// Whether a shard's server runs here.
+    pub fn serves_any(&self) -> bool {
+        !self.serving.is_empty()
     }
 
     /// Whether this member serves no shard and sends none: it may leave
@@ -614,6 +755,7 @@ mod tests {
 
     fn map(moving: Option<ShardMove>) -> ShardMap {
         ShardMap {
+            group_epochs: Vec::new(),
             epoch: 1 + u64::from(moving.is_some()),
             owners: vec![Some("m0".into()), Some("m0".into())],
             backups: Vec::new(),

@@ -273,7 +273,6 @@ impl Daemon {
         }
     }
 
-    /// `kill -9`: no clean-up of any kind.
     /// Sends `signal` (SIGSTOP, SIGCONT) to the daemon.
     pub fn signal(&self, signal: i32) {
         if let Some(child) = &self.child {
@@ -282,6 +281,7 @@ impl Daemon {
         }
     }
 
+    /// `kill -9`: no clean-up of any kind.
     pub fn kill_9(mut self) {
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
@@ -424,6 +424,7 @@ pub fn connected_control(srv: &TestServer) -> std::os::unix::net::UnixStream {
     let hello = Request::Connect {
         protocol_version: PROTOCOL_VERSION,
         secret: vec![],
+        group: 0,
     };
     assert!(matches!(
         control_call(&mut s, &hello),

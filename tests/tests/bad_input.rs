@@ -81,6 +81,7 @@ fn garbage_on_the_control_socket_does_not_hurt_the_server() {
         &Request::Connect {
             protocol_version: PROTOCOL_VERSION + 1,
             secret: vec![],
+            group: 0,
         },
     );
     assert!(matches!(
@@ -98,7 +99,8 @@ fn garbage_on_the_control_socket_does_not_hurt_the_server() {
             &mut s,
             &Request::Connect {
                 protocol_version: PROTOCOL_VERSION,
-                secret: vec![]
+                secret: vec![],
+                group: 0,
             }
         ),
         Some(Response::Connected(_))

@@ -40,6 +40,7 @@ fn raw_at(address: &str) -> Raw {
     let hello = Request::Connect {
         protocol_version: PROTOCOL_VERSION,
         secret: vec![],
+        group: 0,
     };
     let Ok(Response::Connected(info)) = conn.call(&hello) else {
         panic!("not admitted");

@@ -3,32 +3,39 @@
 //! that end alike under concurrent writers of the same keys (inserts,
 //! updates, deletes and increments, with linearizable histories at the
 //! primary), and a writer killed between its copies, whose copies the
-//! key's next write brings back together.
+//! key's next write brings back together, and an increment stalled past
+//! its key's lock that never sets an older sum on a backup. Failover: a
+//! primary killed under load is replaced by a backup with every
+//! acknowledged write, its server never serves the old copies again, a
+//! frozen one is fenced, and an etcd outage pauses the copies.
 
 use std::collections::BTreeMap;
 use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Barrier, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kv_client::{Client, ClientOptions, ClusterClient, Error};
 use kv_cluster::etcd::BlockingEtcd;
-use kv_cluster::{shard_address, ClusterUrl};
+use kv_cluster::{shard_address, ClusterState, ClusterUrl, ShardMap};
 use onekv_tests::cluster::{cluster_status, create_cluster_with, start_member, EtcdServer};
 use onekv_tests::histories::{check_owner, check_rounds, end_round, Event};
 use onekv_tests::{
-    eventually, or_abort, region_dir, tagged_value, workspace_bin, xorshift, Daemon,
+    eventually, or_abort, rdma_host, region_dir, tagged_value, workspace_bin, xorshift, Daemon,
 };
 use stateright::semantics::register::{RegisterOp, RegisterRet};
 
 const SHARDS: u32 = 4;
+/// The members and their zones: a group takes one of m0 and m3.
+const MEMBERS: [(&str, &str); 4] = [("m0", "a"), ("m1", "b"), ("m2", "c"), ("m3", "a")];
 
-/// Four servers in three zones: a group takes one of m0 and m3.
+/// Four servers in three zones.
 fn start(name: &str) -> (EtcdServer, String, tempfile::TempDir, Vec<Daemon>) {
     let etcd = EtcdServer::start();
     let url = etcd.url(name);
     let dir = region_dir();
     create_cluster_with(&url, SHARDS, 4, &["--replicas", "3"]);
-    let members = [("m0", "a"), ("m1", "b"), ("m2", "c"), ("m3", "a")]
+    let members = MEMBERS
         .iter()
         .map(|(m, zone)| start_member(&url, dir.path(), m, &["--zone", zone]))
         .collect();
@@ -39,32 +46,51 @@ fn start(name: &str) -> (EtcdServer, String, tempfile::TempDir, Vec<Daemon>) {
     (etcd, url, dir, members)
 }
 
-/// Connections to each copy of each shard, the primary first, as the map
-/// in etcd says.
-fn copies(url: &str) -> Vec<Vec<(String, Client)>> {
+/// The cluster as etcd holds it.
+fn cluster_state(url: &str) -> ClusterState {
     let url = ClusterUrl::parse(url).expect("a cluster URL");
-    let state = BlockingEtcd::connect(&url)
+    BlockingEtcd::connect(&url)
         .and_then(|mut e| e.state())
-        .expect("the cluster's state");
-    let map = state.shard_map().expect("a map");
+        .expect("the cluster's state")
+}
+
+/// Where member `id` of `state` serves `shard`.
+fn copy_address(state: &ClusterState, id: &str, shard: u32) -> Option<String> {
+    let listen = kv_common::Address::parse(&state.member(id)?.listen).ok()?;
+    Some(shard_address(&listen, shard).ok()?.to_string())
+}
+
+/// Connections to each copy of each shard, the primary first, as the map
+/// in etcd says (under the group epoch it gives each shard).
+fn try_copies(url: &str) -> Result<Vec<Vec<(String, Client)>>, String> {
+    let state = cluster_state(url);
+    let map = state.shard_map().ok_or("no map")?;
     (0..SHARDS)
         .map(|shard| {
-            let mut group = vec![map.owner(shard).expect("an owner").to_string()];
+            let mut group = vec![map.owner(shard).ok_or("no owner")?.to_string()];
             group.extend(map.backups(shard).iter().cloned());
+            let options = ClientOptions::default().with_group_epoch(map.group_epoch(shard));
             group
                 .into_iter()
                 .map(|id| {
-                    let listen = state.member(&id).expect("a live member").listen.clone();
-                    let listen = kv_common::Address::parse(&listen).expect("an address");
-                    let at = shard_address(&listen, shard).expect("a shard address");
-                    (
-                        id,
-                        Client::connect(&at.to_string()).expect("connect to a copy"),
-                    )
+                    let at = copy_address(&state, &id, shard).ok_or("not a live member")?;
+                    let client = Client::connect_with(&at, options.clone())
+                        .map_err(|e| format!("{id}: {e}"))?;
+                    Ok((id, client))
                 })
                 .collect()
         })
         .collect()
+}
+
+/// As [`try_copies`], once every copy admits clients.
+fn copies(url: &str) -> Vec<Vec<(String, Client)>> {
+    let mut got = None;
+    eventually("every copy serving", Duration::from_secs(60), || {
+        got = try_copies(url).ok();
+        got.is_some()
+    });
+    got.expect("copies")
 }
 
 /// `key`'s value at each copy of its shard, the primary's first.
@@ -371,4 +397,413 @@ fn a_writer_killed_between_its_copies_leaves_them_to_the_keys_next_write() {
     let (status, log) = m3.wait_exit(Duration::from_secs(60));
     assert!(status.success(), "{log}");
     assert!(log.contains("leaving without a drain"), "{log}");
+}
+
+/// The key and value of writer `t`'s `i`th key (`seq` its write's number).
+fn own_key(t: usize, i: usize) -> String {
+    format!("own-{t}-{i}")
+}
+
+/// What a writer of its own keys knows: per key, the last write answered
+/// and those whose outcome it never learned; per counter, the increments
+/// answered and those not.
+#[derive(Default)]
+struct Known {
+    acked: BTreeMap<String, u64>,
+    unknown: BTreeMap<String, Vec<u64>>,
+    counted: i64,
+    uncounted: i64,
+}
+
+/// Writes its own keys (increasing numbers, so that a reader can tell an
+/// older value) and increments its counter until `stop`; an error other
+/// than an unknown outcome (a write cut by the kill) fails the test.
+fn own_writer(url: &str, t: usize, stop: &AtomicBool) -> Known {
+    let mut kv = or_abort(ClusterClient::connect(url), "connect");
+    let mut known = Known::default();
+    let mut seq = 0u64;
+    while !stop.load(Ordering::SeqCst) {
+        for i in 0..16 {
+            seq += 1;
+            let key = own_key(t, i);
+            match kv.put(&key, seq.to_string()) {
+                Ok(()) => {
+                    known.acked.insert(key, seq);
+                }
+                Err(Error::OutcomeUnknown(_)) => known.unknown.entry(key).or_default().push(seq),
+                Err(e) => or_abort(Err(e), "put during a failover"),
+            }
+        }
+        match kv.incr(format!("own-count-{t}"), 1) {
+            Ok(_) => known.counted += 1,
+            Err(Error::OutcomeUnknown(_)) => known.uncounted += 1,
+            Err(e) => or_abort(Err(e), "incr during a failover"),
+        }
+    }
+    known
+}
+
+/// Reads writer `t`'s keys until `stop`: a key's number never goes down
+/// (each key has one writer, whose numbers grow), across the failover too.
+fn own_reader(url: &str, writers: usize, stop: &AtomicBool) -> usize {
+    let mut kv = or_abort(ClusterClient::connect(url), "connect");
+    let mut seen: BTreeMap<String, u64> = BTreeMap::new();
+    let mut reads = 0;
+    while !stop.load(Ordering::SeqCst) {
+        for t in 0..writers {
+            for i in 0..16 {
+                let key = own_key(t, i);
+                let Some(v) = or_abort(kv.get(&key), "get during a failover") else {
+                    continue;
+                };
+                let n: u64 = or_abort(
+                    String::from_utf8_lossy(&v)
+                        .parse()
+                        .map_err(|e| format!("{e}")),
+                    "a number",
+                );
+                let last = seen.entry(key.clone()).or_default();
+                if n < *last {
+                    or_abort::<(), _>(Err(format!("{key} went back from {last} to {n}")), "read");
+                }
+                *last = n;
+                reads += 1;
+            }
+        }
+    }
+    reads
+}
+
+/// Index of member `id` in MEMBERS (and in `start`'s daemons).
+fn member_index(id: &str) -> usize {
+    MEMBERS
+        .iter()
+        .position(|(m, _)| *m == id)
+        .expect("a member")
+}
+
+#[test]
+fn a_killed_primary_fails_over_under_load_with_every_acknowledged_write() {
+    let (_etcd, url, dir, mut members) = start("failover");
+    let before = cluster_state(&url);
+    let old = before.shard_map().expect("a map").clone();
+    let victim = old.owner(0).expect("an owner").to_string();
+    let led: Vec<u32> = old.shards_of(&victim).collect();
+    let held: Vec<u32> = old.copies_of(&victim).collect();
+    let mut kv = ClusterClient::connect(&url).expect("connect");
+    let probe = (0..)
+        .map(|i| format!("probe{i}"))
+        .find(|k| led.contains(&kv.shard_of(k)))
+        .expect("a key of a shard the victim leads");
+    kv.put(&probe, "before").expect("put");
+
+    const WRITERS: usize = 2;
+    let stop = AtomicBool::new(false);
+    let (known, reads, took) = std::thread::scope(|s| {
+        let writers: Vec<_> = (0..WRITERS)
+            .map(|t| {
+                s.spawn({
+                    let (url, stop) = (&url, &stop);
+                    move || own_writer(url, t, stop)
+                })
+            })
+            .collect();
+        let reader = s.spawn(|| own_reader(&url, WRITERS, &stop));
+        std::thread::sleep(Duration::from_millis(500));
+        // kill -9 under load: writes in flight at its copies are cut.
+        members.remove(member_index(&victim)).kill_9();
+        let killed_at = Instant::now();
+        eventually("shard 0 failed over", Duration::from_secs(60), || {
+            cluster_state(&url)
+                .shard_map()
+                .is_some_and(|m| m.owner(0) != Some(victim.as_str()))
+        });
+        let mapped = killed_at.elapsed();
+        // Its old primary's keys are revoked (shm) or gone with it (rdma):
+        // the put finds the new primary, waiting for it to open.
+        kv.put(&probe, "after").expect("a put once failed over");
+        let took = (mapped, killed_at.elapsed());
+        std::thread::sleep(Duration::from_millis(500));
+        stop.store(true, Ordering::SeqCst);
+        let known: Vec<Known> = writers
+            .into_iter()
+            .map(|w| w.join().expect("writer"))
+            .collect();
+        (known, reader.join().expect("reader"), took)
+    });
+    eprintln!(
+        "failover: the map {:?} after the kill, a write served {:?} after it (lease TTL 2 s); {reads} reads never went back",
+        took.0, took.1
+    );
+    assert!(reads > 0);
+
+    assert_failed_over(&url, &old, &victim);
+    let status = cluster_status(&url);
+    assert!(status.contains("shards short of copies"), "{status}");
+
+    assert_eq!(kv.get(&probe).expect("get").as_deref(), Some(&b"after"[..]));
+    assert_each_acknowledged_write_kept(&mut kv, &known);
+    // One more write of each key leaves every copy alike.
+    let mut groups = copies(&url);
+    for t in 0..WRITERS {
+        for i in 0..16 {
+            let key = own_key(t, i);
+            kv.put(&key, "last").expect("put");
+            assert_eq!(
+                assert_alike(&mut groups, &kv, &key).as_deref(),
+                Some(&b"last"[..])
+            );
+        }
+    }
+
+    // The killed server comes back: it serves none of its old copies (the
+    // map no longer gives it any) and deletes them.
+    let zone = MEMBERS[member_index(&victim)].1;
+    members.push(start_member(&url, dir.path(), &victim, &["--zone", zone]));
+    copies_deleted(dir.path(), &victim, &held);
+    let back = cluster_state(&url);
+    assert!(back.member(&victim).is_some(), "it joined again");
+    assert_eq!(
+        back.shard_map().expect("a map").copies_of(&victim).count(),
+        0
+    );
+    assert_eq!(kv.get(&probe).expect("get").as_deref(), Some(&b"after"[..]));
+}
+
+/// The map after `victim` failed over from `old`: it is in no group;
+/// each shard it led is led by its last backup, under a new group epoch,
+/// whose copies turn away a client that routes by the old group.
+fn assert_failed_over(url: &str, old: &ShardMap, victim: &str) {
+    let after = cluster_state(url);
+    let map = after.shard_map().expect("a map");
+    assert_eq!(map.copies_of(victim).count(), 0, "{map:?}");
+    for shard in old.shards_of(victim) {
+        let last_backup = old.backups(shard).last().expect("a backup");
+        assert_eq!(
+            map.owner(shard),
+            Some(last_backup.as_str()),
+            "shard {shard}"
+        );
+        assert!(map.group_epoch(shard) > old.epoch, "shard {shard}: {map:?}");
+        let at = copy_address(&after, last_backup, shard).expect("its address");
+        let stale = Client::connect(&at);
+        assert!(
+            matches!(stale, Err(Error::Refused(_))),
+            "shard {shard}: {:?}",
+            stale.err()
+        );
+    }
+}
+
+/// Waits until member `id`'s regions of `shards` (its old copies) are
+/// gone from `dir`.
+fn copies_deleted(dir: &std::path::Path, id: &str, shards: &[u32]) {
+    eventually("the old copies deleted", Duration::from_secs(60), || {
+        shards
+            .iter()
+            .all(|s| !dir.join(format!("{id}.shard-{s}")).exists())
+    });
+}
+
+/// Every write the writers were answered is there; beyond it, at most a
+/// write whose writer never learned its outcome.
+fn assert_each_acknowledged_write_kept(kv: &mut ClusterClient, known: &[Known]) {
+    for (t, k) in known.iter().enumerate() {
+        for i in 0..16 {
+            let key = own_key(t, i);
+            let acked = k.acked.get(&key).copied().unwrap_or(0);
+            let v = kv.get(&key).expect("get").map(|v| {
+                String::from_utf8_lossy(&v)
+                    .parse::<u64>()
+                    .expect("a number")
+            });
+            let unknown = k.unknown.get(&key).cloned().unwrap_or_default();
+            let fine = v == Some(acked) || v.is_some_and(|v| v > acked && unknown.contains(&v));
+            assert!(
+                fine,
+                "{key}: {v:?}, acknowledged {acked}, unknown {unknown:?}"
+            );
+        }
+        let count = kv
+            .get_counter(format!("own-count-{t}"))
+            .expect("get_counter")
+            .unwrap_or(0);
+        assert!(
+            (k.counted..=k.counted + k.uncounted).contains(&count),
+            "own-count-{t}: {count}, {} answered, {} unknown",
+            k.counted,
+            k.uncounted
+        );
+    }
+}
+
+/// A primary frozen (SIGSTOP) past its lease: its shards fail over, the
+/// new primary's server revokes every key of the frozen one's region (on
+/// shm, one host, it can), so a client that still routes by the old map
+/// reads nothing stale there; woken, the frozen server admits nobody (its
+/// lease has passed), finds its lease gone, stops and deletes its old
+/// copies.
+#[test]
+fn a_frozen_primary_is_fenced_and_drops_its_copies_when_it_wakes() {
+    let (_etcd, url, dir, members) = start("frozen");
+    let state = cluster_state(&url);
+    let old = state.shard_map().expect("a map").clone();
+    let victim = old.owner(1).expect("an owner").to_string();
+    let mut kv = ClusterClient::connect(&url).expect("connect");
+    let key = (0..)
+        .map(|i| format!("frozen{i}"))
+        .find(|k| kv.shard_of(k) == 1)
+        .expect("a key of shard 1");
+    kv.put(&key, "before").expect("put");
+    let at = copy_address(&state, &victim, 1).expect("its address");
+    let mut stale = Client::connect(&at).expect("connect to the old primary");
+    assert_eq!(
+        stale.get(&key).expect("get").as_deref(),
+        Some(&b"before"[..])
+    );
+
+    let daemon = &members[member_index(&victim)];
+    daemon.signal(libc::SIGSTOP);
+    eventually("shard 1 failed over", Duration::from_secs(60), || {
+        cluster_state(&url)
+            .shard_map()
+            .is_some_and(|m| m.owner(1) != Some(victim.as_str()))
+    });
+    kv.put(&key, "after").expect("a put at the new primary");
+    if rdma_host().is_none() {
+        // Over rdma a frozen server's registration lives on; a client
+        // that has not seen the new map could still read it (see
+        // docs/design.md, failover).
+        let read = stale.get(&key);
+        assert!(
+            read.is_err(),
+            "the frozen primary's region still serves: {read:?}"
+        );
+    }
+
+    // A client that connects to the frozen server (a stale client's
+    // reconnect) waits in its queue; woken, the server refuses it before
+    // its own loop has noticed anything: its lease has passed.
+    let queued = std::thread::spawn({
+        let (at, key) = (at.clone(), key.clone());
+        move || Client::connect(&at).and_then(|mut c| c.get(&key))
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    daemon.signal(libc::SIGCONT);
+    let got = queued.join().expect("the queued client");
+    assert!(got.is_err(), "the woken server admitted a client: {got:?}");
+    let held: Vec<u32> = old.copies_of(&victim).collect();
+    copies_deleted(dir.path(), &victim, &held);
+    assert!(
+        Client::connect(&at).is_err(),
+        "it serves its old copy again"
+    );
+    assert_eq!(kv.get(&key).expect("get").as_deref(), Some(&b"after"[..]));
+}
+
+/// With copies, a server whose lease cannot be confirmed stops serving
+/// them before the lease could expire (they may be failed over then): an
+/// etcd outage pauses them, and they serve again, with every write, once
+/// etcd is back and says the leases live (no failover happened).
+#[test]
+fn an_etcd_outage_pauses_the_copies_until_the_leases_are_confirmed() {
+    let (mut etcd, url, _dir, _members) = start("outage");
+    let state = cluster_state(&url);
+    let map = state.shard_map().expect("a map").clone();
+    let mut kv = ClusterClient::connect(&url).expect("connect");
+    kv.put("kept", "value").expect("put");
+    let shard = kv.shard_of("kept");
+    let primary = map.owner(shard).expect("an owner");
+    let at = copy_address(&state, primary, shard).expect("its address");
+    let mut direct = Client::connect(&at).expect("connect to the primary's copy");
+    assert_eq!(
+        direct.get("kept").expect("get").as_deref(),
+        Some(&b"value"[..])
+    );
+
+    etcd.kill();
+    eventually("the copies stop", Duration::from_secs(30), || {
+        direct.get("kept").is_err()
+    });
+    etcd.start_again();
+    eventually("the copies serve again", Duration::from_secs(60), || {
+        kv.get("kept")
+            .is_ok_and(|v| v.as_deref() == Some(&b"value"[..]))
+    });
+    kv.put("kept", "again").expect("a put after the outage");
+    assert_eq!(
+        cluster_state(&url).shard_map().expect("a map"),
+        &map,
+        "no failover: every lease lived"
+    );
+}
+
+/// An increment that stalls past its key's lock between its observation
+/// and its backups (`kv incr` paused there by `ONEKV_CLIENT_PAUSE`, longer
+/// than the lock lives) never sets its stale sum on a backup once other
+/// increments have passed it: with increments of +1 only, every backup's
+/// value only grows (what a failover relies on), and the sum counts each.
+#[test]
+fn a_stalled_increment_never_sets_an_older_sum_on_a_backup() {
+    let (_etcd, url, _dir, _members) = start("stalled");
+    let mut kv = ClusterClient::connect(&url).expect("connect");
+    kv.incr("slow-count", 1).expect("incr");
+    let shard = kv.shard_of("slow-count") as usize;
+    let mut groups = copies(&url);
+    let stop = AtomicBool::new(false);
+    let fast = std::thread::scope(|s| {
+        let slow = s.spawn(|| {
+            Command::new(workspace_bin("kv"))
+                .args(["--server", &url, "incr", "slow-count", "1"])
+                .env("ONEKV_CLIENT_PAUSE", "replica-before-backups:1500")
+                .output()
+                .expect("run kv")
+        });
+        let fast = s.spawn(|| {
+            let mut kv = or_abort(ClusterClient::connect(&url), "connect");
+            // Once the slow one holds the lock (a moment after it started),
+            // and until it is done.
+            std::thread::sleep(Duration::from_millis(300));
+            let mut done = 0;
+            while !stop.load(Ordering::SeqCst) {
+                or_abort(kv.incr("slow-count", 1), "incr");
+                done += 1;
+            }
+            done
+        });
+        // Every backup's value, read directly, never goes down.
+        let mut last = vec![0i64; groups[shard].len()];
+        while !slow.is_finished() {
+            for (at, (id, copy)) in groups[shard].iter_mut().enumerate() {
+                let value = or_abort(copy.get("slow-count"), "read a copy").expect("a value");
+                let n: i64 = String::from_utf8_lossy(&value).parse().expect("a number");
+                if n < last[at] {
+                    stop.store(true, Ordering::SeqCst);
+                    or_abort::<(), _>(
+                        Err(format!("{id}'s copy went back from {} to {n}", last[at])),
+                        "a copy's counter",
+                    );
+                }
+                last[at] = n;
+            }
+        }
+        stop.store(true, Ordering::SeqCst);
+        let out = slow.join().expect("slow");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        fast.join().expect("fast")
+    });
+    assert!(fast > 0, "no increment passed the stalled one");
+    let total = 2 + fast;
+    assert_eq!(
+        kv.get_counter("slow-count").expect("get_counter"),
+        Some(total)
+    );
+    assert_eq!(
+        assert_alike(&mut groups, &kv, "slow-count"),
+        Some(total.to_string().into_bytes())
+    );
 }
