@@ -207,11 +207,11 @@ impl ShardHost {
     /// shard it owns that the map moves; stops everything else. A copy
     /// whose group epoch changed (a failover) is stopped, so that every
     /// client routing by the old group loses it, and started again under
-    /// the new epoch after a grace period; a copy the
-    /// map no longer gives this member is deleted (a failover dropped it:
-    /// it misses writes made since). A shard that cannot start is logged
-    /// and tried again at the next map. Starting stops as soon as `held`
-    /// says the lease may be lost.
+    /// the new epoch after a grace period; a copy the map no longer gives
+    /// this member is deleted (a failover dropped it: it misses writes
+    /// made since). A shard that cannot start is logged and tried again at
+    /// the next map. Starting stops as soon as `held` says the lease may
+    /// be lost.
     pub fn follow(&mut self, map: &ShardMap, held: impl Fn() -> bool) {
         let before = self.map.replace(map.clone());
         self.retry_at = Some(Instant::now() + RETRY_EVERY);
