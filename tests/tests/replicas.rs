@@ -611,17 +611,20 @@ fn assert_each_acknowledged_write_kept(kv: &mut ClusterClient, known: &[Known]) 
     for (t, k) in known.iter().enumerate() {
         for i in 0..16 {
             let key = own_key(t, i);
-            let acked = k.acked.get(&key).copied().unwrap_or(0);
+            // None: no write of the key was answered (its first one may
+            // be unknown, and then absent).
+            let acked = k.acked.get(&key).copied();
             let v = kv.get(&key).expect("get").map(|v| {
                 String::from_utf8_lossy(&v)
                     .parse::<u64>()
                     .expect("a number")
             });
             let unknown = k.unknown.get(&key).cloned().unwrap_or_default();
-            let fine = v == Some(acked) || v.is_some_and(|v| v > acked && unknown.contains(&v));
+            let later = |v: u64| acked.is_none_or(|a| v > a) && unknown.contains(&v);
+            let fine = v == acked || v.is_some_and(later);
             assert!(
                 fine,
-                "{key}: {v:?}, acknowledged {acked}, unknown {unknown:?}"
+                "{key}: {v:?}, acknowledged {acked:?}, unknown {unknown:?}"
             );
         }
         let count = kv
