@@ -746,7 +746,15 @@ impl ClusterClient {
     ) -> Result<T> {
         crate::check_key(key)?;
         let shard = self.shard_of(key);
-        self.retrying(shard, |this| op(&mut this.group(shard)?))
+        let done = self.retrying(shard, |this| op(&mut this.group(shard)?));
+        if let Err(Error::OutcomeUnknown(_)) = &done {
+            // Most likely a copy's server went (or restarted under a new
+            // group): the next write connects afresh, and waits for the
+            // map if it must, rather than failing the same way at once.
+            self.shards[shard as usize] = None;
+            self.backups[shard as usize].clear();
+        }
+        done
     }
 
     /// Copies of each shard the cluster keeps.

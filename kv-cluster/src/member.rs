@@ -621,8 +621,8 @@ async fn coordinate(
     }
 }
 
-/// Moves that ended with the shard still at its source (the copy failed:
-/// a target too small, say), held back for a while so that a move that
+/// Moves that ended with the shard still at its source alone (the copy
+/// failed: a target too small, say), held back for a while so that a move that
 /// cannot succeed does not stop its shard over and over.
 #[derive(Default)]
 struct FailedMoves {
@@ -642,7 +642,10 @@ impl FailedMoves {
         let current = map.and_then(|m| m.moving.clone());
         if let (Some((m, source)), Some(map)) = (self.last.take(), map) {
             let ended = current.as_ref() != Some(&m);
-            if ended && map.owner(m.shard).map(str::to_string) == source {
+            // A replicated cluster's copy that succeeded leaves the owner
+            // too, with the target among the backups.
+            let joined = map.backups(m.shard).contains(&m.to);
+            if ended && !joined && map.owner(m.shard).map(str::to_string) == source {
                 self.held.push(((m.shard, m.to), now + FAILED_MOVE_PAUSE));
             }
         }

@@ -14,9 +14,10 @@ use crate::records::{ClusterConfig, ShardMap, ShardMove};
 ///   shards dealt round-robin over them (sorted, so any coordinator deals
 ///   the same way); with replicas, each shard's group as [`deal_groups`]
 ///   makes them.
-/// - With replicas, only failover changes the map (see [`failover`]):
-///   a shard is not moved, since a move copies one region and its backups
-///   would not follow, and restoring the replica count comes next.
+/// - With replicas, failover changes the map first (see [`failover`]);
+///   then a shard short of copies gets one more (see [`restore_copies`]).
+///   No shard changes owners by a move: a move copies one region and its
+///   backups would not follow.
 /// - A move under way is waited for, or dropped if its source is no
 ///   longer live or its target no longer takes shards (it cannot finish;
 ///   the source keeps the shard).
@@ -53,8 +54,9 @@ pub fn next_map(
         return first_map(config, &zoned);
     };
     if config.replicas > 1 {
-        let live: Vec<&str> = live.iter().map(|(id, _)| id.as_str()).collect();
-        return failover(map, &live);
+        let ids: Vec<&str> = live.iter().map(|(id, _)| id.as_str()).collect();
+        return failover(map, &ids)
+            .or_else(|| restore_copies(config.replicas, map, live, draining, new_secret));
     }
     let live: Vec<String> = live.iter().map(|(id, _)| id.clone()).collect();
     let live = live.as_slice();
@@ -149,7 +151,78 @@ fn failover(map: &ShardMap, live: &[&str]) -> Option<ShardMap> {
         next.group_epochs[shard] = next.epoch;
         changed = true;
     }
+    // A copy under way ends with its source (its target's end is
+    // `restore_copies`' to see).
+    if let Some(m) = &map.moving {
+        if next.owner(m.shard) != map.owner(m.shard) {
+            next.moving = None;
+            changed = true;
+        }
+    }
     changed.then_some(next)
+}
+
+/// The map after one more copy of a shard short of `replicas` is started
+/// (a `moving` of a replicated cluster adds its target to the group; see
+/// kv-server's `shard_host`), or the copy under way dropped when it can no
+/// longer finish; none when nothing changes. One copy at a time, to the
+/// shard with fewest copies (then the lowest), from its live primary, to
+/// the live member that takes shards, holds none of the group and shares
+/// no zone with it, and holds fewest copies (ties to the lowest id).
+fn restore_copies(
+    replicas: u32,
+    map: &ShardMap,
+    live: &[(String, Option<String>)],
+    draining: &[String],
+    new_secret: impl FnOnce() -> String,
+) -> Option<ShardMap> {
+    let is_live = |id: &str| live.iter().any(|(l, _)| l == id);
+    let takes = |id: &str| is_live(id) && !draining.iter().any(|d| d == id);
+    if let Some(m) = &map.moving {
+        let source_live = map.owner(m.shard).is_some_and(is_live);
+        if source_live && takes(&m.to) {
+            return None;
+        }
+        let mut next = map.clone();
+        next.epoch += 1;
+        next.moving = None;
+        return Some(next);
+    }
+    let zone_of = |id: &str| {
+        let zone = live
+            .iter()
+            .find(|(l, _)| l == id)
+            .and_then(|(_, z)| z.clone());
+        zone.map_or_else(|| format!("member:{id}"), |z| format!("zone:{z}"))
+    };
+    let group = |shard: u32| {
+        let backups = map.backups(shard).iter().map(String::as_str);
+        map.owner(shard).into_iter().chain(backups)
+    };
+    // The member a copy of `shard` would go to, if one can take it.
+    let target = |shard: u32| {
+        let zones: Vec<String> = group(shard).map(zone_of).collect();
+        live.iter()
+            .map(|(id, _)| id.as_str())
+            .filter(|id| takes(id) && !group(shard).any(|g| g == *id))
+            .filter(|id| !zones.contains(&zone_of(id)))
+            .min_by_key(|id| (map.copies_of(id).count(), *id))
+    };
+    let mut short: Vec<(usize, u32)> = (0..map.owners.len() as u32)
+        .filter(|&s| map.owner(s).is_some_and(is_live))
+        .map(|s| (group(s).count(), s))
+        .filter(|&(copies, _)| copies < replicas as usize)
+        .collect();
+    short.sort_unstable();
+    let (shard, to) = short.into_iter().find_map(|(_, s)| Some((s, target(s)?)))?;
+    let mut next = map.clone();
+    next.epoch += 1;
+    next.moving = Some(ShardMove {
+        shard,
+        to: to.to_string(),
+        secret: new_secret(),
+    });
+    Some(next)
 }
 
 /// The first map, over `members` (each with its zone).
@@ -488,17 +561,128 @@ mod tests {
         let stored: ShardMap = serde_json::from_slice(&crate::records::encode(&last)).unwrap();
         assert_eq!(stored.backups(0), last.backups(0));
         stored.check_groups(3).unwrap();
-        // Nothing more to do while the same members live; with none of a
-        // group's copies live, the group stays for its servers' return.
-        assert_eq!(
-            next_map(&c, Some(&failed), &live(&["b", "c"]), &[], secret),
-            None
-        );
+        // With none of a group's copies live, the group stays for its
+        // servers' return.
         let none = next_map(&c, Some(&last), &live(&[]), &[], secret);
         assert_eq!(none, None);
         for shard in 0..6 {
             assert_eq!(last.owner(shard), Some("c"));
             assert!(last.backups(shard).is_empty());
         }
+    }
+
+    /// What the source of a replicated cluster's copy publishes once it
+    /// is done (kv-server's `shard_host`): the target joins the group.
+    fn copied(map: &ShardMap) -> ShardMap {
+        let m = map.moving.clone().expect("a copy under way");
+        let mut next = map.clone();
+        next.epoch += 1;
+        next.moving = None;
+        next.backups.resize(next.owners.len(), Vec::new());
+        next.backups[m.shard as usize].push(m.to);
+        next.group_epochs.resize(next.owners.len(), 0);
+        next.group_epochs[m.shard as usize] = next.epoch;
+        next
+    }
+
+    #[test]
+    fn copies_restore_every_group_one_at_a_time_fewest_copies_first() {
+        let c = ClusterConfig {
+            shards: 6,
+            initial_members: 3,
+            replicas: 3,
+        };
+        let map = next_map(&c, None, &live(&["a", "b", "c"]), &[], secret).unwrap();
+        let after_a = next_map(&c, Some(&map), &live(&["b", "c"]), &[], secret).unwrap();
+        // Two members left: a shard a led, now alone at b or c, gets a
+        // copy at the other; one that kept two copies has nowhere to go.
+        let mut now = after_a.clone();
+        let mut copies = 0;
+        while let Some(next) = next_map(&c, Some(&now), &live(&["b", "c"]), &[], secret) {
+            let m = next.moving.clone().expect("a copy");
+            assert_eq!(now.backups(m.shard).len(), 0, "fewest copies first");
+            assert_ne!(now.owner(m.shard), Some(m.to.as_str()));
+            // Nothing else is proposed while it runs.
+            assert_eq!(
+                next_map(&c, Some(&next), &live(&["b", "c"]), &[], secret),
+                None
+            );
+            now = copied(&next);
+            copies += 1;
+        }
+        assert_eq!(copies, 2, "{now:?}");
+        for shard in 0..6 {
+            assert_eq!(now.backups(shard).len(), 1);
+        }
+        // A member joins: every group gets its third copy there.
+        let all = live(&["b", "c", "d"]);
+        while let Some(next) = next_map(&c, Some(&now), &all, &[], secret) {
+            assert_eq!(next.moving.as_ref().map(|m| m.to.as_str()), Some("d"));
+            now = copied(&next);
+        }
+        now.check_groups(3).unwrap();
+        for shard in 0..6 {
+            assert_eq!(now.backups(shard).len(), 2);
+            assert_eq!(now.backups(shard).last().map(String::as_str), Some("d"));
+            assert_eq!(now.owner(shard), after_a.owner(shard), "no owner changes");
+        }
+    }
+
+    #[test]
+    fn a_copy_goes_only_to_a_new_zone_and_ends_with_its_source_or_target() {
+        let c = ClusterConfig {
+            shards: 2,
+            initial_members: 2,
+            replicas: 2,
+        };
+        let zones = zoned(&[("a", "z1"), ("b", "z2"), ("c", "z1")]);
+        let map = next_map(&c, None, &zones[..2], &[], secret).unwrap();
+        // b dies: a's shard is short, but c shares a's zone; b's shard,
+        // now led by a, likewise.
+        let after_b = next_map(
+            &c,
+            Some(&map),
+            &[zones[0].clone(), zones[2].clone()],
+            &[],
+            secret,
+        )
+        .unwrap();
+        assert_eq!(
+            next_map(
+                &c,
+                Some(&after_b),
+                &[zones[0].clone(), zones[2].clone()],
+                &[],
+                secret
+            ),
+            None
+        );
+        // d, in a zone of its own, takes the copies; draining, it does not.
+        let with_d = [
+            zones[0].clone(),
+            zones[2].clone(),
+            ("d".to_string(), Some("z3".to_string())),
+        ];
+        let draining = ["d".to_string()];
+        assert_eq!(
+            next_map(&c, Some(&after_b), &with_d, &draining, secret),
+            None
+        );
+        let copying = next_map(&c, Some(&after_b), &with_d, &[], secret).unwrap();
+        let m = copying.moving.clone().unwrap();
+        assert_eq!((m.shard, m.to.as_str()), (0, "d"));
+        // Its target dies: dropped. Its source dies: failed over, and
+        // dropped with it.
+        let dropped = next_map(&c, Some(&copying), &with_d[..2], &[], secret).unwrap();
+        assert_eq!(dropped.moving, None);
+        assert_eq!(dropped.owners, copying.owners);
+        let source = copying.owner(m.shard).unwrap();
+        let rest: Vec<_> = with_d
+            .iter()
+            .filter(|(id, _)| id != source)
+            .cloned()
+            .collect();
+        let failed = next_map(&c, Some(&copying), &rest, &[], secret).unwrap();
+        assert_eq!(failed.moving, None);
     }
 }

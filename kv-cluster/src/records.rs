@@ -100,7 +100,7 @@ pub struct ShardMap {
     /// left each shard one copy (and then not written at all).
     #[serde(default, skip_serializing_if = "no_backups")]
     pub backups: Vec<Vec<String>>,
-    /// The shard being moved, if one is (one at a time).
+    /// The shard being moved or copied, if one is (one at a time).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub moving: Option<ShardMove>,
     /// `group_epochs[shard]`: the map epoch at which the shard's primary
@@ -112,9 +112,12 @@ pub struct ShardMap {
 }
 
 /// A shard on its way from its owner to another member (see `shard_move`
-/// in kv-server): the owner stops serving it, copies it into a fresh
-/// region the target serves only to the copier (who presents `secret`),
-/// and publishes the target as owner.
+/// in kv-server): the owner copies it into a fresh region the target
+/// serves only to the copier (who presents `secret`). Then, in a cluster
+/// of one copy, the owner stops serving it and publishes the target as
+/// owner; in a replicated cluster, the owner keeps it and publishes the
+/// target as its last backup, under a new group epoch (a copy restoring
+/// the replica count).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ShardMove {
     pub shard: u32,
@@ -292,7 +295,12 @@ pub fn describe(
     let _ = writeln!(out, "map epoch: {}", map.epoch);
     if let Some(m) = &map.moving {
         let from = map.owner(m.shard).unwrap_or("nobody");
-        let _ = writeln!(out, "moving: shard {} from {from} to {}", m.shard, m.to);
+        let what = if config.replicas > 1 {
+            "copying (restoring its replica count)"
+        } else {
+            "moving"
+        };
+        let _ = writeln!(out, "{what}: shard {} from {from} to {}", m.shard, m.to);
     }
     for m in members {
         let shards: Vec<String> = map.shards_of(&m.id).map(|s| s.to_string()).collect();

@@ -427,7 +427,7 @@ fn settle_previous_server(
     if thawed > 0 {
         tracing::warn!(
             thawed,
-            "a resize was interrupted; the index it was migrating is in force again"
+            "thawed an index left frozen (by a resize cut short, or by a shard's move or copy): it is in force again"
         );
     }
     Ok(())

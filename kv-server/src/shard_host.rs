@@ -14,6 +14,17 @@
 //!   restarted) drops the move too: the target may hold a first pass of a
 //!   copy this process did not make, so the coordinator proposes the move
 //!   again later, to a fresh region.
+//!
+//! In a replicated cluster a move is a **copy** that restores a shard's
+//! replica count: the primary's member copies it as above but never stops
+//! serving it. Its last pass freezes the primary's index (readers go on,
+//! writers wait), and the map then names the target the group's last
+//! backup under a new group epoch. Every copy of the shard restarts under
+//! it, the primary's thawed: a writer that observed the shard before the
+//! target joined, and so would not set it, can commit nowhere, and every
+//! write from then on sets the target too. Until its member sees that
+//! map, the primary stays stopped (see `ShardHost::floors`). A copy that
+//! fails after the freeze restarts the primary under the same epoch.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -53,13 +64,16 @@ type ShardServers = Vec<(u32, Weak<Shared>)>;
 /// Least time between two follows of one map by `poll`.
 const RETRY_EVERY: Duration = Duration::from_secs(1);
 
-/// What the member tells a move under way.
+/// What the member tells a move under way, and what it did.
 #[derive(Default)]
 struct MoveFlags {
     /// Give up (the member is going).
     quit: AtomicBool,
     /// It may still stop its shard and finish (see `ShardHost::poll`).
     proceed: AtomicBool,
+    /// It asked the shard's server to freeze the index: a copy's server
+    /// must restart to thaw it.
+    froze: AtomicBool,
 }
 
 impl MoveFlags {
@@ -71,11 +85,13 @@ impl MoveFlags {
 /// A move being sent.
 struct Sending {
     m: ShardMove,
+    /// A replicated cluster's copy (the source keeps the shard).
+    copy: bool,
     /// The shard's server while it still serves (the first pass); taken
     /// by whoever stops it first, the move or `stop_all`.
     server: Arc<Mutex<Option<Server>>>,
     flags: Arc<MoveFlags>,
-    thread: JoinHandle<bool>,
+    thread: JoinHandle<Option<u64>>,
 }
 
 pub struct ShardHost {
@@ -89,6 +105,11 @@ pub struct ShardHost {
     sending: Option<Sending>,
     /// The last move sent: done, whether or not the map shows it yet.
     sent: Option<ShardMove>,
+    /// The least group epoch each shard may start under: a copy this
+    /// member made published its shard's next epoch, and until the map
+    /// followed here shows it, the shard's server must not start under
+    /// the old one (whose writers do not set the new copy).
+    floors: BTreeMap<u32, u64>,
     /// The map last followed.
     map: Option<ShardMap>,
     /// Where each member was last seen to listen, the departed included:
@@ -145,6 +166,7 @@ impl ShardHost {
             serving: BTreeMap::new(),
             sending: None,
             sent: None,
+            floors: BTreeMap::new(),
             map: None,
             listens: BTreeMap::new(),
             replicated: false,
@@ -234,6 +256,8 @@ impl ShardHost {
         if self.replicated {
             self.discard_dropped_copies(map, &wanted);
         }
+        self.floors
+            .retain(|&shard, floor| map.group_epoch(shard) < *floor);
         // The shards held here that a failover gave a new primary since
         // the last map.
         let failed_over: Vec<u32> = wanted
@@ -249,7 +273,7 @@ impl ShardHost {
         if !failed_over.is_empty() {
             // Each starts again after a grace period for what the clients
             // cut off had begun (`Server::start` waits it).
-            tracing::info!(shards = ?failed_over, "failover: serving under the new group epoch");
+            tracing::info!(shards = ?failed_over, "a new group (a failover, or a copy added): serving under its epoch");
         }
         if let Some(m) = outgoing.filter(|_| held()) {
             self.send(m);
@@ -271,8 +295,12 @@ impl ShardHost {
     /// dropped it while this member was away, so it misses acknowledged
     /// writes and must never be served as current again.
     fn discard_dropped_copies(&self, map: &ShardMap, wanted: &BTreeMap<u32, Asks>) {
+        let mine: Vec<u32> = map.copies_of(&self.member).collect();
         for shard in 0..map.owners.len() as u32 {
-            if wanted.contains_key(&shard) || self.serving.contains_key(&shard) {
+            if wanted.contains_key(&shard)
+                || self.serving.contains_key(&shard)
+                || mine.contains(&shard)
+            {
                 continue;
             }
             let Ok(path) = self.config_of(shard).and_then(|c| region_path(&c)) else {
@@ -328,9 +356,11 @@ impl ShardHost {
     /// and those it backs up: a backup's region is served as a primary's,
     /// for the writers that keep it a copy), with what it asks of clients
     /// (a move target's secret, the group epoch), and the move to send.
+    /// A shard below its floor waits for a newer map.
     fn plan(&self, map: &ShardMap) -> (BTreeMap<u32, Asks>, Option<ShardMove>) {
         let mut wanted: BTreeMap<u32, Asks> = map
             .copies_of(&self.member)
+            .filter(|s| self.floors.get(s).is_none_or(|&f| map.group_epoch(*s) >= f))
             .map(|s| {
                 let asks = Asks {
                     secret: None,
@@ -339,15 +369,21 @@ impl ShardHost {
                 (s, asks)
             })
             .collect();
+        // Its server is the move's until the move's end is taken in.
+        if let Some(s) = &self.sending {
+            wanted.remove(&s.m.shard);
+        }
         let mut outgoing = None;
         if let Some(m) = &map.moving {
             if map.owner(m.shard) == Some(self.member.as_str()) {
                 wanted.remove(&m.shard);
                 outgoing = Some(m.clone());
             } else if m.to == self.member {
+                // Only the copier, who knows the secret, connects; and it
+                // routes by no group.
                 let asks = Asks {
                     secret: Some(m.secret.clone()),
-                    group_epoch: map.group_epoch(m.shard),
+                    group_epoch: 0,
                 };
                 wanted.insert(m.shard, asks);
             }
@@ -418,15 +454,24 @@ impl ShardHost {
         let server = Arc::new(Mutex::new(self.serving.remove(&m.shard).map(|s| s.server)));
         let flags = Arc::new(MoveFlags::default());
         flags.proceed.store(true, Ordering::SeqCst);
+        let copy = self.replicated;
         let (url, target) = (self.url.clone(), m.clone());
         let (in_thread, told) = (server.clone(), flags.clone());
         let thread = std::thread::Builder::new()
             .name(format!("kv-move-{}", m.shard))
-            .spawn(move || move_shard(&in_thread, &outgoing, &url, &target, &told));
+            .spawn(move || {
+                let shard = MovingShard {
+                    server: &in_thread,
+                    flags: &told,
+                    copy,
+                };
+                move_shard(shard, &outgoing, &url, &target)
+            });
         match thread {
             Ok(thread) => {
                 self.sending = Some(Sending {
                     m,
+                    copy,
                     server,
                     flags,
                     thread,
@@ -480,13 +525,24 @@ impl ShardHost {
             .is_some_and(|s| s.thread.is_finished());
         if let Some(s) = self.sending.take_if(|_| done) {
             match s.thread.join() {
-                Ok(true) => self.sent = Some(s.m.clone()),
-                Ok(false) => {}
+                Ok(Some(group_epoch)) => {
+                    self.sent = Some(s.m.clone());
+                    if s.copy {
+                        self.floors.insert(s.m.shard, group_epoch);
+                    }
+                }
+                Ok(None) => {}
                 // Not sent again into a target this process cannot vouch
                 // for: the move stays until its source or target leaves.
                 Err(_) => {
                     tracing::error!(shard = s.m.shard, "the move's thread panicked");
                     self.sent = Some(s.m.clone());
+                }
+            }
+            if s.copy && s.flags.froze.load(Ordering::SeqCst) {
+                // Started again (thawed) under the epoch the map gives.
+                if let Some(server) = take(&s.server) {
+                    server.shutdown();
                 }
             }
             // A move dropped in its first passes: the server goes on.
@@ -544,8 +600,8 @@ impl ShardHost {
         })
     }
 
-    /// Whether the cluster keeps several copies of each shard (its map is
-    /// not changed by moves yet, and its copies fail over).
+    /// Whether the cluster keeps several copies of each shard (its copies
+    /// fail over, and its moves add copies).
     pub fn keeps_copies(&self) -> bool {
         self.replicated
     }
@@ -610,23 +666,26 @@ fn take(server: &Mutex<Option<Server>>) -> Option<Server> {
     server.lock().unwrap_or_else(|e| e.into_inner()).take()
 }
 
-/// The source's whole move: copy (stopping `server` before the last
-/// pass, if `flags` still say so), then make the target the owner; or,
-/// if the copy failed or was called off, drop the move (the source serves
-/// the shard again). A source with no server for the shard drops it at
-/// once (see the module's comment). The end is told to the map until it
-/// is, or until `quit`. False when it was not.
+/// The source's whole move: copy (stopping the shard's server before the
+/// last pass, if its flags still say so, unless it is a copy), then make
+/// the target the owner, or a backup; or, if the copy failed or was called
+/// off, drop the move (the source serves the shard again). A source with
+/// no server for the shard drops it at once (see the module's comment).
+/// The end is told to the map until it is, or until `quit`: the shard's
+/// group epoch in the map that ends it, or none when it is not told.
 fn move_shard(
-    server: &Mutex<Option<Server>>,
+    mut shard: MovingShard<'_>,
     out: &Outgoing,
     url: &ClusterUrl,
     m: &ShardMove,
-    flags: &MoveFlags,
-) -> bool {
-    let serving = server.lock().unwrap_or_else(|e| e.into_inner()).is_some();
+) -> Option<u64> {
+    let serving = shard
+        .server
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .is_some();
     let copied = if serving {
-        target_address(url, m)
-            .and_then(|to| shard_move::send(out, &to, &mut MovingShard { server, flags }))
+        target_address(url, m).and_then(|to| shard_move::send(out, &to, &mut shard))
     } else {
         Err("this server does not serve the shard (it restarted)".into())
     };
@@ -634,25 +693,29 @@ fn move_shard(
         tracing::error!(shard = m.shard, "move to {} failed: {e}", m.to);
     }
     loop {
-        match finish_move(url, m, copied.is_ok()) {
-            Ok(true) => {
+        match finish_move(url, m, copied.is_ok(), shard.copy) {
+            Ok((true, group_epoch)) if shard.copy => {
+                tracing::info!(shard = m.shard, group_epoch, "copied to {}", m.to);
+                return Some(group_epoch);
+            }
+            Ok((true, group_epoch)) => {
                 tracing::info!(shard = m.shard, "moved to {}", m.to);
                 // Nobody reads it here any more: its clients were revoked.
                 if let Err(e) = std::fs::remove_file(&out.region) {
                     tracing::warn!(shard = m.shard, "removing the moved region: {e}");
                 }
-                return true;
+                return Some(group_epoch);
             }
-            Ok(false) => {
+            Ok((false, group_epoch)) => {
                 tracing::warn!(
                     shard = m.shard,
                     "the move was dropped; serving the shard again"
                 );
-                return true;
+                return Some(group_epoch);
             }
-            Err(e) if flags.quit.load(Ordering::SeqCst) => {
+            Err(e) if shard.flags.quit.load(Ordering::SeqCst) => {
                 tracing::warn!(shard = m.shard, "the move's end is not in the map: {e}");
-                return false;
+                return None;
             }
             Err(e) => {
                 tracing::warn!(shard = m.shard, "ending the move in the map: {e}");
@@ -666,6 +729,8 @@ fn move_shard(
 struct MovingShard<'a> {
     server: &'a Mutex<Option<Server>>,
     flags: &'a MoveFlags,
+    /// A replicated cluster's copy: the server goes on serving.
+    copy: bool,
 }
 
 /// Longest a move waits for the shard's index to freeze.
@@ -677,6 +742,7 @@ impl shard_move::Source for MovingShard<'_> {
     }
 
     fn freeze(&mut self) -> Result<(), String> {
+        self.flags.froze.store(true, Ordering::SeqCst);
         // Waited for without the lock: `stop_all` must not wait on it.
         let asked = self
             .server
@@ -690,6 +756,9 @@ impl shard_move::Source for MovingShard<'_> {
     }
 
     fn stop_serving(&mut self) {
+        if self.copy {
+            return;
+        }
         if let Some(server) = take(self.server) {
             server.shutdown();
         }
@@ -708,10 +777,21 @@ fn target_address(url: &ClusterUrl, m: &ShardMove) -> Result<Address, String> {
 }
 
 /// Publishes the end of move `m` on the map, if the map still shows it:
-/// the target as owner when `copied`, else the source keeps the shard.
-/// True when this made the target the owner.
-fn finish_move(url: &ClusterUrl, m: &ShardMove, copied: bool) -> Result<bool, String> {
+/// when `copied`, the target as owner, or for a `copy` as the group's last
+/// backup under a new group epoch; else the source keeps the shard.
+/// Whether the target took it, and the shard's group epoch in the map
+/// that ended the move.
+fn finish_move(
+    url: &ClusterUrl,
+    m: &ShardMove,
+    copied: bool,
+    copy: bool,
+) -> Result<(bool, u64), String> {
     let mut etcd = BlockingEtcd::connect(url).map_err(|e| e.to_string())?;
+    let took = |map: &ShardMap| match copy {
+        true => map.backups(m.shard).contains(&m.to),
+        false => map.owner(m.shard) == Some(m.to.as_str()),
+    };
     for _ in 0..100 {
         let state = etcd.state().map_err(|e| e.to_string())?;
         let Some((map, revision)) = state.map else {
@@ -720,20 +800,25 @@ fn finish_move(url: &ClusterUrl, m: &ShardMove, copied: bool) -> Result<bool, St
         if map.moving.as_ref() != Some(m) {
             // Published by an earlier try whose answer was lost; or
             // dropped meanwhile (its target left): the source keeps it.
-            let published = copied && map.owner(m.shard) == Some(m.to.as_str());
-            return Ok(published);
+            return Ok((copied && took(&map), map.group_epoch(m.shard)));
         }
         let mut next = map.clone();
         next.epoch += 1;
         next.moving = None;
-        if copied {
-            next.owners[m.shard as usize] = Some(m.to.clone());
+        let shard = m.shard as usize;
+        if copied && copy {
+            next.backups.resize(next.owners.len(), Vec::new());
+            next.backups[shard].push(m.to.clone());
+            next.group_epochs.resize(next.owners.len(), 0);
+            next.group_epochs[shard] = next.epoch;
+        } else if copied {
+            next.owners[shard] = Some(m.to.clone());
         }
         if etcd
             .publish_map(&next, Some(revision))
             .map_err(|e| e.to_string())?
         {
-            return Ok(copied);
+            return Ok((copied, next.group_epoch(m.shard)));
         }
     }
     Err("the map kept changing".into())

@@ -82,7 +82,9 @@ pub trait Source {
     /// wait from now on, readers go on. After an error the move stops
     /// serving the shard all the same.
     fn freeze(&mut self) -> Result<(), String>;
-    /// Stops serving the shard: every client's access revoked.
+    /// Stops serving the shard: every client's access revoked. (A copy
+    /// that restores a replicated shard's replica count leaves it served,
+    /// frozen: its counters are values, which the frozen index fixes.)
     fn stop_serving(&mut self);
 }
 
@@ -182,12 +184,15 @@ fn last_pass(
     // Stopped whatever happened: a frozen shard serves no writer.
     let stopped = Instant::now();
     source.stop_serving();
-    let (damaged, counters) = values?;
-    let damaged = damaged
-        + region::read_counters_at(&out.region, out.grace, &counters, |key, payload| {
+    let (mut damaged, counters) = values?;
+    // None in a replicated shard (its counters are values), whose server
+    // goes on serving, frozen, while its copy ends.
+    if !counters.is_empty() {
+        damaged += region::read_counters_at(&out.region, out.grace, &counters, |key, payload| {
             copier.copy(key, payload)
         })
         .map_err(|e| e.to_string())?;
+    }
     copier.flush()?;
     copier.delete_unseen()?;
     if copier.target.reconnects() > 0 {

@@ -6,8 +6,10 @@
 //! key's next write brings back together, and an increment stalled past
 //! its key's lock that never sets an older sum on a backup. Failover: a
 //! primary killed under load is replaced by a backup with every
-//! acknowledged write, its server never serves the old copies again, a
-//! frozen one is fenced, and an etcd outage pauses the copies.
+//! acknowledged write, its server never serves the old copies again, the
+//! copy count is restored (through a second kill, and the kill of a
+//! copy's source), a frozen one is fenced, and an etcd outage pauses the
+//! copies.
 
 use std::collections::BTreeMap;
 use std::process::Command;
@@ -482,14 +484,26 @@ fn member_index(id: &str) -> usize {
         .expect("a member")
 }
 
+/// Kills (`kill -9`) under load, with two writers of their own keys and
+/// counters and a reader that checks no value goes back: a primary, whose
+/// shards fail over and whose copies are then restored at the others; it
+/// comes back and deletes its old copies (the map gives it none); then a
+/// second server, whose copies the first is given, and while one of them
+/// is being made, the copy's source. Every acknowledged write is kept
+/// throughout, and the copies end alike.
 #[test]
-fn a_killed_primary_fails_over_under_load_with_every_acknowledged_write() {
-    let (_etcd, url, dir, mut members) = start("failover");
+fn killed_primaries_fail_over_and_their_copies_are_restored_with_every_acknowledged_write() {
+    let (_etcd, url, dir, members) = start("failover");
+    let mut members: BTreeMap<String, Daemon> = MEMBERS
+        .iter()
+        .map(|(m, _)| m.to_string())
+        .zip(members)
+        .collect();
     let before = cluster_state(&url);
     let old = before.shard_map().expect("a map").clone();
     let victim = old.owner(0).expect("an owner").to_string();
     let led: Vec<u32> = old.shards_of(&victim).collect();
-    let held: Vec<u32> = old.copies_of(&victim).collect();
+    let held = copy_files(dir.path(), &victim, &old);
     let mut kv = ClusterClient::connect(&url).expect("connect");
     let probe = (0..)
         .map(|i| format!("probe{i}"))
@@ -499,7 +513,7 @@ fn a_killed_primary_fails_over_under_load_with_every_acknowledged_write() {
 
     const WRITERS: usize = 2;
     let stop = AtomicBool::new(false);
-    let (known, reads, took) = std::thread::scope(|s| {
+    let (known, reads) = std::thread::scope(|s| {
         let writers: Vec<_> = (0..WRITERS)
             .map(|t| {
                 s.spawn({
@@ -511,7 +525,7 @@ fn a_killed_primary_fails_over_under_load_with_every_acknowledged_write() {
         let reader = s.spawn(|| own_reader(&url, WRITERS, &stop));
         std::thread::sleep(Duration::from_millis(500));
         // kill -9 under load: writes in flight at its copies are cut.
-        members.remove(member_index(&victim)).kill_9();
+        members.remove(&victim).expect("the victim").kill_9();
         let killed_at = Instant::now();
         eventually("shard 0 failed over", Duration::from_secs(60), || {
             cluster_state(&url)
@@ -522,52 +536,127 @@ fn a_killed_primary_fails_over_under_load_with_every_acknowledged_write() {
         // Its old primary's keys are revoked (shm) or gone with it (rdma):
         // the put finds the new primary, waiting for it to open.
         kv.put(&probe, "after").expect("a put once failed over");
-        let took = (mapped, killed_at.elapsed());
+        let served = killed_at.elapsed();
+        assert_failed_over(&url, &old, &victim);
+        // The three left span the three zones: every group is whole again.
+        restored(&url, 3);
+        eprintln!(
+            "failover: the map {mapped:?} after the kill, a write served {served:?} after it \
+             (lease TTL 2 s); every copy restored {:?} after it",
+            killed_at.elapsed()
+        );
+        let status = cluster_status(&url);
+        assert!(!status.contains("short of copies"), "{status}");
+
+        // The killed server comes back: it serves none of its old copies
+        // (the map, whole without it, gives it none) and deletes them.
+        let zone = MEMBERS[member_index(&victim)].1;
+        members.insert(
+            victim.clone(),
+            start_member(&url, dir.path(), &victim, &["--zone", zone]),
+        );
+        copies_deleted(&held);
+        let back = cluster_state(&url);
+        assert!(back.member(&victim).is_some(), "it joined again");
+        let map = back.shard_map().expect("a map");
+        assert_eq!(map.copies_of(&victim).count(), 0);
+
+        kill_the_zone_mate_then_a_copy_source(&url, &mut members, &victim, zone);
+        // Left: the one that came back and one other, in two zones.
+        restored(&url, 2);
         std::thread::sleep(Duration::from_millis(500));
         stop.store(true, Ordering::SeqCst);
         let known: Vec<Known> = writers
             .into_iter()
             .map(|w| w.join().expect("writer"))
             .collect();
-        (known, reader.join().expect("reader"), took)
+        (known, reader.join().expect("reader"))
     });
-    eprintln!(
-        "failover: the map {:?} after the kill, a write served {:?} after it (lease TTL 2 s); {reads} reads never went back",
-        took.0, took.1
-    );
+    eprintln!("{reads} reads never went back");
     assert!(reads > 0);
-
-    assert_failed_over(&url, &old, &victim);
-    let status = cluster_status(&url);
-    assert!(status.contains("shards short of copies"), "{status}");
 
     assert_eq!(kv.get(&probe).expect("get").as_deref(), Some(&b"after"[..]));
     assert_each_acknowledged_write_kept(&mut kv, &known);
-    // One more write of each key leaves every copy alike.
-    let mut groups = copies(&url);
-    for t in 0..WRITERS {
+    assert_copies_alike(&url, &mut kv, WRITERS);
+}
+
+/// The copies made since the cluster at `url` started hold what was
+/// written before them, and one more write of each of `writers`' keys
+/// leaves every copy alike.
+fn assert_copies_alike(url: &str, kv: &mut ClusterClient, writers: usize) {
+    let mut groups = copies(url);
+    for i in 0..SHARDS * 8 {
+        let warm = assert_alike(&mut groups, kv, &format!("warm{i}"));
+        assert_eq!(warm.as_deref(), Some(&b"w"[..]));
+    }
+    for t in 0..writers {
         for i in 0..16 {
             let key = own_key(t, i);
             kv.put(&key, "last").expect("put");
             assert_eq!(
-                assert_alike(&mut groups, &kv, &key).as_deref(),
+                assert_alike(&mut groups, kv, &key).as_deref(),
                 Some(&b"last"[..])
             );
         }
     }
+}
 
-    // The killed server comes back: it serves none of its old copies (the
-    // map no longer gives it any) and deletes them.
-    let zone = MEMBERS[member_index(&victim)].1;
-    members.push(start_member(&url, dir.path(), &victim, &["--zone", zone]));
-    copies_deleted(dir.path(), &victim, &held);
-    let back = cluster_state(&url);
-    assert!(back.member(&victim).is_some(), "it joined again");
-    assert_eq!(
-        back.shard_map().expect("a map").copies_of(&victim).count(),
-        0
+/// Kills the other member of `victim`'s zone (`victim` is back, empty):
+/// its copies are made again at `victim`, and during one of them, its
+/// source is killed too.
+fn kill_the_zone_mate_then_a_copy_source(
+    url: &str,
+    members: &mut BTreeMap<String, Daemon>,
+    victim: &str,
+    zone: &str,
+) {
+    let map = cluster_state(url).shard_map().expect("a map").clone();
+    // The other server of its zone goes: its copies are made again at
+    // the one that came back, and during one of them, its source goes
+    // (a source with a backup: a shard failed over is led by its last
+    // backup alone until its copies are made, and a copy of it has no
+    // other to go on from).
+    let second = MEMBERS
+        .iter()
+        .find(|(m, z)| *z == zone && *m != victim)
+        .map(|(m, _)| m.to_string())
+        .expect("a second server in the zone");
+    assert!(map.shards_of(&second).next().is_some(), "{second} leads");
+    members.remove(&second).expect("the second").kill_9();
+    let mut copying = None;
+    eventually("a copy under way", Duration::from_secs(60), || {
+        let state = cluster_state(url);
+        let map = state.shard_map().expect("a map");
+        let m = map.moving.as_ref();
+        let backed = m.is_some_and(|m| !map.backups(m.shard).is_empty());
+        let source = m
+            .and_then(|m| map.owner(m.shard))
+            .filter(|o| *o != second && backed);
+        copying = source.zip(m).map(|(o, m)| (o.to_string(), m.clone()));
+        copying.is_some()
+    });
+    let (third, m) = copying.expect("a copy");
+    members.remove(&third).expect("the copy's source").kill_9();
+    eprintln!(
+        "killed {third}, the source of a copy of shard {} to {}",
+        m.shard, m.to
     );
-    assert_eq!(kv.get(&probe).expect("get").as_deref(), Some(&b"after"[..]));
+}
+
+/// Waits until every shard of the cluster at `url` has `copies` copies and
+/// no copy is under way.
+fn restored(url: &str, copies: usize) {
+    eventually("every group restored", Duration::from_secs(120), || {
+        let state = cluster_state(url);
+        let map = state.shard_map().expect("a map");
+        map.moving.is_none()
+            && (0..SHARDS).all(|s| {
+                let live = |id: &str| state.member(id).is_some();
+                map.owner(s).is_some_and(live)
+                    && map.backups(s).iter().all(|b| live(b))
+                    && 1 + map.backups(s).len() == copies
+            })
+    });
 }
 
 /// The map after `victim` failed over from `old`: it is in no group;
@@ -595,13 +684,27 @@ fn assert_failed_over(url: &str, old: &ShardMap, victim: &str) {
     }
 }
 
-/// Waits until member `id`'s regions of `shards` (its old copies) are
-/// gone from `dir`.
-fn copies_deleted(dir: &std::path::Path, id: &str, shards: &[u32]) {
+/// Member `id`'s region files in `dir` of the shards it holds copies of
+/// in `map`, each with its inode.
+fn copy_files(dir: &std::path::Path, id: &str, map: &ShardMap) -> Vec<(std::path::PathBuf, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    map.copies_of(id)
+        .map(|s| dir.join(format!("{id}.shard-{s}")))
+        .map(|path| {
+            let inode = std::fs::metadata(&path).expect("a copy's region").ino();
+            (path, inode)
+        })
+        .collect()
+}
+
+/// Waits until each of `files` (a member's old copies) is gone: deleted,
+/// or made anew for a copy made since.
+fn copies_deleted(files: &[(std::path::PathBuf, u64)]) {
+    use std::os::unix::fs::MetadataExt;
     eventually("the old copies deleted", Duration::from_secs(60), || {
-        shards
+        files
             .iter()
-            .all(|s| !dir.join(format!("{id}.shard-{s}")).exists())
+            .all(|(path, inode)| std::fs::metadata(path).map_or(true, |m| m.ino() != *inode))
     });
 }
 
@@ -665,6 +768,7 @@ fn a_frozen_primary_is_fenced_and_drops_its_copies_when_it_wakes() {
         Some(&b"before"[..])
     );
 
+    let held = copy_files(dir.path(), &victim, &old);
     let daemon = &members[member_index(&victim)];
     daemon.signal(libc::SIGSTOP);
     eventually("shard 1 failed over", Duration::from_secs(60), || {
@@ -695,8 +799,7 @@ fn a_frozen_primary_is_fenced_and_drops_its_copies_when_it_wakes() {
     daemon.signal(libc::SIGCONT);
     let got = queued.join().expect("the queued client");
     assert!(got.is_err(), "the woken server admitted a client: {got:?}");
-    let held: Vec<u32> = old.copies_of(&victim).collect();
-    copies_deleted(dir.path(), &victim, &held);
+    copies_deleted(&held);
     assert!(
         Client::connect(&at).is_err(),
         "it serves its old copy again"
