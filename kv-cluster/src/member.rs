@@ -42,7 +42,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::etcd::{ClusterState, Etcd};
-use crate::placement::{next_map, random_secret};
+use crate::placement::{next_map_avoiding, random_secret, Members};
 use crate::records::{MemberRecord, ShardMap, ShardMove};
 use crate::url::ClusterUrl;
 use crate::ClusterError;
@@ -599,13 +599,14 @@ async fn coordinate(
         };
         let map = state.shard_map();
         failed.notice(map);
-        let next = next_map(
-            &state.config,
-            map,
-            &state.live_zones(),
-            &state.draining_ids(),
-            random_secret,
-        );
+        let (live, draining, held_back) =
+            (state.live_zones(), state.draining_ids(), failed.pairs());
+        let members = Members {
+            live: &live,
+            draining: &draining,
+            held_back: &held_back,
+        };
+        let next = next_map_avoiding(&state.config, map, &members, random_secret);
         if let Some(next) = next.filter(|n| !failed.holds_back(n)) {
             let based_on = state.map.as_ref().map(|(_, r)| *r);
             match etcd.publish_map(&next, based_on, Some(&leader)).await {
@@ -653,6 +654,11 @@ impl FailedMoves {
             let source = map.and_then(|map| map.owner(m.shard)).map(str::to_string);
             (m, source)
         });
+    }
+
+    /// The (shard, target) pairs held back now.
+    fn pairs(&self) -> Vec<(u32, String)> {
+        self.held.iter().map(|(pair, _)| pair.clone()).collect()
     }
 
     fn holds_back(&self, next: &ShardMap) -> bool {

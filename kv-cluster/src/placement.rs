@@ -35,6 +35,24 @@ pub fn next_map(
     draining: &[String],
     new_secret: impl FnOnce() -> String,
 ) -> Option<ShardMap> {
+    let members = Members {
+        live,
+        draining,
+        held_back: &[],
+    };
+    next_map_avoiding(config, map, &members, new_secret)
+}
+
+/// As [`next_map`], proposing no copy of a replicated cluster's shard to
+/// a member paired with it in `held_back` (a copy there failed lately):
+/// the next member or shard goes first.
+pub fn next_map_avoiding(
+    config: &ClusterConfig,
+    map: Option<&ShardMap>,
+    members: &Members<'_>,
+    new_secret: impl FnOnce() -> String,
+) -> Option<ShardMap> {
+    let Members { live, draining, .. } = *members;
     let mut takers: Vec<&String> = live
         .iter()
         .map(|(id, _)| id)
@@ -56,7 +74,7 @@ pub fn next_map(
     if config.replicas > 1 {
         let ids: Vec<&str> = live.iter().map(|(id, _)| id.as_str()).collect();
         return failover(map, &ids)
-            .or_else(|| restore_copies(config.replicas, map, live, draining, new_secret));
+            .or_else(|| restore_copies(config.replicas, map, members, new_secret));
     }
     let live: Vec<String> = live.iter().map(|(id, _)| id.clone()).collect();
     let live = live.as_slice();
@@ -162,6 +180,15 @@ fn failover(map: &ShardMap, live: &[&str]) -> Option<ShardMap> {
     changed.then_some(next)
 }
 
+/// Who may take shards: the live members with their zones, those of them
+/// leaving, and (shard, member) pairs not to copy to now.
+#[derive(Clone, Copy)]
+pub struct Members<'a> {
+    pub live: &'a [(String, Option<String>)],
+    pub draining: &'a [String],
+    pub held_back: &'a [(u32, String)],
+}
+
 /// The map after one more copy of a shard short of `replicas` is started
 /// (a `moving` of a replicated cluster adds its target to the group; see
 /// kv-server's `shard_host`), or the copy under way dropped when it can no
@@ -172,10 +199,14 @@ fn failover(map: &ShardMap, live: &[&str]) -> Option<ShardMap> {
 fn restore_copies(
     replicas: u32,
     map: &ShardMap,
-    live: &[(String, Option<String>)],
-    draining: &[String],
+    members: &Members<'_>,
     new_secret: impl FnOnce() -> String,
 ) -> Option<ShardMap> {
+    let Members {
+        live,
+        draining,
+        held_back,
+    } = *members;
     let is_live = |id: &str| live.iter().any(|(l, _)| l == id);
     let takes = |id: &str| is_live(id) && !draining.iter().any(|d| d == id);
     if let Some(m) = &map.moving {
@@ -205,6 +236,7 @@ fn restore_copies(
         live.iter()
             .map(|(id, _)| id.as_str())
             .filter(|id| takes(id) && !group(shard).any(|g| g == *id))
+            .filter(|id| !held_back.iter().any(|(s, to)| *s == shard && to == id))
             .filter(|id| !zones.contains(&zone_of(id)))
             .min_by_key(|id| (map.copies_of(id).count(), *id))
     };
@@ -614,8 +646,25 @@ mod tests {
         for shard in 0..6 {
             assert_eq!(now.backups(shard).len(), 1);
         }
-        // A member joins: every group gets its third copy there.
+        // A member joins: every group gets its third copy there. A copy
+        // held back (it failed lately) leaves the next shard to go first.
         let all = live(&["b", "c", "d"]);
+        let first = next_map(&c, Some(&now), &all, &[], secret).unwrap();
+        let m = first.moving.clone().unwrap();
+        let held = [(m.shard, m.to.clone())];
+        let members = Members {
+            live: &all,
+            draining: &[],
+            held_back: &held,
+        };
+        let other = next_map_avoiding(&c, Some(&now), &members, secret).unwrap();
+        assert_ne!(other.moving.as_ref().map(|o| o.shard), Some(m.shard));
+        // Its source dies: it fails over (to a backup), and the copy goes.
+        let source = first.owner(m.shard).unwrap();
+        let rest: Vec<_> = all.iter().filter(|(id, _)| id != source).cloned().collect();
+        let failed = next_map(&c, Some(&first), &rest, &[], secret).unwrap();
+        assert_ne!(failed.owner(m.shard), Some(source));
+        assert_eq!(failed.moving, None);
         while let Some(next) = next_map(&c, Some(&now), &all, &[], secret) {
             assert_eq!(next.moving.as_ref().map(|m| m.to.as_str()), Some("d"));
             now = copied(&next);

@@ -24,7 +24,10 @@
 //! target joined, and so would not set it, can commit nowhere, and every
 //! write from then on sets the target too. Until its member sees that
 //! map, the primary stays stopped (see `ShardHost::floors`). A copy that
-//! fails after the freeze restarts the primary under the same epoch.
+//! fails after the freeze restarts the primary under the same epoch. A
+//! copy goes only from a server under the map's group (a failover that
+//! just made this member primary restarts it first), and one found in the
+//! first map this process followed is dropped, as above.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -105,6 +108,11 @@ pub struct ShardHost {
     sending: Option<Sending>,
     /// The last move sent: done, whether or not the map shows it yet.
     sent: Option<ShardMove>,
+    /// The move in the first map this process followed: an earlier
+    /// process of this member may have begun sending it, into a target
+    /// that then holds keys this one cannot know of (see the module's
+    /// comment).
+    inherited: Option<ShardMove>,
     /// The least group epoch each shard may start under: a copy this
     /// member made published its shard's next epoch, and until the map
     /// followed here shows it, the shard's server must not start under
@@ -166,6 +174,7 @@ impl ShardHost {
             serving: BTreeMap::new(),
             sending: None,
             sent: None,
+            inherited: None,
             floors: BTreeMap::new(),
             map: None,
             listens: BTreeMap::new(),
@@ -236,6 +245,9 @@ impl ShardHost {
     /// be lost.
     pub fn follow(&mut self, map: &ShardMap, held: impl Fn() -> bool) {
         let before = self.map.replace(map.clone());
+        if before.is_none() {
+            self.inherited.clone_from(&map.moving);
+        }
         self.retry_at = Some(Instant::now() + RETRY_EVERY);
         let (wanted, outgoing) = self.plan(map);
         let stale: Vec<u32> = self
@@ -258,16 +270,15 @@ impl ShardHost {
         }
         self.floors
             .retain(|&shard, floor| map.group_epoch(shard) < *floor);
-        // The shards held here that a failover gave a new primary since
-        // the last map.
-        let failed_over: Vec<u32> = wanted
-            .iter()
-            .filter(|(s, asks)| {
+        // The shards held here whose group changed since the last map (a
+        // failover, or a copy added), whether served now or not.
+        let failed_over: Vec<u32> = map
+            .copies_of(&self.member)
+            .filter(|&s| {
                 before
                     .as_ref()
-                    .is_some_and(|b| b.group_epoch(**s) != asks.group_epoch)
+                    .is_some_and(|b| b.group_epoch(s) != map.group_epoch(s))
             })
-            .map(|(s, _)| *s)
             .collect();
         self.fence_old_primaries(before.as_ref(), map, &failed_over);
         if !failed_over.is_empty() {
@@ -376,8 +387,20 @@ impl ShardHost {
         let mut outgoing = None;
         if let Some(m) = &map.moving {
             if map.owner(m.shard) == Some(self.member.as_str()) {
-                wanted.remove(&m.shard);
-                outgoing = Some(m.clone());
+                // A copy is sent from the shard's server under the map's
+                // group: one that a failover just gave this member (the
+                // two maps may arrive as one) restarts under it first.
+                let ready = !self.replicated
+                    || self.inherited.as_ref() == Some(m)
+                    || self.sending.as_ref().is_some_and(|s| s.m == *m)
+                    || self
+                        .serving
+                        .get(&m.shard)
+                        .is_some_and(|s| wanted.get(&m.shard) == Some(&s.asks));
+                if ready {
+                    wanted.remove(&m.shard);
+                    outgoing = Some(m.clone());
+                }
             } else if m.to == self.member {
                 // Only the copier, who knows the secret, connects; and it
                 // routes by no group.
@@ -685,7 +708,12 @@ fn move_shard(
         .unwrap_or_else(|e| e.into_inner())
         .is_some();
     let copied = if serving {
-        target_address(url, m).and_then(|to| shard_move::send(out, &to, &mut shard))
+        target_address(url, m).and_then(|to| {
+            // A copy that panics is dropped like one that fails: the map
+            // must not keep a move that nobody sends.
+            let send = std::panic::AssertUnwindSafe(|| shard_move::send(out, &to, &mut shard));
+            std::panic::catch_unwind(send).unwrap_or_else(|_| Err("the copy panicked".into()))
+        })
     } else {
         Err("this server does not serve the shard (it restarted)".into())
     };

@@ -107,6 +107,7 @@ pub fn send(out: &Outgoing, to: &Address, source: &mut dyn Source) -> Result<Cop
     if copier.target.reconnects() > 0 {
         return Err("the target's connection was made anew during the copy".into());
     }
+    pause_before_last_pass();
     if !source.go_on() {
         return Err(CALLED_OFF.into());
     }
@@ -124,6 +125,16 @@ pub fn send(out: &Outgoing, to: &Address, source: &mut dyn Source) -> Result<Cop
         "copied to {to}"
     );
     Ok(copied)
+}
+
+/// A test hook: `ONEKV_MOVE_PAUSE=MILLISECONDS` stalls every move of this
+/// process that long before its last pass, as the passes of a large shard
+/// would take, so that a test can act while one is under way.
+fn pause_before_last_pass() {
+    let pause = std::env::var("ONEKV_MOVE_PAUSE").ok();
+    if let Some(ms) = pause.and_then(|ms| ms.parse().ok()) {
+        std::thread::sleep(Duration::from_millis(ms));
+    }
 }
 
 const CALLED_OFF: &str = "called off (the map dropped it, or the lease is unconfirmed)";

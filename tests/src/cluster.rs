@@ -174,8 +174,20 @@ pub fn cluster_status(url: &str) -> String {
 /// shards). Its shards' regions are `dir/name.shard-S` either way, so a
 /// member started again under its name finds them.
 pub fn start_member(url: &str, dir: &Path, name: &str, extra: &[&str]) -> Daemon {
+    start_member_with_env(url, dir, name, extra, &[])
+}
+
+/// As [`start_member`], with `env` set for the daemon (a test hook).
+pub fn start_member_with_env(
+    url: &str,
+    dir: &Path,
+    name: &str,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> Daemon {
     let listen = member_address(dir, name);
     let mut command = Command::new(workspace_bin("kv-server"));
+    command.envs(env.iter().copied());
     command
         .args(["--cluster", url, "--member-name", name, "--listen"])
         .arg(listen.to_string())

@@ -20,7 +20,9 @@ use std::time::{Duration, Instant};
 use kv_client::{Client, ClientOptions, ClusterClient, Error};
 use kv_cluster::etcd::BlockingEtcd;
 use kv_cluster::{shard_address, ClusterState, ClusterUrl, ShardMap};
-use onekv_tests::cluster::{cluster_status, create_cluster_with, start_member, EtcdServer};
+use onekv_tests::cluster::{
+    cluster_status, create_cluster_with, start_member, start_member_with_env, EtcdServer,
+};
 use onekv_tests::histories::{check_owner, check_rounds, end_round, Event};
 use onekv_tests::{
     eventually, or_abort, rdma_host, region_dir, tagged_value, workspace_bin, xorshift, Daemon,
@@ -33,13 +35,21 @@ const MEMBERS: [(&str, &str); 4] = [("m0", "a"), ("m1", "b"), ("m2", "c"), ("m3"
 
 /// Four servers in three zones.
 fn start(name: &str) -> (EtcdServer, String, tempfile::TempDir, Vec<Daemon>) {
+    start_with_env(name, &[])
+}
+
+/// As [`start`], the servers started with `env` (a test hook).
+fn start_with_env(
+    name: &str,
+    env: &[(&str, &str)],
+) -> (EtcdServer, String, tempfile::TempDir, Vec<Daemon>) {
     let etcd = EtcdServer::start();
     let url = etcd.url(name);
     let dir = region_dir();
     create_cluster_with(&url, SHARDS, 4, &["--replicas", "3"]);
     let members = MEMBERS
         .iter()
-        .map(|(m, zone)| start_member(&url, dir.path(), m, &["--zone", zone]))
+        .map(|(m, zone)| start_member_with_env(&url, dir.path(), m, &["--zone", zone], env))
         .collect();
     eventually("every copy served", Duration::from_secs(60), || {
         ClusterClient::connect(&url)
@@ -493,7 +503,9 @@ fn member_index(id: &str) -> usize {
 /// throughout, and the copies end alike.
 #[test]
 fn killed_primaries_fail_over_and_their_copies_are_restored_with_every_acknowledged_write() {
-    let (_etcd, url, dir, members) = start("failover");
+    // Each copy lasts a second at least, so that one can be killed while
+    // under way.
+    let (_etcd, url, dir, members) = start_with_env("failover", &[("ONEKV_MOVE_PAUSE", "1000")]);
     let mut members: BTreeMap<String, Daemon> = MEMBERS
         .iter()
         .map(|(m, _)| m.to_string())
@@ -537,9 +549,9 @@ fn killed_primaries_fail_over_and_their_copies_are_restored_with_every_acknowled
         // the put finds the new primary, waiting for it to open.
         kv.put(&probe, "after").expect("a put once failed over");
         let served = killed_at.elapsed();
-        assert_failed_over(&url, &old, &victim);
         // The three left span the three zones: every group is whole again.
         restored(&url, 3);
+        assert_failed_over(&url, &old, &victim);
         eprintln!(
             "failover: the map {mapped:?} after the kill, a write served {served:?} after it \
              (lease TTL 2 s); every copy restored {:?} after it",
@@ -637,6 +649,12 @@ fn kill_the_zone_mate_then_a_copy_source(
     });
     let (third, m) = copying.expect("a copy");
     members.remove(&third).expect("the copy's source").kill_9();
+    let map = cluster_state(url).shard_map().expect("a map").clone();
+    assert_eq!(
+        map.moving.as_ref(),
+        Some(&m),
+        "the copy ended before the kill"
+    );
     eprintln!(
         "killed {third}, the source of a copy of shard {} to {}",
         m.shard, m.to
