@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# A replicated shard's primary killed under load, and its copies restored,
+# measured: a one-shard cluster of three copies on members a, b, c (zones
+# a, b, c), RECORDS records of 100 bytes loaded, member d (zone d) joined,
+# then YCSB-A run by kv-bench (1-second status lines) while the primary is
+# killed with -9. The failover leaves the shard one copy (see
+# docs/design.md, failover), and two copies are then made from it. Prints
+# the copies' log lines (keys, how long each took, how long the index was
+# frozen: the shard's writers waited as long) and kv-bench's per-second
+# throughput and errors.
+#
+#   scripts/restore-bench.sh [RECORDS]      (default 1000000)
+#
+# Needs etcd (Debian: etcd-server) and release builds of kv-server and
+# kv-bench (cargo build --release -p kv-server -p kv-bench).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. scripts/etcd-here.sh
+records=${1:-1000000}
+bin=${BIN_DIR:-target/release}
+command -v etcd >/dev/null || { echo "etcd not found: apt-get install etcd-server" >&2; exit 1; }
+for b in kv-server kv-bench; do
+  [ -x "$bin/$b" ] || { echo "$bin/$b not built: cargo build --release -p $b" >&2; exit 1; }
+done
+
+work=$(mktemp -d /dev/shm/onekv-restore.XXXXXX)
+declare -A pids=()
+cleanup() {
+  kill -9 "${pids[@]}" 2>/dev/null || true
+  wait 2>/dev/null || true
+  rm -rf "$work"
+}
+trap cleanup EXIT INT TERM
+
+port=${ETCD_PORT:-23892}
+etcd_here "$work" "$port"
+pids[etcd]=$!
+url="etcd://127.0.0.1:$port/restore"
+create_cluster_when_up "$bin/kv-server" "$url" --shards 1 --initial-members 3 --replicas 3
+
+member() {
+  "$bin/kv-server" --cluster "$url" --member-name "$1" --listen "shm://$work/$1" \
+    --zone "$1" --lease-ttl 2 >"$work/$1.log" 2>&1 &
+  pids[$1]=$!
+}
+for m in a b c; do member "$m"; done
+sleep 2
+workload=(--server "$url" --workload benches/workloads/workloada -p "recordcount=$records"
+  -p fieldcount=1 -p fieldlength=100)
+"$bin/kv-bench" load "${workload[@]}" --threads 2 --status-interval 10 | grep -E "Throughput|RunTime"
+member d
+sleep 2
+"$bin/kv-bench" run "${workload[@]}" -p operationcount=1000000000 \
+  -p maxexecutiontime=60 --threads 2 --status-interval 1 >"$work/run.log" 2>&1 &
+bench=$!
+sleep 10
+primary=$("$bin/kv-server" cluster status "$url" | awk '/shards \[0\]/ {print $2}')
+echo "--- killing the primary, $primary, 10 s into the run, at $(date +%T.%N)"
+kill -9 "${pids[$primary]}"
+wait "$bench" || true
+echo "--- the failover and the copies (the members' logs)"
+grep -hE "copied to|a new group|failed" "$work"/[abcd].log | sed 's/\x1b\[[0-9;]*m//g' | sort
+"$bin/kv-server" cluster status "$url"
+echo "--- kv-bench, 1-second windows"
+grep -E "sec:|Throughput|Return|first error" "$work/run.log"
