@@ -22,3 +22,14 @@ create_cluster_when_up() {
   echo "could not create $url (etcd's log is beside it)" >&2
   return 1
 }
+
+# `need_etcd_and BIN_DIR PROGRAMS...` stops the script, saying what to do,
+# unless etcd is installed and each program is built in BIN_DIR.
+need_etcd_and() {
+  local bin=$1 b
+  shift
+  command -v etcd >/dev/null || { echo "etcd not found: apt-get install etcd-server" >&2; exit 1; }
+  for b in "$@"; do
+    [ -x "$bin/$b" ] || { echo "$bin/$b not built: cargo build --release -p $b" >&2; exit 1; }
+  done
+}

@@ -17,10 +17,7 @@ cd "$(dirname "$0")/.."
 . scripts/etcd-here.sh
 records=${1:-1000000}
 bin=${BIN_DIR:-target/release}
-command -v etcd >/dev/null || { echo "etcd not found: apt-get install etcd-server" >&2; exit 1; }
-for b in kv-server kv-bench; do
-  [ -x "$bin/$b" ] || { echo "$bin/$b not built: cargo build --release -p $b" >&2; exit 1; }
-done
+need_etcd_and "$bin" kv-server kv-bench
 
 work=$(mktemp -d /dev/shm/onekv-move.XXXXXX)
 pids=()
