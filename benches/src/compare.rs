@@ -89,7 +89,11 @@ struct OpenStore {
 fn open_target(name: &str, args: &CompareArgs, w: &Workload) -> Result<Option<OpenStore>, String> {
     let (server, factory): (_, Box<dyn StoreFactory>) = match name {
         "onekv" => {
-            let t = Target::open(args.workload.server.as_deref(), args.workload.memory)?;
+            let t = Target::open(
+                args.workload.server.as_deref(),
+                args.workload.memory,
+                args.workload.max_memory,
+            )?;
             let f = Onekv {
                 address: t.address.clone(),
                 secret: args.workload.secret()?,

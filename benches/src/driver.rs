@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 use std::io::IsTerminal;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
@@ -110,6 +111,26 @@ struct Shared {
     acked: AtomicU64,
     done: AtomicU64,
     stop: AtomicBool,
+    /// Failed operations so far, and the first one's error: shown while
+    /// the phase runs, not only in its report.
+    errors: AtomicU64,
+    first_error: OnceLock<String>,
+    /// A load stops at its first failed insert: the records it would leave
+    /// out make a run's reads miss, and a store that refused one (full, or
+    /// gone) mostly refuses the rest, each after its own wait.
+    stop_at_error: bool,
+}
+
+impl Shared {
+    fn failed(&self, e: &str) {
+        self.errors.fetch_add(1, Ordering::Relaxed);
+        if self.first_error.get().is_none() {
+            let _ = self.first_error.set(e.to_owned());
+        }
+        if self.stop_at_error {
+            self.stop.store(true, Ordering::Relaxed);
+        }
+    }
 }
 
 pub struct RunOptions {
@@ -154,6 +175,9 @@ pub fn run_phase(
         acked: AtomicU64::new(loaded_end.saturating_sub(1)),
         done: AtomicU64::new(0),
         stop: AtomicBool::new(false),
+        errors: AtomicU64::new(0),
+        first_error: OnceLock::new(),
+        stop_at_error: phase == Phase::Load,
     };
     let threads = w.threadcount;
     // A run that starts while the load's index resize still migrates slots
@@ -291,6 +315,7 @@ fn report_progress(run: &PhaseRun, o: &RunOptions) -> Timeline {
         bar
     });
     let mut last_status = (Instant::now(), 0u64);
+    let mut error_shown = false;
     loop {
         let done = shared.done.load(Ordering::Relaxed);
         if done >= total || shared.stop.load(Ordering::Relaxed) {
@@ -306,12 +331,28 @@ fn report_progress(run: &PhaseRun, o: &RunOptions) -> Timeline {
             shared.stop.store(true, Ordering::Relaxed);
             break;
         }
+        if let Some(e) = shared
+            .first_error
+            .get()
+            .filter(|_| !error_shown && !o.quiet)
+        {
+            let line = format!("first error: {e}");
+            match &bar {
+                Some(bar) => bar.println(line),
+                None => eprintln!("{line}"),
+            }
+            error_shown = true;
+        }
         if let Some(bar) = &bar {
             bar.set_position(done);
         } else if !o.quiet && last_status.0.elapsed() >= o.status_interval {
             let rate = (done - last_status.1) as f64 / last_status.0.elapsed().as_secs_f64();
+            let errors = match shared.errors.load(Ordering::Relaxed) {
+                0 => String::new(),
+                n => format!("; {n} errors"),
+            };
             eprintln!(
-                "{:.1} sec: {done} operations; {rate:.1} current ops/sec",
+                "{:.1} sec: {done} operations; {rate:.1} current ops/sec{errors}",
                 start.elapsed().as_secs_f64()
             );
             last_status = (Instant::now(), done);
@@ -495,6 +536,7 @@ impl Worker {
             Ok(false) => stats.not_found += 1,
             Err(e) => {
                 stats.errors += 1;
+                shared.failed(&e);
                 self.first_error.get_or_insert(e);
             }
         }
@@ -536,6 +578,7 @@ impl Worker {
             }
             Err(e) => {
                 stats.errors += n as u64;
+                shared.failed(&e);
                 self.first_error.get_or_insert(e);
             }
         }

@@ -34,7 +34,8 @@ struct Args {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Load phase only: insert the workload's records.
+    /// Load phase only: insert the workload's records. A load stops at its
+    /// first failed insert (a full store, say) and exits with its error.
     Load(ycsb::WorkloadArgs),
     /// Run phase. Against the embedded server (no --server) the records are
     /// loaded first, since it starts empty; against a server, pass --load

@@ -149,7 +149,7 @@ fn key(i: u64, size: usize) -> Vec<u8> {
 
 pub fn run(args: MicroArgs) -> Result<(), String> {
     check(&args)?;
-    let target = Target::open(args.server.as_deref(), args.memory)?;
+    let target = Target::open(args.server.as_deref(), args.memory, None)?;
     let mut loader = Client::connect(&target.address).map_err(|e| e.to_string())?;
     let value = vec![0xabu8; args.value_size];
     for i in 0..args.keys {

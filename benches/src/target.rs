@@ -1,7 +1,7 @@
 //! What a benchmark runs against: a server given by address, or an embedded
 //! one on a temporary shm region that lives as long as the benchmark. The
 //! embedded one starts at the server's default size (or `memory`) and grows
-//! with the data, as a real deployment does.
+//! with the data, as a real deployment does (up to `max_memory`, if given).
 
 use kv_common::Address;
 use kv_server::{Server, ServerConfig};
@@ -14,7 +14,11 @@ pub struct Target {
 }
 
 impl Target {
-    pub fn open(address: Option<&str>, memory: Option<u64>) -> Result<Target, String> {
+    pub fn open(
+        address: Option<&str>,
+        memory: Option<u64>,
+        max_memory: Option<u64>,
+    ) -> Result<Target, String> {
         if let Some(a) = address {
             return Ok(Target {
                 address: a.to_string(),
@@ -36,6 +40,7 @@ impl Target {
         if let Some(m) = memory {
             config.memory = m;
         }
+        config.max_memory = max_memory;
         let server = Server::start(config).map_err(|e| e.to_string())?;
         Ok(Target {
             address: format!("shm://{}", region.display()),

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 
-use crate::driver::{run_phase, Phase, RunOptions};
+use crate::driver::{run_phase, OpKind, Phase, RunOptions};
 use crate::plot;
 use crate::properties::Properties;
 use crate::report;
@@ -53,6 +53,11 @@ pub struct WorkloadArgs {
     /// default; it grows as the data does).
     #[arg(long, value_parser = kv_common::size::parse_size)]
     pub memory: Option<u64>,
+    /// Size the embedded server's region may grow to (default: the
+    /// server's); at it, writes fail with "region full" once a collection
+    /// finds no space.
+    #[arg(long, value_parser = kv_common::size::parse_size)]
+    pub max_memory: Option<u64>,
     /// Keys each onekv client remembers the slot of (slot hints: one round
     /// trip per operation on a key used recently; 0 turns them off).
     /// Default: the client's (65 536 over rdma, 4 096 over shm).
@@ -117,7 +122,7 @@ pub fn memory_for(w: &Workload) -> u64 {
 /// Runs `phases` of the workload, in order, on onekv.
 pub fn run(args: WorkloadArgs, phases: &[Phase]) -> Result<(), String> {
     let w = args.workload()?;
-    let target = Target::open(args.server.as_deref(), args.memory)?;
+    let target = Target::open(args.server.as_deref(), args.memory, args.max_memory)?;
     let store = Onekv {
         address: target.address.clone(),
         secret: args.secret()?,
@@ -138,6 +143,12 @@ pub fn run(args: WorkloadArgs, phases: &[Phase]) -> Result<(), String> {
     for &phase in phases {
         let result = run_phase(&store, &w, phase, &options)?;
         report::print_ycsb(&mut out, &result).map_err(|e| e.to_string())?;
+        if let (Phase::Load, Some(e)) = (phase, &result.first_error) {
+            return Err(format!(
+                "the load phase stopped at its first failed insert, with {} records stored: {e}",
+                result.ops.get(&OpKind::Insert).map_or(0, |s| s.ok)
+            ));
+        }
         results.push(result);
     }
     let phases: Vec<_> = results

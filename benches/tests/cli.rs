@@ -92,6 +92,41 @@ fn workload_d_reads_only_inserted_keys() {
     );
 }
 
+/// A load into a store at its cap stops at the first refused insert and
+/// says why, instead of going on through every remaining record, each
+/// refused after a collection of its own.
+#[test]
+fn a_load_into_a_full_store_stops_at_its_first_failed_insert() {
+    let out = bench(&[
+        "load",
+        "--workload",
+        "workloads/workloadc",
+        "--memory",
+        "4MiB",
+        "--max-memory",
+        "4MiB",
+        "--threads",
+        "2",
+        "-p",
+        "recordcount=50000",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("stopped at its first failed insert") && stderr.contains("--max-memory"),
+        "{stderr}"
+    );
+    let stored = field(&stdout, "[INSERT]", "Return=OK").unwrap_or(0.0);
+    let failed = field(&stdout, "[INSERT]", "Return=ERROR").unwrap_or(0.0);
+    assert!(stored > 1000.0, "only {stored} records fit: {stdout}");
+    // Each thread stops at its next insert once one has failed.
+    assert!(
+        (1.0..=2.0).contains(&failed),
+        "{failed} failed inserts: {stdout}"
+    );
+}
+
 #[test]
 fn workload_f_and_target_throttling() {
     let out = bench(&[
