@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# What replication costs the foreground load: YCSB-A and YCSB-C against a
+# one-shard cluster of three members (zones a, b, c) created with one copy
+# and with three, alternated ROUNDS times on the same machine. Prints each
+# run's throughput and round trips per operation, then the medians and the
+# ratios R=3 / R=1.
+#
+#   scripts/replicas-bench.sh [RECORDS] [OPERATIONS] [ROUNDS]
+#                                      (default 100000 500000 3)
+#
+# Needs etcd (Debian: etcd-server) and release builds of kv-server and
+# kv-bench (cargo build --release -p kv-server -p kv-bench).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. scripts/etcd-here.sh
+records=${1:-100000}
+operations=${2:-500000}
+rounds=${3:-3}
+threads=${THREADS:-2}
+bin=${BIN_DIR:-target/release}
+need_etcd_and "$bin" kv-server kv-bench
+
+work=$(mktemp -d /dev/shm/onekv-replicas.XXXXXX)
+pids=()
+cleanup() {
+  kill -9 "${pids[@]}" 2>/dev/null || true
+  wait 2>/dev/null || true
+  rm -rf "$work"
+}
+trap cleanup EXIT INT TERM
+
+port=${ETCD_PORT:-23894}
+etcd_here "$work" "$port"
+pids+=($!)
+
+# `one_run R ROUND`: a fresh cluster of R copies; prints
+# "R WORKLOAD OPS_PER_S READ_RT UPDATE_RT" for A, then C.
+one_run() {
+  local r=$1 round=$2 url="etcd://127.0.0.1:$port/r$1-$2" m members=()
+  create_cluster_when_up "$bin/kv-server" "$url" --shards 1 --initial-members 3 --replicas "$r"
+  for m in a b c; do
+    mkdir -p "$work/r$r-$round"
+    "$bin/kv-server" --cluster "$url" --member-name "$m" --listen "shm://$work/r$r-$round/$m" \
+      --zone "$m" >"$work/r$r-$round/$m.log" 2>&1 &
+    members+=($!)
+  done
+  pids+=("${members[@]}")
+  local common=(--server "$url" -p "recordcount=$records" --threads "$threads")
+  "$bin/kv-bench" load --workload benches/workloads/workloada "${common[@]}" >/dev/null
+  for w in a c; do
+    "$bin/kv-bench" run --workload "benches/workloads/workload$w" "${common[@]}" \
+      -p "operationcount=$operations" >"$work/out" 2>&1
+    awk -v r="$r" -v w="$w" -F', ' '
+      /^\[OVERALL\], Throughput/ {t = $3}
+      /^\[READ\], RoundTripsPerOp/ {rd = $3}
+      /^\[UPDATE\], RoundTripsPerOp/ {up = $3}
+      /first error/ {err = $0}
+      END {printf "R=%s YCSB-%s %8.0f ops/s  READ %s rt/op  UPDATE %s rt/op %s\n", r, toupper(w), t, rd, (up == "" ? "-" : up), err}
+    ' "$work/out"
+  done
+  kill -9 "${members[@]}" 2>/dev/null || true
+  wait "${members[@]}" 2>/dev/null || true
+  rm -rf "${work:?}/r$r-$round"
+}
+
+for round in $(seq "$rounds"); do
+  for r in 1 3; do one_run "$r" "$round"; done
+done | tee "$work/all"
+echo "--- medians of $rounds (R=3 / R=1)"
+for w in A C; do
+  one=$(awk -v w="YCSB-$w" '$1 == "R=1" && $2 == w {print $3}' "$work/all" | sort -n | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}')
+  three=$(awk -v w="YCSB-$w" '$1 == "R=3" && $2 == w {print $3}' "$work/all" | sort -n | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}')
+  awk -v w="$w" -v a="$one" -v b="$three" 'BEGIN {printf "YCSB-%s: R=1 %.0f ops/s, R=3 %.0f ops/s: %.2fx\n", w, a, b, b / a}'
+done
