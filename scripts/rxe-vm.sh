@@ -112,6 +112,7 @@ copy_with_libs "$prov" "$prov"
 mkdir -p "$R/etc/libibverbs.d"
 cp /etc/libibverbs.d/rxe.driver "$R/etc/libibverbs.d/"
 for b in kv-server kv kv-bench kv-stress kv-churn; do copy_with_libs "$ROOT/target/release/$b" "/bin/$b"; done
+mkdir -p "$R/workloads" && cp "$ROOT/benches/workloads/workloada" "$R/workloads/"
 while read -r name exe; do
   copy_with_libs "$exe" "/tests/$name"
   [ -z "${FILTERS[$name]:-}" ] || echo "${FILTERS[$name]}" > "$R/filters/$name"
@@ -228,6 +229,43 @@ done
 single=$(col GET-cold 3); batched=$(col GET-batch 3)
 if [ -n "$single" ] && [ -n "$batched" ]; then
   echo "RXE-BATCH: get_many of 16 keys: $batched keys/s ($(col GET-batch 7) round trips per key) vs single GETs $single keys/s ($(col GET-cold 7)): $(awk "BEGIN{printf \"%.2f\", $batched/$single}")x"
+fi
+
+# What replication costs a write over rdma: one shard on three members,
+# created with one copy, then with three; the same whole-record updates (1
+# thread, warm keys) against each. Counted round trips add every copy's;
+# the p50 is the wall time, in which the backups' steps overlap.
+etcd --name r --data-dir /tmp/etcd-r --listen-client-urls http://127.0.0.1:2479 \
+  --advertise-client-urls http://127.0.0.1:2479 --listen-peer-urls http://127.0.0.1:2480 \
+  --initial-advertise-peer-urls http://127.0.0.1:2480 --initial-cluster r=http://127.0.0.1:2480 \
+  > /tmp/etcd-r.log 2>&1 &
+etcd_pid=$!
+for r in 1 3; do
+  url=etcd://127.0.0.1:2479/r$r
+  i=0
+  until kv-server cluster create $url --shards 1 --initial-members 3 --replicas $r > /dev/null 2>&1; do
+    i=$((i+1)); [ $i -ge 100 ] && break; sleep 0.1
+  done
+  members=""; port=$((7500 + 100 * r))
+  for m in a b c; do
+    kv-server --cluster $url --member-name $m --listen rdma://$IP:$port --region-file /dev/shm/r$r-$m \
+      --zone $m --memory 32MiB > /tmp/r$r-$m.log 2>&1 &
+    members="$members $!"; port=$((port + 20))
+  done
+  sleep 3
+  if kv-bench run --server $url --workload /workloads/workloada --load --threads 1 -p recordcount=1000 \
+      -p operationcount=5000 -p readproportion=0 -p updateproportion=1 -p writeallfields=true > /tmp/r$r.log 2>&1; then
+    ok "kv-bench whole-record updates at R=$r"
+  else
+    bad "kv-bench whole-record updates at R=$r"; tail -20 /tmp/r$r.log; tail -5 /tmp/r$r-a.log
+  fi
+  kill -9 $members; wait $members 2>/dev/null
+done
+kill $etcd_pid; wait $etcd_pid 2>/dev/null
+update() { awk -F', ' -v f="$2" '$1 == "[UPDATE]" && $2 == f {print $3; exit}' /tmp/r$1.log; }
+p1=$(update 1 '50thPercentileLatency(us)'); p3=$(update 3 '50thPercentileLatency(us)')
+if [ -n "$p1" ] && [ -n "$p3" ]; then
+  echo "RXE-REPLICAS: whole-record UPDATE p50 $p1 us at R=1 ($(update 1 RoundTripsPerOp) round trips), $p3 us at R=3 ($(update 3 RoundTripsPerOp) round trips, every copy's): $(awk "BEGIN{printf \"%.2f\", $p3/$p1}")x"
 fi
 echo "RXE-SUMMARY: $pass passed, $fail failed"
 GUEST

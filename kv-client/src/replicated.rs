@@ -78,9 +78,6 @@ use std::time::{Duration, Instant};
 
 use kv_common::layout::COUNTER_MAX;
 
-use smallvec::SmallVec;
-
-use crate::batch::{Blocks, DeleteBatch, PutBatch};
 use crate::locate::Need;
 use crate::primary::Commit;
 use crate::{Client, Error, Result};
@@ -237,59 +234,14 @@ impl Group<'_> {
 }
 
 impl Group<'_> {
-    /// Sets `key` to `value` (None: removes it) on every backup: each step
-    /// of the batch path (`put_batch`, `delete_batch`) is taken on every
-    /// backup before the next, so the backups cost the round trips of one
-    /// (a warm set: one, whatever their number). What a backup's batch
-    /// could not settle, or a connection it lost, goes by the single-key
-    /// path, which reconnects.
+    /// Sets `key` to `value` (None: removes it) on every backup.
     fn set_backups(&mut self, key: &[u8], value: Option<&[u8]>, touched: &mut bool) -> Result<()> {
-        *touched = true;
-        let keys = [key];
-        let mut single: SmallVec<[usize; 2]> = SmallVec::new();
-        match value {
-            Some(value) => {
-                let pairs = [(key, value)];
-                let mut puts: SmallVec<[Option<PutBatch>; 2]> = SmallVec::new();
-                in_steps(self.backups, &mut single, |step, i, backup| {
-                    match (step, puts.get_mut(i).and_then(Option::as_mut)) {
-                        (0, _) => {
-                            puts.push(None);
-                            puts[i] = Some(backup.put_started(&pairs, Blocks::Values)?);
-                            Ok(true)
-                        }
-                        (1, Some(put)) => backup.put_second(put).map(|()| true),
-                        (2, Some(put)) => backup.put_third(put).map(|()| true),
-                        (3, Some(put)) => backup
-                            .put_done(put)
-                            .map(|(took, unsettled)| took == 1 && unsettled.is_empty()),
-                        _ => Err(Error::Internal("a backup's PUT steps out of order".into())),
-                    }
-                })?;
-                for i in single {
-                    self.backups[i].put(key, value)?;
-                }
-            }
-            None => {
-                let mut deletes: SmallVec<[Option<DeleteBatch>; 2]> = SmallVec::new();
-                let mut out = [false];
-                in_steps(self.backups, &mut single, |step, i, backup| {
-                    match (step, deletes.get_mut(i).and_then(Option::as_mut)) {
-                        (0, _) => {
-                            deletes.push(None);
-                            deletes[i] = Some(backup.delete_started(&keys)?);
-                            Ok(true)
-                        }
-                        (1, Some(d)) => backup.delete_second(d, &keys, &mut out).map(|()| true),
-                        (2, Some(d)) => backup.delete_third(d, &keys, &mut out).map(|()| true),
-                        (3, Some(d)) => backup.delete_done(d, &mut out).map(|u| u.is_empty()),
-                        _ => Err(Error::Internal(
-                            "a backup's DELETE steps out of order".into(),
-                        )),
-                    }
-                })?;
-                for i in single {
-                    self.backups[i].delete(key)?;
+        for backup in self.backups.iter_mut() {
+            *touched = true;
+            match value {
+                Some(value) => backup.put(key, value)?,
+                None => {
+                    backup.delete(key)?;
                 }
             }
         }
@@ -396,44 +348,6 @@ impl InsertLock {
         Instant::now() < self.until && primary.reconnects() == self.connection
     }
 }
-
-/// A batch's steps (`BATCH_STEPS` of them) on every backup, each taken on
-/// all before the next is taken on any: `step(n, i, backup)` starts step
-/// `n` on backup `i` (waiting for its step before), and from the last
-/// returns whether the batch settled the key. A backup whose batch did
-/// not, or whose connection was lost, is left out of the later steps and
-/// named in `single`; any other error is returned once every other backup
-/// has finished its steps (none is left with verbs under way).
-fn in_steps(
-    backups: &mut [Client],
-    single: &mut SmallVec<[usize; 2]>,
-    mut step: impl FnMut(usize, usize, &mut Client) -> Result<bool>,
-) -> Result<()> {
-    let mut going: SmallVec<[usize; 2]> = (0..backups.len()).collect();
-    let mut failed = None;
-    for n in 0..BATCH_STEPS {
-        going.retain(|&mut i| match step(n, i, &mut backups[i]) {
-            Ok(true) => true,
-            Ok(false) => {
-                single.push(i);
-                false
-            }
-            Err(e) if e.is_connection_lost() => {
-                single.push(i);
-                false
-            }
-            Err(e) => {
-                failed.get_or_insert(e);
-                false
-            }
-        });
-    }
-    failed.map_or(Ok(()), Err)
-}
-
-/// Steps of a PUT or DELETE batch: the first batch, its second and third,
-/// and the wait for the third.
-const BATCH_STEPS: usize = 4;
 
 /// The counter `value` (its decimal text; none: 0) plus `delta`.
 fn add(value: Option<&[u8]>, delta: i64) -> Result<i64> {
