@@ -6,7 +6,7 @@
 # ratios R=3 / R=1.
 #
 #   scripts/replicas-bench.sh [RECORDS] [OPERATIONS] [ROUNDS]
-#                                      (default 100000 500000 3)
+#                                      (default 100000 2000000 3)
 #
 # Needs etcd (Debian: etcd-server) and release builds of kv-server and
 # kv-bench (cargo build --release -p kv-server -p kv-bench).
@@ -14,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/etcd-here.sh
 records=${1:-100000}
-operations=${2:-500000}
+operations=${2:-2000000}
 rounds=${3:-3}
 threads=${THREADS:-2}
 bin=${BIN_DIR:-target/release}
