@@ -233,8 +233,8 @@ fi
 
 # What replication costs a write over rdma: one shard on three members,
 # created with one copy, then with three; the same whole-record updates (1
-# thread, warm keys) against each. Counted round trips add every copy's;
-# the p50 is the wall time, in which the backups' steps overlap.
+# thread, 1000 keys) against each. Counted round trips add every copy's;
+# the p50 is one update's wall time (its backups set one after the other).
 etcd --name r --data-dir /tmp/etcd-r --listen-client-urls http://127.0.0.1:2479 \
   --advertise-client-urls http://127.0.0.1:2479 --listen-peer-urls http://127.0.0.1:2480 \
   --initial-advertise-peer-urls http://127.0.0.1:2480 --initial-cluster r=http://127.0.0.1:2480 \
