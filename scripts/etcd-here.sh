@@ -30,6 +30,6 @@ need_etcd_and() {
   shift
   command -v etcd >/dev/null || { echo "etcd not found: apt-get install etcd-server" >&2; exit 1; }
   for b in "$@"; do
-    [ -x "$bin/$b" ] || { echo "$bin/$b not built: cargo build --release -p $b" >&2; exit 1; }
+    [ -x "$bin/$b" ] || { echo "$bin/$b not built: cargo build --release --bins" >&2; exit 1; }
   done
 }

@@ -8,8 +8,8 @@
 #   scripts/replicas-bench.sh [RECORDS] [OPERATIONS] [ROUNDS]
 #                                      (default 100000 2000000 3)
 #
-# Needs etcd (Debian: etcd-server) and release builds of kv-server and
-# kv-bench (cargo build --release -p kv-server -p kv-bench).
+# Needs etcd (Debian: etcd-server) and release builds of kv-server,
+# kv-bench and kv (cargo build --release --bins).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/etcd-here.sh
@@ -18,7 +18,7 @@ operations=${2:-2000000}
 rounds=${3:-3}
 threads=${THREADS:-2}
 bin=${BIN_DIR:-target/release}
-need_etcd_and "$bin" kv-server kv-bench
+need_etcd_and "$bin" kv-server kv-bench kv
 
 work=$(mktemp -d /dev/shm/onekv-replicas.XXXXXX)
 pids=()
@@ -45,11 +45,17 @@ one_run() {
     members+=($!)
   done
   pids+=("${members[@]}")
+  # Until the shard is dealt and served.
+  for _ in $(seq 150); do
+    "$bin/kv" --server "$url" stats --shard 0 >/dev/null 2>&1 && break
+    sleep 0.2
+  done
   local common=(--server "$url" -p "recordcount=$records" --threads "$threads")
-  "$bin/kv-bench" load --workload benches/workloads/workloada "${common[@]}" >/dev/null
+  "$bin/kv-bench" load --workload benches/workloads/workloada "${common[@]}" >"$work/out" 2>&1 ||
+    { cat "$work/out" >&2; return 1; }
   for w in a c; do
     "$bin/kv-bench" run --workload "benches/workloads/workload$w" "${common[@]}" \
-      -p "operationcount=$operations" >"$work/out" 2>&1
+      -p "operationcount=$operations" >"$work/out" 2>&1 || { cat "$work/out" >&2; return 1; }
     awk -v r="$r" -v w="$w" -F', ' '
       /^\[OVERALL\], Throughput/ {t = $3}
       /^\[READ\], RoundTripsPerOp/ {rd = $3}
@@ -63,9 +69,10 @@ one_run() {
   rm -rf "${work:?}/r$r-$round"
 }
 
+# Not in a pipeline: one_run's members must reach `pids` (and cleanup).
 for round in $(seq "$rounds"); do
-  for r in 1 3; do one_run "$r" "$round"; done
-done | tee "$work/all"
+  for r in 1 3; do one_run "$r" "$round" >>"$work/all"; tail -2 "$work/all"; done
+done
 echo "--- medians of $rounds (R=3 / R=1)"
 for w in A C; do
   one=$(awk -v w="YCSB-$w" '$1 == "R=1" && $2 == w {print $3}' "$work/all" | sort -n | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}')

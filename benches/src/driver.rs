@@ -122,8 +122,9 @@ struct Shared {
 }
 
 impl Shared {
-    fn failed(&self, e: &str) {
-        self.errors.fetch_add(1, Ordering::Relaxed);
+    /// `n` operations failed with `e`.
+    fn failed(&self, e: &str, n: u64) {
+        self.errors.fetch_add(n, Ordering::Relaxed);
         if self.first_error.get().is_none() {
             let _ = self.first_error.set(e.to_owned());
         }
@@ -536,7 +537,7 @@ impl Worker {
             Ok(false) => stats.not_found += 1,
             Err(e) => {
                 stats.errors += 1;
-                shared.failed(&e);
+                shared.failed(&e, 1);
                 self.first_error.get_or_insert(e);
             }
         }
@@ -578,7 +579,7 @@ impl Worker {
             }
             Err(e) => {
                 stats.errors += n as u64;
-                shared.failed(&e);
+                shared.failed(&e, n as u64);
                 self.first_error.get_or_insert(e);
             }
         }

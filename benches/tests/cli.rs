@@ -127,6 +127,37 @@ fn a_load_into_a_full_store_stops_at_its_first_failed_insert() {
     );
 }
 
+/// `compare` leaves out a target whose load failed: its run would read
+/// missing keys and look fast.
+#[test]
+fn compare_leaves_out_a_target_whose_load_failed() {
+    let out = bench(&[
+        "compare",
+        "--workload",
+        "workloads/workloadc",
+        "--targets",
+        "onekv",
+        "--memory",
+        "4MiB",
+        "--max-memory",
+        "4MiB",
+        "-p",
+        "recordcount=50000",
+        "-p",
+        "operationcount=1000",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("onekv: left out: the load phase stopped at its first failed insert"),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        !stdout.contains("READ"),
+        "a run phase was reported: {stdout}"
+    );
+}
+
 #[test]
 fn workload_f_and_target_throttling() {
     let out = bench(&[
