@@ -33,3 +33,21 @@ need_etcd_and() {
     [ -x "$bin/$b" ] || { echo "$bin/$b not built: cargo build --release --bins" >&2; exit 1; }
   done
 }
+
+# `bench_start NAME PORT` (the bench scripts): a work directory on
+# /dev/shm in $work, an array `pids` whose processes are killed (-9) and
+# the directory removed when the script ends, and etcd started there on
+# PORT (its pid the first of `pids`).
+bench_start() {
+  work=$(mktemp -d "/dev/shm/onekv-$1.XXXXXX")
+  pids=()
+  trap bench_cleanup EXIT INT TERM
+  etcd_here "$work" "$2"
+  pids+=($!)
+}
+
+bench_cleanup() {
+  kill -9 "${pids[@]}" 2>/dev/null || true
+  wait 2>/dev/null || true
+  rm -rf "$work"
+}

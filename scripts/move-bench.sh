@@ -19,18 +19,8 @@ records=${1:-1000000}
 bin=${BIN_DIR:-target/release}
 need_etcd_and "$bin" kv-server kv-bench
 
-work=$(mktemp -d /dev/shm/onekv-move.XXXXXX)
-pids=()
-cleanup() {
-  kill -9 "${pids[@]}" 2>/dev/null || true
-  wait 2>/dev/null || true
-  rm -rf "$work"
-}
-trap cleanup EXIT INT TERM
-
 port=${ETCD_PORT:-23890}
-etcd_here "$work" "$port"
-pids+=($!)
+bench_start move "$port"
 url="etcd://127.0.0.1:$port/move"
 create_cluster_when_up "$bin/kv-server" "$url" --shards 1 --initial-members 1
 

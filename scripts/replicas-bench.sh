@@ -20,18 +20,8 @@ threads=${THREADS:-2}
 bin=${BIN_DIR:-target/release}
 need_etcd_and "$bin" kv-server kv-bench kv
 
-work=$(mktemp -d /dev/shm/onekv-replicas.XXXXXX)
-pids=()
-cleanup() {
-  kill -9 "${pids[@]}" 2>/dev/null || true
-  wait 2>/dev/null || true
-  rm -rf "$work"
-}
-trap cleanup EXIT INT TERM
-
 port=${ETCD_PORT:-23894}
-etcd_here "$work" "$port"
-pids+=($!)
+bench_start replicas "$port"
 
 # `one_run R ROUND`: a fresh cluster of R copies; prints
 # "R WORKLOAD OPS_PER_S READ_RT UPDATE_RT" for A, then C.

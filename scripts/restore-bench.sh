@@ -20,25 +20,17 @@ records=${1:-1000000}
 bin=${BIN_DIR:-target/release}
 need_etcd_and "$bin" kv-server kv-bench
 
-work=$(mktemp -d /dev/shm/onekv-restore.XXXXXX)
-declare -A pids=()
-cleanup() {
-  kill -9 "${pids[@]}" 2>/dev/null || true
-  wait 2>/dev/null || true
-  rm -rf "$work"
-}
-trap cleanup EXIT INT TERM
-
 port=${ETCD_PORT:-23892}
-etcd_here "$work" "$port"
-pids[etcd]=$!
+bench_start restore "$port"
+declare -A member_pid=()
 url="etcd://127.0.0.1:$port/restore"
 create_cluster_when_up "$bin/kv-server" "$url" --shards 1 --initial-members 3 --replicas 3
 
 member() {
   "$bin/kv-server" --cluster "$url" --member-name "$1" --listen "shm://$work/$1" \
     --zone "$1" --lease-ttl 2 >"$work/$1.log" 2>&1 &
-  pids[$1]=$!
+  pids+=($!)
+  member_pid[$1]=$!
 }
 for m in a b c; do member "$m"; done
 sleep 2
@@ -53,7 +45,7 @@ bench=$!
 sleep 10
 primary=$("$bin/kv-server" cluster status "$url" | awk '/shards \[0\]/ {print $2}')
 echo "--- killing the primary, $primary, 10 s into the run, at $(date +%T.%N)"
-kill -9 "${pids[$primary]}"
+kill -9 "${member_pid[$primary]}"
 wait "$bench" || true
 echo "--- the failover and the copies (the members' logs)"
 grep -hE "copied to|a new group|failed" "$work"/[abcd].log | sed 's/\x1b\[[0-9;]*m//g' | sort
