@@ -111,8 +111,8 @@ struct Shared {
     acked: AtomicU64,
     done: AtomicU64,
     stop: AtomicBool,
-    /// Failed operations so far, and the first one's error: shown while
-    /// the phase runs, not only in its report.
+    /// Failed operations so far, and the first one's error (the phase's,
+    /// in its report): shown while the phase runs too.
     errors: AtomicU64,
     first_error: OnceLock<String>,
     /// A load stops at its first failed insert: the records it would leave
@@ -200,11 +200,8 @@ pub fn run_phase(
         start: Instant::now(),
     };
     let (results, mut timeline) = run_workers(store, &run, options);
-    let Merged {
-        runtime,
-        ops,
-        first_error,
-    } = merge_workers(results, run.start)?;
+    let Merged { runtime, ops } = merge_workers(results, run.start)?;
+    let first_error = run.shared.first_error.get().cloned();
     timeline.push((
         runtime.as_secs_f64(),
         run.shared.done.load(Ordering::Relaxed),
@@ -269,26 +266,19 @@ struct Merged {
     /// Until the last worker finished.
     runtime: Duration,
     ops: BTreeMap<OpKind, OpStats>,
-    first_error: Option<String>,
 }
 
 fn merge_workers(results: Vec<Result<Worker, String>>, start: Instant) -> Result<Merged, String> {
     let mut runtime = Duration::ZERO;
     let mut ops: BTreeMap<OpKind, OpStats> = BTreeMap::new();
-    let mut first_error = None;
     for r in results {
         let worker = r?;
         runtime = runtime.max(worker.finished.saturating_duration_since(start));
         for (kind, stats) in &worker.ops {
             ops.entry(*kind).or_insert_with(OpStats::new).merge(stats);
         }
-        first_error = first_error.or(worker.first_error);
     }
-    Ok(Merged {
-        runtime,
-        ops,
-        first_error,
-    })
+    Ok(Merged { runtime, ops })
 }
 
 /// Shows progress until the workers are done, and returns its timeline;
@@ -385,7 +375,6 @@ struct Worker {
     chooser: crate::generator::KeyChooser,
     lengths: crate::workload::FieldLengths,
     ops: BTreeMap<OpKind, OpStats>,
-    first_error: Option<String>,
     record: Vec<u8>,
     read_buf: Vec<u8>,
     key: String,
@@ -405,7 +394,6 @@ impl Worker {
             chooser: w.key_chooser(),
             lengths: w.field_lengths(),
             ops: BTreeMap::new(),
-            first_error: None,
             record: Vec::new(),
             read_buf: Vec::new(),
             key: String::new(),
@@ -538,7 +526,6 @@ impl Worker {
             Err(e) => {
                 stats.errors += 1;
                 shared.failed(&e, 1);
-                self.first_error.get_or_insert(e);
             }
         }
         if let (Some(before), Some(after)) = (verbs_before, store.verb_stats()) {
@@ -580,7 +567,6 @@ impl Worker {
             Err(e) => {
                 stats.errors += n as u64;
                 shared.failed(&e, n as u64);
-                self.first_error.get_or_insert(e);
             }
         }
         if let (Some(before), Some(after)) = (verbs_before, store.verb_stats()) {
