@@ -230,9 +230,19 @@ impl Channel {
     /// The client's half of the handshake: sends its endpoint over the
     /// handshake socket, then connects the queue pair to the server's.
     fn exchange(&mut self) -> Result<(), TransportError> {
+        // A server killed mid-handshake resets the socket rather than
+        // closing it: that, too, is a peer gone (retried on a new
+        // connection), not an error of this client's.
+        let left = |e: TransportError| match e {
+            TransportError::Io(e) => {
+                TransportError::Disconnected(format!("peer left during the handshake: {e}"))
+            }
+            e => e,
+        };
         let mine = protocol::encode(&self.qp.endpoint())?;
-        write_frame(&mut self.tcp, &mine)?;
-        let theirs = read_frame(&mut self.tcp)?
+        write_frame(&mut self.tcp, &mine).map_err(left)?;
+        let theirs = read_frame(&mut self.tcp)
+            .map_err(left)?
             .ok_or_else(|| TransportError::Disconnected("peer left during the handshake".into()))?;
         self.qp.connect(&protocol::decode(&theirs)?)?;
         Ok(())
