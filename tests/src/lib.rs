@@ -129,9 +129,6 @@ pub fn parse_tagged(value: &[u8]) -> Option<(String, String, u64)> {
     pad.bytes().all(|b| b == b'.').then_some((key, writer, seq))
 }
 
-/// Unwraps a result inside a test's worker thread, aborting the whole test
-/// process on error: a panicking worker would leave the others waiting at a
-/// barrier forever instead of failing the test.
 /// The next number of a xorshift generator (`state` not zero): the
 /// tests' cheap, seeded choices.
 pub fn xorshift(state: &mut u64) -> u64 {
@@ -141,14 +138,23 @@ pub fn xorshift(state: &mut u64) -> u64 {
     *state
 }
 
+/// Unwraps a result inside a test's worker thread, aborting the whole test
+/// process on error: a panicking worker would leave the others waiting at a
+/// barrier forever instead of failing the test.
 pub fn or_abort<T, E: std::fmt::Display>(result: Result<T, E>, what: &str) -> T {
     match result {
         Ok(v) => v,
-        Err(e) => {
-            eprintln!("{what} failed: {e}");
-            std::process::abort();
-        }
+        Err(e) => abort_saying(&format!("{what} failed: {e}")),
     }
+}
+
+/// Aborts the test process after writing `why` to the real stderr: the
+/// test harness captures `eprintln!` of a test and its threads and would
+/// drop it with the process, leaving only "Aborted" in the log.
+pub fn abort_saying(why: &str) -> ! {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "{why}");
+    std::process::abort();
 }
 
 /// Waits until `done` holds (checking every millisecond) inside a test's
@@ -159,8 +165,7 @@ pub fn wait_or_abort(what: &str, limit: Duration, mut done: impl FnMut() -> bool
     let deadline = Instant::now() + limit;
     while !done() {
         if Instant::now() > deadline {
-            eprintln!("timed out after {limit:?} waiting for {what}");
-            std::process::abort();
+            abort_saying(&format!("timed out after {limit:?} waiting for {what}"));
         }
         std::thread::sleep(Duration::from_millis(1));
     }

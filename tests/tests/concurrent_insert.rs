@@ -6,7 +6,7 @@ use std::sync::{Barrier, Mutex};
 use std::time::Duration;
 
 use kv_client::{Client, ClientOptions};
-use onekv_tests::{or_abort, parse_tagged, tagged_value, TestServer};
+use onekv_tests::{abort_saying, or_abort, parse_tagged, tagged_value, TestServer};
 
 const CLIENTS: usize = 6;
 const ROUNDS: usize = 400;
@@ -62,10 +62,9 @@ fn concurrent_inserts_of_one_key_leave_exactly_one_slot() {
                             .and_then(parse_tagged)
                             .is_some_and(|(k, w, _)| k == key && w.starts_with('c'));
                         if slots != 1 || !agreed || !valid {
-                            eprintln!(
+                            abort_saying(&format!(
                                 "{key}: {slots} slots, reads agree: {agreed}, valid: {valid}"
-                            );
-                            std::process::abort();
+                            ));
                         }
                         seen.clear();
                     }

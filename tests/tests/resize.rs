@@ -8,7 +8,7 @@ use std::sync::{Barrier, Mutex};
 use std::time::Duration;
 
 use kv_client::{Client, ClientOptions, Error};
-use onekv_tests::{or_abort, parse_tagged, tagged_value, TestServer};
+use onekv_tests::{abort_saying, or_abort, parse_tagged, tagged_value, TestServer};
 
 #[test]
 fn gets_never_miss_present_keys_across_resizes() {
@@ -32,8 +32,7 @@ fn gets_never_miss_present_keys_across_resizes() {
                         match or_abort(kv.get(k.as_bytes()), "get") {
                             Some(v) if parse_tagged(&v).is_some_and(|(o, _, _)| o == *k) => {}
                             other => {
-                                eprintln!("{k}: read {other:?} during a resize");
-                                std::process::abort();
+                                abort_saying(&format!("{k}: read {other:?} during a resize"));
                             }
                         }
                         reads.fetch_add(1, Ordering::Relaxed);
