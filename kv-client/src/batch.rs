@@ -116,6 +116,7 @@ impl Client {
     /// Starts the first batch of a GET of `keys` (up to `BATCH_KEYS`).
     pub(crate) fn get_started(&mut self, keys: &[&[u8]]) -> Result<GetBatch> {
         debug_assert!(keys.len() <= BATCH_KEYS);
+        self.keep_read_lease()?;
         let hashes = hash_keys(keys.iter().copied(), self.info.geometry.bucket_count);
         let mut verbs = Verbs::new();
         let mut firsts = SmallVec::new();

@@ -61,6 +61,7 @@ mod map_source;
 mod pool;
 mod primary;
 mod put;
+mod read_lease;
 mod replicated;
 mod slot_cache;
 mod values;
@@ -75,6 +76,7 @@ use index::Value;
 use local::{LocalLayout, BATCH_KEYS};
 pub use pool::ClusterPool;
 pub use pool::{Borrowed, ClientPool, Connect, Pool, PooledClient};
+use read_lease::ReadLease;
 use slot_cache::SlotCache;
 pub use values::Values;
 
@@ -320,6 +322,9 @@ pub struct Client {
     reconnects: u64,
     /// A counter lock this client waits on (see `Client::wait_on_lock`).
     lock_watch: Option<counter::LockWatch>,
+    /// On a copy of a replicated shard: until when it may read (see
+    /// `read_lease`).
+    read_lease: Option<ReadLease>,
 }
 
 /// How one attempt at an operation ended.
@@ -369,7 +374,7 @@ impl Client {
             )));
         }
         let address = Address::parse(address).map_err(Error::InvalidAddress)?;
-        let (conn, info, layout) = open(&address, &options)?;
+        let (conn, info, layout, read_lease) = open(&address, &options)?;
         let cache_entries = options.slot_cache_entries.unwrap_or(match address {
             Address::Rdma { .. } => DEFAULT_SLOT_CACHE_ENTRIES.rdma,
             Address::Shm { .. } => DEFAULT_SLOT_CACHE_ENTRIES.shm,
@@ -392,6 +397,7 @@ impl Client {
             cache: SlotCache::new(cache_entries),
             reconnects: 0,
             lock_watch: None,
+            read_lease,
         })
     }
 
@@ -935,7 +941,11 @@ impl Client {
         let mut stray: Option<StrayFrozenWait> = None;
         let mut declined = 0;
         loop {
-            match op(self) {
+            let step = match self.keep_read_lease() {
+                Ok(()) => op(self),
+                Err(e) => Err(e),
+            };
+            match step {
                 Ok(Step::Done(v)) => return Ok(v),
                 Ok(Step::Moved) => {
                     if self.follow_geometry(Ask::Geometry)? {
@@ -979,7 +989,7 @@ impl Client {
         self.conn = Box::new(transport::Closed);
         self.alloc.reset();
         self.cache.clear();
-        let (conn, info, layout) = open(&self.address, &self.options)?;
+        let (conn, info, layout, read_lease) = open(&self.address, &self.options)?;
         if info.geometry.chunk_size != self.info.geometry.chunk_size {
             return Err(Error::Protocol(
                 "the region's chunk size changed across a restart".into(),
@@ -990,7 +1000,34 @@ impl Client {
         self.timing = Timing::new(Duration::from_micros(info.op_deadline_us));
         self.info = info;
         self.layout = layout;
+        self.read_lease = read_lease;
         Ok(())
+    }
+
+    /// Renews the read lease on a copy of a replicated shard once it is
+    /// due (see `read_lease`); nothing to do elsewhere. Called before every
+    /// attempt that reads.
+    pub(crate) fn keep_read_lease(&mut self) -> Result<()> {
+        let Some(lease) = self.read_lease else {
+            return Ok(());
+        };
+        let sent = clock::now();
+        if !lease.due(sent) {
+            return Ok(());
+        }
+        // A frozen server never answers: the wait ends with the lease.
+        let wait = lease.renewal_wait(sent).min(self.options.reply_timeout);
+        self.conn.set_reply_timeout(wait)?;
+        let answer = self.conn.call(&Request::ReadLease);
+        self.conn.set_reply_timeout(self.options.reply_timeout)?;
+        match answer? {
+            Response::ReadLease { valid_us } => {
+                self.read_lease = Some(ReadLease::granted(sent, valid_us));
+                Ok(())
+            }
+            Response::Error { kind, message } => Err(Error::from_server(kind, message)),
+            other => Err(unexpected(other)),
+        }
     }
 
     /// Says goodbye and waits for the server's answer (up to
@@ -1052,12 +1089,19 @@ fn check_key(key: &[u8]) -> Result<()> {
 
 /// Connects, presents the secret, and attaches the region with a local
 /// buffer laid out for its geometry.
-fn open(
-    address: &Address,
-    options: &ClientOptions,
-) -> Result<(Box<dyn Connection>, ConnectInfo, LocalLayout)> {
+/// A connection, what the server said at connect, the local buffer's
+/// layout, and the read lease granted (on a replicated shard's copy).
+type Opened = (
+    Box<dyn Connection>,
+    ConnectInfo,
+    LocalLayout,
+    Option<ReadLease>,
+);
+
+fn open(address: &Address, options: &ClientOptions) -> Result<Opened> {
     let mut conn = transport::connect(address, &options.connect_options())?;
     let secret = options.secret.clone().unwrap_or_default();
+    let sent = clock::now();
     let info = match conn.call(&Request::Connect {
         protocol_version: PROTOCOL_VERSION,
         secret,
@@ -1071,7 +1115,10 @@ fn open(
     g.validate().map_err(|e| Error::Protocol(e.to_string()))?;
     let layout = LocalLayout::for_geometry(&g);
     conn.attach(&info.region, layout.len)?;
-    Ok((conn, info, layout))
+    let read_lease = info
+        .read_lease_us
+        .map(|valid_us| ReadLease::granted(sent, valid_us));
+    Ok((conn, info, layout, read_lease))
 }
 
 /// Test hook (fault injection): aborts the process at `step` when the

@@ -104,8 +104,14 @@ impl LeaseDeadline {
     /// Whether the lease may be lost by now (never held, or past the time
     /// it counts as held).
     pub fn passed(&self) -> bool {
+        self.remaining().is_none()
+    }
+
+    /// How long the lease still counts as held; None once it may be lost.
+    pub fn remaining(&self) -> Option<Duration> {
         let now = deadline_base().elapsed().as_nanos();
-        u128::from(self.0.load(Ordering::SeqCst)) <= now
+        let left = u128::from(self.0.load(Ordering::SeqCst)).checked_sub(now)?;
+        (left > 0).then(|| Duration::from_nanos(u64::try_from(left).unwrap_or(u64::MAX)))
     }
 }
 

@@ -28,12 +28,14 @@ pub struct RemoteRegion {
 /// rely on; 7: a resize request names the key that found no room; 8:
 /// clients report the blocks they unlink and declare the blocks of the
 /// space they give back; 9: a lease carries the keys its WRITEs take; 10:
-/// a cluster's map page carries each shard's backups). A
+/// a cluster's map page carries each shard's backups; 12: a copy of a
+/// replicated shard serves reads for a bounded time that clients renew,
+/// `ConnectInfo::read_lease_us`). A
 /// request or reply added at the end of its enum needs no new version: the
 /// others' encoding is unchanged, and a peer that lacks it fails to decode
 /// that one message (a client of version 8 before `ClusterMap` meets a
 /// member's address that way).
-pub const PROTOCOL_VERSION: u32 = 11;
+pub const PROTOCOL_VERSION: u32 = 12;
 /// Largest encoded message either side accepts.
 pub const MAX_MESSAGE: usize = 64 * 1024;
 
@@ -199,6 +201,11 @@ pub enum Request {
         key: u64,
         release: bool,
     },
+    /// Renew this client's read lease on a copy of a replicated shard
+    /// (see [`ConnectInfo::read_lease_us`]). Answered with
+    /// [`Response::ReadLease`], or refused as `StaleGroup` once the copy's
+    /// member cannot confirm its own lease.
+    ReadLease,
 }
 
 /// A live member of a cluster, as a client needs it.
@@ -265,6 +272,14 @@ pub struct ConnectInfo {
     /// freed block is reused only after [`GRACE_DEADLINES`] of these (the
     /// grace period).
     pub op_deadline_us: u64,
+    /// For a copy of a replicated shard: for how long, from when the
+    /// client sent its `Connect`, it may read this region before renewing
+    /// (`Request::ReadLease`). The server grants no more than its member's
+    /// lease is sure to last, so a copy that a failover may replace (its
+    /// server frozen, its region still readable over rdma) serves no
+    /// client past the moment a new primary could take writes. None: the
+    /// region is no replicated copy, and reads need no lease.
+    pub read_lease_us: Option<u64>,
 }
 
 /// The grace period, in operation deadlines: space found unreferenced is
@@ -456,6 +471,10 @@ pub enum Response {
     InsertLock {
         granted: bool,
         ttl_ms: u32,
+    },
+    /// A read lease of `valid_us` from when the client sent its request.
+    ReadLease {
+        valid_us: u64,
     },
 }
 

@@ -208,6 +208,21 @@ pub struct Shared {
 }
 
 impl Shared {
+    /// The read lease a client of this copy may hold from now, in
+    /// microseconds: None when the region is no replicated copy (reads
+    /// need no lease), Some(None) when the member's own lease may be lost.
+    /// It ends two operation deadlines before the member's lease may: a
+    /// read the client checked against it executes within one.
+    pub fn read_lease(&self) -> Option<Option<u64>> {
+        let member = self.lease.as_ref()?;
+        let granted = member
+            .remaining()
+            .and_then(|left| left.checked_sub(self.op_deadline * 2))
+            .map(|d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+            .filter(|&us| us > 0);
+        Some(granted)
+    }
+
     pub fn grace(&self) -> Duration {
         self.op_deadline * kv_common::protocol::GRACE_DEADLINES
     }
@@ -469,6 +484,7 @@ pub fn handle(
         (Request::InsertLock { key, release }, Some(id)) => {
             (insert_lock(shared, id, key, release), After::Stay)
         }
+        (Request::ReadLease, Some(_)) => read_lease(shared),
         (Request::Disconnect, Some(id)) => {
             c.disconnects.fetch_add(1, Relaxed);
             tracing::debug!(client = id, "disconnected");
@@ -476,6 +492,27 @@ pub fn handle(
         }
     }
 }
+
+/// A `ReadLease`: reads granted for as long as the member's lease is sure
+/// to last (see `Shared::read_lease`), unbounded on a region that is no
+/// replicated copy; refused, and the client cut off, once it may be lost.
+fn read_lease(shared: &Shared) -> (Response, After) {
+    match shared.read_lease() {
+        Some(Some(valid_us)) => (Response::ReadLease { valid_us }, After::Stay),
+        None => (Response::ReadLease { valid_us: u64::MAX }, After::Stay),
+        Some(None) => {
+            shared.counters.refuse(Refusal::Group);
+            (
+                error(ErrorKind::StaleGroup, LEASE_UNCONFIRMED),
+                After::Close,
+            )
+        }
+    }
+}
+
+/// Why a copy whose member cannot confirm its lease turns clients away.
+const LEASE_UNCONFIRMED: &str =
+    "this copy's server cannot confirm its lease: it may have been failed over";
 
 /// Takes or lets go client `id`'s insert lock of `key` (see
 /// `insert_locks`).
@@ -521,8 +558,10 @@ fn connect(
     }
     if shared.lease.as_ref().is_some_and(|l| l.passed()) && !mover {
         c.refuse(Refusal::Group);
-        let m = "this copy's server cannot confirm its lease: it may have been failed over";
-        return (error(ErrorKind::StaleGroup, m), After::Close);
+        return (
+            error(ErrorKind::StaleGroup, LEASE_UNCONFIRMED),
+            After::Close,
+        );
     }
     if group != shared.group_epoch && !mover {
         c.refuse(Refusal::Group);
@@ -561,6 +600,11 @@ fn connect(
         region,
         geometry,
         op_deadline_us: shared.op_deadline.as_micros() as u64,
+        // The mover is this process's own: frozen with it.
+        read_lease_us: match mover {
+            true => None,
+            false => shared.read_lease().map(|granted| granted.unwrap_or(0)),
+        },
     };
     (Response::Connected(info), After::Stay)
 }

@@ -25,7 +25,7 @@ use onekv_tests::cluster::{
 };
 use onekv_tests::histories::{check_owner, check_rounds, end_round, Event};
 use onekv_tests::{
-    eventually, or_abort, rdma_host, region_dir, tagged_value, workspace_bin, xorshift, Daemon,
+    eventually, or_abort, region_dir, tagged_value, workspace_bin, xorshift, Daemon,
 };
 use stateright::semantics::register::{RegisterOp, RegisterRet};
 
@@ -795,16 +795,14 @@ fn a_frozen_primary_is_fenced_and_drops_its_copies_when_it_wakes() {
             .is_some_and(|m| m.owner(1) != Some(victim.as_str()))
     });
     kv.put(&key, "after").expect("a put at the new primary");
-    if rdma_host().is_none() {
-        // Over rdma a frozen server's registration lives on; a client
-        // that has not seen the new map could still read it (see
-        // docs/design.md, failover).
-        let read = stale.get(&key);
-        assert!(
-            read.is_err(),
-            "the frozen primary's region still serves: {read:?}"
-        );
-    }
+    // Over shm the new primary's member revoked the old region; over rdma
+    // its registration lives on, but the client's read lease has run out
+    // and the frozen server renews none.
+    let read = stale.get(&key);
+    assert!(
+        read.is_err(),
+        "the frozen primary's region still serves: {read:?}"
+    );
 
     // A client that connects to the frozen server (a stale client's
     // reconnect) waits in its queue; woken, the server refuses it before
@@ -823,6 +821,46 @@ fn a_frozen_primary_is_fenced_and_drops_its_copies_when_it_wakes() {
         "it serves its old copy again"
     );
     assert_eq!(kv.get(&key).expect("get").as_deref(), Some(&b"after"[..]));
+}
+
+/// A copy serves reads only for a lease its server renews: a primary
+/// frozen (SIGSTOP) while etcd is down, so that nothing fails it over and
+/// nobody revokes its region, stops serving a connected client once the
+/// lease runs out, though its region is still mapped (shm) or registered
+/// (rdma); woken, with etcd back, it serves that client again.
+#[test]
+fn a_frozen_primary_serves_no_read_past_its_read_lease() {
+    let (mut etcd, url, _dir, members) = start("readlease");
+    let state = cluster_state(&url);
+    let map = state.shard_map().expect("a map").clone();
+    let mut kv = ClusterClient::connect(&url).expect("connect");
+    kv.put("leased", "value").expect("put");
+    let shard = kv.shard_of("leased");
+    let primary = map.owner(shard).expect("an owner").to_string();
+    let at = copy_address(&state, &primary, shard).expect("its address");
+    let mut direct = Client::connect(&at).expect("connect to the primary's copy");
+    let value = Some(&b"value"[..]);
+    assert_eq!(direct.get("leased").expect("get").as_deref(), value);
+
+    let daemon = &members[member_index(&primary)];
+    daemon.signal(libc::SIGSTOP);
+    etcd.kill();
+    eventually(
+        "reads at the frozen copy stop",
+        Duration::from_secs(90),
+        || direct.get("leased").is_err(),
+    );
+
+    daemon.signal(libc::SIGCONT);
+    etcd.start_again();
+    eventually("the copy serves again", Duration::from_secs(60), || {
+        direct.get("leased").is_ok_and(|v| v.as_deref() == value)
+    });
+    assert_eq!(
+        cluster_state(&url).shard_map().expect("a map"),
+        &map,
+        "no failover: etcd was down while the primary was frozen"
+    );
 }
 
 /// With copies, a server whose lease cannot be confirmed stops serving
