@@ -46,6 +46,18 @@ fn read_raw() -> u64 {
     now
 }
 
+/// A raw reading of the clock (remembered as the thread's last): what
+/// raw bounds, such as a read lease's end, compare with.
+pub fn raw() -> u64 {
+    read_raw()
+}
+
+/// The time from raw reading `from` to raw reading `to`; zero if `to` is
+/// not later.
+pub fn raw_interval(from: u64, to: u64) -> Duration {
+    Duration::from_nanos(CLOCK.delta_as_nanos(from, to.max(from)))
+}
+
 /// Takes a reading as the thread's last: an attempt that starts at the
 /// last reading (`Timing::start_at_last_reading`) then starts no earlier
 /// than this.
@@ -66,7 +78,7 @@ pub fn since(earlier: Instant) -> Duration {
 /// The most raw ticks that measure no more than `limit` (up to about 18
 /// minutes): a raw interval is within `limit` exactly when it is at most
 /// this many ticks.
-fn ticks_within(limit: Duration) -> u64 {
+pub fn ticks_within(limit: Duration) -> u64 {
     // A longer limit is taken as this one (stricter, never looser): it
     // keeps every interval below far from overflowing.
     const LONGEST_NS: u64 = 1 << 40;
@@ -93,6 +105,10 @@ pub struct Timing {
     /// The deadline in the clock's raw ticks.
     deadline_ticks: u64,
     grace: Duration,
+    /// The raw reading from which no attempt's reads count: the end of
+    /// the client's read lease on a replicated shard's copy (see
+    /// `read_lease`); never, elsewhere.
+    reads_until: u64,
 }
 
 impl Timing {
@@ -101,7 +117,13 @@ impl Timing {
             deadline,
             deadline_ticks: ticks_within(deadline),
             grace: deadline * GRACE_DEADLINES,
+            reads_until: u64::MAX,
         }
+    }
+
+    /// Reads count only from attempts started before raw reading `until`.
+    pub fn reads_until(&mut self, until: u64) {
+        self.reads_until = until;
     }
 
     /// The server's operation deadline `D`.
@@ -114,6 +136,7 @@ impl Timing {
         OpClock {
             started: read_raw(),
             deadline_ticks: self.deadline_ticks,
+            reads_until: self.reads_until,
         }
     }
 
@@ -125,6 +148,7 @@ impl Timing {
         OpClock {
             started: LAST_READING.get(),
             deadline_ticks: self.deadline_ticks,
+            reads_until: self.reads_until,
         }
     }
 
@@ -172,6 +196,7 @@ pub struct OpClock {
     /// The clock's raw reading at the start.
     started: u64,
     deadline_ticks: u64,
+    reads_until: u64,
 }
 
 impl OpClock {
@@ -183,11 +208,15 @@ impl OpClock {
 
     /// Whether what this attempt has read can still be trusted: a block
     /// that a slot referenced when the buckets were read cannot have been
-    /// reused yet. Also checked before a CAS based on those reads.
+    /// reused yet; and, on a replicated shard's copy, that the attempt
+    /// started within the client's read lease, so its reads executed
+    /// before a new primary could take a write. Also checked before a CAS
+    /// based on those reads.
     pub fn in_time(&self) -> bool {
         // A reading before the start (raw counters of two cores a little
         // apart) wraps to a huge interval: late, never early.
-        read_raw().wrapping_sub(self.started) <= self.deadline_ticks
+        self.started < self.reads_until
+            && read_raw().wrapping_sub(self.started) <= self.deadline_ticks
     }
 }
 

@@ -69,6 +69,8 @@ impl Client {
         let mut corrupt = CorruptSlot::default();
         let backoff = Backoff::new();
         for attempt in 0..self.options.max_attempts {
+            // Retries may outlast a read lease (see `read_lease`).
+            self.keep_read_lease()?;
             // After a hint that did not hold, every copy: proving there is
             // only one lets the hint settle.
             let (clock, mode) = match read_already.take() {

@@ -383,7 +383,7 @@ impl Client {
             address,
             options,
             conn,
-            timing: Timing::new(Duration::from_micros(info.op_deadline_us)),
+            timing: timing(&info, read_lease),
             max_value: info.geometry.max_value(),
             info,
             layout,
@@ -997,7 +997,7 @@ impl Client {
         }
         self.reconnects += 1;
         self.conn = conn;
-        self.timing = Timing::new(Duration::from_micros(info.op_deadline_us));
+        self.timing = timing(&info, read_lease);
         self.info = info;
         self.layout = layout;
         self.read_lease = read_lease;
@@ -1011,7 +1011,7 @@ impl Client {
         let Some(lease) = self.read_lease else {
             return Ok(());
         };
-        let sent = clock::now();
+        let sent = clock::raw();
         if !lease.due(sent) {
             return Ok(());
         }
@@ -1022,8 +1022,17 @@ impl Client {
         self.conn.set_reply_timeout(self.options.reply_timeout)?;
         match answer? {
             Response::ReadLease { valid_us } => {
-                self.read_lease = Some(ReadLease::granted(sent, valid_us));
-                Ok(())
+                let lease = ReadLease::granted(sent, valid_us);
+                self.read_lease = Some(lease);
+                self.timing.reads_until(lease.until());
+                match lease.over(clock::raw()) {
+                    false => Ok(()),
+                    // Answered after what it granted had passed: as if
+                    // not answered.
+                    true => Err(Error::Transport(TransportError::Disconnected(
+                        "the read lease's renewal was answered too late".into(),
+                    ))),
+                }
             }
             Response::Error { kind, message } => Err(Error::from_server(kind, message)),
             other => Err(unexpected(other)),
@@ -1101,7 +1110,7 @@ type Opened = (
 fn open(address: &Address, options: &ClientOptions) -> Result<Opened> {
     let mut conn = transport::connect(address, &options.connect_options())?;
     let secret = options.secret.clone().unwrap_or_default();
-    let sent = clock::now();
+    let sent = clock::raw();
     let info = match conn.call(&Request::Connect {
         protocol_version: PROTOCOL_VERSION,
         secret,
@@ -1119,6 +1128,16 @@ fn open(address: &Address, options: &ClientOptions) -> Result<Opened> {
         .read_lease_us
         .map(|valid_us| ReadLease::granted(sent, valid_us));
     Ok((conn, info, layout, read_lease))
+}
+
+/// The time bounds of a connection: its server's operation deadline, and
+/// the end of its read lease if it has one.
+fn timing(info: &ConnectInfo, read_lease: Option<ReadLease>) -> Timing {
+    let mut timing = Timing::new(Duration::from_micros(info.op_deadline_us));
+    if let Some(lease) = read_lease {
+        timing.reads_until(lease.until());
+    }
+    timing
 }
 
 /// Test hook (fault injection): aborts the process at `step` when the

@@ -93,6 +93,8 @@ impl Client {
         let kh = KeyHash::new(key, self.info.geometry.bucket_count);
         let mut corrupt = CorruptSlot::default();
         for _ in 0..self.options.max_attempts {
+            // Retries may outlast a read lease (see `read_lease`).
+            self.keep_read_lease()?;
             let (seen, value) = match self.locate(key, &kh, None, need)? {
                 Located::Found { copies, clock } => {
                     let value = match copies.value.as_ref().filter(|_| want_value) {

@@ -75,11 +75,27 @@ enum Hold {
 struct HoldFlag(AtomicU8);
 
 /// Until when the member counts its lease as held, as the servers of its
-/// copies read it at each client's connect: they refuse clients past it
-/// even before the member's own loop has stopped them (it may lag, or the
-/// process may just have woken from a pause).
+/// copies read it at each client's connect and read-lease renewal: they
+/// refuse clients past it even before the member's own loop has stopped
+/// them (it may lag, or the process may just have woken from a pause).
+/// A copy's server reads it [`pinned`](LeaseDeadline::pinned) to the etcd
+/// lease it started under: once that one is lost, a lease the member takes
+/// when it joins again is not the copy's (the map may have failed it over
+/// meanwhile, and only a restart under the new map serves it again).
 #[derive(Clone, Debug, Default)]
-pub struct LeaseDeadline(Arc<AtomicU64>);
+pub struct LeaseDeadline {
+    shared: Arc<DeadlineWords>,
+    /// The incarnation this handle counts for; None: whichever is current.
+    pinned: Option<u64>,
+}
+
+#[derive(Debug, Default)]
+struct DeadlineWords {
+    /// Nanoseconds since `deadline_base`; 0 while no lease is held.
+    until: AtomicU64,
+    /// Bumped each time a lease is lost (`clear`).
+    incarnation: AtomicU64,
+}
 
 /// What [`LeaseDeadline`]s count from.
 fn deadline_base() -> std::time::Instant {
@@ -93,12 +109,24 @@ impl LeaseDeadline {
             .into_std()
             .saturating_duration_since(deadline_base())
             .as_nanos();
-        self.0
-            .store(u64::try_from(nanos).unwrap_or(u64::MAX), Ordering::SeqCst);
+        let nanos = u64::try_from(nanos).unwrap_or(u64::MAX);
+        self.shared.until.store(nanos, Ordering::SeqCst);
     }
 
+    /// The lease is lost: cleared first, so a reader that sees a later
+    /// `set` also sees the new incarnation.
     fn clear(&self) {
-        self.0.store(0, Ordering::SeqCst);
+        self.shared.until.store(0, Ordering::SeqCst);
+        self.shared.incarnation.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// This deadline as it stands for the lease held now (or the next one,
+    /// if none is): it passes for good once that lease is lost.
+    pub fn pinned(&self) -> LeaseDeadline {
+        LeaseDeadline {
+            shared: Arc::clone(&self.shared),
+            pinned: Some(self.shared.incarnation.load(Ordering::SeqCst)),
+        }
     }
 
     /// Whether the lease may be lost by now (never held, or past the time
@@ -109,8 +137,15 @@ impl LeaseDeadline {
 
     /// How long the lease still counts as held; None once it may be lost.
     pub fn remaining(&self) -> Option<Duration> {
+        // The deadline before the incarnation: a deadline set after a
+        // loss is read with the incarnation that loss began.
+        let until = self.shared.until.load(Ordering::SeqCst);
+        let incarnation = self.shared.incarnation.load(Ordering::SeqCst);
+        if self.pinned.is_some_and(|p| p != incarnation) {
+            return None;
+        }
         let now = deadline_base().elapsed().as_nanos();
-        let left = u128::from(self.0.load(Ordering::SeqCst)).checked_sub(now)?;
+        let left = u128::from(until).checked_sub(now)?;
         (left > 0).then(|| Duration::from_nanos(u64::try_from(left).unwrap_or(u64::MAX)))
     }
 }
@@ -673,5 +708,31 @@ impl FailedMoves {
                 .iter()
                 .any(|((shard, to), _)| *shard == m.shard && *to == m.to)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pinned_deadline_passes_for_good_once_its_lease_is_lost() {
+        let deadline = LeaseDeadline::default();
+        let pinned = deadline.pinned();
+        assert!(pinned.passed(), "no lease held yet");
+        deadline.set(Instant::now() + Duration::from_secs(60));
+        assert!(pinned
+            .remaining()
+            .is_some_and(|d| d > Duration::from_secs(50)));
+        deadline.clear();
+        assert!(pinned.passed() && deadline.passed());
+        // The member joins again: its new lease is not the pinned one's.
+        deadline.set(Instant::now() + Duration::from_secs(60));
+        assert!(!deadline.passed(), "the member's own view follows it");
+        assert!(pinned.passed(), "a copy started under the lost lease");
+        assert!(
+            !deadline.pinned().passed(),
+            "a copy started under the new one"
+        );
     }
 }

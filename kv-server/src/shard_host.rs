@@ -436,8 +436,11 @@ impl ShardHost {
             if let Some(secret) = &secret {
                 config.secret = Some(secret.as_bytes().to_vec());
                 // Only the copier connects: it sizes the index as the
-                // source's before it copies.
+                // source's before it copies, and reads nothing that needs
+                // a read lease (the region restarts under the new group
+                // epoch, leased, before anyone else reads it).
                 config.resize_on_request_up_to = u64::MAX;
+                config.lease = None;
             }
             Server::start(config)
         });
@@ -592,7 +595,7 @@ impl ShardHost {
         // The member's one endpoint shows every shard (see `new`).
         config.metrics_listen = None;
         if self.replicated {
-            config.lease.clone_from(&self.lease);
+            config.lease = self.lease.as_ref().map(|l| l.pinned());
         }
         Ok(config)
     }

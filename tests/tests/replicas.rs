@@ -844,11 +844,26 @@ fn a_frozen_primary_serves_no_read_past_its_read_lease() {
 
     let daemon = &members[member_index(&primary)];
     daemon.signal(libc::SIGSTOP);
+    let stopped = Instant::now();
     etcd.kill();
+    // The last read served ends within the lease the member held when it
+    // froze: ¾ of the members' 2 s TTL from a renewal sent before then.
+    let mut last_served = stopped;
     eventually(
         "reads at the frozen copy stop",
         Duration::from_secs(90),
-        || direct.get("leased").is_err(),
+        || {
+            let served = direct.get("leased").is_ok();
+            if served {
+                last_served = Instant::now();
+            }
+            !served
+        },
+    );
+    let served_for = last_served - stopped;
+    assert!(
+        served_for < Duration::from_millis(1500),
+        "the frozen copy served reads for {served_for:?}"
     );
 
     daemon.signal(libc::SIGCONT);

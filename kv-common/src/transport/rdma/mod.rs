@@ -400,7 +400,9 @@ impl RdmaConnection {
             write_keys: WriteKeys::default(),
             stats: VerbStats::default(),
             reply_timeout: options.reply_timeout,
-            send_timeout: COMPLETION_TIMEOUT,
+            // As `set_reply_timeout` sets it: setting the reply timeout back
+            // to the options' restores the connection as made.
+            send_timeout: COMPLETION_TIMEOUT.min(options.reply_timeout),
             read_order: options.read_order,
         })
     }
