@@ -1019,8 +1019,11 @@ impl Client {
         let wait = lease.renewal_wait(sent).min(self.options.reply_timeout);
         self.conn.set_reply_timeout(wait)?;
         let answer = self.conn.call(&Request::ReadLease);
-        self.conn.set_reply_timeout(self.options.reply_timeout)?;
-        match answer? {
+        // The call's own failure (a lost connection) is the one to report.
+        let restored = self.conn.set_reply_timeout(self.options.reply_timeout);
+        let answer = answer?;
+        restored?;
+        match answer {
             Response::ReadLease { valid_us } => {
                 let lease = ReadLease::granted(sent, valid_us);
                 self.read_lease = Some(lease);
@@ -1096,8 +1099,6 @@ fn check_key(key: &[u8]) -> Result<()> {
     Ok(())
 }
 
-/// Connects, presents the secret, and attaches the region with a local
-/// buffer laid out for its geometry.
 /// A connection, what the server said at connect, the local buffer's
 /// layout, and the read lease granted (on a replicated shard's copy).
 type Opened = (
@@ -1107,6 +1108,8 @@ type Opened = (
     Option<ReadLease>,
 );
 
+/// Connects, presents the secret, and attaches the region with a local
+/// buffer laid out for its geometry.
 fn open(address: &Address, options: &ClientOptions) -> Result<Opened> {
     let mut conn = transport::connect(address, &options.connect_options())?;
     let secret = options.secret.clone().unwrap_or_default();
