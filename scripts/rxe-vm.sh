@@ -27,13 +27,14 @@ GUEST_IP=10.0.2.15
 # protection: hostile clients write across the region (both ignored off a
 # device). replicas: three copies of each shard over rdma members, alike
 # under concurrent writers, a writer killed between its copies, a primary
-# killed under load and its copies restored, and one frozen (failover;
-# the etcd outage test is about etcd and runs on shm).
+# killed under load and its copies restored, histories checked across a
+# kill, and one frozen (failover; the etcd outage test is about etcd and
+# runs on shm).
 read -ra TESTS <<< "${RXE_TESTS:-linearizability counters concurrent_insert one_sided reuse restart crash_recovery fencing resize header_damage batch_model shard_move cluster replicas connections kv_common protection}"
 # The tests of a suite run in the VM, where not all of them.
 declare -A FILTERS=([cluster]="keys_spread_over_three_servers a_client_without_etcd"
                   [connections]="a_client_that_connects_and_stays_silent beyond_the_connection_cap"
-                  [replicas]="every_copy a_writer_killed killed_primaries a_frozen"
+                  [replicas]="every_copy a_writer_killed killed_primaries a_frozen histories"
                   [kv_common]="window_tests --include-ignored --nocapture"
                   [protection]="--include-ignored --nocapture")
 mkdir -p "$WORK"

@@ -8,12 +8,13 @@
 //! primary killed under load is replaced by a backup with every
 //! acknowledged write, its server never serves the old copies again, the
 //! copy count is restored (through a second kill, and the kill of a
-//! copy's source), a frozen one is fenced, and an etcd outage pauses the
-//! copies.
+//! copy's source), histories stay linearizable across the kill, a frozen
+//! one is fenced and serves no read past its read lease, and an etcd
+//! outage pauses the copies.
 
 use std::collections::BTreeMap;
 use std::process::Command;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Barrier, Mutex};
 use std::time::{Duration, Instant};
 
@@ -25,7 +26,7 @@ use onekv_tests::cluster::{
 };
 use onekv_tests::histories::{check_owner, check_rounds, end_round, Event};
 use onekv_tests::{
-    eventually, or_abort, region_dir, tagged_value, workspace_bin, xorshift, Daemon,
+    eventually, or_abort, region_dir, tagged_value, wait_or_abort, workspace_bin, xorshift, Daemon,
 };
 use stateright::semantics::register::{RegisterOp, RegisterRet};
 
@@ -288,7 +289,9 @@ fn concurrent_writers_leave_every_copy_alike(url: &str, groups: &mut [Vec<(Strin
                     for i in 0..OPS_PER_ROUND {
                         xorshift(&mut rng);
                         let seq = (round * OPS_PER_ROUND + i) as u64;
-                        one_op(&mut kv, log, t, rng, seq);
+                        if !one_op(&mut kv, log, t, rng, seq) {
+                            or_abort::<(), _>(Err("no server was killed"), "an unknown outcome");
+                        }
                         let counter = format!("count-{}", rng % 3);
                         let delta = (rng >> 40) as i64 % 7 - 3;
                         or_abort(kv.incr(&counter, delta), "incr");
@@ -322,8 +325,11 @@ fn concurrent_writers_leave_every_copy_alike(url: &str, groups: &mut [Vec<(Strin
     }
 }
 
-/// A read, a put or a delete of a key, logged as invoked and returned.
-fn one_op(kv: &mut ClusterClient, log: &Mutex<Vec<Event>>, t: usize, rng: u64, seq: u64) {
+/// A read, a put or a delete of a key by thread `t`, logged as invoked
+/// and, unless its outcome is unknown (a write cut by a kill), returned:
+/// false then (its invocation stays open: it may or may not have taken
+/// effect), and the thread goes on under another id.
+fn one_op(kv: &mut ClusterClient, log: &Mutex<Vec<Event>>, t: usize, rng: u64, seq: u64) -> bool {
     let k = (rng % KEYS as u64) as usize;
     let name = hist_key(k);
     let op = match (rng >> 8) % 8 {
@@ -332,22 +338,115 @@ fn one_op(kv: &mut ClusterClient, log: &Mutex<Vec<Event>>, t: usize, rng: u64, s
         _ => RegisterOp::Write(None),
     };
     log.lock().unwrap().push(Event::Invoke(k, t, op.clone()));
+    let written = |done: Result<(), Error>, what| match done {
+        Ok(()) => Some(RegisterRet::WriteOk),
+        Err(Error::OutcomeUnknown(_)) => None,
+        Err(e) => or_abort(Err(e), what),
+    };
     let ret = match op {
         RegisterOp::Read => {
             let v = or_abort(kv.get(&name), "get");
             check_owner(&name, &v);
-            RegisterRet::ReadOk(v)
+            Some(RegisterRet::ReadOk(v))
         }
-        RegisterOp::Write(Some(v)) => {
-            or_abort(kv.put(&name, &v), "put");
-            RegisterRet::WriteOk
-        }
-        RegisterOp::Write(None) => {
-            or_abort(kv.delete(&name), "delete");
-            RegisterRet::WriteOk
-        }
+        RegisterOp::Write(Some(v)) => written(kv.put(&name, &v), "put"),
+        RegisterOp::Write(None) => written(kv.delete(&name).map(drop), "delete"),
+    };
+    let Some(ret) = ret else {
+        return false;
     };
     log.lock().unwrap().push(Event::Return(k, t, ret));
+    true
+}
+
+/// The round after which the primary is killed (while the next one
+/// runs), and how many rounds run after the failover is published.
+const KILL_AFTER: usize = 4;
+const ROUNDS_AFTER_FAILOVER: usize = 6;
+
+/// Linearizable histories through a failover: threads read, write and
+/// delete keys of every shard, round by round (each write's steps spread
+/// by pauses), while the primary of one key's shard is killed (kill -9)
+/// in the middle of a round, and on for rounds after its shards failed
+/// over. A write the kill cut (its outcome unknown) may count or not;
+/// everything else reads as if one server had served it all.
+#[test]
+fn histories_stay_linearizable_while_a_primary_is_killed() {
+    let (_etcd, url, _dir, mut members) = start("histkill");
+    let map = cluster_state(&url).shard_map().expect("a map").clone();
+    let shard = ClusterClient::connect(&url)
+        .expect("connect")
+        .shard_of(hist_key(0));
+    let victim = map.owner(shard).expect("an owner").to_string();
+    let daemon = members.remove(member_index(&victim));
+    let log = Mutex::new(Vec::new());
+    let barrier = Barrier::new(THREADS);
+    let rounds = AtomicUsize::new(0);
+    // The round under way when the failover was seen published.
+    let failed_over_in = Mutex::new(None);
+    let keep_going = AtomicBool::new(true);
+    let unknown = AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        let (url, rounds, failed_over_in) = (&url, &rounds, &failed_over_in);
+        let victim = victim.as_str();
+        s.spawn(move || {
+            let at = |n: usize| rounds.load(Ordering::SeqCst) >= n;
+            wait_or_abort("the first rounds", Duration::from_secs(300), || {
+                at(KILL_AFTER)
+            });
+            // Into the next round's operations.
+            std::thread::sleep(Duration::from_millis(3));
+            daemon.kill_9();
+            wait_or_abort("the failover", Duration::from_secs(120), || {
+                cluster_state(url)
+                    .shard_map()
+                    .is_some_and(|m| m.owner(shard) != Some(victim))
+            });
+            *failed_over_in.lock().unwrap() = Some(rounds.load(Ordering::SeqCst));
+        });
+        for t in 0..THREADS {
+            let (log, barrier, keep_going, unknown) = (&log, &barrier, &keep_going, &unknown);
+            s.spawn(move || {
+                let options =
+                    ClientOptions::default().with_pause_after_index_read(Duration::from_millis(2));
+                let mut kv = or_abort(ClusterClient::connect_with(url, options), "connect");
+                let mut rng = 0x9e37_79b9_7f4a_7c15u64.wrapping_mul(t as u64 + 1);
+                // Never THREADS, the final reader's.
+                let mut id = t;
+                let mut round = 0;
+                while keep_going.load(Ordering::SeqCst) {
+                    barrier.wait();
+                    for i in 0..OPS_PER_ROUND {
+                        xorshift(&mut rng);
+                        let seq = (round * OPS_PER_ROUND + i) as u64;
+                        if !one_op(&mut kv, log, id, rng, seq) {
+                            unknown.fetch_add(1, Ordering::SeqCst);
+                            id += THREADS + 1;
+                        }
+                    }
+                    barrier.wait();
+                    if t == 0 {
+                        end_round(log, KEYS, THREADS, |k| or_abort(kv.get(hist_key(k)), "get"));
+                        round = rounds.fetch_add(1, Ordering::SeqCst) + 1;
+                        let seen = *failed_over_in.lock().unwrap();
+                        if seen.is_some_and(|r| round >= r + ROUNDS_AFTER_FAILOVER) {
+                            keep_going.store(false, Ordering::SeqCst);
+                        }
+                    } else {
+                        round += 1;
+                    }
+                    barrier.wait();
+                }
+            });
+        }
+    });
+    let checked = check_rounds(&log.into_inner().unwrap(), KEYS, THREADS, hist_key);
+    assert_eq!(checked, rounds.load(Ordering::SeqCst));
+    assert!(checked >= KILL_AFTER + ROUNDS_AFTER_FAILOVER);
+    eprintln!(
+        "{checked} rounds linearizable across the kill of {victim}; {} writes of unknown outcome",
+        unknown.load(Ordering::SeqCst)
+    );
 }
 
 /// `kv --server URL ARGS...` killed where `ONEKV_CLIENT_FAULT` says.
