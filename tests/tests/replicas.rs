@@ -52,7 +52,7 @@ fn start_with_env(
         .iter()
         .map(|(m, zone)| start_member_with_env(&url, dir.path(), m, &["--zone", zone], env))
         .collect();
-    eventually("every copy served", Duration::from_secs(60), || {
+    eventually("every copy served", Duration::from_secs(120), || {
         ClusterClient::connect(&url)
             .is_ok_and(|mut kv| (0..SHARDS * 8).all(|i| kv.put(format!("warm{i}"), b"w").is_ok()))
     });
