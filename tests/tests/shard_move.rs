@@ -139,8 +139,12 @@ impl shard_move::Source for Frozen<'_> {
         }
         let address = self.address.to_string();
         *self.late_put.borrow_mut() = Some(std::thread::spawn(move || {
-            let mut late = or_abort(Client::connect(&address), "connect");
-            late.put("key-1", "put while frozen")
+            // The Soft-RoCE VM once left this connect unanswered for more
+            // than the default 10 s: it waits longer, and a connect that
+            // fails in the end is a put that did not land either.
+            let options = ClientOptions::default().with_reply_timeout(Duration::from_secs(120));
+            Client::connect_with(&address, options)
+                .and_then(|mut late| late.put("key-1", "put while frozen"))
         }));
         Ok(())
     }
