@@ -967,6 +967,25 @@ fn a_frozen_primary_is_fenced_and_drops_its_copies_when_it_wakes() {
     assert_eq!(kv.get(&key).expect("get").as_deref(), Some(&b"after"[..]));
 }
 
+/// Puts `key` = "value" through the cluster at `url` and reads it back
+/// from the primary's copy directly: the map, the primary's id, and that
+/// client of its copy.
+fn put_and_read_at_the_primary(url: &str, key: &str) -> (ShardMap, String, Client) {
+    let state = cluster_state(url);
+    let map = state.shard_map().expect("a map").clone();
+    let mut kv = ClusterClient::connect(url).expect("connect");
+    kv.put(key, "value").expect("put");
+    let shard = kv.shard_of(key);
+    let primary = map.owner(shard).expect("an owner").to_string();
+    let at = copy_address(&state, &primary, shard).expect("its address");
+    let mut direct = Client::connect(&at).expect("connect to the primary's copy");
+    assert_eq!(
+        direct.get(key).expect("get").as_deref(),
+        Some(&b"value"[..])
+    );
+    (map, primary, direct)
+}
+
 /// A copy serves reads only for a lease its server renews: a primary
 /// frozen (SIGSTOP) while etcd is down, so that nothing fails it over and
 /// nobody revokes its region, stops serving a connected client once the
@@ -975,16 +994,8 @@ fn a_frozen_primary_is_fenced_and_drops_its_copies_when_it_wakes() {
 #[test]
 fn a_frozen_primary_serves_no_read_past_its_read_lease() {
     let (mut etcd, url, _dir, members) = start("readlease");
-    let state = cluster_state(&url);
-    let map = state.shard_map().expect("a map").clone();
-    let mut kv = ClusterClient::connect(&url).expect("connect");
-    kv.put("leased", "value").expect("put");
-    let shard = kv.shard_of("leased");
-    let primary = map.owner(shard).expect("an owner").to_string();
-    let at = copy_address(&state, &primary, shard).expect("its address");
-    let mut direct = Client::connect(&at).expect("connect to the primary's copy");
+    let (map, primary, mut direct) = put_and_read_at_the_primary(&url, "leased");
     let value = Some(&b"value"[..]);
-    assert_eq!(direct.get("leased").expect("get").as_deref(), value);
 
     let daemon = &members[member_index(&primary)];
     daemon.signal(libc::SIGSTOP);
@@ -1029,18 +1040,8 @@ fn a_frozen_primary_serves_no_read_past_its_read_lease() {
 #[test]
 fn an_etcd_outage_pauses_the_copies_until_the_leases_are_confirmed() {
     let (mut etcd, url, _dir, _members) = start("outage");
-    let state = cluster_state(&url);
-    let map = state.shard_map().expect("a map").clone();
+    let (map, _, mut direct) = put_and_read_at_the_primary(&url, "kept");
     let mut kv = ClusterClient::connect(&url).expect("connect");
-    kv.put("kept", "value").expect("put");
-    let shard = kv.shard_of("kept");
-    let primary = map.owner(shard).expect("an owner");
-    let at = copy_address(&state, primary, shard).expect("its address");
-    let mut direct = Client::connect(&at).expect("connect to the primary's copy");
-    assert_eq!(
-        direct.get("kept").expect("get").as_deref(),
-        Some(&b"value"[..])
-    );
 
     etcd.kill();
     eventually("the copies stop", Duration::from_secs(30), || {
