@@ -10,7 +10,10 @@ use kv_common::Address;
 use kv_server::{Server, ServerConfig};
 
 pub mod cluster;
+pub mod daemon_log;
 pub mod histories;
+
+use daemon_log::DaemonLog;
 
 /// A directory for regions: /dev/shm when the machine has it.
 pub fn region_dir() -> tempfile::TempDir {
@@ -151,10 +154,27 @@ pub fn or_abort<T, E: std::fmt::Display>(result: Result<T, E>, what: &str) -> T 
 /// Aborts the test process after writing `why` to the real stderr: the
 /// test harness captures `eprintln!` of a test and its threads and would
 /// drop it with the process, leaving only "Aborted" in the log.
+/// The running daemons' logs follow, so that the abort can be explained.
 pub fn abort_saying(why: &str) -> ! {
     use std::io::Write;
-    let _ = writeln!(std::io::stderr(), "{why}");
+    let _ = writeln!(std::io::stderr(), "{why} (at {})", utc_time_of_day());
+    daemon_log::write_live_tails();
     std::process::abort();
+}
+
+/// Now as `HH:MM:SS.mmm` UTC, the clock the daemons' log lines carry.
+pub fn utc_time_of_day() -> String {
+    let since_epoch = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    let secs = since_epoch.as_secs() % 86_400;
+    format!(
+        "{:02}:{:02}:{:02}.{:03}Z",
+        secs / 3600,
+        secs / 60 % 60,
+        secs % 60,
+        since_epoch.subsec_millis()
+    )
 }
 
 /// Waits until `done` holds (checking every millisecond) inside a test's
@@ -172,11 +192,12 @@ pub fn wait_or_abort(what: &str, limit: Duration, mut done: impl FnMut() -> bool
 }
 
 /// A `kv-server` process, killed if a test ends without stopping it. Its
-/// log (stderr) is drained as it comes, so a chatty daemon never blocks.
+/// log (stderr) is drained as it comes, and shown if the test fails while
+/// the daemon runs.
 pub struct Daemon {
     pub child: Option<Child>,
     pub address: Address,
-    log: Option<std::thread::JoinHandle<Vec<u8>>>,
+    log: Option<DaemonLog>,
 }
 
 impl Daemon {
@@ -248,18 +269,15 @@ impl Daemon {
 
     /// Starts `command` (a `kv-server`), its log drained as it comes.
     pub fn spawn_unwaited(mut command: Command, address: &Address) -> Daemon {
-        let child = command
+        let mut child = command
             .stderr(Stdio::piped())
             .spawn()
             .expect("start kv-server");
-        let mut child = child;
-        let log = child.stderr.take().map(|mut stderr| {
-            std::thread::spawn(move || {
-                let mut log = Vec::new();
-                let _ = std::io::Read::read_to_end(&mut stderr, &mut log);
-                log
-            })
-        });
+        let label = daemon_label(&command, address);
+        let log = child
+            .stderr
+            .take()
+            .map(|stderr| DaemonLog::drain(stderr, label));
         Daemon {
             child: Some(child),
             address: address.clone(),
@@ -314,12 +332,10 @@ impl Daemon {
 
     /// Everything the daemon logged (once it has exited).
     fn take_log(&mut self) -> String {
-        let log = self
-            .log
+        self.log
             .take()
-            .and_then(|t| t.join().ok())
-            .unwrap_or_default();
-        String::from_utf8_lossy(&log).into_owned()
+            .map(|mut log| log.finish())
+            .unwrap_or_default()
     }
 
     /// SIGTERM; its exit status and log once it has stopped.
@@ -338,7 +354,25 @@ impl Drop for Daemon {
             let _ = child.kill();
             let _ = child.wait();
         }
+        // A failing test shows what its servers said (the harness prints
+        // a failed test's captured output).
+        if std::thread::panicking() {
+            if let Some(log) = self.log.as_mut() {
+                log.finish();
+                eprint!("{}", log.tail(daemon_log::TAIL_LINES));
+            }
+        }
     }
+}
+
+/// What a daemon's log is called: its member name in a cluster, else its
+/// address.
+fn daemon_label(command: &Command, address: &Address) -> String {
+    let args: Vec<_> = command.get_args().collect();
+    args.windows(2)
+        .find(|pair| pair[0] == "--member-name")
+        .map(|pair| format!("member {} ({address})", pair[1].to_string_lossy()))
+        .unwrap_or_else(|| format!("kv-server {address}"))
 }
 
 /// Waits until `done` holds (calling it every 10 ms), for at most `limit`;

@@ -26,7 +26,8 @@ use onekv_tests::cluster::{
 };
 use onekv_tests::histories::{check_owner, check_rounds, end_round, Event};
 use onekv_tests::{
-    eventually, or_abort, region_dir, tagged_value, wait_or_abort, workspace_bin, xorshift, Daemon,
+    eventually, or_abort, region_dir, tagged_value, utc_time_of_day, wait_or_abort, workspace_bin,
+    xorshift, Daemon,
 };
 use stateright::semantics::register::{RegisterOp, RegisterRet};
 
@@ -52,10 +53,20 @@ fn start_with_env(
         .iter()
         .map(|(m, zone)| start_member_with_env(&url, dir.path(), m, &["--zone", zone], env))
         .collect();
-    eventually("every copy served", Duration::from_secs(120), || {
-        ClusterClient::connect(&url)
-            .is_ok_and(|mut kv| (0..SHARDS * 8).all(|i| kv.put(format!("warm{i}"), b"w").is_ok()))
-    });
+    let warm = || -> Result<(), Error> {
+        let mut kv = ClusterClient::connect(&url)?;
+        (0..SHARDS * 8).try_for_each(|i| kv.put(format!("warm{i}"), b"w"))
+    };
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while let Err(e) = warm() {
+        assert!(
+            Instant::now() < deadline,
+            "not every copy served within 120 s (at {}): {e}\n{}",
+            utc_time_of_day(),
+            cluster_status(&url)
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
     (etcd, url, dir, members)
 }
 
