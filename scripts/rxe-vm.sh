@@ -178,9 +178,15 @@ for t in /tests/*; do
   pass=$((pass+${p:-0})); fail=$((fail+${f:-0}))
   if [ $rc -ne 0 ] || [ -z "$p" ]; then
     [ -z "$p" ] && fail=$((fail+1))
-    echo "RXE-FAIL: suite $name (exit $rc)"; tail -40 /tmp/$name.log | sed "s/^/RXE-LOG: /"
+    echo "RXE-FAIL: suite $name (exit $rc)"; tail -400 /tmp/$name.log | sed "s/^/RXE-LOG: /"
   else
     echo "RXE-OK: suite $name: $line"
+  fi
+  # A suite that aborted leaves its servers and etcd running; they would
+  # load the slow VM (or hold a cluster's ports) under the next suite.
+  left=$(pgrep -l 'kv-server|etcd' | tr '\n' ' ')
+  if [ -n "$left" ]; then
+    echo "RXE-LEFTOVER: suite $name left $left"; pkill -9 'kv-server|etcd'; sleep 1
   fi
 done
 
