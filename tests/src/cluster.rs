@@ -166,7 +166,15 @@ pub fn cluster_status(url: &str) -> String {
         .args(["cluster", "status", url])
         .output()
         .expect("run kv-server cluster status");
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    if out.status.success() {
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    } else {
+        format!(
+            "kv-server cluster status failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        )
+    }
 }
 
 /// A member `name` of the cluster at `url`, listening at

@@ -8,6 +8,7 @@ use std::io::{Read, Write};
 use std::process::ChildStderr;
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 /// Lines of each log a failure shows: enough for the last map changes and
 /// copies of a cluster member, short enough for a CI log of four members.
@@ -37,7 +38,7 @@ impl Buffer {
     }
 }
 
-/// The logs of the daemons still running in this process.
+/// The logs of this process's daemons not yet dropped.
 static LIVE: Mutex<Vec<Weak<Buffer>>> = Mutex::new(Vec::new());
 
 /// One daemon's log, drained by a thread of its own so that a chatty
@@ -78,6 +79,25 @@ impl DaemonLog {
         if let Some(reader) = self.reader.take() {
             let _ = reader.join();
         }
+        self.so_far()
+    }
+
+    /// As [`DaemonLog::finish`], waiting at most `limit` for the log's end:
+    /// for a failing test, which must not hang on a pipe something else
+    /// holds open.
+    pub fn finish_within(&mut self, limit: Duration) -> String {
+        let deadline = Instant::now() + limit;
+        while self.reader.as_ref().is_some_and(|r| !r.is_finished()) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        if self.reader.as_ref().is_some_and(JoinHandle::is_finished) {
+            self.finish()
+        } else {
+            self.so_far()
+        }
+    }
+
+    fn so_far(&self) -> String {
         let bytes = self
             .buffer
             .bytes
@@ -93,7 +113,7 @@ impl DaemonLog {
     }
 }
 
-/// Writes the last [`TAIL_LINES`] of every running daemon's log to the
+/// Writes the last [`TAIL_LINES`] of every log not yet dropped to the
 /// real stderr (which the test harness does not capture): for a test about
 /// to abort the process.
 pub fn write_live_tails() {

@@ -157,8 +157,11 @@ pub fn or_abort<T, E: std::fmt::Display>(result: Result<T, E>, what: &str) -> T 
 /// The running daemons' logs follow, so that the abort can be explained.
 pub fn abort_saying(why: &str) -> ! {
     use std::io::Write;
-    let _ = writeln!(std::io::stderr(), "{why} (at {})", utc_time_of_day());
+    let why = format!("{why} (at {})", utc_time_of_day());
+    let _ = writeln!(std::io::stderr(), "{why}");
     daemon_log::write_live_tails();
+    // Again after the logs, where a log's tail in CI ends.
+    let _ = writeln!(std::io::stderr(), "aborting: {why}");
     std::process::abort();
 }
 
@@ -358,7 +361,7 @@ impl Drop for Daemon {
         // a failed test's captured output).
         if std::thread::panicking() {
             if let Some(log) = self.log.as_mut() {
-                log.finish();
+                log.finish_within(Duration::from_secs(1));
                 eprint!("{}", log.tail(daemon_log::TAIL_LINES));
             }
         }
@@ -366,13 +369,19 @@ impl Drop for Daemon {
 }
 
 /// What a daemon's log is called: its member name in a cluster, else its
-/// address.
+/// address; and the test that started it (libtest names each test's
+/// thread after the test, and an abort shows every test's daemons).
 fn daemon_label(command: &Command, address: &Address) -> String {
     let args: Vec<_> = command.get_args().collect();
-    args.windows(2)
+    let daemon = args
+        .windows(2)
         .find(|pair| pair[0] == "--member-name")
         .map(|pair| format!("member {} ({address})", pair[1].to_string_lossy()))
-        .unwrap_or_else(|| format!("kv-server {address}"))
+        .unwrap_or_else(|| format!("kv-server {address}"));
+    match std::thread::current().name() {
+        Some(test) => format!("{daemon} of {test}"),
+        None => daemon,
+    }
 }
 
 /// Waits until `done` holds (calling it every 10 ms), for at most `limit`;
@@ -380,9 +389,27 @@ fn daemon_label(command: &Command, address: &Address) -> String {
 /// (a departed client's space is retired after its goodbye was sent, and
 /// collected by the reclaimer thread).
 pub fn eventually(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
+    let not_yet = || if done() { Ok(()) } else { Err("not yet") };
+    eventually_ok(what, limit, not_yet, String::new);
+}
+
+/// As [`eventually`], for a step that fails with a reason: the panic gives
+/// the last reason and `context()` (what the system looked like then).
+pub fn eventually_ok<E: std::fmt::Display>(
+    what: &str,
+    limit: Duration,
+    mut step: impl FnMut() -> Result<(), E>,
+    context: impl FnOnce() -> String,
+) {
     let deadline = Instant::now() + limit;
-    while !done() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+    while let Err(e) = step() {
+        if Instant::now() >= deadline {
+            panic!(
+                "timed out after {limit:?} waiting for {what} (at {}): {e}\n{}",
+                utc_time_of_day(),
+                context()
+            );
+        }
         std::thread::sleep(Duration::from_millis(10));
     }
 }

@@ -26,7 +26,7 @@ use onekv_tests::cluster::{
 };
 use onekv_tests::histories::{check_owner, check_rounds, end_round, Event};
 use onekv_tests::{
-    eventually, or_abort, region_dir, tagged_value, utc_time_of_day, wait_or_abort, workspace_bin,
+    eventually, eventually_ok, or_abort, region_dir, tagged_value, wait_or_abort, workspace_bin,
     xorshift, Daemon,
 };
 use stateright::semantics::register::{RegisterOp, RegisterRet};
@@ -57,16 +57,8 @@ fn start_with_env(
         let mut kv = ClusterClient::connect(&url)?;
         (0..SHARDS * 8).try_for_each(|i| kv.put(format!("warm{i}"), b"w"))
     };
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while let Err(e) = warm() {
-        assert!(
-            Instant::now() < deadline,
-            "not every copy served within 120 s (at {}): {e}\n{}",
-            utc_time_of_day(),
-            cluster_status(&url)
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    let status = || cluster_status(&url);
+    eventually_ok("every copy served", Duration::from_secs(120), warm, status);
     (etcd, url, dir, members)
 }
 
