@@ -82,18 +82,13 @@ impl DaemonLog {
         self.so_far()
     }
 
-    /// As [`DaemonLog::finish`], waiting at most `limit` for the log's end:
-    /// for a failing test, which must not hang on a pipe something else
+    /// Waits at most `limit` for the log's end (the daemon's stderr
+    /// closed): a failing test must not hang on a pipe something else
     /// holds open.
-    pub fn finish_within(&mut self, limit: Duration) -> String {
+    pub fn wait_for_end(&mut self, limit: Duration) {
         let deadline = Instant::now() + limit;
         while self.reader.as_ref().is_some_and(|r| !r.is_finished()) && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(10));
-        }
-        if self.reader.as_ref().is_some_and(JoinHandle::is_finished) {
-            self.finish()
-        } else {
-            self.so_far()
         }
     }
 

@@ -361,7 +361,7 @@ impl Drop for Daemon {
         // a failed test's captured output).
         if std::thread::panicking() {
             if let Some(log) = self.log.as_mut() {
-                log.finish_within(Duration::from_secs(1));
+                log.wait_for_end(Duration::from_secs(1));
                 eprint!("{}", log.tail(daemon_log::TAIL_LINES));
             }
         }
