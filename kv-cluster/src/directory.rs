@@ -225,6 +225,7 @@ fn view(
                 to: name(to)?,
                 // Only the members know it.
                 secret: String::new(),
+                replaces: None,
             })
         }),
     });
@@ -237,6 +238,7 @@ fn view(
             incarnation: m.incarnation,
             draining: m.draining,
             zone: None,
+            replaces_copies: false,
         })
         .collect();
     MemberView {
@@ -276,6 +278,7 @@ mod tests {
                     incarnation: 5,
                     draining: false,
                     zone: None,
+                    replaces_copies: false,
                 })
                 .collect(),
             map: Some((
@@ -298,6 +301,7 @@ mod tests {
                         shard: 1,
                         to: ids[0].clone(),
                         secret: "members only".into(),
+                        replaces: None,
                     }),
                 },
                 77,

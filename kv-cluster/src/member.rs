@@ -321,6 +321,7 @@ async fn incarnation(
         incarnation: lease,
         draining: *controls.drains.borrow(),
         zone: spec.zone.clone(),
+        replaces_copies: true,
     };
     etcd.announce(&record, lease).await?;
     let renewal = Renewal::start(&mut etcd, record, asked, ttl).await?;
@@ -648,7 +649,7 @@ async fn coordinate(
             held_back: &held_back,
         };
         let next = next_map_avoiding(&state.config, map, &members, random_secret);
-        if let Some(next) = next.filter(|n| !failed.holds_back(n)) {
+        if let Some(next) = next.filter(|n| !failed.holds_back(n) && state.can_send(n)) {
             let based_on = state.map.as_ref().map(|(_, r)| *r);
             match etcd.publish_map(&next, based_on, Some(&leader)).await {
                 Ok(true) => tracing::info!(epoch = next.epoch, "published the shard map"),

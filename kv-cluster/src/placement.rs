@@ -15,9 +15,11 @@ use crate::records::{ClusterConfig, ShardMap, ShardMove};
 ///   the same way); with replicas, each shard's group as [`deal_groups`]
 ///   makes them.
 /// - With replicas, failover changes the map first (see [`failover`]);
-///   then a shard short of copies gets one more (see [`restore_copies`]).
-///   No shard changes owners by a move: a move copies one region and its
-///   backups would not follow.
+///   then a shard short of copies gets one more, and then a draining
+///   member's copies are replaced one by one (see [`copy_where_needed`]).
+///   No shard changes owners by a plain move: a move copies one region and
+///   its backups would not follow; a draining primary hands over to a
+///   fresh copy of it instead.
 /// - A move under way is waited for, or dropped if its source is no
 ///   longer live or its target no longer takes shards (it cannot finish;
 ///   the source keeps the shard).
@@ -74,7 +76,7 @@ pub fn next_map_avoiding(
     if config.replicas > 1 {
         let ids: Vec<&str> = live.iter().map(|(id, _)| id.as_str()).collect();
         return failover(map, &ids)
-            .or_else(|| restore_copies(config.replicas, map, members, new_secret));
+            .or_else(|| copy_where_needed(config.replicas, map, members, new_secret));
     }
     let live: Vec<String> = live.iter().map(|(id, _)| id.clone()).collect();
     let live = live.as_slice();
@@ -119,6 +121,7 @@ pub fn next_map_avoiding(
         shard,
         to: (*fewest).clone(),
         secret: new_secret(),
+        replaces: None,
     });
     Some(next)
 }
@@ -170,7 +173,7 @@ fn failover(map: &ShardMap, live: &[&str]) -> Option<ShardMap> {
         changed = true;
     }
     // A copy under way ends with its source (its target's end is
-    // `restore_copies`' to see).
+    // `copy_where_needed`' to see).
     if let Some(m) = &map.moving {
         if next.owner(m.shard) != map.owner(m.shard) {
             next.moving = None;
@@ -189,29 +192,38 @@ pub struct Members<'a> {
     pub held_back: &'a [(u32, String)],
 }
 
-/// The map after one more copy of a shard short of `replicas` is started
-/// (a `moving` of a replicated cluster adds its target to the group; see
+/// The map after one more copy of a replicated shard is started (a
+/// `moving` of a replicated cluster adds its target to the group; see
 /// kv-server's `shard_host`), or the copy under way dropped when it can no
-/// longer finish; none when nothing changes. One copy at a time, to the
-/// shard with fewest copies (then the lowest), from its live primary, to
-/// the live member that takes shards, holds none of the group and shares
-/// no zone with it, and holds fewest copies (ties to the lowest id).
-fn restore_copies(
+/// longer finish; none when nothing changes. One copy at a time, from the
+/// shard's live primary, to the live member that takes shards, holds none
+/// of the group and shares no zone with the copies that stay, and holds
+/// fewest copies (ties to the lowest id):
+///
+/// 1. to the shard with fewest copies (then the lowest), if one has fewer
+///    than `replicas`;
+/// 2. else to replace a draining member's copy (the lowest shard of the
+///    first such member), which leaves the group as the new copy joins: a
+///    backup simply, the primary by handing over to the new copy, made
+///    from its frozen index (see `ShardMove::replaces`). So a drain never
+///    takes a shard below `replicas` copies, nor fails anything over;
+/// 3. else, the same way, to replace a copy of the member that holds most
+///    with one at a member that holds fewer, until the copies held differ
+///    by one at most (and the shards led too, where a copy can move).
+fn copy_where_needed(
     replicas: u32,
     map: &ShardMap,
     members: &Members<'_>,
     new_secret: impl FnOnce() -> String,
 ) -> Option<ShardMap> {
-    let Members {
-        live,
-        draining,
-        held_back,
-    } = *members;
-    let is_live = |id: &str| live.iter().any(|(l, _)| l == id);
-    let takes = |id: &str| is_live(id) && !draining.iter().any(|d| d == id);
+    let copies = Copies {
+        replicas: replicas as usize,
+        map,
+        members,
+    };
     if let Some(m) = &map.moving {
-        let source_live = map.owner(m.shard).is_some_and(is_live);
-        if source_live && takes(&m.to) {
+        let source_live = map.owner(m.shard).is_some_and(|o| copies.is_live(o));
+        if source_live && copies.takes(&m.to) {
             return None;
         }
         let mut next = map.clone();
@@ -219,42 +231,164 @@ fn restore_copies(
         next.moving = None;
         return Some(next);
     }
-    let zone_of = |id: &str| {
-        let zone = live
-            .iter()
-            .find(|(l, _)| l == id)
-            .and_then(|(_, z)| z.clone());
-        zone.map_or_else(|| format!("member:{id}"), |z| format!("zone:{z}"))
-    };
-    let group = |shard: u32| {
-        let backups = map.backups(shard).iter().map(String::as_str);
-        map.owner(shard).into_iter().chain(backups)
-    };
-    // The member a copy of `shard` would go to, if one can take it.
-    let target = |shard: u32| {
-        let zones: Vec<String> = group(shard).map(zone_of).collect();
-        live.iter()
-            .map(|(id, _)| id.as_str())
-            .filter(|id| takes(id) && !group(shard).any(|g| g == *id))
-            .filter(|id| !held_back.iter().any(|(s, to)| *s == shard && to == id))
-            .filter(|id| !zones.contains(&zone_of(id)))
-            .min_by_key(|id| (map.copies_of(id).count(), *id))
-    };
-    let mut short: Vec<(usize, u32)> = (0..map.owners.len() as u32)
-        .filter(|&s| map.owner(s).is_some_and(is_live))
-        .map(|s| (group(s).count(), s))
-        .filter(|&(copies, _)| copies < replicas as usize)
-        .collect();
-    short.sort_unstable();
-    let (shard, to) = short.into_iter().find_map(|(_, s)| Some((s, target(s)?)))?;
+    let (shard, to, replaces) = copies
+        .restore()
+        .or_else(|| copies.drain())
+        .or_else(|| copies.balance())?;
     let mut next = map.clone();
     next.epoch += 1;
     next.moving = Some(ShardMove {
         shard,
         to: to.to_string(),
         secret: new_secret(),
+        replaces: replaces.map(str::to_string),
     });
     Some(next)
+}
+
+/// Whether each copy `id` holds has somewhere to go were `id` to drain:
+/// a live member that does not drain, outside the shard's group and the
+/// zones of its other copies. A drain that cannot place one would wait
+/// for nothing (kv-server leaves at once then).
+pub fn copies_can_move(map: &ShardMap, members: &Members<'_>, id: &str) -> bool {
+    // A target does not depend on the replica count.
+    let copies = Copies {
+        replicas: 0,
+        map,
+        members,
+    };
+    map.copies_of(id)
+        .all(|s| copies.target(s, Some(id)).is_some())
+}
+
+/// The copies of a replicated cluster's map, as `copy_where_needed` sees
+/// them: each step proposes (shard, target, the member whose copy the new
+/// one replaces).
+struct Copies<'a> {
+    replicas: usize,
+    map: &'a ShardMap,
+    members: &'a Members<'a>,
+}
+
+type Proposal<'a> = (u32, &'a str, Option<&'a str>);
+
+impl<'a> Copies<'a> {
+    fn is_live(&self, id: &str) -> bool {
+        self.members.live.iter().any(|(l, _)| l == id)
+    }
+
+    /// Live and not draining.
+    fn takes(&self, id: &str) -> bool {
+        self.is_live(id) && !self.members.draining.iter().any(|d| d == id)
+    }
+
+    /// A member's zone, or the member as a zone of its own.
+    fn zone_of(&self, id: &str) -> String {
+        let zone = self.members.live.iter().find(|(l, _)| l == id);
+        match zone.and_then(|(_, z)| z.as_ref()) {
+            Some(z) => format!("zone:{z}"),
+            None => format!("member:{id}"),
+        }
+    }
+
+    fn group(&self, shard: u32) -> impl Iterator<Item = &'a str> {
+        let backups = self.map.backups(shard).iter().map(String::as_str);
+        self.map.owner(shard).into_iter().chain(backups)
+    }
+
+    /// Whether `shard`'s primary lives to send a copy.
+    fn sourced(&self, shard: u32) -> bool {
+        self.map.owner(shard).is_some_and(|o| self.is_live(o))
+    }
+
+    fn copies(&self, id: &str) -> usize {
+        self.map.copies_of(id).count()
+    }
+
+    fn leads(&self, id: &str) -> usize {
+        self.map.shards_of(id).count()
+    }
+
+    /// The member a copy of `shard` would go to, if one can take it, the
+    /// copy on `replaced` leaving as it joins.
+    fn target(&self, shard: u32, replaced: Option<&str>) -> Option<&'a str> {
+        let zones: Vec<String> = self
+            .group(shard)
+            .filter(|g| Some(*g) != replaced)
+            .map(|g| self.zone_of(g))
+            .collect();
+        let held_back = |id: &str| {
+            let mut held = self.members.held_back.iter();
+            held.any(|(s, to)| *s == shard && to == id)
+        };
+        self.members
+            .live
+            .iter()
+            .map(|(id, _)| id.as_str())
+            .filter(|id| self.takes(id) && !self.group(shard).any(|g| g == *id))
+            .filter(|id| !held_back(id) && !zones.contains(&self.zone_of(id)))
+            .min_by_key(|id| (self.copies(id), *id))
+    }
+
+    /// Step 1: the shard with fewest copies, if short.
+    fn restore(&self) -> Option<Proposal<'a>> {
+        let mut short: Vec<(usize, u32)> = (0..self.map.owners.len() as u32)
+            .filter(|&s| self.sourced(s))
+            .map(|s| (self.group(s).count(), s))
+            .filter(|&(copies, _)| copies < self.replicas)
+            .collect();
+        short.sort_unstable();
+        short
+            .into_iter()
+            .find_map(|(_, s)| Some((s, self.target(s, None)?, None)))
+    }
+
+    /// Step 2: a draining member's copy.
+    fn drain(&self) -> Option<Proposal<'a>> {
+        let mut leaving: Vec<&'a str> = self.members.draining.iter().map(String::as_str).collect();
+        leaving.sort_unstable();
+        leaving.into_iter().find_map(|d| {
+            self.map
+                .copies_of(d)
+                .filter(|&s| self.sourced(s))
+                .find_map(|s| Some((s, self.target(s, Some(d))?, Some(d))))
+        })
+    }
+
+    /// Step 3: a copy of a member that holds more than another moves
+    /// there: one that holds two more, or one more and leads two more (the
+    /// copy of a shard it leads, handed over). Each such move lowers the
+    /// sum of the squares of the copies held, or keeps it and lowers that
+    /// of the shards led: balancing ends.
+    fn balance(&self) -> Option<Proposal<'a>> {
+        let live = self.members.live.iter().map(|(id, _)| id.as_str());
+        let mut loaded: Vec<&'a str> = live.filter(|id| self.takes(id)).collect();
+        loaded
+            .sort_unstable_by_key(|id| (std::cmp::Reverse((self.copies(id), self.leads(id))), *id));
+        loaded.into_iter().find_map(|from| {
+            // The shards it leads first: a new member takes some lead too.
+            // A shard short of copies is not moved about: it waits for
+            // a copy (a place in a zone it lacks).
+            let mut held: Vec<u32> = self
+                .map
+                .copies_of(from)
+                .filter(|&s| self.sourced(s) && self.group(s).count() >= self.replicas)
+                .collect();
+            held.sort_by_key(|&s| self.map.owner(s) != Some(from));
+            held.into_iter().find_map(|s| {
+                let to = self.target(s, Some(from))?;
+                let led = self.map.owner(s) == Some(from);
+                let (copies, leads) = (
+                    [from, to].map(|id| self.copies(id)),
+                    [from, to].map(|id| self.leads(id)),
+                );
+                // A lead goes only to a member that leads fewer.
+                let worth = (copies[0] > copies[1] + 1 && (!led || leads[0] > leads[1]))
+                    || (led && copies[0] > copies[1] && leads[0] > leads[1] + 1);
+                worth.then_some((s, to, Some(from)))
+            })
+        })
+    }
 }
 
 /// The first map, over `members` (each with its zone).
@@ -458,6 +592,7 @@ mod tests {
                 shard: 1,
                 to: "b".into(),
                 secret: "s".into(),
+                replaces: None,
             }),
         };
         assert_eq!(
@@ -604,17 +739,12 @@ mod tests {
     }
 
     /// What the source of a replicated cluster's copy publishes once it
-    /// is done (kv-server's `shard_host`): the target joins the group.
+    /// is done (kv-server's `shard_host`): the target joins the group, or
+    /// takes over from the primary it replaces.
     fn copied(map: &ShardMap) -> ShardMap {
         let m = map.moving.clone().expect("a copy under way");
-        let mut next = map.clone();
-        next.epoch += 1;
-        next.moving = None;
-        next.backups.resize(next.owners.len(), Vec::new());
-        next.backups[m.shard as usize].push(m.to);
-        next.group_epochs.resize(next.owners.len(), 0);
-        next.group_epochs[m.shard as usize] = next.epoch;
-        next
+        let copy = !m.hands_over(map.owner(m.shard));
+        map.ended_move(&m, true, copy)
     }
 
     #[test]
@@ -733,5 +863,163 @@ mod tests {
             .collect();
         let failed = next_map(&c, Some(&copying), &rest, &[], secret).unwrap();
         assert_eq!(failed.moving, None);
+    }
+
+    #[test]
+    fn a_draining_member_of_a_replicated_cluster_has_each_copy_replaced_one_at_a_time() {
+        let c = ClusterConfig {
+            shards: 6,
+            initial_members: 4,
+            replicas: 3,
+        };
+        let zones = zoned(&[("a", "z1"), ("b", "z2"), ("c", "z3"), ("d", "z1")]);
+        let map = next_map(&c, None, &zones, &[], secret).unwrap();
+        let held: Vec<u32> = map.copies_of("a").collect();
+        let led: Vec<u32> = map.shards_of("a").collect();
+        assert!(!led.is_empty() && held.len() > led.len(), "{map:?}");
+        let draining = ["a".to_string()];
+        let can_move = |map: &ShardMap, id: &str| {
+            let members = Members {
+                live: &zones,
+                draining: &[],
+                held_back: &[],
+            };
+            copies_can_move(map, &members, id)
+        };
+        // a and d take each other's place; nobody shares b's zone or c's.
+        assert!(can_move(&map, "a") && can_move(&map, "d"));
+        assert!(!can_move(&map, "b") && !can_move(&map, "c"));
+        let mut now = map.clone();
+        let mut replaced = Vec::new();
+        while let Some(next) = next_map(&c, Some(&now), &zones, &draining, secret) {
+            let m = next.moving.clone().expect("a copy");
+            // Only d can take a's place: b and c are in every group, and d
+            // shares only a's zone, which leaves with it.
+            assert_eq!((m.to.as_str(), m.replaces.as_deref()), ("d", Some("a")));
+            assert_eq!(
+                next_map(&c, Some(&next), &zones, &draining, secret),
+                None,
+                "one at a time"
+            );
+            let hands_over = m.hands_over(next.owner(m.shard));
+            assert_eq!(hands_over, led.contains(&m.shard));
+            now = copied(&next);
+            now.check_groups(3).unwrap();
+            assert_eq!(now.group_epoch(m.shard), now.epoch);
+            let group = |map: &ShardMap, s: u32| {
+                let mut g: Vec<String> = map.owner(s).into_iter().map(str::to_string).collect();
+                g.extend(map.backups(s).iter().cloned());
+                g
+            };
+            assert_eq!(group(&now, m.shard).len(), 3, "never fewer copies");
+            assert!(!group(&now, m.shard).contains(&"a".to_string()));
+            if hands_over {
+                // The new copy leads the same backups.
+                assert_eq!(now.owner(m.shard), Some("d"));
+                assert_eq!(now.backups(m.shard), map.backups(m.shard));
+            } else {
+                assert_eq!(now.owner(m.shard), map.owner(m.shard));
+                assert_eq!(now.backups(m.shard).last().map(String::as_str), Some("d"));
+            }
+            replaced.push(m.shard);
+        }
+        replaced.sort_unstable();
+        assert_eq!(replaced, held, "each of a's copies replaced once");
+        assert_eq!(now.copies_of("a").count(), 0);
+        // With no member outside a group to take a copy, nothing moves.
+        let three = &zones[..3];
+        let c3 = ClusterConfig {
+            initial_members: 3,
+            ..c
+        };
+        let of_three = next_map(&c3, None, three, &[], secret).unwrap();
+        assert_eq!(
+            next_map(&c, Some(&of_three), three, &draining, secret),
+            None
+        );
+        // A shard short of copies is restored before a drain goes on.
+        let after_b = next_map(
+            &c,
+            Some(&map),
+            &[zones[0].clone(), zones[2].clone(), zones[3].clone()],
+            &[],
+            secret,
+        )
+        .unwrap();
+        let short: Vec<u32> = (0..6).filter(|&s| after_b.backups(s).len() < 2).collect();
+        let first = next_map(&c, Some(&after_b), &zones, &draining, secret).unwrap();
+        let m = first.moving.clone().unwrap();
+        assert!(short.contains(&m.shard) && m.replaces.is_none(), "{m:?}");
+    }
+
+    /// Runs `next_map` with `members` until it proposes nothing, each copy
+    /// ended as its source would end it: the moves made, checked one at a
+    /// time, none taking a group below `replicas` copies.
+    fn settle(
+        c: &ClusterConfig,
+        map: &mut ShardMap,
+        members: &[(String, Option<String>)],
+    ) -> usize {
+        let mut moves = 0;
+        while let Some(next) = next_map(c, Some(map), members, &[], secret) {
+            let m = next.moving.clone().expect("a copy");
+            assert!(m.replaces.is_some(), "{m:?}");
+            assert_eq!(next_map(c, Some(&next), members, &[], secret), None);
+            *map = copied(&next);
+            map.check_groups(c.replicas).unwrap();
+            for shard in 0..c.shards {
+                assert_eq!(1 + map.backups(shard).len(), c.replicas as usize);
+            }
+            moves += 1;
+            assert!(moves < 100, "balancing does not end: {map:?}");
+        }
+        moves
+    }
+
+    #[test]
+    fn members_that_join_a_replicated_cluster_take_their_share_of_copies_and_of_lead() {
+        let c = ClusterConfig {
+            shards: 6,
+            initial_members: 3,
+            replicas: 3,
+        };
+        let mut map = next_map(&c, None, &live(&["a", "b", "c"]), &[], secret).unwrap();
+        let all = live(&["a", "b", "c", "d"]);
+        let moves = settle(&c, &mut map, &all);
+        let counts = |map: &ShardMap, m: &str| (map.copies_of(m).count(), map.shards_of(m).count());
+        // 18 copies over four: 5, 5, 4, 4; d leads one at least.
+        assert_eq!(moves, 4, "{map:?}");
+        for m in ["a", "b", "c", "d"] {
+            let (copies, leads) = counts(&map, m);
+            assert!(
+                (4..=5).contains(&copies) && (1..=2).contains(&leads),
+                "{m}: {map:?}"
+            );
+        }
+        // Two clusters of two copies grow from two members to four.
+        let c = ClusterConfig {
+            shards: 8,
+            initial_members: 2,
+            replicas: 2,
+        };
+        let mut map = next_map(&c, None, &live(&["a", "b"]), &[], secret).unwrap();
+        settle(&c, &mut map, &live(&["a", "b", "c", "d"]));
+        for m in ["a", "b", "c", "d"] {
+            assert_eq!(counts(&map, m), (4, 2), "{m}: {map:?}");
+        }
+        // Zones bound it: a member of a zone every group has takes nothing.
+        let c = ClusterConfig {
+            shards: 4,
+            initial_members: 2,
+            replicas: 2,
+        };
+        let zones = zoned(&[("a", "z1"), ("b", "z2")]);
+        let mut map = next_map(&c, None, &zones, &[], secret).unwrap();
+        let with_c = zoned(&[("a", "z1"), ("b", "z2"), ("c", "z1")]);
+        settle(&c, &mut map, &with_c);
+        // c replaces a's copies only: a zone-mate's.
+        assert_eq!(map.copies_of("b").count(), 4);
+        assert_eq!(map.copies_of("a").count() + map.copies_of("c").count(), 4);
+        assert!(map.copies_of("c").count() >= 1);
     }
 }

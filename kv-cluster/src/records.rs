@@ -84,6 +84,12 @@ pub struct MemberRecord {
     /// Its failure domain (`--zone`): no two copies of a shard share one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub zone: Option<String>,
+    /// Its version ends a copy that replaces another's
+    /// (`ShardMove::replaces`) as such: an older one would add it as one
+    /// copy more, a group its clients refuse. Only such a member's copies
+    /// are drained or balanced (see `ClusterState::can_send`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub replaces_copies: bool,
 }
 
 /// Which member owns each shard.
@@ -117,7 +123,9 @@ pub struct ShardMap {
 /// of one copy, the owner stops serving it and publishes the target as
 /// owner; in a replicated cluster, the owner keeps it and publishes the
 /// target as its last backup, under a new group epoch (a copy restoring
-/// the replica count).
+/// the replica count, or replacing a draining member's backup), or, when
+/// the copy replaces the owner itself, stops serving it and publishes the
+/// target as the primary of the same backups, under a new group epoch.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ShardMove {
     pub shard: u32,
@@ -125,6 +133,18 @@ pub struct ShardMove {
     /// What the copier presents to the target's fresh region (hex); no
     /// client that routes by an older map can know it.
     pub secret: String,
+    /// A replicated cluster's copy made to take the place of this member's
+    /// copy (a draining member's), which leaves the group as it joins.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replaces: Option<String>,
+}
+
+impl ShardMove {
+    /// Whether the copy takes over as primary from `owner`, the source
+    /// (which stops serving before the last pass, as a plain move's does).
+    pub fn hands_over(&self, owner: Option<&str>) -> bool {
+        self.replaces.is_some() && self.replaces.as_deref() == owner
+    }
 }
 
 fn no_backups(backups: &[Vec<String>]) -> bool {
@@ -143,6 +163,36 @@ impl ShardMap {
 
     pub fn owner(&self, shard: u32) -> Option<&str> {
         self.owners.get(shard as usize)?.as_deref()
+    }
+
+    /// The map that ends move `m`, which this map shows: when `copied`,
+    /// the target as owner, or for a replicated cluster's `copy` as the
+    /// group's last backup under a new group epoch (the copy it replaces,
+    /// if any, leaving the group), or, when it replaces the owner (a
+    /// handover), as the primary of the same backups under a new group
+    /// epoch; else the source keeps the shard. Published by the source
+    /// (kv-server's `shard_host`, which argues the handover).
+    pub fn ended_move(&self, m: &ShardMove, copied: bool, copy: bool) -> ShardMap {
+        let mut next = self.clone();
+        next.epoch += 1;
+        next.moving = None;
+        let shard = m.shard as usize;
+        let new_group = |next: &mut ShardMap| {
+            next.group_epochs.resize(next.owners.len(), 0);
+            next.group_epochs[shard] = next.epoch;
+        };
+        if copied && copy {
+            next.backups.resize(next.owners.len(), Vec::new());
+            next.backups[shard].retain(|b| Some(b) != m.replaces.as_ref());
+            next.backups[shard].push(m.to.clone());
+            new_group(&mut next);
+        } else if copied {
+            if m.hands_over(self.owner(m.shard)) {
+                new_group(&mut next);
+            }
+            next.owners[shard] = Some(m.to.clone());
+        }
+        next
     }
 
     /// The shards `member` owns.
@@ -217,6 +267,20 @@ pub struct ClusterState {
 }
 
 impl ClusterState {
+    /// Whether `next`, a map proposed after the current one, starts no
+    /// move its source would end otherwise than meant: a copy that
+    /// replaces another's goes only from a member that says it ends it so
+    /// (`MemberRecord::replaces_copies`; members of older versions, in a
+    /// rolling upgrade, do not).
+    pub fn can_send(&self, next: &ShardMap) -> bool {
+        let Some(m) = &next.moving else {
+            return true;
+        };
+        let started = self.shard_map().and_then(|now| now.moving.as_ref()) != Some(m);
+        let source = next.owner(m.shard).and_then(|o| self.member(o));
+        !started || m.replaces.is_none() || source.is_some_and(|r| r.replaces_copies)
+    }
+
     pub fn member(&self, id: &str) -> Option<&MemberRecord> {
         self.members.iter().find(|m| m.id == id)
     }
@@ -270,6 +334,18 @@ pub fn shard_address(listen: &Address, shard: u32) -> Result<Address, String> {
     }
 }
 
+/// What a move under way does, as `cluster status` says it.
+fn describe_move(config: &ClusterConfig, map: &ShardMap, m: &ShardMove) -> String {
+    match (config.replicas > 1, m.replaces.as_deref()) {
+        (false, _) => "moving".to_string(),
+        (true, None) => "copying (restoring its replica count)".to_string(),
+        (true, Some(r)) if m.hands_over(map.owner(m.shard)) => {
+            format!("copying (to lead in place of {r})")
+        }
+        (true, Some(r)) => format!("copying (to replace {r}'s copy)"),
+    }
+}
+
 /// What `cluster status` prints: members, the shards each owns, and the
 /// shards whose owner is not live.
 pub fn describe(
@@ -295,11 +371,7 @@ pub fn describe(
     let _ = writeln!(out, "map epoch: {}", map.epoch);
     if let Some(m) = &map.moving {
         let from = map.owner(m.shard).unwrap_or("nobody");
-        let what = if config.replicas > 1 {
-            "copying (restoring its replica count)"
-        } else {
-            "moving"
-        };
+        let what = describe_move(config, map, m);
         let _ = writeln!(out, "{what}: shard {} from {from} to {}", m.shard, m.to);
     }
     for m in members {
@@ -386,6 +458,55 @@ mod tests {
         );
         let high = Address::parse("rdma://h:65500").unwrap();
         assert!(shard_address(&high, 63).unwrap_err().contains("lower port"));
+    }
+
+    /// A member record of an older version (no `replaces_copies`) is read
+    /// as one that does not replace copies: none of its copies is drained
+    /// or balanced, while other moves go on.
+    #[test]
+    fn copies_replacing_others_start_only_from_members_that_end_them_so() {
+        let old: MemberRecord = decode(
+            "member",
+            br#"{"id":"a","listen":"shm:///dev/shm/a","incarnation":1}"#,
+        )
+        .unwrap();
+        assert!(!old.replaces_copies);
+        let new = MemberRecord {
+            id: "b".into(),
+            replaces_copies: true,
+            ..old.clone()
+        };
+        let map = ShardMap {
+            group_epochs: Vec::new(),
+            epoch: 4,
+            owners: vec![Some("a".into()), Some("b".into())],
+            backups: vec![vec!["c".into()], vec!["c".into()]],
+            moving: None,
+        };
+        let state = ClusterState {
+            config: ClusterConfig {
+                shards: 2,
+                initial_members: 2,
+                replicas: 2,
+            },
+            members: vec![old, new],
+            map: Some((map.clone(), 7)),
+            revision: 7,
+        };
+        let moving = |shard: u32, replaces: Option<&str>| ShardMap {
+            epoch: 5,
+            moving: Some(ShardMove {
+                shard,
+                to: "d".into(),
+                secret: "00".into(),
+                replaces: replaces.map(str::to_string),
+            }),
+            ..map.clone()
+        };
+        assert!(!state.can_send(&moving(0, Some("c"))), "from a, older");
+        assert!(state.can_send(&moving(0, None)), "a restore");
+        assert!(state.can_send(&moving(1, Some("c"))), "from b");
+        assert!(state.can_send(&map), "no move");
     }
 
     #[test]

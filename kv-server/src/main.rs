@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
 use kv_cluster::member::{MemberEvent, MemberSpec, Membership};
-use kv_cluster::{ClusterConfig, ClusterUrl};
+use kv_cluster::{placement, ClusterConfig, ClusterUrl};
 use kv_common::size::parse_size;
 use kv_common::Address;
 use kv_server::directory::Directory;
@@ -343,9 +343,10 @@ fn serve(args: ServeArgs) -> Result<(), String> {
 
 /// As a cluster member: serves what the map gives it while it holds its
 /// lease, nothing while it may not. The first stop signal drains it (its
-/// shards move to the other servers, then it leaves); a second, no other
-/// server to take them, a cluster of several copies (whose shards do not
-/// move yet), or a drain longer than DRAIN_LIMIT leaves at once.
+/// shards move to the other servers, or, in a cluster of several copies,
+/// each of its copies is replaced by a fresh one elsewhere, its primaries
+/// handed over; then it leaves); a second, a copy here that no other
+/// server can take, or a drain longer than DRAIN_LIMIT leaves at once.
 fn serve_shards(
     host: ShardHost,
     url: ClusterUrl,
@@ -370,7 +371,7 @@ fn serve_shards(
         directory,
         membership,
         joined: false,
-        others: 0,
+        placeable: false,
     };
     let mut signals = 0;
     let mut drain_started = Instant::now();
@@ -380,10 +381,12 @@ fn serve_shards(
             drain_started = Instant::now();
             tracing::info!("draining: the shards here move to the other servers first (a second signal leaves at once)");
         }
-        let drained = member.host.is_empty() || member.others == 0;
-        if signals == 1 && !drained && member.host.keeps_copies() {
-            // Nothing would move: waiting out the drain limit helps nobody.
-            tracing::warn!("leaving without a drain: a cluster of several copies does not move shards yet; the copies here fail over to the others, one copy fewer each");
+        let stuck = !member.placeable;
+        let drained = member.host.is_empty() || (stuck && !member.host.keeps_copies());
+        // A copy replacing one here goes to a server outside its group and
+        // its zones: with none, waiting out the drain limit helps nobody.
+        if signals == 1 && !drained && stuck {
+            tracing::warn!("leaving without a drain: no other server can take this server's copies (too few servers, or none outside a copy's zones); they fail over to the others, one copy fewer each");
             break;
         }
         if signals >= 2 || (signals == 1 && drained) {
@@ -423,8 +426,9 @@ struct Member {
     directory: Directory,
     membership: Membership,
     joined: bool,
-    /// Other live members that take shards (a drain needs one).
-    others: usize,
+    /// Whether other live members could take each copy here (a drain
+    /// needs that).
+    placeable: bool,
 }
 
 impl Member {
@@ -464,12 +468,15 @@ impl Member {
             }
             MemberEvent::State(state) => {
                 self.host.saw(&state);
-                let me = self.host.member();
-                self.others = state
-                    .members
-                    .iter()
-                    .filter(|m| m.id != me && !m.draining)
-                    .count();
+                let (live, draining) = (state.live_zones(), state.draining_ids());
+                let members = placement::Members {
+                    live: &live,
+                    draining: &draining,
+                    held_back: &[],
+                };
+                self.placeable = state.shard_map().is_none_or(|map| {
+                    placement::copies_can_move(map, &members, self.host.member())
+                });
                 if self.joined {
                     self.directory.show(Some(&state));
                 }

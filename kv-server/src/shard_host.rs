@@ -16,8 +16,8 @@
 //!   again later, to a fresh region.
 //!
 //! In a replicated cluster a move is a **copy** that restores a shard's
-//! replica count: the primary's member copies it as above but never stops
-//! serving it. Its last pass freezes the primary's index (readers go on,
+//! replica count, or replaces a draining or overloaded member's backup:
+//! the primary's member copies it as above but never stops serving it. Its last pass freezes the primary's index (readers go on,
 //! writers wait), and the map then names the target the group's last
 //! backup under a new group epoch. Every copy of the shard restarts under
 //! it, the primary's thawed: a writer that observed the shard before the
@@ -27,7 +27,12 @@
 //! fails after the freeze restarts the primary under the same epoch. A
 //! copy goes only from a server under the map's group (a failover that
 //! just made this member primary restarts it first), and one found in the
-//! first map this process followed is dropped, as above.
+//! first map this process followed is dropped, as above. A copy that
+//! replaces a draining member's copy (`ShardMove::replaces`) ends the
+//! same way, that member leaving the group; one that replaces the primary
+//! itself is a **handover**: the source stops serving before the last
+//! pass, as in a move, and the map names the target the primary of the
+//! same backups under a new group epoch (argued at `finish_move`).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -88,7 +93,8 @@ impl MoveFlags {
 /// A move being sent.
 struct Sending {
     m: ShardMove,
-    /// A replicated cluster's copy (the source keeps the shard).
+    /// A replicated cluster's copy (the source keeps the shard); not a
+    /// handover.
     copy: bool,
     /// The shard's server while it still serves (the first pass); taken
     /// by whoever stops it first, the move or `stop_all`.
@@ -320,7 +326,7 @@ impl ShardHost {
             match std::fs::remove_file(&path) {
                 Ok(()) => tracing::warn!(
                     shard,
-                    "deleted this server's copy: the map no longer keeps it here (a failover left it behind)"
+                    "deleted this server's copy: the map no longer keeps it here (a failover left it behind, or a copy elsewhere replaced it)"
                 ),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                 Err(e) => tracing::error!(shard, "cannot delete a dropped copy: {e}"),
@@ -390,7 +396,13 @@ impl ShardHost {
                 // A copy is sent from the shard's server under the map's
                 // group: one that a failover just gave this member (the
                 // two maps may arrive as one) restarts under it first.
+                // A handover sent, whose end this map does not show yet,
+                // stays out as a plain move does: its region is the
+                // target's now, and gone from here.
+                let handed_over =
+                    self.sent.as_ref() == Some(m) && m.hands_over(Some(self.member.as_str()));
                 let ready = !self.replicated
+                    || handed_over
                     || self.inherited.as_ref() == Some(m)
                     || self.sending.as_ref().is_some_and(|s| s.m == *m)
                     || self
@@ -480,7 +492,9 @@ impl ShardHost {
         let server = Arc::new(Mutex::new(self.serving.remove(&m.shard).map(|s| s.server)));
         let flags = Arc::new(MoveFlags::default());
         flags.proceed.store(true, Ordering::SeqCst);
-        let copy = self.replicated;
+        // A replicated cluster's copy keeps its source serving, unless it
+        // replaces the source itself (a draining primary hands over).
+        let copy = self.replicated && !m.hands_over(Some(&self.member));
         let (url, target) = (self.url.clone(), m.clone());
         let (in_thread, told) = (server.clone(), flags.clone());
         let thread = std::thread::Builder::new()
@@ -627,7 +641,7 @@ impl ShardHost {
     }
 
     /// Whether the cluster keeps several copies of each shard (its copies
-    /// fail over, and its moves add copies).
+    /// fail over, and its moves add copies or replace one).
     pub fn keeps_copies(&self) -> bool {
         self.replicated
     }
@@ -807,11 +821,20 @@ fn target_address(url: &ClusterUrl, m: &ShardMove) -> Result<Address, String> {
     shard_address(&listen, m.shard)
 }
 
-/// Publishes the end of move `m` on the map, if the map still shows it:
-/// when `copied`, the target as owner, or for a `copy` as the group's last
-/// backup under a new group epoch; else the source keeps the shard.
-/// Whether the target took it, and the shard's group epoch in the map
-/// that ended the move.
+/// Publishes the end of move `m` on the map, if the map still shows it
+/// (`ShardMap::ended_move`). Whether the target took it, and the shard's
+/// group epoch in the map that ended the move.
+///
+/// Why a handover keeps the backups: the target holds exactly what the
+/// source held when it stopped, every committed write and nothing else
+/// (the last pass copied the frozen index, then the source stopped
+/// serving, its readers' keys revoked, before this publishes). Each backup
+/// holds, for every key, the last committed write or a set from a writer
+/// never answered that landed after it (see kv-client's `replicated`):
+/// what it holds beside any primary, so the group is as sound as before.
+/// (A failover promotes a backup, whose unanswered sets are not what the
+/// other backups hold: there the others go.) The new group epoch cuts off
+/// every writer that observed the old primary.
 fn finish_move(
     url: &ClusterUrl,
     m: &ShardMove,
@@ -833,18 +856,7 @@ fn finish_move(
             // dropped meanwhile (its target left): the source keeps it.
             return Ok((copied && took(&map), map.group_epoch(m.shard)));
         }
-        let mut next = map.clone();
-        next.epoch += 1;
-        next.moving = None;
-        let shard = m.shard as usize;
-        if copied && copy {
-            next.backups.resize(next.owners.len(), Vec::new());
-            next.backups[shard].push(m.to.clone());
-            next.group_epochs.resize(next.owners.len(), 0);
-            next.group_epochs[shard] = next.epoch;
-        } else if copied {
-            next.owners[shard] = Some(m.to.clone());
-        }
+        let next = map.ended_move(m, copied, copy);
         if etcd
             .publish_map(&next, Some(revision))
             .map_err(|e| e.to_string())?
@@ -926,6 +938,45 @@ mod tests {
         }
     }
 
+    /// A replicated shard handed over (its move sent) is not served again
+    /// while the map followed still shows the handover: it would start
+    /// from an empty region, under the old group.
+    #[test]
+    fn a_shard_handed_over_is_not_served_again_before_the_map_shows_it() {
+        let dir = tempfile::tempdir().expect("a directory");
+        let listen =
+            Address::parse(&format!("shm://{}/m0", dir.path().display())).expect("an address");
+        let url = ClusterUrl::parse("etcd://127.0.0.1:1/nowhere").expect("a url");
+        let mut host = ShardHost::new(ServerConfig::new(listen), "m0".into(), url).expect("a host");
+        host.replicated = true;
+        let handover = ShardMove {
+            shard: 1,
+            to: "m2".into(),
+            secret: "00".into(),
+            replaces: Some("m0".into()),
+        };
+        let mut before = map(None);
+        before.backups = vec![vec!["m1".into()], vec!["m1".into()]];
+        host.follow(&before, || true);
+        let region = dir.path().join("m0.shard-1");
+        assert!(host.serving.contains_key(&1) && region.exists());
+        let shown = ShardMap {
+            moving: Some(handover.clone()),
+            ..before
+        };
+        // As the handover's end leaves it: stopped, its region removed.
+        if let Some(served) = host.serving.remove(&1) {
+            served.server.shutdown();
+        }
+        std::fs::remove_file(&region).expect("remove");
+        host.sent = Some(handover);
+        host.follow(&shown, || true);
+        assert!(host.serving.contains_key(&0), "the other shard is served");
+        assert!(!host.serving.contains_key(&1), "{:?}", host.failing);
+        assert!(host.sending.is_none(), "not sent again");
+        assert!(!region.exists(), "no region made");
+    }
+
     /// The shard stays served while its move's copy runs (here it never
     /// gets going: no etcd answers where the target is), and so it stays
     /// on the member's metrics.
@@ -947,6 +998,7 @@ mod tests {
             shard: 1,
             to: "m1".into(),
             secret: "00".into(),
+            replaces: None,
         };
         host.follow(&map(Some(moving)), || true);
         assert!(host.sending.is_some(), "the move is under way");

@@ -50,22 +50,38 @@ fn etcd_binary() -> std::path::PathBuf {
 
 impl EtcdServer {
     pub fn start() -> EtcdServer {
-        let data = tempfile::tempdir().expect("etcd data directory");
-        let (port, peer) = (free_port(), free_port());
-        let child = spawn_etcd(data.path(), port, peer);
-        let etcd = EtcdServer {
-            child,
-            port,
-            peer,
-            data,
-        };
-        etcd.wait_listening();
-        etcd
+        // A port found free may be taken before etcd binds it (by another
+        // test's etcd, or an outgoing connection): etcd then exits, and is
+        // started again, afresh, on other ports.
+        for _ in 0..5 {
+            let data = tempfile::tempdir().expect("etcd data directory");
+            let (port, peer) = (free_port(), free_port());
+            let child = spawn_etcd(data.path(), port, peer);
+            let mut etcd = EtcdServer {
+                child,
+                port,
+                peer,
+                data,
+            };
+            if etcd.wait_listening() {
+                return etcd;
+            }
+        }
+        panic!("etcd exited at start five times: are ports free on 127.0.0.1?");
     }
 
-    fn wait_listening(&self) {
+    /// Whether this etcd listens at its port (waited for); false when it
+    /// exited first. A connection alone could reach whoever took the
+    /// port.
+    fn wait_listening(&mut self) -> bool {
         let deadline = Instant::now() + Duration::from_secs(30);
-        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+        loop {
+            if !matches!(self.child.try_wait(), Ok(None)) {
+                return false;
+            }
+            if listens(self.child.id(), self.port) {
+                return true;
+            }
             assert!(Instant::now() < deadline, "etcd did not start listening");
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -80,7 +96,11 @@ impl EtcdServer {
     /// Starts etcd again on its data and ports, after [`Self::kill`].
     pub fn start_again(&mut self) {
         self.child = spawn_etcd(self.data.path(), self.port, self.peer);
-        self.wait_listening();
+        assert!(
+            self.wait_listening(),
+            "etcd did not start again on port {}",
+            self.port
+        );
     }
 
     /// The URL of cluster `name` in this etcd.
@@ -110,6 +130,32 @@ impl EtcdServer {
         // SAFETY: kill(2) on our own child's pid.
         unsafe { libc::kill(self.child.id() as i32, signal) };
     }
+}
+
+/// Whether process `pid` holds a socket that listens on TCP `port` of
+/// 127.0.0.1 (its sockets' inodes among the listeners of /proc/net/tcp).
+fn listens(pid: u32, port: u16) -> bool {
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return false;
+    };
+    let sockets: Vec<String> = fds
+        .filter_map(|fd| std::fs::read_link(fd.ok()?.path()).ok())
+        .filter_map(|target| {
+            let target = target.to_string_lossy();
+            let inode = target.strip_prefix("socket:[")?.strip_suffix(']')?;
+            Some(inode.to_string())
+        })
+        .collect();
+    let table = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default();
+    let local = format!("0100007F:{port:04X}");
+    table.lines().skip(1).any(|line| {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        // local address, state (0A: LISTEN), inode
+        fields.len() > 9
+            && fields[1] == local
+            && fields[3] == "0A"
+            && sockets.iter().any(|s| s == fields[9])
+    })
 }
 
 fn spawn_etcd(data: &Path, port: u16, peer: u16) -> Child {

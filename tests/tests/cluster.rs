@@ -446,6 +446,7 @@ fn a_client_asks_the_owner_that_dropped_a_shard_where_it_went() {
                 incarnation: 1,
                 draining: false,
                 zone: None,
+                replaces_copies: true,
             })
             .to_vec(),
         map: Some((

@@ -10,7 +10,9 @@
 //! copy count is restored (through a second kill, and the kill of a
 //! copy's source), histories stay linearizable across the kill, a frozen
 //! one is fenced and serves no read past its read lease, and an etcd
-//! outage pauses the copies.
+//! outage pauses the copies. Online: a member that joins takes its share
+//! of copies and leads, and one told to stop has each copy replaced
+//! (its leads handed over) before it leaves, no shard a copy short.
 
 use std::collections::BTreeMap;
 use std::process::Command;
@@ -469,7 +471,7 @@ fn killed_kv(url: &str, args: &[&str]) {
 
 #[test]
 fn a_writer_killed_between_its_copies_leaves_them_to_the_keys_next_write() {
-    let (_etcd, url, _dir, mut members) = start("killed");
+    let (_etcd, url, _dir, _members) = start("killed");
     let mut groups = copies(&url);
     let mut kv = ClusterClient::connect(&url).expect("connect");
     kv.put("k", "old").expect("put");
@@ -536,14 +538,6 @@ fn a_writer_killed_between_its_copies_leaves_them_to_the_keys_next_write() {
     assert_eq!(kv.get("k").expect("get").as_deref(), Some(&b"next"[..]));
     assert!(kv.delete("k").expect("delete"));
     assert_eq!(assert_alike(&mut groups, &kv, "k"), None);
-
-    // A stop signal: nothing would move the copies a server holds, so it
-    // leaves at once rather than wait out a drain.
-    let m3 = members.pop().expect("m3");
-    m3.signal(libc::SIGTERM);
-    let (status, log) = m3.wait_exit(Duration::from_secs(60));
-    assert!(status.success(), "{log}");
-    assert!(log.contains("leaving without a drain"), "{log}");
 }
 
 /// The key and value of writer `t`'s `i`th key (`seq` its write's number).
@@ -588,6 +582,23 @@ fn own_writer(url: &str, t: usize, stop: &AtomicBool) -> Known {
         }
     }
     known
+}
+
+/// `writers` of their own keys (`own_writer`) and a reader of theirs
+/// (`own_reader`) at `url` in scope `s`, until `stop`.
+fn load<'s>(
+    s: &'s std::thread::Scope<'s, '_>,
+    url: &'s str,
+    writers: usize,
+    stop: &'s AtomicBool,
+) -> (
+    Vec<std::thread::ScopedJoinHandle<'s, Known>>,
+    std::thread::ScopedJoinHandle<'s, usize>,
+) {
+    let writing = (0..writers)
+        .map(|t| s.spawn(move || own_writer(url, t, stop)))
+        .collect();
+    (writing, s.spawn(move || own_reader(url, writers, stop)))
 }
 
 /// Reads writer `t`'s keys until `stop`: a key's number never goes down
@@ -661,15 +672,7 @@ fn killed_primaries_fail_over_and_their_copies_are_restored_with_every_acknowled
     const WRITERS: usize = 2;
     let stop = AtomicBool::new(false);
     let (known, reads) = std::thread::scope(|s| {
-        let writers: Vec<_> = (0..WRITERS)
-            .map(|t| {
-                s.spawn({
-                    let (url, stop) = (&url, &stop);
-                    move || own_writer(url, t, stop)
-                })
-            })
-            .collect();
-        let reader = s.spawn(|| own_reader(&url, WRITERS, &stop));
+        let (writers, reader) = load(s, &url, WRITERS, &stop);
         std::thread::sleep(Duration::from_millis(500));
         // kill -9 under load: writes in flight at its copies are cut.
         members.remove(&victim).expect("the victim").kill_9();
@@ -725,6 +728,160 @@ fn killed_primaries_fail_over_and_their_copies_are_restored_with_every_acknowled
     assert_eq!(kv.get(&probe).expect("get").as_deref(), Some(&b"after"[..]));
     assert_each_acknowledged_write_kept(&mut kv, &known);
     assert_copies_alike(&url, &mut kv, WRITERS);
+}
+
+/// The fewest copies any shard has in the map at `url`.
+fn fewest_copies(url: &str) -> usize {
+    let state = cluster_state(url);
+    let map = state.shard_map().expect("a map");
+    (0..SHARDS)
+        .map(|s| map.owner(s).iter().count() + map.backups(s).len())
+        .min()
+        .unwrap_or(0)
+}
+
+/// Whether the map at `url` has no copy under way and its live members
+/// hold as many copies as each other, give or take one.
+fn balanced(url: &str) -> bool {
+    let state = cluster_state(url);
+    let map = state.shard_map().expect("a map");
+    let held: Vec<usize> = state
+        .members
+        .iter()
+        .map(|m| map.copies_of(&m.id).count())
+        .collect();
+    let (most, least) = (held.iter().max(), held.iter().min());
+    map.moving.is_none() && most.zip(least).is_some_and(|(m, l)| m - l <= 1)
+}
+
+/// Stops member `id` with a signal, as an operator would; its log once it
+/// has left, which it did by itself, drained.
+fn drain(members: &mut BTreeMap<String, Daemon>, id: &str) -> String {
+    let member = members.remove(id).expect("a member");
+    member.signal(libc::SIGTERM);
+    let (status, log) = member.wait_exit(Duration::from_secs(240));
+    assert!(status.success(), "{log}");
+    assert!(log.contains("draining"), "{log}");
+    assert!(!log.contains("leaving without a drain"), "{log}");
+    assert!(!log.contains("leaving before the drain finished"), "{log}");
+    log
+}
+
+/// Starts m4 in a zone of its own; returns once it holds copies and the
+/// copies are balanced.
+fn join_until_balanced(url: &str, dir: &std::path::Path, members: &mut BTreeMap<String, Daemon>) {
+    let joined = Instant::now();
+    members.insert("m4".into(), start_member(url, dir, "m4", &["--zone", "d"]));
+    eventually("the copies balanced", Duration::from_secs(120), || {
+        let state = cluster_state(url);
+        let took = state
+            .shard_map()
+            .is_some_and(|m| m.copies_of("m4").next().is_some());
+        took && balanced(url)
+    });
+    eprintln!("m4 took its share under load in {:?}", joined.elapsed());
+}
+
+/// Drains a member other than m4 that leads a shard (so one handover at
+/// least); returns once its copies are deleted and the rest balanced.
+fn drain_a_leader(url: &str, dir: &std::path::Path, members: &mut BTreeMap<String, Daemon>) {
+    let map = cluster_state(url).shard_map().expect("a map").clone();
+    let leaving = map
+        .owners
+        .iter()
+        .flatten()
+        .find(|o| o.as_str() != "m4")
+        .expect("a leader")
+        .clone();
+    let held = copy_files(dir, &leaving, &map);
+    let started = Instant::now();
+    let log = drain(members, &leaving);
+    assert!(
+        log.contains("moved to"),
+        "a shard it led handed over: {log}"
+    );
+    eprintln!("{leaving} drained under load in {:?}", started.elapsed());
+    copies_deleted(&held);
+    eventually("the copies balanced", Duration::from_secs(120), || {
+        balanced(url)
+    });
+}
+
+/// Under load, with two writers of their own keys and counters and a
+/// reader that checks no value goes back, and a thousand keys written
+/// before: a member that joins takes its share of the copies, each a
+/// fresh copy replacing one of a member that holds more; then a stop
+/// signal drains a member, each of its copies replaced at another, a
+/// shard it led handed over to the new copy with the same backups. No
+/// shard ever has fewer than three copies (nothing fails over); the
+/// drained member deletes its copies; every acknowledged write is kept,
+/// and the copies end alike. With three servers left, a stop signal
+/// cannot drain (a replacement needs a server outside the group): it
+/// leaves at once.
+#[test]
+fn members_join_and_drain_a_replicated_cluster_online_without_a_failover() {
+    let (_etcd, url, dir, members) = start("drain");
+    let mut members: BTreeMap<String, Daemon> = MEMBERS
+        .iter()
+        .map(|(m, _)| m.to_string())
+        .zip(members)
+        .collect();
+    let mut kv = ClusterClient::connect(&url).expect("connect");
+    for i in 0..1000 {
+        kv.put(format!("before{i}"), format!("v{i}")).expect("put");
+    }
+
+    const WRITERS: usize = 2;
+    let (stop, watched) = (AtomicBool::new(false), AtomicBool::new(false));
+    let (known, reads, fewest) = std::thread::scope(|s| {
+        let (writers, reader) = load(s, &url, WRITERS, &stop);
+        // The fewest copies a shard had in any map seen meanwhile.
+        let watcher = s.spawn(|| {
+            let mut fewest = usize::MAX;
+            while !watched.load(Ordering::SeqCst) {
+                fewest = fewest.min(fewest_copies(&url));
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            fewest
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        join_until_balanced(&url, dir.path(), &mut members);
+        drain_a_leader(&url, dir.path(), &mut members);
+        std::thread::sleep(Duration::from_millis(300));
+        stop.store(true, Ordering::SeqCst);
+        watched.store(true, Ordering::SeqCst);
+        let known: Vec<Known> = writers
+            .into_iter()
+            .map(|w| w.join().expect("writer"))
+            .collect();
+        let reads = reader.join().expect("reader");
+        (known, reads, watcher.join().expect("watcher"))
+    });
+    assert_eq!(fewest, 3, "a shard had fewer copies meanwhile");
+    eprintln!("{reads} reads never went back");
+    assert!(reads > 0);
+    let state = cluster_state(&url);
+    let map = state.shard_map().expect("a map");
+    for m in &state.members {
+        assert!(map.copies_of(&m.id).count() > 0, "{}: {map:?}", m.id);
+    }
+    for i in 0..1000 {
+        let v = kv.get(format!("before{i}")).expect("get");
+        assert_eq!(v, Some(format!("v{i}").into_bytes()));
+    }
+    assert_each_acknowledged_write_kept(&mut kv, &known);
+    assert_copies_alike(&url, &mut kv, WRITERS);
+
+    // Four left: one more drains; then three servers for three copies,
+    // and nowhere to put a replacement.
+    let next = members.keys().next().expect("a member").clone();
+    drain(&mut members, &next);
+    let last = members.keys().next().expect("a member").clone();
+    let member = members.remove(&last).expect("a member");
+    member.signal(libc::SIGTERM);
+    let (status, log) = member.wait_exit(Duration::from_secs(60));
+    assert!(status.success(), "{log}");
+    assert!(log.contains("leaving without a drain"), "{log}");
 }
 
 /// The copies made since the cluster at `url` started hold what was
