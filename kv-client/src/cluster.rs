@@ -804,8 +804,9 @@ impl ClusterClient {
     /// cannot be reached, the map is read again and the operation tried
     /// there: while the map shows the shard moving, and for a while after
     /// it moved (its new owner may still be opening it), for up to
-    /// MOVE_WAIT; otherwise once. The error then names the shard and its
-    /// server.
+    /// MOVE_WAIT; otherwise once, and once more from the owner's own map
+    /// when its host answered (a member that lags may not show a move the
+    /// owner began). The error then names the shard and its server.
     fn retrying<T>(
         &mut self,
         shard: u32,
@@ -814,6 +815,7 @@ impl ClusterClient {
         self.follow();
         let started = Instant::now();
         let mut reread = false;
+        let mut asked_owner = false;
         // A refusal is tried again for MOVE_SETTLE from the first.
         let mut refused_until: Option<Instant> = None;
         // Since when etcd has failed to answer.
@@ -841,7 +843,6 @@ impl ClusterClient {
             };
             self.shards[shard as usize] = None;
             self.backups[shard as usize].clear();
-            let ask_owner = turned_away(&error);
             let moving = self.is_moving(shard);
             // A shard that just moved may still be starting at its new
             // owner: its connection is tried again meanwhile.
@@ -850,7 +851,15 @@ impl ClusterClient {
             // A copy of a replicated shard that cannot be reached may be
             // failed over (once its lease expires): waited for.
             let failing_over = self.replicas() > 1 && started.elapsed() < FAILOVER_WAIT;
-            if !moving && !settling && !failing_over && reread {
+            let giving_up = !moving && !settling && !failing_over && reread;
+            // The owner's map is asked for first when its host turned the
+            // connection away (it answered: asking costs no connect
+            // timeout), and once before giving up when it cut one (a
+            // member that lags may not show the move the owner began; a
+            // dead host costs its timeout only on the way to an error).
+            let answered = turned_away(&error) || error.is_connection_lost();
+            let last_chance = giving_up && answered && !asked_owner;
+            if giving_up && !last_chance {
                 return Err(match error {
                     Error::ShardUnavailable { .. } | Error::Refused(_) => error,
                     other => self.unavailable(shard, &other.to_string()),
@@ -866,6 +875,8 @@ impl ClusterClient {
                 // to etcd: the map is read at most once per REREAD_EVERY.
                 std::thread::sleep(REREAD_EVERY.saturating_sub(self.read_at.elapsed()));
             }
+            let ask_owner = turned_away(&error) || last_chance;
+            asked_owner |= ask_owner;
             // A connection to etcd broken by its restart fails once: tried
             // again for a moment, not for the whole wait.
             match self.reread(ask_owner.then_some(shard)) {
