@@ -2,7 +2,8 @@
 //! leasable space (see the ownership argument in `heap.rs`). Each time it
 //! wakes it deals with the blocks clients reported unlinked — it checks
 //! them (`unlinked.rs`), or, when a scan frees more space per second of
-//! work (as measured) and space runs short, scans instead — then paces the
+//! work (as measured: checks that cost much get a scan made to measure
+//! scans against them) and space runs short, scans instead — then paces the
 //! heap against the rate at which clients write it:
 //!
 //! - it keeps a **headroom** of free space (aging included) worth two grace
@@ -43,7 +44,13 @@ enum Reclaim {
 /// What to do with `ready` reports: check them every grace period
 /// (`due`) while checking frees space at least as fast per second of work
 /// as a scan does, or while either is unmeasured; when space runs `short`,
-/// whichever of the two frees more per second of work. Checks free a
+/// whichever of the two frees more per second of work. When checks cost
+/// much and scans are unmeasured (`measure_scans`), the next due turn
+/// scans, to measure them: checks that keep space from running short
+/// never let a scan run otherwise, so a region that never ran short (a
+/// fresh copy of a replicated shard, filled by its copier) would check
+/// every report for good, at a good part of a core, where scans cost
+/// little. Checks free a
 /// declared extent only once all of it is dead, so under updates scattered
 /// over many keys they free little and scans win; under a hot set of keys
 /// whole extents die and checks win. (Measured, not assumed: which one
@@ -54,9 +61,13 @@ fn reclaim_by(
     due: bool,
     checks: Option<f64>,
     scans: Option<f64>,
+    measure_scans: bool,
 ) -> Reclaim {
     if ready == 0 {
         return Reclaim::Wait;
+    }
+    if measure_scans && scans.is_none() && (short || due) {
+        return Reclaim::Scan;
     }
     let checks_win = match (checks, scans) {
         (Some(c), Some(s)) => c >= s,
@@ -87,6 +98,45 @@ impl Yield {
             Some(before) => 0.75 * before + 0.25 * rate,
             None => rate,
         });
+    }
+}
+
+/// How long checks are watched for what they cost, and the share of it
+/// (one part in this many) from which they cost enough that a scan is
+/// made to measure scans against them: long enough that a short burst of
+/// updates (or a slow debug build's) does not count.
+const CHECK_LOAD_WINDOW: Duration = Duration::from_secs(5);
+const CHECK_LOAD_COSTLY: u32 = 10;
+
+/// The time checking reports took over the last whole window.
+struct CheckLoad {
+    since: Instant,
+    busy: Duration,
+    costly: bool,
+}
+
+impl CheckLoad {
+    fn new(now: Instant) -> CheckLoad {
+        CheckLoad {
+            since: now,
+            busy: Duration::ZERO,
+            costly: false,
+        }
+    }
+
+    fn add(&mut self, took: Duration) {
+        self.busy += took;
+    }
+
+    /// Whether checks took a tenth of the last whole window or more.
+    fn costly(&mut self, now: Instant) -> bool {
+        let window = now.saturating_duration_since(self.since);
+        if window >= CHECK_LOAD_WINDOW {
+            self.costly = self.busy * CHECK_LOAD_COSTLY >= window;
+            self.since = now;
+            self.busy = Duration::ZERO;
+        }
+        self.costly
     }
 }
 
@@ -145,6 +195,7 @@ pub fn run(shared: Arc<Shared>) {
         pace: Pace::new(Instant::now()),
         checks: Yield::default(),
         scans: Yield::default(),
+        check_load: CheckLoad::new(Instant::now()),
         last_check: Instant::now(),
         last_scan: None,
         reports_off_since: None,
@@ -184,6 +235,7 @@ struct Reclaimer {
     pace: Pace,
     checks: Yield,
     scans: Yield,
+    check_load: CheckLoad,
     last_check: Instant,
     /// When the last scan began, and how long it took.
     last_scan: Option<(Instant, Duration)>,
@@ -210,12 +262,15 @@ impl Reclaimer {
         };
         self.ask_for_reports_while_they_pay(shared);
         let due = self.last_check.elapsed() >= self.grace;
-        match reclaim_by(ready, short, due, self.checks.rate, self.scans.rate) {
+        let costly = self.check_load.costly(now);
+        match reclaim_by(ready, short, due, self.checks.rate, self.scans.rate, costly) {
             Reclaim::Wait => {}
             Reclaim::Check => {
                 let started = Instant::now();
                 let freed = unlinked::free_reported(shared);
-                self.checks.record(freed, started.elapsed());
+                let took = started.elapsed();
+                self.checks.record(freed, took);
+                self.check_load.add(took);
                 self.last_check = Instant::now();
             }
             Reclaim::Scan => {
@@ -357,18 +412,45 @@ mod tests {
     use super::*;
 
     #[test]
+    fn checks_cost_much_once_they_took_a_tenth_of_a_whole_window() {
+        let start = Instant::now();
+        let mut load = CheckLoad::new(start);
+        load.add(CHECK_LOAD_WINDOW);
+        // Not before the window is whole: a burst does not count.
+        assert!(!load.costly(start + CHECK_LOAD_WINDOW / 2));
+        let end = start + CHECK_LOAD_WINDOW;
+        assert!(load.costly(end));
+        // Until the next window is whole, the last one's verdict stands.
+        assert!(load.costly(end + CHECK_LOAD_WINDOW / 2));
+        load.add(CHECK_LOAD_WINDOW / 20);
+        assert!(!load.costly(end + CHECK_LOAD_WINDOW));
+        load.add(CHECK_LOAD_WINDOW / 10);
+        assert!(load.costly(end + 2 * CHECK_LOAD_WINDOW));
+    }
+
+    #[test]
     fn reports_are_checked_while_checks_free_space_as_fast_as_scans() {
         use Reclaim::*;
         let (slow, fast) = (Some(1e6), Some(1e9));
+        let by =
+            |ready, short, due, checks, scans| reclaim_by(ready, short, due, checks, scans, false);
         // Nothing waiting: wait.
-        assert_eq!(reclaim_by(0, true, true, fast, slow), Wait);
+        assert_eq!(by(0, true, true, fast, slow), Wait);
         // Unmeasured, or checks at least as good: checked when due or short.
-        assert_eq!(reclaim_by(10, false, true, None, None), Check);
-        assert_eq!(reclaim_by(10, false, false, None, None), Wait);
-        assert_eq!(reclaim_by(10, true, false, fast, slow), Check);
+        assert_eq!(by(10, false, true, None, None), Check);
+        assert_eq!(by(10, false, false, None, None), Wait);
+        assert_eq!(by(10, true, false, fast, slow), Check);
+        assert_eq!(by(10, false, true, fast, None), Check);
         // Scans better: they run only when space is short; till then the
         // reports wait (a scan frees what they name).
-        assert_eq!(reclaim_by(10, false, true, slow, fast), Wait);
-        assert_eq!(reclaim_by(10, true, true, slow, fast), Scan);
+        assert_eq!(by(10, false, true, slow, fast), Wait);
+        assert_eq!(by(10, true, true, slow, fast), Scan);
+        // Checks that cost much with scans unmeasured: the next due turn
+        // scans, to measure them (checks that keep up never let one run).
+        let costly = |short, due, scans| reclaim_by(10, short, due, fast, scans, true);
+        assert_eq!(costly(false, true, None), Scan);
+        assert_eq!(costly(true, false, None), Scan);
+        assert_eq!(costly(false, false, None), Wait);
+        assert_eq!(costly(false, true, slow), Check);
     }
 }
