@@ -55,21 +55,14 @@ enum Reclaim {
 /// over many keys they free little and scans win; under a hot set of keys
 /// whole extents die and checks win. (Measured, not assumed: which one
 /// wins also depends on the index's size against the garbage's.)
-fn reclaim_by(
-    ready: usize,
-    short: bool,
-    due: bool,
-    checks: Option<f64>,
-    scans: Option<f64>,
-    measure_scans: bool,
-) -> Reclaim {
+fn reclaim_by(ready: usize, short: bool, due: bool, known: Known) -> Reclaim {
     if ready == 0 {
         return Reclaim::Wait;
     }
-    if measure_scans && scans.is_none() && (short || due) {
+    if known.measure_scans && known.scans.is_none() && (short || due) {
         return Reclaim::Scan;
     }
-    let checks_win = match (checks, scans) {
+    let checks_win = match (known.checks, known.scans) {
         (Some(c), Some(s)) => c >= s,
         _ => true,
     };
@@ -78,6 +71,15 @@ fn reclaim_by(
         (_, true) if short || due => Reclaim::Check,
         _ => Reclaim::Wait,
     }
+}
+
+/// What the reclaimer knows of the two ways of reclaiming: the bytes each
+/// frees per second of its work, and whether checks cost much.
+#[derive(Clone, Copy)]
+struct Known {
+    checks: Option<f64>,
+    scans: Option<f64>,
+    measure_scans: bool,
 }
 
 /// Bytes one way of reclaiming frees per second of its work, as measured
@@ -262,8 +264,12 @@ impl Reclaimer {
         };
         self.ask_for_reports_while_they_pay(shared);
         let due = self.last_check.elapsed() >= self.grace;
-        let costly = self.check_load.costly(now);
-        match reclaim_by(ready, short, due, self.checks.rate, self.scans.rate, costly) {
+        let known = Known {
+            checks: self.checks.rate,
+            scans: self.scans.rate,
+            measure_scans: self.check_load.costly(now),
+        };
+        match reclaim_by(ready, short, due, known) {
             Reclaim::Wait => {}
             Reclaim::Check => {
                 let started = Instant::now();
@@ -432,8 +438,14 @@ mod tests {
     fn reports_are_checked_while_checks_free_space_as_fast_as_scans() {
         use Reclaim::*;
         let (slow, fast) = (Some(1e6), Some(1e9));
-        let by =
-            |ready, short, due, checks, scans| reclaim_by(ready, short, due, checks, scans, false);
+        let known = |checks, scans, measure_scans| Known {
+            checks,
+            scans,
+            measure_scans,
+        };
+        let by = |ready, short, due, checks, scans| {
+            reclaim_by(ready, short, due, known(checks, scans, false))
+        };
         // Nothing waiting: wait.
         assert_eq!(by(0, true, true, fast, slow), Wait);
         // Unmeasured, or checks at least as good: checked when due or short.
@@ -447,7 +459,7 @@ mod tests {
         assert_eq!(by(10, true, true, slow, fast), Scan);
         // Checks that cost much with scans unmeasured: the next due turn
         // scans, to measure them (checks that keep up never let one run).
-        let costly = |short, due, scans| reclaim_by(10, short, due, fast, scans, true);
+        let costly = |short, due, scans| reclaim_by(10, short, due, known(fast, scans, true));
         assert_eq!(costly(false, true, None), Scan);
         assert_eq!(costly(true, false, None), Scan);
         assert_eq!(costly(false, false, None), Wait);
