@@ -50,10 +50,9 @@ enum Reclaim {
 /// never let a scan run otherwise, so a region that never ran short (a
 /// fresh copy of a replicated shard, filled by its copier) would check
 /// every report for good, at a good part of a core, where scans cost
-/// little. Checks free a
-/// declared extent only once all of it is dead, so under updates scattered
-/// over many keys they free little and scans win; under a hot set of keys
-/// whole extents die and checks win. (Measured, not assumed: which one
+/// little. Checks free a declared extent only once all of it is dead, so
+/// under updates scattered over many keys they free little and scans win;
+/// under a hot set of keys whole extents die and checks win. (Measured, not assumed: which one
 /// wins also depends on the index's size against the garbage's.)
 fn reclaim_by(ready: usize, short: bool, due: bool, known: Known) -> Reclaim {
     if ready == 0 {
