@@ -769,12 +769,17 @@ pub struct BlockView<'a> {
     pub payload: Payload<'a>,
 }
 
+/// Whether a block's lengths word (its second word) is a counter's.
+pub fn is_counter(lengths: u64) -> bool {
+    lengths & COUNTER_FLAG != 0
+}
+
 /// The key length a block's lengths word (its second word) gives, and the
 /// bytes the block occupies before class rounding: what a reader of only
 /// the header needs to find the key.
 pub fn lengths_of(lengths: u64) -> (usize, u64) {
     let key_len = (lengths & 0xffff_ffff) as usize;
-    if lengths & COUNTER_FLAG != 0 {
+    if is_counter(lengths) {
         (key_len, counter_block_len(key_len))
     } else {
         (key_len, block_len(key_len, (lengths >> 32) as usize))

@@ -22,13 +22,14 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::time::Instant;
 
 use kv_common::layout::{
-    class_for, class_size, lengths_of, Geometry, KeyHash, Slot, BLOCK_HEADER, BUCKET_BYTES,
-    MAX_KEY, SLOTS_PER_BUCKET,
+    class_for, class_size, lengths_of, Geometry, KeyHash, Slot, BUCKET_BYTES, MAX_KEY,
+    SLOTS_PER_BUCKET,
 };
 use kv_common::mapping::SharedRegion;
 use kv_common::protocol::Extent;
 
 use crate::control::Shared;
+use crate::region;
 
 /// Reports checked per turn of the pool's lock.
 const BATCH: usize = 512;
@@ -86,27 +87,15 @@ pub fn free_reported(shared: &Shared) -> u64 {
 /// back, so its bytes are the ones it published (a block damaged since
 /// could not be read by anyone anyway).
 fn unreferenced(region: &SharedRegion, g: &Geometry, block: Extent) -> bool {
-    let mut head = [0u64; 2];
-    if region.read(block.offset, &mut head).is_err() {
-        return false;
-    }
-    let (key_len, used) = lengths_of(head[1]);
-    if key_len == 0 || key_len > MAX_KEY || class_for(used).map(class_size) != Some(block.len) {
-        return false;
-    }
-    let mut key_words = [0u64; MAX_KEY / 8];
-    let key_words = &mut key_words[..key_len.div_ceil(8)];
-    if region
-        .read(block.offset + BLOCK_HEADER as u64, key_words)
-        .is_err()
-    {
-        return false;
-    }
     let mut key = [0u8; MAX_KEY];
-    for (chunk, w) in key.chunks_exact_mut(8).zip(key_words.iter()) {
-        chunk.copy_from_slice(&w.to_le_bytes());
+    let Some((lengths, key)) = region::block_key(region, block.offset, &mut key) else {
+        return false;
+    };
+    let (_, used) = lengths_of(lengths);
+    if key.is_empty() || class_for(used).map(class_size) != Some(block.len) {
+        return false;
     }
-    let h = KeyHash::new(&key[..key_len], g.bucket_count);
+    let h = KeyHash::new(key, g.bucket_count);
     let mut words = [0u64; SLOTS_PER_BUCKET];
     for bucket in h.buckets() {
         if region
