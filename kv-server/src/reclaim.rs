@@ -45,12 +45,13 @@ enum Reclaim {
 /// (`due`) while checking frees space at least as fast per second of work
 /// as a scan does, or while either is unmeasured; when space runs `short`,
 /// whichever of the two frees more per second of work. When checks cost
-/// much and scans are unmeasured (`measure_scans`), the next due turn
-/// scans, to measure them: checks that keep space from running short
-/// never let a scan run otherwise, so a region that never ran short (a
-/// fresh copy of a replicated shard, filled by its copier) would check
-/// every report for good, at a good part of a core, where scans cost
-/// little. Checks free a declared extent only once all of it is dead, so
+/// much and scans are unmeasured or measured long ago (`measure_scans`),
+/// the next due turn scans, to measure them: checks that keep space from
+/// running short never let a scan run otherwise, so a region that never
+/// ran short (a fresh copy of a replicated shard, filled by its copier)
+/// would check every report for good, at a good part of a core, where
+/// scans cost little — and one scan that found nothing (asked for by a
+/// stats request before there was garbage) would say so for good. Checks free a declared extent only once all of it is dead, so
 /// under updates scattered over many keys they free little and scans win;
 /// under a hot set of keys whole extents die and checks win. (Measured, not assumed: which one
 /// wins also depends on the index's size against the garbage's.)
@@ -58,7 +59,7 @@ fn reclaim_by(ready: usize, short: bool, due: bool, known: Known) -> Reclaim {
     if ready == 0 {
         return Reclaim::Wait;
     }
-    if known.measure_scans && known.scans.is_none() && (short || due) {
+    if known.measure_scans && (short || due) {
         return Reclaim::Scan;
     }
     let checks_win = match (known.checks, known.scans) {
@@ -73,7 +74,8 @@ fn reclaim_by(ready: usize, short: bool, due: bool, known: Known) -> Reclaim {
 }
 
 /// What the reclaimer knows of the two ways of reclaiming: the bytes each
-/// frees per second of its work, and whether checks cost much.
+/// frees per second of its work, and whether scans should be measured
+/// (anew) against checks that cost much.
 #[derive(Clone, Copy)]
 struct Known {
     checks: Option<f64>,
@@ -108,6 +110,9 @@ impl Yield {
 /// updates (or a slow debug build's) does not count.
 const CHECK_LOAD_WINDOW: Duration = Duration::from_secs(5);
 const CHECK_LOAD_COSTLY: u32 = 10;
+/// How old the last scan may be for its yield to stand against checks that
+/// cost much: at most one scan this often, while they do.
+const SCANS_STALE: Duration = Duration::from_secs(30);
 
 /// The time checking reports took over the last whole window.
 struct CheckLoad {
@@ -266,7 +271,10 @@ impl Reclaimer {
         let known = Known {
             checks: self.checks.rate,
             scans: self.scans.rate,
-            measure_scans: self.check_load.costly(now),
+            measure_scans: self.check_load.costly(now)
+                && self
+                    .last_scan
+                    .is_none_or(|(at, _)| now.saturating_duration_since(at) >= SCANS_STALE),
         };
         match reclaim_by(ready, short, due, known) {
             Reclaim::Wait => {}
@@ -456,12 +464,14 @@ mod tests {
         // reports wait (a scan frees what they name).
         assert_eq!(by(10, false, true, slow, fast), Wait);
         assert_eq!(by(10, true, true, slow, fast), Scan);
-        // Checks that cost much with scans unmeasured: the next due turn
-        // scans, to measure them (checks that keep up never let one run).
+        // Checks that cost much with scans unmeasured, or measured long
+        // ago: the next due turn scans, to measure them (checks that keep
+        // up never let one run).
         let costly = |short, due, scans| reclaim_by(10, short, due, known(fast, scans, true));
         assert_eq!(costly(false, true, None), Scan);
         assert_eq!(costly(true, false, None), Scan);
         assert_eq!(costly(false, false, None), Wait);
-        assert_eq!(costly(false, true, slow), Check);
+        assert_eq!(costly(false, true, Some(0.0)), Scan);
+        assert_eq!(by(10, false, true, fast, Some(0.0)), Check);
     }
 }
