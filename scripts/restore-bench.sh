@@ -3,11 +3,12 @@
 # measured: a one-shard cluster of three copies on members a, b, c (zones
 # a, b, c), RECORDS records of 100 bytes loaded, member d (zone d) joined,
 # then YCSB-A run by kv-bench (1-second status lines) while the primary is
-# killed with -9. The failover leaves the shard one copy (see
-# docs/design.md, failover), and two copies are then made from it. Prints
-# the copies' log lines (keys, how long each took, how long the index was
-# frozen: the shard's writers waited as long) and kv-bench's per-second
-# throughput and errors.
+# killed with -9. The failover promotes one backup and keeps the other,
+# which the new primary's member levels (see docs/design.md, failover),
+# and a third copy is made on d. Prints the levelling's and the copy's log
+# lines (keys, how long each took, how long the index was frozen: the
+# shard's writers waited as long) and kv-bench's per-second throughput
+# and errors.
 #
 #   scripts/restore-bench.sh [RECORDS]      (default 1000000)
 #
@@ -47,8 +48,8 @@ primary=$("$bin/kv-server" cluster status "$url" | awk '/shards \[0\]/ {print $2
 echo "--- killing the primary, $primary, 10 s into the run, at $(date +%T.%N)"
 kill -9 "${member_pid[$primary]}"
 wait "$bench" || true
-echo "--- the failover and the copies (the members' logs)"
-grep -hE "copied to|a new group|failed" "$work"/[abcd].log | sed 's/\x1b\[[0-9;]*m//g' | sort
+echo "--- the failover, the levelling and the copy (the members' logs)"
+grep -hE "copied to|a new group|levell|failed" "$work"/[abcd].log | sed 's/\x1b\[[0-9;]*m//g' | sort
 "$bin/kv-server" cluster status "$url"
 echo "--- kv-bench, 1-second windows"
 grep -E "sec:|Throughput|Return|first error" "$work/run.log"

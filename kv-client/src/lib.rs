@@ -31,8 +31,8 @@ use std::time::Duration;
 
 use kv_common::layout::counter_sealed;
 pub use kv_common::layout::{Geometry, COUNTER_MAX, MAX_KEY};
-pub use kv_common::protocol::ServerStats;
 use kv_common::protocol::{ConnectInfo, Request, Response, PROTOCOL_VERSION};
+pub use kv_common::protocol::{KeyDigest, KeysPage, ServerStats};
 /// Test hook (feature `test-hooks`): see [`ClientOptions::with_read_order`].
 #[cfg(feature = "test-hooks")]
 pub use kv_common::transport::ReadOrder;
@@ -461,6 +461,64 @@ impl Client {
             Response::Stats(s) => Ok(s),
             other => Err(unexpected(other)),
         }
+    }
+
+    /// Every key the server's region holds, each once with a digest of
+    /// its value as readers see it (xxh3-128 seeded by `seed`; none for a
+    /// counter), read page by page over the control channel: one
+    /// [`KeysPage`] of the whole index, `next` None. The pages come from
+    /// one index: a resize under way is waited out, and one between two
+    /// pages starts the listing again. Writers may change keys meanwhile:
+    /// each key is as it was when its page was read. For comparing copies
+    /// of a replicated shard (kv-server's leveller); `damaged` counts the
+    /// slots whose block failed validation, whose keys are not listed.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Stalled`] when the index resized under every one of
+    /// `max_attempts` tries; and [those of every
+    /// call](Client#errors-of-every-call).
+    pub fn key_digests(&mut self, seed: u64) -> Result<KeysPage> {
+        for _ in 0..self.options.max_attempts {
+            let mut all: Option<KeysPage> = None;
+            let mut from = 0;
+            loop {
+                let page = match self.conn.call(&Request::Keys { from, seed })? {
+                    Response::Keys(page) => page,
+                    other => return Err(unexpected(other)),
+                };
+                let same = all.as_ref().is_none_or(|a| a.epoch == page.epoch);
+                if page.resizing || !same {
+                    all = None;
+                    std::thread::sleep(Duration::from_millis(10));
+                    break;
+                }
+                let next = page.next;
+                match &mut all {
+                    None => all = Some(page),
+                    Some(a) => {
+                        a.damaged += page.damaged;
+                        a.keys.extend(page.keys);
+                    }
+                }
+                match next {
+                    Some(n) if n > from => from = n,
+                    Some(_) => {
+                        return Err(Error::Protocol(
+                            "a page of keys that ends where it began".into(),
+                        ))
+                    }
+                    None => break,
+                }
+            }
+            if let Some(mut listing) = all {
+                listing.next = None;
+                return Ok(listing);
+            }
+        }
+        Err(Error::Stalled(
+            "the index resized during every listing of its keys".into(),
+        ))
     }
 
     /// The value of `key`, or None: two round trips (the key's buckets,

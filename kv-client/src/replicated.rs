@@ -36,8 +36,9 @@
 //! failover needs, since a backup promoted holds every acknowledged write
 //! (reads go to the primary, which has nothing the backups lack). Two
 //! backups may still disagree (two writers' sets reaching them in
-//! opposite orders), so a failover keeps the promoted copy alone (see
-//! kv-cluster's `placement::failover`).
+//! opposite orders), so a failover marks the backups it keeps beside the
+//! promoted one unlevelled until the new primary's member has levelled
+//! them (see kv-cluster's `placement::failover`, kv-server's `level`).
 //!
 //! **Why inserts need a lock.** A key that is absent has no slot to CAS
 //! from: two writers that both found it absent insert into two empty slots
@@ -132,6 +133,18 @@ impl Group<'_> {
             Done::Stored(Some(now)) => Ok(now),
             _ => Err(Error::Internal("an increment stored no number".into())),
         }
+    }
+
+    /// Brings every copy of `key` to what the primary holds (see `level`).
+    pub fn level_copies(&mut self, key: &[u8]) -> Result<()> {
+        crate::check_key(key)?;
+        let mut lock = None;
+        let done = self.level(key, &mut lock);
+        if lock.is_some() {
+            // It lapses anyway: a failure to say so costs nothing.
+            let _ = self.primary.release_insert_lock(key);
+        }
+        done
     }
 
     /// Runs the write's rounds; a failure once a backup may have it is an
@@ -236,13 +249,16 @@ impl Group<'_> {
 impl Group<'_> {
     /// Sets `key` to `value` (None: removes it) on every backup.
     fn set_backups(&mut self, key: &[u8], value: Option<&[u8]>, touched: &mut bool) -> Result<()> {
-        for backup in self.backups.iter_mut() {
+        for (i, backup) in self.backups.iter_mut().enumerate() {
             *touched = true;
             match value {
                 Some(value) => backup.put(key, value)?,
                 None => {
                     backup.delete(key)?;
                 }
+            }
+            if i == 0 {
+                crate::fault_point("replica-first-backup-set");
             }
         }
         Ok(())

@@ -219,6 +219,9 @@ fn view(
             .map(|b| b.iter().filter_map(|&m| name(m)).collect())
             .collect(),
         group_epochs,
+        // A client writes every backup alike: which are level is the
+        // members' concern.
+        unlevelled: Vec::new(),
         moving: head.moving.and_then(|(shard, to)| {
             Some(ShardMove {
                 shard,
@@ -285,6 +288,7 @@ mod tests {
                 ShardMap {
                     // Some shards failed over, at various epochs.
                     group_epochs: (0..u64::from(shards)).map(|s| (s % 5) * 2).collect(),
+                    unlevelled: Vec::new(),
                     epoch: 9,
                     owners: (0..shards)
                         .map(|s| (s % 7 != 3).then(|| ids[s as usize % members].clone()))

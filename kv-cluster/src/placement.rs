@@ -128,20 +128,25 @@ pub fn next_map_avoiding(
 
 /// The map after the copies of members not in `live` are given up (their
 /// leases expired): a gone backup leaves its group; a shard whose primary
-/// is gone is led by its last live backup alone, under a new group epoch
-/// (the new map's epoch). A shard with no live copy keeps its group: its
-/// copies' servers hold its only state and serve it again when they
-/// return. None when nothing changes.
+/// is gone is led by its last live backup that is level with the old
+/// primary, under a new group epoch (the new map's epoch), the other live
+/// backups kept beside it as *unlevelled*. A shard with no such backup
+/// keeps its group: its copies' servers hold its only state (or the only
+/// one readers may have seen), and serve it again when they return. None
+/// when nothing changes.
 ///
 /// Why the backup holds every acknowledged write: a write commits at the
 /// primary only after it set every backup, and a backup's value is the
 /// last committed write or a set that landed after it from a writer never
 /// answered (see kv-client's `replicated`), which may take effect now.
-/// Why alone: two such writers' sets may reach two backups in opposite
-/// orders, so the backups left could disagree with the new primary in a
-/// way that a second failover would show readers as a value going back.
-/// They are dropped (their servers delete them) until copies made from the
-/// new primary restore the count.
+/// Why the others are unlevelled: two such writers' sets may reach two
+/// backups in opposite orders, so a backup kept could hold an older value
+/// than one readers see at the new primary, which a second failover would
+/// show them as a value going back. It holds every acknowledged write all
+/// the same, and every write from now on sets it; the new primary's
+/// member levels it (kv-server's `level`: each key that may differ is
+/// written again from the primary's value), and only then may a failover
+/// promote it.
 fn failover(map: &ShardMap, live: &[&str]) -> Option<ShardMap> {
     let mut next = map.clone();
     next.epoch += 1;
@@ -163,15 +168,19 @@ fn failover(map: &ShardMap, live: &[&str]) -> Option<ShardMap> {
             }
             continue;
         }
-        let Some(promoted) = kept.pop() else {
+        let unlevelled = map.unlevelled(shard as u32);
+        let Some(at) = kept.iter().rposition(|b| !unlevelled.contains(b)) else {
             continue;
         };
-        next.owners[shard] = Some(promoted);
-        next.backups[shard] = Vec::new();
+        next.owners[shard] = Some(kept.remove(at));
+        next.unlevelled.resize(map.owners.len(), Vec::new());
+        next.unlevelled[shard].clone_from(&kept);
+        next.backups[shard] = kept;
         next.group_epochs.resize(map.owners.len(), 0);
         next.group_epochs[shard] = next.epoch;
         changed = true;
     }
+    next.forget_unlevelled_outside_groups();
     // A copy under way ends with its source (its target's end is
     // `copy_where_needed`' to see).
     if let Some(m) = &map.moving {
@@ -411,6 +420,7 @@ fn first_map(config: &ClusterConfig, members: &[(String, Option<String>)]) -> Op
         backups,
         moving: None,
         group_epochs: Vec::new(),
+        unlevelled: Vec::new(),
     })
 }
 
@@ -533,6 +543,7 @@ mod tests {
         let c = config(4, 1);
         let map = ShardMap {
             group_epochs: Vec::new(),
+            unlevelled: Vec::new(),
             epoch: 7,
             owners: vec![Some("gone".into()), None, Some("a".into()), None],
             backups: Vec::new(),
@@ -588,6 +599,7 @@ mod tests {
             owners: vec![Some("a".into()), Some("a".into())],
             backups: Vec::new(),
             group_epochs: Vec::new(),
+            unlevelled: Vec::new(),
             moving: Some(ShardMove {
                 shard: 1,
                 to: "b".into(),
@@ -696,7 +708,7 @@ mod tests {
     }
 
     #[test]
-    fn a_gone_primary_is_followed_by_its_last_live_backup_and_a_gone_backup_leaves() {
+    fn a_gone_primary_is_followed_by_its_last_level_backup_and_the_others_kept_unlevelled() {
         let c = ClusterConfig {
             shards: 6,
             initial_members: 3,
@@ -711,31 +723,64 @@ mod tests {
             let old_backups = map.backups(shard);
             if was == "a" {
                 assert_eq!(now, old_backups.last().unwrap());
-                assert!(failed.backups(shard).is_empty());
+                assert_eq!(failed.backups(shard), &old_backups[..1]);
+                assert_eq!(failed.unlevelled(shard), &old_backups[..1]);
                 assert_eq!(failed.group_epoch(shard), failed.epoch);
             } else {
                 assert_eq!(now, was);
                 let kept: Vec<String> = old_backups.iter().filter(|b| *b != "a").cloned().collect();
                 assert_eq!(failed.backups(shard), kept.as_slice());
+                assert!(failed.unlevelled(shard).is_empty());
                 assert_eq!(failed.group_epoch(shard), 0);
             }
             assert_eq!(failed.copies_of("a").count(), 0);
         }
         failed.check_groups(3).unwrap();
+        // Unlevelled, a backup is never promoted: a shard with no other
+        // copy keeps its group for its primary's return.
+        let gone_b = next_map(&c, Some(&failed), &live(&["c"]), &[], secret).unwrap();
+        for shard in 0..6 {
+            let waits = failed.owner(shard) == Some("b") && failed.unlevelled(shard) == ["c"];
+            if waits {
+                assert_eq!(gone_b.owner(shard), Some("b"));
+                assert_eq!(gone_b.backups(shard), ["c"]);
+            } else {
+                assert_eq!(gone_b.owner(shard), Some("c"), "shard {shard}");
+                assert!(gone_b.backups(shard).is_empty());
+            }
+            assert!(gone_b.unlevelled(shard).is_empty() || waits);
+        }
+        // Levelled (by the primary's member, in the same group), it is.
+        let waiting = (0..6).find(|&s| !failed.unlevelled(s).is_empty()).unwrap();
+        let (epoch, members) = (failed.group_epoch(waiting), failed.unlevelled(waiting));
+        let primary = failed.owner(waiting).unwrap();
+        assert_eq!(
+            failed.levelled(waiting, primary, epoch + 1, members),
+            None,
+            "a newer group"
+        );
+        assert_eq!(
+            failed.levelled(waiting, &members[0], epoch, members),
+            None,
+            "another primary"
+        );
+        let level = levelled(&failed);
+        assert!(level.unlevelled.is_empty());
+        let last = next_map(&c, Some(&level), &live(&["c"]), &[], secret).unwrap();
+        for shard in 0..6 {
+            assert_eq!(last.owner(shard), Some("c"));
+            assert!(last.backups(shard).is_empty());
+        }
         // A map of lone primaries stores no backups at all, and reads back
         // whole.
-        let last = next_map(&c, Some(&failed), &live(&["c"]), &[], secret).unwrap();
         let stored: ShardMap = serde_json::from_slice(&crate::records::encode(&last)).unwrap();
         assert_eq!(stored.backups(0), last.backups(0));
+        assert_eq!(stored.owners, last.owners);
         stored.check_groups(3).unwrap();
         // With none of a group's copies live, the group stays for its
         // servers' return.
         let none = next_map(&c, Some(&last), &live(&[]), &[], secret);
         assert_eq!(none, None);
-        for shard in 0..6 {
-            assert_eq!(last.owner(shard), Some("c"));
-            assert!(last.backups(shard).is_empty());
-        }
     }
 
     /// What the source of a replicated cluster's copy publishes once it
@@ -747,6 +792,19 @@ mod tests {
         map.ended_move(&m, true, copy)
     }
 
+    /// `map` once the primaries' members levelled every backup.
+    fn levelled(map: &ShardMap) -> ShardMap {
+        let mut level = map.clone();
+        for shard in 0..map.owners.len() as u32 {
+            let waiting = level.unlevelled(shard).to_vec();
+            if !waiting.is_empty() {
+                let (epoch, primary) = (level.group_epoch(shard), level.owner(shard).unwrap());
+                level = level.levelled(shard, primary, epoch, &waiting).unwrap();
+            }
+        }
+        level
+    }
+
     #[test]
     fn copies_restore_every_group_one_at_a_time_fewest_copies_first() {
         let c = ClusterConfig {
@@ -755,27 +813,35 @@ mod tests {
             replicas: 3,
         };
         let map = next_map(&c, None, &live(&["a", "b", "c"]), &[], secret).unwrap();
+        // Two members left, each shard's two copies on them: nowhere to
+        // copy to. A shard a led keeps its other backup, unlevelled.
         let after_a = next_map(&c, Some(&map), &live(&["b", "c"]), &[], secret).unwrap();
-        // Two members left: a shard a led, now alone at b or c, gets a
-        // copy at the other; one that kept two copies has nowhere to go.
-        let mut now = after_a.clone();
+        assert_eq!(
+            next_map(&c, Some(&after_a), &live(&["b", "c"]), &[], secret),
+            None
+        );
+        let mut now = levelled(&after_a);
+        for shard in 0..6 {
+            assert_eq!(now.backups(shard).len(), 1);
+        }
+        // A shard left alone gets a copy at the other, fewest copies first,
+        // nothing else proposed while it runs.
+        let mut lone = now.clone();
+        lone.backups[1].clear();
+        lone.backups[4].clear();
         let mut copies = 0;
-        while let Some(next) = next_map(&c, Some(&now), &live(&["b", "c"]), &[], secret) {
+        while let Some(next) = next_map(&c, Some(&lone), &live(&["b", "c"]), &[], secret) {
             let m = next.moving.clone().expect("a copy");
-            assert_eq!(now.backups(m.shard).len(), 0, "fewest copies first");
-            assert_ne!(now.owner(m.shard), Some(m.to.as_str()));
-            // Nothing else is proposed while it runs.
+            assert_eq!(lone.backups(m.shard).len(), 0, "fewest copies first");
+            assert_ne!(lone.owner(m.shard), Some(m.to.as_str()));
             assert_eq!(
                 next_map(&c, Some(&next), &live(&["b", "c"]), &[], secret),
                 None
             );
-            now = copied(&next);
+            lone = copied(&next);
             copies += 1;
         }
-        assert_eq!(copies, 2, "{now:?}");
-        for shard in 0..6 {
-            assert_eq!(now.backups(shard).len(), 1);
-        }
+        assert_eq!(copies, 2, "{lone:?}");
         // A member joins: every group gets its third copy there. A copy
         // held back (it failed lately) leaves the next shard to go first.
         let all = live(&["b", "c", "d"]);

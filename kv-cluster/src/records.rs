@@ -115,6 +115,12 @@ pub struct ShardMap {
     /// old primary cannot touch the copies once they serve the new one.
     #[serde(default, skip_serializing_if = "never_failed_over")]
     pub group_epochs: Vec<u64>,
+    /// `unlevelled[shard]`: backups a failover kept beside the backup it
+    /// promoted that may still differ from it on keys whose writers were
+    /// never answered. Written like any backup, but never promoted until
+    /// the primary's member has brought them level (kv-server's `level`).
+    #[serde(default, skip_serializing_if = "no_backups")]
+    pub unlevelled: Vec<Vec<String>>,
 }
 
 /// A shard on its way from its owner to another member (see `shard_move`
@@ -185,6 +191,7 @@ impl ShardMap {
             next.backups.resize(next.owners.len(), Vec::new());
             next.backups[shard].retain(|b| Some(b) != m.replaces.as_ref());
             next.backups[shard].push(m.to.clone());
+            next.forget_unlevelled_outside_groups();
             new_group(&mut next);
         } else if copied {
             if m.hands_over(self.owner(m.shard)) {
@@ -207,6 +214,54 @@ impl ShardMap {
     /// The members that hold backups of `shard`.
     pub fn backups(&self, shard: u32) -> &[String] {
         self.backups.get(shard as usize).map_or(&[], Vec::as_slice)
+    }
+
+    /// The backups of `shard` that are not yet level with its primary
+    /// (see `unlevelled`).
+    pub fn unlevelled(&self, shard: u32) -> &[String] {
+        self.unlevelled
+            .get(shard as usize)
+            .map_or(&[], Vec::as_slice)
+    }
+
+    /// Keeps in `unlevelled` only members that still back their shard up
+    /// (a copy that left its group, or became its primary, is no longer
+    /// one to level).
+    pub fn forget_unlevelled_outside_groups(&mut self) {
+        for shard in 0..self.unlevelled.len() {
+            let backups = self.backups(shard as u32).to_vec();
+            self.unlevelled[shard].retain(|m| backups.contains(m));
+        }
+        if no_backups(&self.unlevelled) {
+            self.unlevelled.clear();
+        }
+    }
+
+    /// The map once `members`, backups of `shard`, are level with its
+    /// primary `primary`, as levelled from group epoch `group_epoch` on;
+    /// None when the map no longer has them to level there: another
+    /// primary since (a failover, or a handover), an older group.
+    ///
+    /// A copy added since (a newer group, the same primary) leaves them
+    /// level: the primary's region is the same, and every write from the
+    /// levelling on set them before it committed there.
+    pub fn levelled(
+        &self,
+        shard: u32,
+        primary: &str,
+        group_epoch: u64,
+        members: &[String],
+    ) -> Option<ShardMap> {
+        let waiting = self.unlevelled(shard);
+        let same = self.owner(shard) == Some(primary) && self.group_epoch(shard) >= group_epoch;
+        if !same || !members.iter().all(|m| waiting.contains(m)) {
+            return None;
+        }
+        let mut next = self.clone();
+        next.epoch += 1;
+        next.unlevelled[shard as usize].retain(|m| !members.contains(m));
+        next.forget_unlevelled_outside_groups();
+        Some(next)
     }
 
     /// The epoch of `shard`'s group: what its copies ask of a client at
@@ -347,7 +402,7 @@ fn describe_move(config: &ClusterConfig, map: &ShardMap, m: &ShardMove) -> Strin
 }
 
 /// What `cluster status` prints: members, the shards each owns, and the
-/// shards whose owner is not live.
+/// shards in trouble.
 pub fn describe(
     config: &ClusterConfig,
     members: &[MemberRecord],
@@ -400,6 +455,19 @@ pub fn describe(
             false => writeln!(out, ", backups of [{}]", backed.join(" ")),
         };
     }
+    describe_trouble(&mut out, config, members, map);
+    out
+}
+
+/// The lines of `cluster status` that name shards in trouble: without a
+/// live owner, short of copies, or with backups not yet level.
+fn describe_trouble(
+    out: &mut String,
+    config: &ClusterConfig,
+    members: &[MemberRecord],
+    map: &ShardMap,
+) {
+    use std::fmt::Write;
     let down: Vec<String> = (0..map.owners.len() as u32)
         .filter(|&s| {
             map.owner(s)
@@ -426,7 +494,17 @@ pub fn describe(
             short.join(", ")
         );
     }
-    out
+    let unlevelled: Vec<String> = (0..map.owners.len() as u32)
+        .filter(|&s| !map.unlevelled(s).is_empty())
+        .map(|s| format!("{s} ({})", map.unlevelled(s).join(" ")))
+        .collect();
+    if !unlevelled.is_empty() {
+        let _ = writeln!(
+            out,
+            "backups being levelled after a failover (not promoted until then): {}",
+            unlevelled.join(", ")
+        );
+    }
 }
 
 pub fn encode<T: Serialize>(record: &T) -> Vec<u8> {
@@ -478,6 +556,7 @@ mod tests {
         };
         let map = ShardMap {
             group_epochs: Vec::new(),
+            unlevelled: Vec::new(),
             epoch: 4,
             owners: vec![Some("a".into()), Some("b".into())],
             backups: vec![vec!["c".into()], vec!["c".into()]],
@@ -513,6 +592,7 @@ mod tests {
     fn records_round_trip_and_damage_is_named() {
         let map = ShardMap {
             group_epochs: Vec::new(),
+            unlevelled: Vec::new(),
             epoch: 4,
             owners: vec![Some("a".into()), None],
             backups: Vec::new(),

@@ -206,6 +206,40 @@ pub enum Request {
     /// [`Response::ReadLease`], or refused as `StaleGroup` once the copy's
     /// member cannot confirm its own lease.
     ReadLease,
+    /// One page of the keys this region holds, each with a digest of its
+    /// value as readers see it, from index slot `from` on (of the geometry
+    /// in force: the page says which), the digests seeded by `seed`.
+    /// Answered with [`Response::Keys`]. What it is for: comparing two
+    /// copies of a replicated shard without reading every value over the
+    /// wire (kv-server's `level`).
+    Keys {
+        from: u64,
+        seed: u64,
+    },
+}
+
+/// A page of a region's keys (see [`Request::Keys`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeysPage {
+    /// The geometry's epoch the slots are numbered by; pages of another
+    /// epoch (a resize between them) do not make one listing.
+    pub epoch: u64,
+    /// A resize was under way: keys may be missing from this page.
+    pub resizing: bool,
+    /// Where the next page starts; None after the last slot.
+    pub next: Option<u64>,
+    /// Slots in this page whose block failed validation: their keys are
+    /// not known.
+    pub damaged: u64,
+    pub keys: Vec<KeyDigest>,
+}
+
+/// A key and a digest of its value (None: a counter, compared by value
+/// by whoever needs to).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeyDigest {
+    pub key: Vec<u8>,
+    pub digest: Option<u128>,
 }
 
 /// A live member of a cluster, as a client needs it.
@@ -476,6 +510,7 @@ pub enum Response {
     ReadLease {
         valid_us: u64,
     },
+    Keys(KeysPage),
 }
 
 #[derive(Debug, thiserror::Error)]

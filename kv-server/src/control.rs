@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 use kv_common::layout::{Geometry, SLOTS_PER_BUCKET};
 use kv_common::mapping::SharedRegion;
 use kv_common::protocol::{
-    ConnectInfo, ErrorKind, Extent, GeometryInfo, Request, Response, ServerStats, Spent, Unlinked,
-    PROTOCOL_VERSION,
+    ConnectInfo, ErrorKind, Extent, GeometryInfo, KeysPage, Request, Response, ServerStats, Spent,
+    Unlinked, PROTOCOL_VERSION,
 };
 use kv_common::transport::{ControlListener, ControlPeer, Fenced};
 use kv_common::Address;
@@ -485,11 +485,29 @@ pub fn handle(
             (insert_lock(shared, id, key, release), After::Stay)
         }
         (Request::ReadLease, Some(_)) => read_lease(shared),
+        (Request::Keys { from, seed }, Some(_)) => (keys_page(shared, from, seed), After::Stay),
         (Request::Disconnect, Some(id)) => {
             c.disconnects.fetch_add(1, Relaxed);
             tracing::debug!(client = id, "disconnected");
             (Response::Goodbye, After::Close)
         }
+    }
+}
+
+/// A page of the region's keys with digests of their values (see
+/// `Request::Keys`), from the index in force.
+fn keys_page(shared: &Shared, from: u64, seed: u64) -> Response {
+    let g = shared.geometry();
+    let resizing = shared.resizing.load(Relaxed);
+    match crate::region::keys_page(&shared.region, &g, from, seed) {
+        Ok((keys, next, damaged)) => Response::Keys(KeysPage {
+            epoch: g.epoch,
+            resizing: resizing || shared.resizing.load(Relaxed),
+            next,
+            damaged,
+            keys,
+        }),
+        Err(e) => error(ErrorKind::Malformed, format!("cannot read the index: {e}")),
     }
 }
 

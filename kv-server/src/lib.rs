@@ -31,6 +31,7 @@ pub mod heap;
 mod http;
 mod index_load;
 mod insert_locks;
+mod level;
 mod metrics;
 mod reclaim;
 pub mod region;

@@ -14,8 +14,9 @@ use kv_common::layout::{
     RECORD_OFFSETS, RECORD_WORDS, SLOTS_PER_BUCKET,
 };
 use kv_common::mapping::SharedRegion;
+use kv_common::protocol::KeyDigest;
 use kv_common::transport::TransportError;
-use xxhash_rust::xxh3::xxh3_64;
+use xxhash_rust::xxh3::{xxh3_128_with_seed, xxh3_64};
 
 use crate::header;
 use crate::units::UnitMap;
@@ -585,6 +586,67 @@ fn for_each_entry(
     for_each_slot(region, g, |pos, slot| entries.visit(region, g, pos, slot))
         .map_err(|e| e.to_string())?;
     entries.end()
+}
+
+/// Bytes of keys and digests in one [`keys_page`]: a page stays within a
+/// control message whatever its last key's length.
+const PAGE_BYTES: usize = kv_common::protocol::MAX_MESSAGE / 2;
+
+/// Buckets one [`keys_page`] looks at, at most: a sparse index still
+/// answers quickly, other clients' control messages waiting meanwhile.
+const PAGE_BUCKETS: u64 = 4096;
+
+/// The keys of index `g` from bucket `from` on, each once with a digest
+/// of its value as readers see it (xxh3-128 seeded by `seed`; none for a
+/// counter): as many buckets as fit in a control message. Where the next
+/// page starts (None: the index ended), and how many slots named blocks
+/// that fail validation.
+pub fn keys_page(
+    region: &SharedRegion,
+    g: &Geometry,
+    from: u64,
+    seed: u64,
+) -> Result<(Vec<KeyDigest>, Option<u64>, u64), TransportError> {
+    const BATCH: u64 = 64;
+    let mut keys = Vec::new();
+    let bytes = std::cell::Cell::new(0);
+    let mut entries = Entries::new(|key: &[u8], payload: &Payload<'_>| {
+        let digest = match payload {
+            Payload::Bytes(value) => Some(xxh3_128_with_seed(value, seed)),
+            Payload::Counter { .. } => None,
+        };
+        bytes.set(bytes.get() + key.len() + 24);
+        keys.push(KeyDigest {
+            key: key.to_vec(),
+            digest,
+        });
+        Ok(())
+    });
+    let end = g.index_buckets().min(from.saturating_add(PAGE_BUCKETS));
+    let mut words = vec![0u64; BATCH as usize * SLOTS_PER_BUCKET];
+    let mut bucket = from;
+    // Ends between buckets, once the keys fill a page.
+    'page: while bucket < end {
+        let n = BATCH.min(end - bucket);
+        let batch = &mut words[..n as usize * SLOTS_PER_BUCKET];
+        region.read(g.bucket_offset(bucket), batch)?;
+        for slots in batch.chunks(SLOTS_PER_BUCKET) {
+            for (index, &word) in slots.iter().enumerate() {
+                let slot = Slot(word);
+                if !slot.thawed().is_empty() {
+                    entries.visit(region, g, SlotPos { bucket, index }, slot);
+                }
+            }
+            bucket += 1;
+            if bytes.get() > PAGE_BYTES {
+                break 'page;
+            }
+        }
+    }
+    let damaged = entries.damaged;
+    drop(entries);
+    let next = (bucket < g.index_buckets()).then_some(bucket);
+    Ok((keys, next, damaged))
 }
 
 /// Slots visited one at a time, each key passed to `f` from its lowest

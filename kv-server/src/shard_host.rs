@@ -33,6 +33,10 @@
 //! itself is a **handover**: the source stops serving before the last
 //! pass, as in a move, and the map names the target the primary of the
 //! same backups under a new group epoch (argued at `finish_move`).
+//!
+//! After a failover, the member that leads a shard levels the backups
+//! kept beside it (`ShardMap::unlevelled`), one shard at a time, in a
+//! thread of its own (see `level`).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -46,6 +50,7 @@ use kv_cluster::{shard_address, ClusterUrl, ShardMap, ShardMove};
 use kv_common::Address;
 
 use crate::control::Shared;
+use crate::level::{self, Levelling};
 use crate::shard_move::{self, Outgoing};
 use crate::{region_path, MetricsEndpoint, Server, ServerConfig, ServerError};
 
@@ -103,6 +108,17 @@ struct Sending {
     thread: JoinHandle<Option<u64>>,
 }
 
+/// A levelling under way (see `level`).
+struct LevelRun {
+    what: Levelling,
+    quit: Arc<AtomicBool>,
+    started: Instant,
+    thread: JoinHandle<Result<level::Levelled, String>>,
+}
+
+/// How long after a levelling failed the next is tried.
+const LEVEL_RETRY: Duration = Duration::from_secs(1);
+
 pub struct ShardHost {
     /// Settings every shard's server starts with; its address, region file
     /// and metrics endpoint are the shard's own.
@@ -144,6 +160,12 @@ pub struct ShardHost {
     /// shard, and the shards it shows.
     metrics: Option<MetricsEndpoint>,
     shown: Arc<Mutex<ShardServers>>,
+    /// The levelling of a led shard's backups under way, if one is; the
+    /// last one the map took (until the map shows it); and when to try
+    /// again after one failed.
+    levelling: Option<LevelRun>,
+    levelled: Option<Levelling>,
+    level_retry_at: Option<Instant>,
 }
 
 impl ShardHost {
@@ -190,6 +212,9 @@ impl ShardHost {
             failing: BTreeMap::new(),
             metrics,
             shown,
+            levelling: None,
+            levelled: None,
+            level_retry_at: None,
         })
     }
 
@@ -304,7 +329,93 @@ impl ShardHost {
             }
             self.start(shard, asks, map.epoch);
         }
+        self.level_next(map, held());
         self.show_served();
+    }
+
+    /// Calls off a levelling of a shard this member no longer leads;
+    /// else, unless one runs, starts levelling the backups a failover kept
+    /// beside a shard this member leads (see `level`), one shard at a
+    /// time, once the shard is served here under the map's group.
+    fn level_next(&mut self, map: &ShardMap, held: bool) {
+        if let Some(run) = &self.levelling {
+            let leads = map.owner(run.what.shard) == Some(self.member.as_str());
+            if !leads || !held {
+                run.quit.store(true, Ordering::SeqCst);
+            }
+            return;
+        }
+        let waiting = self.level_retry_at.is_some_and(|t| Instant::now() < t);
+        if !self.replicated || !held || waiting {
+            return;
+        }
+        let next = map.shards_of(&self.member).find_map(|shard| {
+            let what = Levelling {
+                shard,
+                group_epoch: map.group_epoch(shard),
+                members: map.unlevelled(shard).to_vec(),
+                primary: shard_address(&self.template.address, shard).ok()?,
+            };
+            let served = self
+                .serving
+                .get(&shard)
+                .is_some_and(|s| s.asks.secret.is_none() && s.asks.group_epoch == what.group_epoch);
+            let fresh = self.levelled.as_ref() != Some(&what);
+            (served && fresh && !what.members.is_empty()).then_some(what)
+        });
+        let Some(what) = next else {
+            return;
+        };
+        let quit = Arc::new(AtomicBool::new(false));
+        let (url, told, job) = (self.url.clone(), quit.clone(), what.clone());
+        let member = self.member.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("kv-level-{}", what.shard))
+            .spawn(move || level::level(&url, &member, &job, &told));
+        match thread {
+            Ok(thread) => {
+                tracing::info!(shard = what.shard, backups = ?what.members, "levelling the backups a failover kept");
+                self.levelling = Some(LevelRun {
+                    what,
+                    quit,
+                    started: Instant::now(),
+                    thread,
+                });
+            }
+            Err(e) => {
+                tracing::error!(shard = what.shard, "cannot start levelling: {e}");
+                self.level_retry_at = Some(Instant::now() + LEVEL_RETRY);
+            }
+        }
+    }
+
+    /// Takes in a levelling that ended.
+    fn levelling_ended(&mut self) {
+        let done = self
+            .levelling
+            .as_ref()
+            .is_some_and(|r| r.thread.is_finished());
+        let Some(run) = self.levelling.take_if(|_| done) else {
+            return;
+        };
+        let shard = run.what.shard;
+        let ms = run.started.elapsed().as_millis() as u64;
+        match run.thread.join() {
+            Ok(Ok(l)) => {
+                tracing::info!(shard, keys = l.keys, listed_apart = l.listed_apart, listed_ms = l.listed.as_millis() as u64, written = l.written, published = l.published, ms, backups = ?run.what.members, "levelled");
+                if l.published {
+                    self.levelled = Some(run.what);
+                }
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(shard, ms, "levelling failed (tried again shortly): {e}");
+                self.level_retry_at = Some(Instant::now() + LEVEL_RETRY);
+            }
+            Err(_) => {
+                tracing::error!(shard, "the levelling thread panicked");
+                self.level_retry_at = Some(Instant::now() + LEVEL_RETRY);
+            }
+        }
     }
 
     /// Deletes the region of each shard whose copy this member held and
@@ -588,6 +699,11 @@ impl ShardHost {
             // A move dropped in its first passes: the server goes on.
             self.serve_on(s.m.shard, &s.server);
         }
+        self.levelling_ended();
+        if let Some(map) = self.map.take() {
+            self.level_next(&map, held());
+            self.map = Some(map);
+        }
         let retry = self.retry_at.is_none_or(|t| Instant::now() >= t);
         if done || (retry && held() && self.behind()) {
             match self.map.clone() {
@@ -618,6 +734,9 @@ impl ShardHost {
     /// leaves), a shard being sent included: its move goes on with nobody
     /// serving it.
     pub fn stop_all(&mut self) {
+        if let Some(run) = &self.levelling {
+            run.quit.store(true, Ordering::SeqCst);
+        }
         for (shard, served) in std::mem::take(&mut self.serving) {
             tracing::info!(shard, "stopping");
             served.server.shutdown();
@@ -668,6 +787,9 @@ impl Drop for ShardHost {
         if let Some(s) = self.sending.take() {
             s.flags.quit.store(true, Ordering::SeqCst);
             let _ = s.thread.join();
+        }
+        if let Some(run) = self.levelling.take() {
+            let _ = run.thread.join();
         }
     }
 }
@@ -831,10 +953,12 @@ fn target_address(url: &ClusterUrl, m: &ShardMove) -> Result<Address, String> {
 /// serving, its readers' keys revoked, before this publishes). Each backup
 /// holds, for every key, the last committed write or a set from a writer
 /// never answered that landed after it (see kv-client's `replicated`):
-/// what it holds beside any primary, so the group is as sound as before.
-/// (A failover promotes a backup, whose unanswered sets are not what the
-/// other backups hold: there the others go.) The new group epoch cuts off
-/// every writer that observed the old primary.
+/// what it holds beside any primary, so the group is as sound as before;
+/// one still unlevelled after a failover stays so, and the target's member
+/// levels it (see `level`). (A failover promotes a backup, whose
+/// unanswered sets are not what the other backups hold: there the others
+/// are unlevelled.) The new group epoch cuts off every writer that
+/// observed the old primary.
 fn finish_move(
     url: &ClusterUrl,
     m: &ShardMove,
@@ -884,6 +1008,7 @@ mod tests {
     fn map(moving: Option<ShardMove>) -> ShardMap {
         ShardMap {
             group_epochs: Vec::new(),
+            unlevelled: Vec::new(),
             epoch: 1 + u64::from(moving.is_some()),
             owners: vec![Some("m0".into()), Some("m0".into())],
             backups: Vec::new(),

@@ -452,6 +452,7 @@ fn a_client_asks_the_owner_that_dropped_a_shard_where_it_went() {
         map: Some((
             ShardMap {
                 group_epochs: Vec::new(),
+                unlevelled: Vec::new(),
                 epoch: revision as u64,
                 owners: vec![Some(owner.into())],
                 backups: Vec::new(),
@@ -571,6 +572,7 @@ fn of_two_coordinators_publishing_against_one_map_exactly_one_wins() {
     let mut b = BlockingEtcd::connect(&url).expect("etcd");
     let map = |owner: &str, epoch| ShardMap {
         group_epochs: Vec::new(),
+        unlevelled: Vec::new(),
         epoch,
         owners: vec![Some(owner.to_string()); 4],
         backups: Vec::new(),
@@ -610,6 +612,7 @@ fn a_map_follower_reads_the_state_whole_after_etcd_compacts_what_it_would_watch(
     let mut writer = BlockingEtcd::connect(&url).expect("etcd");
     let map = |epoch| ShardMap {
         group_epochs: Vec::new(),
+        unlevelled: Vec::new(),
         epoch,
         owners: vec![Some(format!("m{epoch}")); 4],
         backups: Vec::new(),

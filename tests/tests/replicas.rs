@@ -454,12 +454,18 @@ fn histories_stay_linearizable_while_a_primary_is_killed() {
     );
 }
 
-/// `kv --server URL ARGS...` killed where `ONEKV_CLIENT_FAULT` says.
+/// `kv --server URL ARGS...` killed once every backup has its write,
+/// before the primary does.
 fn killed_kv(url: &str, args: &[&str]) {
+    killed_kv_at(url, "replica-backups-set", args);
+}
+
+/// `kv --server URL ARGS...` killed at fault point `step`.
+fn killed_kv_at(url: &str, step: &str, args: &[&str]) {
     let out = Command::new(workspace_bin("kv"))
         .args(["--server", url])
         .args(args)
-        .env("ONEKV_CLIENT_FAULT", "replica-backups-set")
+        .env("ONEKV_CLIENT_FAULT", step)
         .output()
         .expect("run kv");
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -538,6 +544,122 @@ fn a_writer_killed_between_its_copies_leaves_them_to_the_keys_next_write() {
     assert_eq!(kv.get("k").expect("get").as_deref(), Some(&b"next"[..]));
     assert!(kv.delete("k").expect("delete"));
     assert_eq!(assert_alike(&mut groups, &kv, "k"), None);
+}
+
+/// A key of `shard`, named from `prefix`.
+fn key_of(kv: &ClusterClient, shard: u32, prefix: &str) -> String {
+    (0..)
+        .map(|i| format!("{prefix}{i}"))
+        .find(|k| kv.shard_of(k) == shard)
+        .expect("a key of the shard")
+}
+
+/// Keys of shard 0 that writers killed between its backups leave apart,
+/// the primary (which readers read) as before: `k` old at the first
+/// backup, new at the last; `fresh` at the first only; `gone` at the last
+/// only.
+fn leave_copies_apart(url: &str, kv: &mut ClusterClient) -> [String; 3] {
+    let (k, fresh, gone) = (
+        key_of(kv, 0, "k"),
+        key_of(kv, 0, "fresh"),
+        key_of(kv, 0, "gone"),
+    );
+    kv.put(&k, "old").expect("put");
+    kv.put(&gone, "here").expect("put");
+    killed_kv(url, &["put", &k, "new"]);
+    killed_kv_at(url, "replica-first-backup-set", &["put", &k, "old"]);
+    killed_kv_at(url, "replica-first-backup-set", &["put", &fresh, "lost"]);
+    killed_kv_at(url, "replica-first-backup-set", &["del", &gone]);
+    let mut groups = copies(url);
+    let apart = |groups: &mut [Vec<(String, Client)>], key: &str| {
+        let values = values_of(groups, kv, key);
+        values
+            .iter()
+            .map(|v| {
+                v.as_deref()
+                    .map(|v| String::from_utf8_lossy(v).into_owned())
+            })
+            .collect::<Vec<_>>()
+    };
+    let some = |v: &str| Some(v.to_string());
+    assert_eq!(
+        apart(&mut groups, &k),
+        [some("old"), some("old"), some("new")]
+    );
+    assert_eq!(apart(&mut groups, &fresh), [None, some("lost"), None]);
+    assert_eq!(
+        apart(&mut groups, &gone),
+        [some("here"), None, some("here")]
+    );
+    [k, fresh, gone]
+}
+
+#[test]
+fn a_failover_keeps_the_other_backup_and_levels_it_before_it_may_be_promoted() {
+    let (_etcd, url, _dir, members) = start("levelled");
+    let mut members: BTreeMap<String, Daemon> = MEMBERS
+        .iter()
+        .map(|(m, _)| m.to_string())
+        .zip(members)
+        .collect();
+    let old = cluster_state(&url).shard_map().expect("a map").clone();
+    let (victim, backups) = (old.owner(0).expect("an owner"), old.backups(0));
+    let (first, last) = (backups[0].clone(), backups[1].clone());
+    let mut kv = ClusterClient::connect(&url).expect("connect");
+    let [k, fresh, gone] = leave_copies_apart(&url, &mut kv);
+
+    // The primary dies: the last backup leads, serving the writes in
+    // flight it holds; the first stays, unlevelled until its primary's
+    // member has levelled it.
+    let victim = victim.to_string();
+    members.remove(&victim).expect("the victim").kill_9();
+    eventually("shard 0 failed over", Duration::from_secs(60), || {
+        let state = cluster_state(&url);
+        let map = state.shard_map().expect("a map");
+        map.owner(0) == Some(last.as_str()) && map.backups(0).contains(&first)
+    });
+    assert_eq!(kv.get(&k).expect("get").as_deref(), Some(&b"new"[..]));
+    restored(&url, 3);
+    let map = cluster_state(&url).shard_map().expect("a map").clone();
+    assert_eq!(map.owner(0), Some(last.as_str()), "{map:?}");
+    assert!(map.backups(0).contains(&first), "kept: {map:?}");
+    let mut groups = copies(&url);
+    for (key, value) in [
+        (&k, Some(&b"new"[..])),
+        (&fresh, None),
+        (&gone, Some(b"here")),
+    ] {
+        assert_eq!(
+            assert_alike(&mut groups, &kv, key).as_deref(),
+            value,
+            "{key}"
+        );
+    }
+
+    // Levelled, the kept backup may lead in turn once the others are
+    // gone (the copy made since first): no read goes back.
+    let copy = map
+        .backups(0)
+        .iter()
+        .find(|b| **b != first)
+        .expect("a copy");
+    members.remove(copy).expect("the copy").kill_9();
+    eventually("the copy left the group", Duration::from_secs(60), || {
+        let state = cluster_state(&url);
+        !state.shard_map().expect("a map").backups(0).contains(copy)
+    });
+    members.remove(&last).expect("the new primary").kill_9();
+    eventually(
+        "shard 0 led by the levelled backup",
+        Duration::from_secs(60),
+        || {
+            let state = cluster_state(&url);
+            state.shard_map().expect("a map").owner(0) == Some(first.as_str())
+        },
+    );
+    assert_eq!(kv.get(&k).expect("get").as_deref(), Some(&b"new"[..]));
+    assert_eq!(kv.get(&gone).expect("get").as_deref(), Some(&b"here"[..]));
+    assert_eq!(kv.get(&fresh).expect("get"), None);
 }
 
 /// The key and value of writer `t`'s `i`th key (`seq` its write's number).
@@ -917,9 +1039,10 @@ fn kill_the_zone_mate_then_a_copy_source(
     let map = cluster_state(url).shard_map().expect("a map").clone();
     // The other server of its zone goes: its copies are made again at
     // the one that came back, and during one of them, its source goes
-    // (a source with a backup: a shard failed over is led by its last
-    // backup alone until its copies are made, and a copy of it has no
-    // other to go on from).
+    // (a source with a backup level with it: a shard failed over is led
+    // by its last backup, the other unlevelled until that primary's
+    // member has levelled it, and a copy of it has no other to go on
+    // from before that).
     let second = MEMBERS
         .iter()
         .find(|(m, z)| *z == zone && *m != victim)
@@ -932,17 +1055,13 @@ fn kill_the_zone_mate_then_a_copy_source(
         let state = cluster_state(url);
         let map = state.shard_map().expect("a map");
         let m = map.moving.as_ref();
-        // Every shard the source holds has another copy to fail over to
-        // (a copy to a shard led alone may have failed and be held back
-        // while this one runs).
+        // Every shard the source leads has another copy to fail over to,
+        // level with it (a copy to a shard led alone may have failed and
+        // be held back while this one runs).
         let backed = |o: &str| {
             (0..SHARDS).all(|s| {
-                let group: Vec<&str> = map
-                    .owner(s)
-                    .into_iter()
-                    .chain(map.backups(s).iter().map(String::as_str))
-                    .collect();
-                !group.contains(&o) || group.len() > 1
+                let promotable = |b: &String| !map.unlevelled(s).contains(b);
+                map.owner(s) != Some(o) || map.backups(s).iter().any(promotable)
             })
         };
         let source = m
@@ -965,13 +1084,14 @@ fn kill_the_zone_mate_then_a_copy_source(
     );
 }
 
-/// Waits until every shard of the cluster at `url` has `copies` copies and
-/// no copy is under way.
+/// Waits until every shard of the cluster at `url` has `copies` copies,
+/// each level with its primary, and no copy is under way.
 fn restored(url: &str, copies: usize) {
     eventually("every group restored", Duration::from_secs(120), || {
         let state = cluster_state(url);
         let map = state.shard_map().expect("a map");
         map.moving.is_none()
+            && map.unlevelled.is_empty()
             && (0..SHARDS).all(|s| {
                 let live = |id: &str| state.member(id).is_some();
                 map.owner(s).is_some_and(live)
