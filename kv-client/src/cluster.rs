@@ -231,24 +231,6 @@ impl ClusterClient {
         }
     }
 
-    /// Brings every copy of `key`'s shard to what its primary holds: the
-    /// value written again over itself (to every copy, the primary last),
-    /// or, for a key the primary lacks, its removal from the backups under
-    /// the key's insert lock. What a new primary's member does for each key
-    /// on which a copy kept beside it may differ (kv-server's `level`).
-    /// Nothing to do on a cluster of one copy.
-    ///
-    /// # Errors
-    ///
-    /// As [`ClusterClient::put`].
-    pub fn level(&mut self, key: impl AsRef<[u8]>) -> Result<()> {
-        let key = key.as_ref();
-        match self.is_replicated() {
-            true => self.on_group(key, |g| g.level_copies(key)),
-            false => Ok(()),
-        }
-    }
-
     /// Adds `delta` to the counter `key` and returns its new value.
     ///
     /// # Errors

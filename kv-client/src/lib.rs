@@ -77,6 +77,7 @@ use local::{LocalLayout, BATCH_KEYS};
 pub use pool::ClusterPool;
 pub use pool::{Borrowed, ClientPool, Connect, Pool, PooledClient};
 use read_lease::ReadLease;
+pub use replicated::level_copies;
 use slot_cache::SlotCache;
 pub use values::Values;
 

@@ -109,6 +109,23 @@ enum Done {
     Deleted(bool),
 }
 
+/// Brings each of `backups`, copies of a replicated shard connected under
+/// its group epoch, to what `primary` holds for `key`: the primary's value
+/// set on them and committed again over itself at the primary (so that no
+/// commit came between its observation and the sets), or, for a key the
+/// primary lacks, removed from them under the key's insert lock. Only
+/// these copies are set: a stale set that lands after a later commit's,
+/// from a levelling that then stops, is harmless on a backup nobody may
+/// promote before a levelling of it succeeded, and would not be on one
+/// that may (kv-server's `level`).
+///
+/// # Errors
+///
+/// As a write to the shard: the first error of a copy.
+pub fn level_copies(primary: &mut Client, backups: &mut [Client], key: &[u8]) -> Result<()> {
+    Group { primary, backups }.level_copies(key)
+}
+
 impl Group<'_> {
     pub fn put(&mut self, key: &[u8], value: &[u8]) -> Result<()> {
         let max = self.primary.max_value();
@@ -136,7 +153,7 @@ impl Group<'_> {
     }
 
     /// Brings every copy of `key` to what the primary holds (see `level`).
-    pub fn level_copies(&mut self, key: &[u8]) -> Result<()> {
+    fn level_copies(&mut self, key: &[u8]) -> Result<()> {
         crate::check_key(key)?;
         let mut lock = None;
         let done = self.level(key, &mut lock);

@@ -764,6 +764,9 @@ mod tests {
             None,
             "another primary"
         );
+        assert_eq!(failed.levelled(waiting, primary, epoch, &[]), None);
+        let stranger = ids(&["x"]);
+        assert_eq!(failed.levelled(waiting, primary, epoch, &stranger), None);
         let level = levelled(&failed);
         assert!(level.unlevelled.is_empty());
         let last = next_map(&c, Some(&level), &live(&["c"]), &[], secret).unwrap();

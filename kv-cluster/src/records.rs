@@ -103,7 +103,7 @@ pub struct ShardMap {
     pub owners: Vec<Option<String>>,
     /// `backups[shard]`: the members that hold the shard's other copies;
     /// empty for every shard of a cluster of one replica, or once failovers
-    /// left each shard one copy (and then not written at all).
+    /// left each shard one live copy (and then not written at all).
     #[serde(default, skip_serializing_if = "no_backups")]
     pub backups: Vec<Vec<String>>,
     /// The shard being moved or copied, if one is (one at a time).
@@ -238,9 +238,10 @@ impl ShardMap {
     }
 
     /// The map once `members`, backups of `shard`, are level with its
-    /// primary `primary`, as levelled from group epoch `group_epoch` on;
-    /// None when the map no longer has them to level there: another
-    /// primary since (a failover, or a handover), an older group.
+    /// primary `primary`, as levelled from group epoch `group_epoch` on
+    /// (those of them still waiting); None when the map no longer has any
+    /// of them to level there: another primary since (a failover, or a
+    /// handover), an older group.
     ///
     /// A copy added since (a newer group, the same primary) leaves them
     /// level: the primary's region is the same, and every write from the
@@ -254,7 +255,7 @@ impl ShardMap {
     ) -> Option<ShardMap> {
         let waiting = self.unlevelled(shard);
         let same = self.owner(shard) == Some(primary) && self.group_epoch(shard) >= group_epoch;
-        if !same || !members.iter().all(|m| waiting.contains(m)) {
+        if !same || !members.iter().any(|m| waiting.contains(m)) {
             return None;
         }
         let mut next = self.clone();

@@ -207,8 +207,9 @@ pub enum Request {
     /// member cannot confirm its own lease.
     ReadLease,
     /// One page of the keys this region holds, each with a digest of its
-    /// value as readers see it, from index slot `from` on (of the geometry
-    /// in force: the page says which), the digests seeded by `seed`.
+    /// value as readers see it, from index bucket `from` on (of the
+    /// geometry in force: the page says which), the digests seeded by
+    /// `seed`.
     /// Answered with [`Response::Keys`]. What it is for: comparing two
     /// copies of a replicated shard without reading every value over the
     /// wire (kv-server's `level`).

@@ -502,11 +502,15 @@ fn keys_page(shared: &Shared, from: u64, seed: u64) -> Response {
     match crate::region::keys_page(&shared.region, &g, from, seed) {
         Ok((keys, next, damaged)) => Response::Keys(KeysPage {
             epoch: g.epoch,
-            resizing: resizing || shared.resizing.load(Relaxed),
+            // One begun, or begun and ended, while the page was read.
+            resizing: resizing
+                || shared.resizing.load(Relaxed)
+                || shared.geometry().epoch != g.epoch,
             next,
             damaged,
             keys,
         }),
+        // The server's own mapping failed it: nothing the client did.
         Err(e) => error(ErrorKind::Malformed, format!("cannot read the index: {e}")),
     }
 }

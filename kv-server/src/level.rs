@@ -10,25 +10,32 @@
 //! `replicated`: a backup then holds the last committed value, or a set in
 //! flight after it). What is left are the keys nobody wrote since.
 //!
-//! The leveller lists the keys of the primary and of each such backup,
+//! The leveller lists the keys of each such backup, then of the primary,
 //! with digests of their values (`Request::Keys`, seeded at random so that
-//! no client can make two values collide), and writes again, through a
-//! cluster client, every key on which a backup may differ from the
-//! primary: listed on one side only, with another digest, listed twice, or
-//! a counter, and still apart when read again at each copy (under load,
-//! most keys listed apart were written between the listings). A write of the primary's value over itself (or the key's
-//! removal from the backups, under its insert lock, where the primary has
-//! none) is ordered like any other write: afterwards the key is level.
-//! A key the lists (or the reads) show alike is level already: the two
-//! sides were read at different moments, but if no write committed
+//! no client can make two values collide). A key listed on one side only,
+//! with another digest, twice, or as a counter, is read again at every
+//! copy (under load, most keys listed apart were written between the
+//! listings), and one still apart is written again: the primary's value
+//! set on the backups and committed over itself at the primary, or the
+//! key removed from the backups under its insert lock where the primary
+//! has none (`kv_client::level_copies`), a write ordered like any other,
+//! after which the key is level. A key found alike is level already: the
+//! two sides were read at different moments, but if no write committed
 //! between them the primary's value was the same at both, and if one did,
-//! it levelled the key. Once every key is, the map says so (`ShardMap::levelled`) in
-//! the same group, and a failover may promote those backups.
+//! it levelled the key.
+//!
+//! Only the backups being levelled are written: a levelling that stops
+//! (an error, its member's death) between a set and its commit may leave
+//! there an older value than a later commit's, which on a backup that may
+//! be promoted would be an acknowledged write lost; on these it lasts
+//! only until the next levelling, since none is promoted before one
+//! succeeds. Once every key is level, the map says so while the same
+//! member leads (`ShardMap::levelled`), and a failover may promote them.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use kv_client::{Client, ClientOptions, ClusterClient, KeysPage};
+use kv_client::{Client, ClientOptions, KeysPage};
 use kv_cluster::etcd::BlockingEtcd;
 use kv_cluster::{shard_address, ClusterUrl};
 use kv_common::Address;
@@ -88,7 +95,6 @@ pub fn level(
     let listed_apart = differing_keys(&at_primary, &listings);
     drop((at_primary, listings));
     let listed = started.elapsed();
-    let mut kv = ClusterClient::connect(&url.to_string()).map_err(|e| e.to_string())?;
     let mut written = 0;
     // Keys written since their listing are most of those listed apart
     // under load: read again, side by side, before each is written.
@@ -108,7 +114,7 @@ pub fn level(
             }
         }
         for (key, _) in batch.iter().zip(apart).filter(|(_, apart)| *apart) {
-            kv.level(key)
+            kv_client::level_copies(&mut primary, &mut backups, key)
                 .map_err(|e| format!("levelling {:?}: {e}", String::from_utf8_lossy(key)))?;
             written += 1;
         }

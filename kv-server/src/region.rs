@@ -592,9 +592,11 @@ fn for_each_entry(
 /// control message whatever its last key's length.
 const PAGE_BYTES: usize = kv_common::protocol::MAX_MESSAGE / 2;
 
-/// Buckets one [`keys_page`] looks at, at most: a sparse index still
-/// answers quickly, other clients' control messages waiting meanwhile.
+/// Buckets one [`keys_page`] looks at, and value bytes it hashes, at
+/// most: a sparse index, or one of large values, still answers quickly,
+/// other clients' control messages waiting meanwhile.
 const PAGE_BUCKETS: u64 = 4096;
+const PAGE_VALUE_BYTES: usize = 4 << 20;
 
 /// The keys of index `g` from bucket `from` on, each once with a digest
 /// of its value as readers see it (xxh3-128 seeded by `seed`; none for a
@@ -610,9 +612,13 @@ pub fn keys_page(
     const BATCH: u64 = 64;
     let mut keys = Vec::new();
     let bytes = std::cell::Cell::new(0);
+    let hashed = std::cell::Cell::new(0);
     let mut entries = Entries::new(|key: &[u8], payload: &Payload<'_>| {
         let digest = match payload {
-            Payload::Bytes(value) => Some(xxh3_128_with_seed(value, seed)),
+            Payload::Bytes(value) => {
+                hashed.set(hashed.get() + value.len());
+                Some(xxh3_128_with_seed(value, seed))
+            }
             Payload::Counter { .. } => None,
         };
         bytes.set(bytes.get() + key.len() + 24);
@@ -638,7 +644,7 @@ pub fn keys_page(
                 }
             }
             bucket += 1;
-            if bytes.get() > PAGE_BYTES {
+            if bytes.get() > PAGE_BYTES || hashed.get() > PAGE_VALUE_BYTES {
                 break 'page;
             }
         }
@@ -1036,6 +1042,63 @@ mod tests {
     };
 
     use super::*;
+
+    /// Keys listed a page at a time: every key once, with its value's
+    /// digest, each page within a control message.
+    #[test]
+    fn pages_of_keys_list_every_key_once_each_within_a_message() {
+        let dir = tempfile::tempdir().unwrap();
+        let g = Geometry::for_memory(4 << 20, Some(MIN_BUCKETS << 4)).unwrap();
+        let opened = open_or_create(&dir.path().join("r"), &g, 0o600, 4 << 20).unwrap();
+        let (region, g) = (&opened.region, &opened.geometry);
+        let mut next = g.heap_offset + g.index_bytes();
+        // Keys of the largest size: a page holds a few dozen.
+        let keys: Vec<Vec<u8>> = (0..100)
+            .map(|i| format!("{i:04}").repeat(MAX_KEY / 4).into_bytes())
+            .collect();
+        for (i, key) in keys.iter().enumerate() {
+            let mut block = vec![0u8; 2048];
+            let used = encode_block(key, format!("v{i}").as_bytes(), &mut block);
+            for (n, word) in block[..used.next_multiple_of(8)].chunks(8).enumerate() {
+                let word = u64::from_le_bytes(word.try_into().unwrap());
+                region.store(next + 8 * n as u64, word).unwrap();
+            }
+            let kh = KeyHash::new(key, g.bucket_count);
+            let pos = (0..kv_common::layout::CANDIDATE_SLOTS)
+                .map(|c| kh.slot_pos(c))
+                .find(|p| region.load(g.slot_offset(*p)).unwrap() == 0)
+                .expect("a free candidate");
+            let slot = Slot::new(kh.fingerprint, class_for(used as u64).unwrap(), next);
+            region.store(g.slot_offset(pos), slot.0).unwrap();
+            next += 2048;
+        }
+        let mut listed = std::collections::HashMap::new();
+        let (mut from, mut pages) = (Some(0), 0);
+        while let Some(at) = from {
+            let (page, after, damaged) = keys_page(region, g, at, 7).unwrap();
+            assert_eq!(damaged, 0);
+            let reply = kv_common::protocol::Response::Keys(kv_common::protocol::KeysPage {
+                epoch: g.epoch,
+                resizing: false,
+                next: after,
+                damaged,
+                keys: page.clone(),
+            });
+            kv_common::protocol::encode(&reply).expect("a page within a message");
+            for k in page {
+                assert!(listed.insert(k.key, k.digest).is_none(), "listed twice");
+            }
+            assert!(after.is_none_or(|a| a > at));
+            (from, pages) = (after, pages + 1);
+        }
+        assert!(pages > 2, "{pages} pages");
+        assert_eq!(listed.len(), keys.len());
+        for (i, key) in keys.iter().enumerate() {
+            let value = format!("v{i}");
+            let digest = xxh3_128_with_seed(value.as_bytes(), 7);
+            assert_eq!(listed[key], Some(digest));
+        }
+    }
 
     /// What a thawed index keeps of a key's copies: the one readers get.
     #[test]

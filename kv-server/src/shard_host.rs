@@ -116,8 +116,12 @@ struct LevelRun {
     thread: JoinHandle<Result<level::Levelled, String>>,
 }
 
-/// How long after a levelling failed the next is tried.
+/// How long after a levelling failed the next of that shard is tried,
+/// doubling at each failure up to `LEVEL_RETRY_MAX` (a backup's server
+/// that does not answer, or is too old to list its keys, costs the
+/// primary's member a listing that often); other shards go meanwhile.
 const LEVEL_RETRY: Duration = Duration::from_secs(1);
+const LEVEL_RETRY_MAX: Duration = Duration::from_secs(30);
 
 pub struct ShardHost {
     /// Settings every shard's server starts with; its address, region file
@@ -161,11 +165,12 @@ pub struct ShardHost {
     metrics: Option<MetricsEndpoint>,
     shown: Arc<Mutex<ShardServers>>,
     /// The levelling of a led shard's backups under way, if one is; the
-    /// last one the map took (until the map shows it); and when to try
-    /// again after one failed.
+    /// last one the map took (until the map shows it); and, for each shard
+    /// whose last levelling failed or was not taken, when to try again and
+    /// the wait after the next failure.
     levelling: Option<LevelRun>,
     levelled: Option<Levelling>,
-    level_retry_at: Option<Instant>,
+    level_retry: BTreeMap<u32, (Instant, Duration)>,
 }
 
 impl ShardHost {
@@ -214,7 +219,7 @@ impl ShardHost {
             shown,
             levelling: None,
             levelled: None,
-            level_retry_at: None,
+            level_retry: BTreeMap::new(),
         })
     }
 
@@ -345,11 +350,14 @@ impl ShardHost {
             }
             return;
         }
-        let waiting = self.level_retry_at.is_some_and(|t| Instant::now() < t);
-        if !self.replicated || !held || waiting {
+        if !self.replicated || !held {
             return;
         }
+        let now = Instant::now();
         let next = map.shards_of(&self.member).find_map(|shard| {
+            if self.level_retry.get(&shard).is_some_and(|r| now < r.0) {
+                return None;
+            }
             let what = Levelling {
                 shard,
                 group_epoch: map.group_epoch(shard),
@@ -384,7 +392,7 @@ impl ShardHost {
             }
             Err(e) => {
                 tracing::error!(shard = what.shard, "cannot start levelling: {e}");
-                self.level_retry_at = Some(Instant::now() + LEVEL_RETRY);
+                self.level_failed(what.shard);
             }
         }
     }
@@ -403,19 +411,35 @@ impl ShardHost {
         match run.thread.join() {
             Ok(Ok(l)) => {
                 tracing::info!(shard, keys = l.keys, listed_apart = l.listed_apart, listed_ms = l.listed.as_millis() as u64, written = l.written, published = l.published, ms, backups = ?run.what.members, "levelled");
-                if l.published {
-                    self.levelled = Some(run.what);
+                self.level_retry.remove(&shard);
+                match l.published {
+                    true => self.levelled = Some(run.what),
+                    // Not before this member's map shows why.
+                    false => {
+                        let retry = (Instant::now() + LEVEL_RETRY, LEVEL_RETRY);
+                        self.level_retry.insert(shard, retry);
+                    }
                 }
             }
             Ok(Err(e)) => {
-                tracing::warn!(shard, ms, "levelling failed (tried again shortly): {e}");
-                self.level_retry_at = Some(Instant::now() + LEVEL_RETRY);
+                tracing::warn!(shard, ms, "levelling failed (tried again later): {e}");
+                self.level_failed(shard);
             }
             Err(_) => {
                 tracing::error!(shard, "the levelling thread panicked");
-                self.level_retry_at = Some(Instant::now() + LEVEL_RETRY);
+                self.level_failed(shard);
             }
         }
+    }
+
+    /// Waits longer before levelling `shard` again.
+    fn level_failed(&mut self, shard: u32) {
+        let wait = self
+            .level_retry
+            .get(&shard)
+            .map_or(LEVEL_RETRY, |r| (r.1 * 2).min(LEVEL_RETRY_MAX));
+        self.level_retry
+            .insert(shard, (Instant::now() + wait, wait));
     }
 
     /// Deletes the region of each shard whose copy this member held and
