@@ -62,7 +62,8 @@ pub struct Levelled {
     /// Of those, keys still apart when read again, written again (or
     /// removed from the backups).
     pub written: usize,
-    /// Whether the map took it (it had not changed the group meanwhile).
+    /// Whether the map took it (it still showed them unlevelled, this
+    /// member leading).
     pub published: bool,
 }
 

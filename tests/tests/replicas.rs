@@ -64,6 +64,15 @@ fn start_with_env(
     (etcd, url, dir, members)
 }
 
+/// The servers [`start`] started, by member name.
+fn by_name(members: Vec<Daemon>) -> BTreeMap<String, Daemon> {
+    MEMBERS
+        .iter()
+        .map(|(m, _)| m.to_string())
+        .zip(members)
+        .collect()
+}
+
 /// The cluster as etcd holds it.
 fn cluster_state(url: &str) -> ClusterState {
     let url = ClusterUrl::parse(url).expect("a cluster URL");
@@ -597,11 +606,7 @@ fn leave_copies_apart(url: &str, kv: &mut ClusterClient) -> [String; 3] {
 #[test]
 fn a_failover_keeps_the_other_backup_and_levels_it_before_it_may_be_promoted() {
     let (_etcd, url, _dir, members) = start("levelled");
-    let mut members: BTreeMap<String, Daemon> = MEMBERS
-        .iter()
-        .map(|(m, _)| m.to_string())
-        .zip(members)
-        .collect();
+    let mut members = by_name(members);
     let old = cluster_state(&url).shard_map().expect("a map").clone();
     let (victim, backups) = (old.owner(0).expect("an owner"), old.backups(0));
     let (first, last) = (backups[0].clone(), backups[1].clone());
@@ -774,11 +779,7 @@ fn killed_primaries_fail_over_and_their_copies_are_restored_with_every_acknowled
     // Each copy lasts a second at least, so that one can be killed while
     // under way.
     let (_etcd, url, dir, members) = start_with_env("failover", &[("ONEKV_MOVE_PAUSE", "1000")]);
-    let mut members: BTreeMap<String, Daemon> = MEMBERS
-        .iter()
-        .map(|(m, _)| m.to_string())
-        .zip(members)
-        .collect();
+    let mut members = by_name(members);
     let before = cluster_state(&url);
     let old = before.shard_map().expect("a map").clone();
     let victim = old.owner(0).expect("an owner").to_string();
@@ -943,11 +944,7 @@ fn drain_a_leader(url: &str, dir: &std::path::Path, members: &mut BTreeMap<Strin
 #[test]
 fn members_join_and_drain_a_replicated_cluster_online_without_a_failover() {
     let (_etcd, url, dir, members) = start("drain");
-    let mut members: BTreeMap<String, Daemon> = MEMBERS
-        .iter()
-        .map(|(m, _)| m.to_string())
-        .zip(members)
-        .collect();
+    let mut members = by_name(members);
     let mut kv = ClusterClient::connect(&url).expect("connect");
     for i in 0..1000 {
         kv.put(format!("before{i}"), format!("v{i}")).expect("put");
