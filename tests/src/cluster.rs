@@ -273,20 +273,41 @@ pub fn member_address(dir: &Path, name: &str) -> Address {
     {
         return Address::Rdma { host, port };
     }
-    let free = |port: u16| std::net::TcpListener::bind((host.as_str(), port)).is_ok();
-    let port = (0..100)
-        .filter_map(|_| {
-            let base = std::net::TcpListener::bind((host.as_str(), 0))
-                .and_then(|l| l.local_addr())
-                .ok()?
-                .port();
-            let span = base.checked_add(MEMBER_PORTS)?;
-            (base + 1..=span).all(free).then_some(base)
-        })
-        .next()
-        .expect("a free run of ports");
+    let port = free_run_of_ports(&host);
     std::fs::write(&kept, port.to_string()).expect("keep the member's port");
     Address::Rdma { host, port }
+}
+
+/// The runs of ports this process handed to members: a member binds its
+/// shards' ports only once it serves them, so a run found free may be
+/// another member's already.
+static HANDED_OUT: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+
+/// A port of `host` free with its next `MEMBER_PORTS`, overlapping no run
+/// handed out before, and below the kernel's ephemeral range (which the
+/// clients' own sockets take ports from).
+fn free_run_of_ports(host: &str) -> u16 {
+    let ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let (low, high) = (10_000, ephemeral.saturating_sub(MEMBER_PORTS + 1));
+    assert!(low < high, "no ports below the ephemeral range {ephemeral}");
+    let free = |port: u16| std::net::TcpListener::bind((host, port)).is_ok();
+    let mut handed = HANDED_OUT.lock().unwrap_or_else(|e| e.into_inner());
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let mut seed = (now ^ u64::from(std::process::id()) << 32) | 1;
+    let base = (0..1000)
+        .map(|_| low + (crate::xorshift(&mut seed) % u64::from(high - low)) as u16)
+        .find(|&base| {
+            handed.iter().all(|&b| base.abs_diff(b) > MEMBER_PORTS)
+                && (base..=base + MEMBER_PORTS).all(free)
+        })
+        .expect("a free run of ports");
+    handed.push(base);
+    base
 }
 
 /// The cluster read from these members (`cluster+shm://...` or
@@ -294,4 +315,19 @@ pub fn member_address(dir: &Path, name: &str) -> Address {
 pub fn members_url(dir: &Path, names: &[&str]) -> String {
     let members = names.iter().map(|n| member_address(dir, n)).collect();
     kv_cluster::ClusterSource::Members(members).to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_of_member_ports_never_overlap() {
+        let runs: Vec<u16> = (0..12).map(|_| free_run_of_ports("127.0.0.1")).collect();
+        for (i, a) in runs.iter().enumerate() {
+            for b in &runs[i + 1..] {
+                assert!(a.abs_diff(*b) > MEMBER_PORTS, "{runs:?}");
+            }
+        }
+    }
 }
