@@ -18,7 +18,7 @@ use crate::clock::OpClock;
 use crate::corrupt::CorruptSlot;
 use crate::hint::{Alone, Hint, Seen};
 use crate::index::{
-    others_match, Holds, LowestCopy, Others, ReaderScan, ScanMode, Value, WindowsRead,
+    others_match, Holds, Kind, LowestCopy, Others, ReaderScan, ScanMode, Value, WindowsRead,
 };
 use crate::{Client, Result, Step};
 
@@ -61,7 +61,12 @@ impl Client {
         let mut read_already = None;
         if let Some(hint) = self.hint_to_read(key) {
             match self.read_hinted(key, &kh, hint, None)? {
-                Sighting::Held { value, .. } => return Ok(Step::Done(Some(value))),
+                Sighting::Held { value, clock, .. } => {
+                    // Held: no lower slot could hold a copy.
+                    let seen = Seen::new((hint.pos, hint.slot), clock);
+                    self.found_by_get(key, seen, || matches!(value, Value::Bytes(_)));
+                    return Ok(Step::Done(Some(value)));
+                }
                 Sighting::WindowsOnly(clock) => read_already = Some(clock),
                 Sighting::Stale => {}
             }
@@ -94,12 +99,14 @@ impl Client {
                     value,
                     alone,
                 } => {
-                    self.saw(
-                        key,
-                        Seen::new((pos, slot), clock),
-                        Alone::proven_if(alone),
-                        kind.settled_counter(),
-                    );
+                    let seen = Seen::new((pos, slot), clock);
+                    self.saw(key, seen, Alone::proven_if(alone), kind.settled_counter());
+                    // As `read_hinted` holds a hint: no lower slot could
+                    // hold a copy.
+                    let lowest = |at| !others_match(&kh, &slots, at, Others::Lower);
+                    self.found_by_get(key, seen, || {
+                        kind == Kind::Bytes && kh.slot_index(pos).is_some_and(lowest)
+                    });
                     return Ok(Step::Done(Some(value)));
                 }
                 LowestCopy::Absent => {

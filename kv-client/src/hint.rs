@@ -215,7 +215,87 @@ impl Seen {
     }
 }
 
+/// The copy this client's last GET found, kept on a replicated shard's
+/// primary for the write that may follow (a read-modify-write): the
+/// write's observation (`primary`) takes it instead of reading the key
+/// again, and commits by the block's WRITE and the CAS in one batch.
+///
+/// That is sound only where no second copy of a key can appear: then a
+/// GET that found the key at its lowest candidate slot with its
+/// fingerprint found what the write's own read would find, while the
+/// CAS, posted within that read's deadline (`OpClock::in_time`, so the
+/// slot's value cannot have come back after a reuse) and under the same
+/// geometry, says the slot still holds it. On a primary, inserts run under
+/// the key's insert lock and never overlap (see `replicated`), so no
+/// insert can land a lower copy after the GET. On a single server one can
+/// (an insert that read the buckets before the first copy existed lands up
+/// to two deadlines later, see `dedup`): a CAS on the copy the GET found
+/// could then publish a value no reader sees, after a reader had seen the
+/// other insert's, so a single server's writes read the key themselves.
+/// Kept only for a sighting `locate`'s hinted path would act on (not
+/// frozen, plain bytes: a counter's writers read it), and used once.
+#[derive(Default)]
+pub(crate) struct LastRead {
+    /// Whether GETs are remembered: this connection is a replicated
+    /// shard's primary (it has observed for a write).
+    kept: bool,
+    key: Vec<u8>,
+    /// The copy, and the geometry epoch of the read.
+    seen: Option<(Seen, u64)>,
+}
+
+impl LastRead {
+    /// `key`'s copy `seen`, found as its lowest under geometry `epoch`.
+    pub fn remember(&mut self, key: &[u8], seen: Seen, epoch: u64) {
+        if seen.slot.is_frozen() {
+            self.seen = None;
+            return;
+        }
+        self.key.clear();
+        self.key.extend_from_slice(key);
+        self.seen = Some((seen, epoch));
+    }
+
+    /// The copy of `key` the last GET found, if a CAS posted now under
+    /// geometry `epoch` may act on it; forgotten either way. From now on,
+    /// GETs are remembered.
+    pub fn take(&mut self, key: &[u8], epoch: u64) -> Option<Seen> {
+        self.kept = true;
+        let (seen, at) = self.seen.take()?;
+        (at == epoch && self.key == key && seen.clock.in_time()).then_some(seen)
+    }
+
+    pub fn clear(&mut self) {
+        self.seen = None;
+    }
+}
+
 impl Client {
+    /// A GET found `key`'s copy `seen`; `updatable`: whether as its
+    /// lowest, of plain bytes (see `LastRead`), asked only where GETs are
+    /// remembered.
+    pub(crate) fn found_by_get(
+        &mut self,
+        key: &[u8],
+        seen: Seen,
+        updatable: impl FnOnce() -> bool,
+    ) {
+        if !self.last_read.kept {
+            return;
+        }
+        match self.cache.is_enabled() && updatable() {
+            true => self.last_read.remember(key, seen, self.info.geometry.epoch),
+            false => self.last_read.clear(),
+        }
+    }
+
+    /// The copy of `key` the last GET found, if a replicated write's
+    /// update posted now may publish over it (see `LastRead`; only the
+    /// primary of a replicated shard may ask).
+    pub(crate) fn last_read(&mut self, key: &[u8]) -> Option<Seen> {
+        self.last_read.take(key, self.info.geometry.epoch)
+    }
+
     /// The key's hint, if it allows a CAS with no read (`Hint::allows_blind_cas`).
     pub(crate) fn blind_hint(&self, key: &[u8]) -> Option<Hint> {
         self.cache

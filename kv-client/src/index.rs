@@ -197,6 +197,25 @@ pub struct Copies {
 }
 
 impl Copies {
+    /// The copy at `pos`, holding `slot`, known to be the key's lowest (a
+    /// hint that held, a GET's sighting): what an update acts on.
+    pub fn known(pos: SlotPos, slot: Slot) -> Copies {
+        Copies {
+            slots: smallvec::smallvec![(pos, slot)],
+            kinds: smallvec::smallvec![Kind::Known],
+            value: None,
+            exact: false,
+        }
+    }
+
+    /// The one copy, if it is `known` (an update CASes it and nothing else).
+    pub fn only_known(&self) -> Option<(SlotPos, Slot)> {
+        match (&self.slots[..], &self.kinds[..]) {
+            ([copy], [Kind::Known]) => Some(*copy),
+            _ => None,
+        }
+    }
+
     /// The lowest copy a reader sees: the key's value.
     pub fn visible(&self) -> Option<usize> {
         self.kinds.iter().position(|k| k.is_readable())

@@ -320,6 +320,8 @@ pub struct Client {
     retired_stats: VerbStats,
     jitter: u64,
     cache: SlotCache,
+    /// The copy the last GET found, for a write that follows it.
+    last_read: hint::LastRead,
     reconnects: u64,
     /// A counter lock this client waits on (see `Client::wait_on_lock`).
     lock_watch: Option<counter::LockWatch>,
@@ -396,6 +398,7 @@ impl Client {
             // lock generations from it.
             jitter: seed(),
             cache: SlotCache::new(cache_entries),
+            last_read: hint::LastRead::default(),
             reconnects: 0,
             lock_watch: None,
             read_lease,
@@ -1048,6 +1051,7 @@ impl Client {
         self.conn = Box::new(transport::Closed);
         self.alloc.reset();
         self.cache.clear();
+        self.last_read.clear();
         let (conn, info, layout, read_lease) = open(&self.address, &self.options)?;
         if info.geometry.chunk_size != self.info.geometry.chunk_size {
             return Err(Error::Protocol(

@@ -89,6 +89,20 @@ impl Client {
                     value: None,
                 }));
             }
+            // What a hinted `locate` would find: the copy a GET just found.
+            if let Some(Seen { pos, slot, clock }) =
+                self.last_read(key).filter(|_| need == Need::Lowest)
+            {
+                let seen = Sight::Found {
+                    copies: Copies::known(pos, slot),
+                    clock,
+                };
+                return Ok(Step::Done(Observed {
+                    seen,
+                    epoch,
+                    value: None,
+                }));
+            }
         }
         let kh = KeyHash::new(key, self.info.geometry.bucket_count);
         let mut corrupt = CorruptSlot::default();
@@ -172,12 +186,21 @@ impl Client {
                 if !hint.allows_blind_cas(&self.timing) {
                     return Ok(Step::Done(false));
                 }
-                self.update_blind(key, *hint, write, new).map(Step::Done)
+                self.update_blind(key, (hint.pos, hint.slot), write, new)
+                    .map(Step::Done)
             }
-            Sight::Found { copies, clock } => {
-                self.conn.post(&[write])?;
-                self.update(key, copies, new, *clock).map(Step::Done)
-            }
+            Sight::Found { copies, clock } => match copies.only_known() {
+                // One copy, known to be the lowest: `update` would only CAS
+                // it, so the block's WRITE goes with the CAS.
+                Some(copy) if clock.in_time() => {
+                    self.update_blind(key, copy, write, new).map(Step::Done)
+                }
+                Some(_) => Ok(Step::Done(false)),
+                None => {
+                    self.conn.post(&[write])?;
+                    self.update(key, copies, new, *clock).map(Step::Done)
+                }
+            },
             Sight::Absent { kh, clock } => {
                 self.conn.post(&[write])?;
                 Ok(match self.insert(key, kh, new, *clock)? {

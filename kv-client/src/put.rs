@@ -13,7 +13,7 @@
 //! and unlock relies on. On shm the verbs of a batch run in order.
 
 use crossbeam::utils::Backoff;
-use kv_common::layout::{block_len, class_for, encode_block, KeyHash, Slot};
+use kv_common::layout::{block_len, class_for, encode_block, KeyHash, Slot, SlotPos};
 use kv_common::transport::Verb;
 
 use crate::clock::OpClock;
@@ -30,7 +30,7 @@ impl Client {
         let mut unwritten = Some(write);
         if let Some(hint) = self.blind_hint(key) {
             unwritten = None;
-            if self.update_blind(key, hint, write, new)? {
+            if self.update_blind(key, (hint.pos, hint.slot), write, new)? {
                 return Ok(Step::Done(()));
             }
         }
@@ -77,21 +77,22 @@ impl Client {
         Ok((kh, Slot::new(kh.fingerprint, class, offset), write))
     }
 
-    /// One round trip: the block's WRITE and the CAS of the hinted slot in
-    /// one batch. False if the slot changed (the block is written; locate).
+    /// One round trip: the block's WRITE and the CAS of the key's copy
+    /// (`pos` holding `old`, as a sole hint or a read in time says) in one
+    /// batch. False if the slot changed (the block is written; locate).
     pub(crate) fn update_blind(
         &mut self,
         key: &[u8],
-        hint: Hint,
+        (pos, old): (SlotPos, Slot),
         write: Verb,
         new: Slot,
     ) -> Result<bool> {
         let clock = self.timing.start();
-        let cas = self.cas_verb(hint.pos, hint.slot, new);
+        let cas = self.cas_verb(pos, old, new);
         self.conn.post(&[write, cas])?;
-        if self.cas_held(hint.slot) {
-            self.unlinked(hint.slot);
-            self.replaced(key, Seen::new((hint.pos, hint.slot), clock), new);
+        if self.cas_held(old) {
+            self.unlinked(old);
+            self.replaced(key, Seen::new((pos, old), clock), new);
             return Ok(true);
         }
         self.cache.forget(key);

@@ -4,8 +4,9 @@
 //!
 //! **The write.** A writer
 //! 1. *observes* the key at the primary: the slot that links the copy
-//!    readers see (a fresh, sole hint counts: no read at all), or that
-//!    there is none;
+//!    readers see (a fresh, sole hint counts: no read at all; so does what
+//!    a GET of the key found just before, while its read is in time, see
+//!    `hint::LastRead`), or that there is none;
 //! 2. *sets* the key on every backup (a plain PUT or DELETE there, redone
 //!    as often as it takes);
 //! 3. *commits* at the primary by a CAS from exactly what it observed

@@ -227,7 +227,7 @@ pub struct KeysPage {
     pub epoch: u64,
     /// A resize was under way: keys may be missing from this page.
     pub resizing: bool,
-    /// Where the next page starts; None after the last slot.
+    /// The bucket the next page starts at; None after the last bucket.
     pub next: Option<u64>,
     /// Slots in this page whose block failed validation: their keys are
     /// not known.

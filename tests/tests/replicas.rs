@@ -47,13 +47,25 @@ fn start_with_env(
     name: &str,
     env: &[(&str, &str)],
 ) -> (EtcdServer, String, tempfile::TempDir, Vec<Daemon>) {
+    start_with(name, &[], env)
+}
+
+/// As [`start`], the servers started with `args` and `env`.
+fn start_with(
+    name: &str,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> (EtcdServer, String, tempfile::TempDir, Vec<Daemon>) {
     let etcd = EtcdServer::start();
     let url = etcd.url(name);
     let dir = region_dir();
     create_cluster_with(&url, SHARDS, 4, &["--replicas", "3"]);
     let members = MEMBERS
         .iter()
-        .map(|(m, zone)| start_member_with_env(&url, dir.path(), m, &["--zone", zone], env))
+        .map(|(m, zone)| {
+            let args = [&["--zone", zone][..], args].concat();
+            start_member_with_env(&url, dir.path(), m, &args, env)
+        })
         .collect();
     let warm = || -> Result<(), Error> {
         let mut kv = ClusterClient::connect(&url)?;
@@ -553,6 +565,40 @@ fn a_writer_killed_between_its_copies_leaves_them_to_the_keys_next_write() {
     assert_eq!(kv.get("k").expect("get").as_deref(), Some(&b"next"[..]));
     assert!(kv.delete("k").expect("delete"));
     assert_eq!(assert_alike(&mut groups, &kv, "k"), None);
+}
+
+#[test]
+fn a_write_right_after_a_read_of_its_key_reads_nothing_more_at_the_primary() {
+    // A longer deadline (within what the members' 2 s leases allow: a read
+    // lease ends two deadlines before its member's may): hints stay fresh
+    // (600 ms), and no copy settles (900 ms: its updates would go blind),
+    // however slow the machine.
+    let (_etcd, url, _dir, _members) = start_with("rmw", &["--op-deadline-ms", "300"], &[]);
+    let mut kv = ClusterClient::connect(&url).expect("connect");
+    let (k, other) = (key_of(&kv, 0, "rmw"), key_of(&kv, 0, "other"));
+    kv.put(&k, "a").expect("put");
+    kv.put(&other, "x").expect("put");
+    // Round trips of a write of `k` right after a read of `read`.
+    let write_after = |kv: &mut ClusterClient, read: &str, value: &str| {
+        kv.get(read).expect("get");
+        let at = kv.verb_stats().round_trips;
+        kv.put(&k, value).expect("put");
+        kv.verb_stats().round_trips - at
+    };
+    let after_another = write_after(&mut kv, &other, "b");
+    let after_its_own = write_after(&mut kv, &k, "c");
+    // The same at the backups; at the primary, the read's sighting is the
+    // observation: no read of the key, then the block and the CAS.
+    assert_eq!(
+        after_its_own + 1,
+        after_another,
+        "after a read of the key: {after_its_own} round trips; of another: {after_another}"
+    );
+    let mut groups = copies(&url);
+    assert_eq!(
+        assert_alike(&mut groups, &kv, &k).as_deref(),
+        Some(&b"c"[..])
+    );
 }
 
 /// A key of `shard`, named from `prefix`.
