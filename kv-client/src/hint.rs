@@ -237,7 +237,7 @@ impl Seen {
 #[derive(Default)]
 pub(crate) struct LastRead {
     /// Whether GETs are remembered: this connection is a replicated
-    /// shard's primary (it has observed for a write).
+    /// shard's primary (a write has asked for what its last GET found).
     kept: bool,
     key: Vec<u8>,
     /// The copy, and the geometry epoch of the read.
@@ -258,7 +258,7 @@ impl LastRead {
 
     /// The copy of `key` the last GET found, if a CAS posted now under
     /// geometry `epoch` may act on it; forgotten either way. From now on,
-    /// GETs are remembered.
+    /// GETs are remembered: only a replicated shard's primary asks.
     pub fn take(&mut self, key: &[u8], epoch: u64) -> Option<Seen> {
         self.kept = true;
         let (seen, at) = self.seen.take()?;
@@ -291,7 +291,7 @@ impl Client {
 
     /// The copy of `key` the last GET found, if a replicated write's
     /// update posted now may publish over it (see `LastRead`; only the
-    /// primary of a replicated shard may ask).
+    /// primary of a replicated shard may ask: `observe_for_put`).
     pub(crate) fn last_read(&mut self, key: &[u8]) -> Option<Seen> {
         self.last_read.take(key, self.info.geometry.epoch)
     }

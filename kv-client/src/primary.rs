@@ -72,6 +72,25 @@ impl Client {
         self.run(|c| c.observe_once(key, need, want_value, inserting))
     }
 
+    /// As [`Self::observe`], for a PUT at a replicated shard's primary:
+    /// what a GET of the key just found stands for the observation, while
+    /// its read is in time (`hint::LastRead`, which says why only there).
+    pub(crate) fn observe_for_put(&mut self, key: &[u8]) -> Result<Observed> {
+        crate::check_key(key)?;
+        match self.last_read(key) {
+            // What a hinted `locate` would find, read by the GET.
+            Some(Seen { pos, slot, clock }) => Ok(Observed {
+                seen: Sight::Found {
+                    copies: Copies::known(pos, slot),
+                    clock,
+                },
+                epoch: self.info.geometry.epoch,
+                value: None,
+            }),
+            None => self.observe(key, Need::Lowest, (false, true)),
+        }
+    }
+
     fn observe_once(
         &mut self,
         key: &[u8],
@@ -83,20 +102,6 @@ impl Client {
         if !want_value {
             if let Some(hint) = self.blind_hint(key) {
                 let seen = Sight::Hinted(hint);
-                return Ok(Step::Done(Observed {
-                    seen,
-                    epoch,
-                    value: None,
-                }));
-            }
-            // What a hinted `locate` would find: the copy a GET just found.
-            if let Some(Seen { pos, slot, clock }) =
-                self.last_read(key).filter(|_| need == Need::Lowest)
-            {
-                let seen = Sight::Found {
-                    copies: Copies::known(pos, slot),
-                    clock,
-                };
                 return Ok(Step::Done(Observed {
                     seen,
                     epoch,

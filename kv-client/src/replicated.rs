@@ -217,7 +217,12 @@ impl Group<'_> {
         let attempts = self.primary.options.max_attempts;
         for _ in 0..attempts {
             let inserting = !matches!(change, Change::Delete);
-            let observed = self.primary.observe(key, need, (want_value, inserting))?;
+            let observed = match change {
+                Change::Put(_) => self.primary.observe_for_put(key)?,
+                Change::Delete | Change::Add(_) => {
+                    self.primary.observe(key, need, (want_value, inserting))?
+                }
+            };
             let absent = observed.is_absent();
             if absent && matches!(change, Change::Delete) {
                 return Ok(Done::Deleted(false));
