@@ -4,12 +4,11 @@
 
 use kv_common::layout::{KeyHash, Slot, SlotPos};
 use kv_common::transport::Verb;
-use smallvec::smallvec;
 
 use crate::clock::OpClock;
 use crate::get::Sighting;
 use crate::hint::{Alone, Seen};
-use crate::index::{meets_resize, Copies, Kind, Scan, ScanMode, Value, WindowsRead};
+use crate::index::{meets_resize, Copies, Scan, ScanMode, Value, WindowsRead};
 use crate::{Client, Result};
 
 /// What a writer needs to know about the key's copies.
@@ -79,10 +78,9 @@ impl Client {
             let exact = alone || hint.is_sole();
             if need == Need::Lowest || exact {
                 let copies = Copies {
-                    slots: smallvec![(hint.pos, hint.slot)],
-                    kinds: smallvec![Kind::Known],
                     value: Some(value),
                     exact,
+                    ..Copies::known(hint.pos, hint.slot)
                 };
                 return Ok(Located::Found { copies, clock });
             }

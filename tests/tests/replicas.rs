@@ -39,18 +39,10 @@ const MEMBERS: [(&str, &str); 4] = [("m0", "a"), ("m1", "b"), ("m2", "c"), ("m3"
 
 /// Four servers in three zones.
 fn start(name: &str) -> (EtcdServer, String, tempfile::TempDir, Vec<Daemon>) {
-    start_with_env(name, &[])
+    start_with(name, &[], &[])
 }
 
-/// As [`start`], the servers started with `env` (a test hook).
-fn start_with_env(
-    name: &str,
-    env: &[(&str, &str)],
-) -> (EtcdServer, String, tempfile::TempDir, Vec<Daemon>) {
-    start_with(name, &[], env)
-}
-
-/// As [`start`], the servers started with `args` and `env`.
+/// As [`start`], the servers started with `args` and `env` (a test hook).
 fn start_with(
     name: &str,
     args: &[&str],
@@ -831,7 +823,7 @@ fn member_index(id: &str) -> usize {
 fn killed_primaries_fail_over_and_their_copies_are_restored_with_every_acknowledged_write() {
     // Each copy lasts a second at least, so that one can be killed while
     // under way.
-    let (_etcd, url, dir, members) = start_with_env("failover", &[("ONEKV_MOVE_PAUSE", "1000")]);
+    let (_etcd, url, dir, members) = start_with("failover", &[], &[("ONEKV_MOVE_PAUSE", "1000")]);
     let mut members = by_name(members);
     let before = cluster_state(&url);
     let old = before.shard_map().expect("a map").clone();
