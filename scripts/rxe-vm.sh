@@ -243,8 +243,9 @@ fi
 
 # What replication costs a write over rdma: one shard on three members,
 # created with one copy, then with three; the same whole-record updates (1
-# thread, 1000 keys) against each. Counted round trips add every copy's;
-# the p50 is one update's wall time (its backups set one after the other).
+# thread, 1000 keys) against each, and the load of those keys before.
+# Counted round trips add every copy's; the p50 is one operation's wall
+# time (its backups set one after the other).
 etcd --name r --data-dir /tmp/etcd-r --listen-client-urls http://127.0.0.1:2479 \
   --advertise-client-urls http://127.0.0.1:2479 --listen-peer-urls http://127.0.0.1:2480 \
   --initial-advertise-peer-urls http://127.0.0.1:2480 --initial-cluster r=http://127.0.0.1:2480 \
@@ -280,11 +281,15 @@ for r in 1 3; do
   rm -f /dev/shm/r$r-*
 done
 kill $etcd_pid; wait $etcd_pid 2>/dev/null
-update() { awk -F', ' -v f="$2" '$1 == "[UPDATE]" && $2 == f {print $3; exit}' /tmp/r$1.log; }
-p1=$(update 1 '50thPercentileLatency(us)'); p3=$(update 3 '50thPercentileLatency(us)')
-if [ -n "$p1" ] && [ -n "$p3" ]; then
-  echo "RXE-REPLICAS: whole-record UPDATE p50 $p1 us at R=1 ($(update 1 RoundTripsPerOp) round trips), $p3 us at R=3 ($(update 3 RoundTripsPerOp) round trips, every copy's): $(awk "BEGIN{printf \"%.2f\", $p3/$p1}")x"
-fi
+# `report_field R OP FIELD`: a field of OP's report in the run at R copies.
+report_field() { awk -F', ' -v o="[$2]" -v f="$3" '$1 == o && $2 == f {print $3; exit}' /tmp/r$1.log; }
+for op in UPDATE INSERT; do
+  p1=$(report_field 1 $op '50thPercentileLatency(us)'); p3=$(report_field 3 $op '50thPercentileLatency(us)')
+  what=$([ $op = UPDATE ] && echo "whole-record UPDATE" || echo "INSERT (the load)")
+  if [ -n "$p1" ] && [ -n "$p3" ]; then
+    echo "RXE-REPLICAS: $what p50 $p1 us at R=1 ($(report_field 1 $op RoundTripsPerOp) round trips), $p3 us at R=3 ($(report_field 3 $op RoundTripsPerOp) round trips, every copy's): $(awk "BEGIN{printf \"%.2f\", $p3/$p1}")x"
+  fi
+done
 echo "RXE-SUMMARY: $pass passed, $fail failed"
 GUEST
 

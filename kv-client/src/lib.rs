@@ -54,6 +54,7 @@ mod geometry;
 mod get;
 mod hint;
 mod index;
+mod insert_lock;
 mod lease;
 mod local;
 mod locate;
@@ -325,6 +326,8 @@ pub struct Client {
     reconnects: u64,
     /// A counter lock this client waits on (see `Client::wait_on_lock`).
     lock_watch: Option<counter::LockWatch>,
+    /// What this client last found in each insert lock word.
+    lock_words: insert_lock::LockWords,
     /// On a copy of a replicated shard: until when it may read (see
     /// `read_lease`).
     read_lease: Option<ReadLease>,
@@ -401,6 +404,7 @@ impl Client {
             last_read: hint::LastRead::default(),
             reconnects: 0,
             lock_watch: None,
+            lock_words: insert_lock::LockWords::default(),
             read_lease,
         })
     }

@@ -4,7 +4,6 @@
 //! succeeds only if the key is still as observed.
 
 use kv_common::layout::{KeyHash, Slot};
-use kv_common::protocol::{Request, Response};
 use smallvec::SmallVec;
 
 use crate::clock::OpClock;
@@ -243,39 +242,6 @@ impl Client {
                 )
             }
             Sight::Absent { .. } => Ok(true),
-        }
-    }
-}
-
-impl Client {
-    /// Asks the server for `key`'s insert lock (see `replicated`): until
-    /// when an observation may start that an insert then acts on, counted
-    /// from before asking, if granted. An insert's CAS is posted within a
-    /// deadline of its observation and lands within another: three
-    /// deadlines of margin, one to spare.
-    pub(crate) fn take_insert_lock(&mut self, key: &[u8]) -> Result<Option<std::time::Instant>> {
-        let asked = std::time::Instant::now();
-        match self.insert_lock(key, false)? {
-            Some(ttl) => Ok(Some(asked + ttl.saturating_sub(3 * self.op_deadline()))),
-            None => Ok(None),
-        }
-    }
-
-    /// Lets `key`'s insert lock go.
-    pub(crate) fn release_insert_lock(&mut self, key: &[u8]) -> Result<()> {
-        self.insert_lock(key, true).map(drop)
-    }
-
-    fn insert_lock(&mut self, key: &[u8], release: bool) -> Result<Option<std::time::Duration>> {
-        let request = Request::InsertLock {
-            key: kv_common::layout::key_lock(key),
-            release,
-        };
-        match self.conn.call(&request)? {
-            Response::InsertLock { granted, ttl_ms } => {
-                Ok(granted.then(|| std::time::Duration::from_millis(u64::from(ttl_ms))))
-            }
-            other => Err(crate::unexpected(other)),
         }
     }
 }

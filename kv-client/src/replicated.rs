@@ -45,14 +45,14 @@
 //! from: two writers that both found it absent insert into two empty slots
 //! and both succeed; the lowest copy wins at the primary (see `dedup`),
 //! while the backups keep whichever set came last. So a writer that finds
-//! the key absent first takes the key's insert lock at the primary's
-//! server (`Request::InsertLock`, a control message: inserts only), then
-//! observes again, and commits its insert only while the lock, by its own
-//! clock started before it asked, has a deadline left. Inserts of one key
-//! then never overlap, and the observation "absent" is as good as a slot:
-//! nobody else can fill it. A lock lapses on its own, so a writer that
-//! died holding it delays that key's next insert by at most the lock's
-//! life (20 operation deadlines).
+//! the key absent first takes the key's insert lock at the primary (a word
+//! of its region, taken by CAS: see `insert_lock`), then observes again,
+//! and commits its insert only while the lock, by its own clock started
+//! before it posted that CAS, has three deadlines of its life left.
+//! Inserts of one key then never overlap, and the observation "absent" is
+//! as good as a slot: nobody else can fill it. A hold found unchanged for
+//! a whole life (20 operation deadlines) is taken over, so a writer that
+//! died holding it delays that key's next insert by at most that long.
 //!
 //! **Counters** are plain values here, the decimal text of the number
 //! (what a GET of a counter returns anyway): an increment observes the
@@ -76,14 +76,19 @@
 //! write; and `level`'s sets of a present value are PUTs, which a stalled
 //! client could land after a later increment.
 
+use std::borrow::Cow;
 use std::time::{Duration, Instant};
 
 use kv_common::layout::COUNTER_MAX;
 
+use crate::insert_lock::KeyLock;
 use crate::locate::Need;
 use crate::primary::Commit;
 use crate::{Client, Error, Result};
 
+/// CASes a writer posts in a row on an insert lock word it keeps finding
+/// free at another value than it asked from.
+const FREE_RETRIES: usize = 4;
 /// How long a writer waits before asking again for an insert lock that
 /// another writer holds.
 const LOCK_WAIT: Duration = Duration::from_micros(200);
@@ -156,12 +161,9 @@ impl Group<'_> {
     /// Brings every copy of `key` to what the primary holds (see `level`).
     fn level_copies(&mut self, key: &[u8]) -> Result<()> {
         crate::check_key(key)?;
-        let mut lock = None;
+        let mut lock = self.key_lock(key);
         let done = self.level(key, &mut lock);
-        if lock.is_some() {
-            // It lapses anyway: a failure to say so costs nothing.
-            let _ = self.primary.release_insert_lock(key);
-        }
+        self.release(key, &mut lock);
         done
     }
 
@@ -170,7 +172,7 @@ impl Group<'_> {
     fn write(&mut self, key: &[u8], change: Change) -> Result<Done> {
         crate::check_key(key)?;
         let mut touched = false;
-        let mut lock = None;
+        let mut lock = self.key_lock(key);
         let mut done = self.rounds(key, change, &mut touched, &mut lock);
         // Known not to have taken effect, the copies being level again.
         let mut unapplied = false;
@@ -189,10 +191,7 @@ impl Group<'_> {
                 }
             }
         }
-        if lock.is_some() {
-            // It lapses anyway: a failure to say so costs nothing.
-            let _ = self.primary.release_insert_lock(key);
-        }
+        self.release(key, &mut lock);
         done.map_err(|e| match e {
             Error::OutcomeUnknown(_) => e,
             e if touched && !unapplied => Error::OutcomeUnknown(format!(
@@ -207,7 +206,7 @@ impl Group<'_> {
         key: &[u8],
         change: Change,
         touched: &mut bool,
-        lock: &mut Option<InsertLock>,
+        lock: &mut KeyLock,
     ) -> Result<Done> {
         let need = match change {
             Change::Delete => Need::Every,
@@ -229,33 +228,33 @@ impl Group<'_> {
             }
             // Inserts and increments act under the key's lock.
             let locks = absent || matches!(change, Change::Add(_));
-            if locks && !lock.is_some_and(|l| l.holds(self.primary)) {
+            if locks && !lock.holds(self.primary) {
                 self.relock(key, lock)?;
                 // Observed again under the lock.
                 continue;
             }
             let (value, number) = match change {
-                Change::Put(value) => (Some(value.to_vec()), None),
+                Change::Put(value) => (Some(Cow::Borrowed(value)), None),
                 Change::Delete => (None, None),
                 Change::Add(delta) => {
                     if !absent && observed.value.is_none() {
                         return Err(Error::Internal("an increment observed no value".into()));
                     }
                     let now = add(observed.value.as_deref(), delta)?;
-                    (Some(now.to_string().into_bytes()), Some(now))
+                    (Some(Cow::Owned(now.to_string().into_bytes())), Some(now))
                 }
             };
             crate::pause_point("replica-before-backups");
             match (change, value.as_deref()) {
                 (Change::Add(_), Some(sum)) => {
-                    if !self.set_backups_locked(key, sum, *lock, touched)? {
+                    if !self.set_backups_locked(key, sum, lock, touched)? {
                         continue;
                     }
                 }
                 (_, value) => self.set_backups(key, value, touched)?,
             }
             crate::fault_point("replica-backups-set");
-            if locks && !lock.is_some_and(|l| l.holds(self.primary)) {
+            if locks && !lock.holds(self.primary) {
                 continue;
             }
             if self.primary.commit(key, value.as_deref(), &observed)? == Commit::Done {
@@ -298,7 +297,7 @@ impl Group<'_> {
         &mut self,
         key: &[u8],
         sum: &[u8],
-        lock: Option<InsertLock>,
+        lock: &KeyLock,
         touched: &mut bool,
     ) -> Result<bool> {
         let attempts = self.primary.options.max_attempts;
@@ -306,7 +305,7 @@ impl Group<'_> {
             let mut set = false;
             for _ in 0..attempts {
                 let observed = backup.observe(key, Need::Lowest, (false, true))?;
-                if !lock.is_some_and(|l| l.holds(self.primary)) {
+                if !lock.holds(self.primary) {
                     return Ok(false);
                 }
                 *touched = true;
@@ -329,11 +328,11 @@ impl Group<'_> {
     /// backups, which counts only if the key's lock held from before the
     /// observation until the removals were done (no insert can fill the
     /// key meanwhile); otherwise the lock is taken again and it is redone.
-    fn level(&mut self, key: &[u8], lock: &mut Option<InsertLock>) -> Result<()> {
+    fn level(&mut self, key: &[u8], lock: &mut KeyLock) -> Result<()> {
         let mut touched = true;
         let attempts = self.primary.options.max_attempts;
         for _ in 0..attempts {
-            let held = lock.is_some_and(|l| l.holds(self.primary));
+            let held = lock.holds(self.primary);
             let observed = self.primary.observe(key, Need::Lowest, (true, false))?;
             if !observed.is_absent() {
                 let Some(value) = observed.value.clone() else {
@@ -350,41 +349,54 @@ impl Group<'_> {
                 continue;
             }
             self.set_backups(key, None, &mut touched)?;
-            if lock.is_some_and(|l| l.holds(self.primary)) {
+            if lock.holds(self.primary) {
                 return Ok(());
             }
         }
         Err(Error::Contended(attempts))
     }
 
-    /// Asks for `key`'s lock at the primary (again); waits a moment if
-    /// another writer holds it.
-    fn relock(&mut self, key: &[u8], lock: &mut Option<InsertLock>) -> Result<()> {
-        let connection = self.primary.reconnects();
-        *lock = self
-            .primary
-            .take_insert_lock(key)?
-            .map(|until| InsertLock { until, connection });
-        if lock.is_none() {
+    /// What this writer knows of `key`'s insert lock before it looks.
+    fn key_lock(&self, key: &[u8]) -> KeyLock {
+        KeyLock::new(self.primary.insert_lock_guess(key), Instant::now())
+    }
+
+    /// Takes `key`'s lock at the primary (again: a hold renewed; or let go
+    /// by another writer since it was last found), or takes it over from a
+    /// writer that held it a whole life; waits a moment if another writer
+    /// holds it.
+    fn relock(&mut self, key: &[u8], lock: &mut KeyLock) -> Result<()> {
+        let (life, margin) = self.primary.insert_lock_life();
+        // A word found free at another value than guessed (other writers
+        // took and let it go since this client last looked) is asked for
+        // again at once.
+        for _ in 0..FREE_RETRIES {
+            let (from, to) = lock.next(life, Instant::now());
+            let connection = self.primary.reconnects();
+            let asked = Instant::now();
+            let found = self.primary.cas_insert_lock(key, from, to)?;
+            lock.found(
+                (from, to, found),
+                (asked, Instant::now()),
+                (life, margin),
+                connection,
+            );
+            if lock.is_held() || found & 1 == 1 {
+                break;
+            }
+        }
+        if !lock.is_held() {
             std::thread::sleep(LOCK_WAIT);
         }
         Ok(())
     }
-}
 
-/// A key's insert lock at the primary, as this writer holds it.
-#[derive(Clone, Copy)]
-struct InsertLock {
-    /// The last moment an observation may start that an insert acts on.
-    until: Instant,
-    /// The primary connection it was granted to: a connection made anew
-    /// (the server may have restarted, forgetting its locks) holds none.
-    connection: u64,
-}
-
-impl InsertLock {
-    fn holds(&self, primary: &Client) -> bool {
-        Instant::now() < self.until && primary.reconnects() == self.connection
+    /// Lets `key`'s lock go, if this writer holds it. A hold lapses anyway,
+    /// so a release that fails costs nothing.
+    fn release(&mut self, key: &[u8], lock: &mut KeyLock) {
+        if let Some((from, to)) = lock.release() {
+            let _ = self.primary.cas_insert_lock(key, from, to);
+        }
     }
 }
 

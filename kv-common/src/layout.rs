@@ -22,6 +22,9 @@
 //! newer one was damaged after its switch completed (see
 //! [`Geometry::decode_header`]).
 //!
+//! The header page past the records and the epoch word holds a replicated
+//! shard's insert locks ([`INSERT_LOCKS_OFFSET`]), which clients CAS.
+//!
 //! The key table holds one access key per connected client of the shm
 //! backend (a client's verbs check its own word, so one client can be cut
 //! off without touching the others, as a NIC does by moving its queue pair
@@ -478,15 +481,34 @@ const SECOND_BUCKET_SEED: u64 = 0x6f6e_656b_765f_6232;
 /// Most shards a cluster may have (see [`shard_of`]).
 pub const MAX_SHARDS: u32 = 1 << 16;
 
-/// The name of `key`'s insert lock at a replicated shard's primary
-/// (`Request::InsertLock`): a seeded hash, so that it shares no bits with
-/// the key's buckets or shard. Two keys with one name only wait for each
-/// other.
-pub fn key_lock(key: &[u8]) -> u64 {
-    xxh3_64_with_seed(key, KEY_LOCK_SEED)
+/// Where a replicated shard's primary keeps its insert locks (kv-client's
+/// `insert_lock`): words of the header page past the epoch word, outside
+/// both records' checksums, zero in a new region (free). Clients CAS them;
+/// the server never touches them.
+pub const INSERT_LOCKS_OFFSET: u64 = 2048;
+/// Insert lock words: keys whose hash picks one word wait for each other,
+/// which only a writer inserting (or incrementing) keys that meet on one
+/// notices.
+pub const INSERT_LOCKS: u64 = 256;
+
+/// Which insert lock word is `key`'s: from a seeded hash, so that it shares
+/// no bits with the key's buckets or shard.
+pub fn insert_lock_index(key: &[u8]) -> u64 {
+    xxh3_64_with_seed(key, KEY_LOCK_SEED) % INSERT_LOCKS
 }
 
-/// Seeds [`key_lock`].
+/// The offset of `key`'s insert lock word.
+pub fn insert_lock_offset(key: &[u8]) -> u64 {
+    INSERT_LOCKS_OFFSET + insert_lock_index(key) * 8
+}
+
+// The lock words lie between the epoch word and the key table.
+const _: () = assert!(
+    INSERT_LOCKS_OFFSET >= EPOCH_OFFSET + 8
+        && INSERT_LOCKS_OFFSET + INSERT_LOCKS * 8 <= HEADER_SIZE
+);
+
+/// Seeds [`insert_lock_index`].
 const KEY_LOCK_SEED: u64 = 0x6b65_792d_6c6f_636b;
 
 /// Which of a cluster's `shards` holds `key`. It is read from bits 40..56

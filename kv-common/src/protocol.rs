@@ -30,12 +30,14 @@ pub struct RemoteRegion {
 /// space they give back; 9: a lease carries the keys its WRITEs take; 10:
 /// a cluster's map page carries each shard's backups; 12: a copy of a
 /// replicated shard serves reads for a bounded time that clients renew,
-/// `ConnectInfo::read_lease_us`). A
+/// `ConnectInfo::read_lease_us`); 13: a replicated shard's insert locks
+/// are words of its primary's region that clients CAS, no longer control
+/// messages, so two versions' writers would not exclude each other). A
 /// request or reply added at the end of its enum needs no new version: the
 /// others' encoding is unchanged, and a peer that lacks it fails to decode
 /// that one message (a client of version 8 before `ClusterMap` meets a
 /// member's address that way).
-pub const PROTOCOL_VERSION: u32 = 12;
+pub const PROTOCOL_VERSION: u32 = 13;
 /// Largest encoded message either side accepts.
 pub const MAX_MESSAGE: usize = 64 * 1024;
 
@@ -190,16 +192,6 @@ pub enum Request {
     ClusterMap {
         protocol_version: u32,
         first: u32,
-    },
-    /// Take (`release`: let go) the insert lock of a key of a replicated
-    /// shard, named by [`crate::layout::key_lock`]: a writer that found
-    /// the key absent at the primary holds it from before it writes the
-    /// backups until it has inserted the key at the primary, so that two
-    /// inserts of one key are never under way at once (see kv-client's
-    /// `replicated`). Answered with [`Response::InsertLock`].
-    InsertLock {
-        key: u64,
-        release: bool,
     },
     /// Renew this client's read lease on a copy of a replicated shard
     /// (see [`ConnectInfo::read_lease_us`]). Answered with
@@ -500,13 +492,6 @@ pub enum Response {
     },
     /// Variants are added at the end: the wire names them by position.
     ClusterMap(MapPage),
-    /// The insert lock asked for: `granted` for `ttl_ms` from when the
-    /// server took the request (to this client, or already its own), or
-    /// held by another client; a release is answered `granted: false`.
-    InsertLock {
-        granted: bool,
-        ttl_ms: u32,
-    },
     /// A read lease of `valid_us` from when the client sent its request.
     ReadLease {
         valid_us: u64,

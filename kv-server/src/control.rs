@@ -202,9 +202,6 @@ pub struct Shared {
     /// does (see `reclaim.rs`); while not, reports are not taken and
     /// clients are told to hold them back.
     pub reports_pay: AtomicBool,
-    /// Who is inserting which key of a replicated shard (see
-    /// `insert_locks`).
-    pub insert_locks: Mutex<crate::insert_locks::InsertLocks>,
 }
 
 impl Shared {
@@ -481,9 +478,6 @@ pub fn handle(
             shared.wake_reclaimer();
             (Response::Stats(shared.stats()), After::Stay)
         }
-        (Request::InsertLock { key, release }, Some(id)) => {
-            (insert_lock(shared, id, key, release), After::Stay)
-        }
         (Request::ReadLease, Some(_)) => read_lease(shared),
         (Request::Keys { from, seed }, Some(_)) => (keys_page(shared, from, seed), After::Stay),
         (Request::Disconnect, Some(id)) => {
@@ -535,24 +529,6 @@ fn read_lease(shared: &Shared) -> (Response, After) {
 /// Why a copy whose member cannot confirm its lease turns clients away.
 const LEASE_UNCONFIRMED: &str =
     "this copy's server cannot confirm its lease: it may have been failed over";
-
-/// Takes or lets go client `id`'s insert lock of `key` (see
-/// `insert_locks`).
-fn insert_lock(shared: &Shared, id: ClientId, key: u64, release: bool) -> Response {
-    let mut locks = shared
-        .insert_locks
-        .lock()
-        .unwrap_or_else(|e| e.into_inner());
-    let ttl_ms = u32::try_from(locks.ttl().as_millis()).unwrap_or(u32::MAX);
-    let granted = match release {
-        true => {
-            locks.release(key, id);
-            false
-        }
-        false => locks.take(key, id, Instant::now()),
-    };
-    Response::InsertLock { granted, ttl_ms }
-}
 
 /// A `Connect` on a fresh channel: checks the version, the secret and the
 /// client limit, then admits the client to the data path.

@@ -30,7 +30,6 @@ pub mod header;
 pub mod heap;
 mod http;
 mod index_load;
-mod insert_locks;
 mod level;
 mod metrics;
 mod reclaim;
@@ -545,16 +544,8 @@ fn new_shared(
         failure: Mutex::new(None),
         headroom: AtomicU64::new(0),
         reports_pay: AtomicBool::new(true),
-        insert_locks: Mutex::new(insert_locks::InsertLocks::new(
-            config.op_deadline * INSERT_LOCK_DEADLINES,
-        )),
     }
 }
-
-/// How long an insert lock lasts, in operation deadlines: long enough for
-/// a writer to write a shard's backups and insert at its primary (each a
-/// few round trips, and a lease now and then) with deadlines to spare.
-const INSERT_LOCK_DEADLINES: u32 = 20;
 
 /// The server's threads: the control event loop, the reclaimer, the
 /// grower and the acceptor that feeds the event loop.

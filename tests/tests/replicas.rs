@@ -527,9 +527,9 @@ fn a_writer_killed_between_its_copies_leaves_them_to_the_keys_next_write() {
     );
 
     // An insert killed holding the key's insert lock (its backups have the
-    // value, the primary not): the next insert of the key waits for the
-    // lock to lapse (20 operation deadlines, 1 s by default, from when the
-    // dead writer took it), then lands on every copy.
+    // value, the primary not): the next insert of the key waits a whole
+    // life of the lock (20 operation deadlines, 1 s by default, from when
+    // it first finds the dead writer's hold), then lands on every copy.
     let started = std::time::Instant::now();
     killed_kv(&url, &["put", "fresh", "lost"]);
     let values = values_of(&mut groups, &kv, "fresh");
@@ -557,6 +557,62 @@ fn a_writer_killed_between_its_copies_leaves_them_to_the_keys_next_write() {
     assert_eq!(kv.get("k").expect("get").as_deref(), Some(&b"next"[..]));
     assert!(kv.delete("k").expect("delete"));
     assert_eq!(assert_alike(&mut groups, &kv, "k"), None);
+}
+
+/// A replicated shard's insert locks are words of its primary's region,
+/// which writers CAS: a hold planted in the word of a key (as a writer
+/// that died holding it leaves one) makes the next insert of that key wait
+/// a whole life (20 operation deadlines, 1 s by default) from when it first
+/// finds the hold, then take it over and let it go, each a step of the
+/// word. With locks kept by the server, the planted word would delay
+/// nothing.
+#[test]
+fn an_insert_lock_is_a_word_of_the_primary_a_dead_holders_for_one_life() {
+    use std::os::unix::fs::FileExt;
+    let (_etcd, url, dir, _members) = start("lockword");
+    let mut groups = copies(&url);
+    let mut kv = ClusterClient::connect(&url).expect("connect");
+    let key = "planted";
+    let shard = kv.shard_of(key);
+    let map = cluster_state(&url).shard_map().expect("a map").clone();
+    let primary = map.owner(shard).expect("an owner");
+    let region = dir.path().join(format!("{primary}.shard-{shard}"));
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&region)
+        .expect("the primary's region");
+    let at = kv_common::layout::insert_lock_offset(key.as_bytes());
+    let word = || {
+        let mut bytes = [0u8; 8];
+        file.read_exact_at(&mut bytes, at).expect("read the word");
+        u64::from_le_bytes(bytes)
+    };
+    // Odd: held, by nobody alive.
+    let planted = (word() | 1).wrapping_add(0x1000);
+    file.write_all_at(&planted.to_le_bytes(), at)
+        .expect("plant a hold");
+
+    let started = Instant::now();
+    kv.put(key, "past the hold").expect("an insert");
+    assert!(
+        started.elapsed() >= Duration::from_millis(950),
+        "the insert did not wait for the planted hold: {:?}",
+        started.elapsed()
+    );
+    assert_eq!(word(), planted.wrapping_add(3), "taken over, then let go");
+    assert_eq!(
+        assert_alike(&mut groups, &kv, key).as_deref(),
+        Some(&b"past the hold"[..])
+    );
+    // A free word costs no wait: the next insert's CAS takes it.
+    kv.delete(key).expect("delete");
+    kv.put(key, "again").expect("an insert");
+    assert_eq!(
+        word(),
+        planted.wrapping_add(5),
+        "taken and let go once more"
+    );
 }
 
 #[test]
