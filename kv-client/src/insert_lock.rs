@@ -12,8 +12,11 @@
 //! again by a CAS from the value the hold's release leaves (so it takes
 //! the lock once let go), and one that has found the same odd value for a
 //! whole life, counted from when it first found it (after that hold was
-//! taken), takes it over by a CAS to the value after it: the holder's last
-//! write has landed by then, or it died.
+//! taken; a client keeps its sightings across its writes), takes it over
+//! by a CAS to the value after it: the holder's last write has landed by
+//! then, or it died. A write waits for a lock at most two lives, by time
+//! rather than by attempts, so that a dead writer's hold is always taken
+//! over whatever the deadline.
 //! No server is asked: a lock costs a CAS, and its release travels as
 //! another. A hold left by a writer that died delays that key's next
 //! insert by at most a life from when the next writer finds it.
@@ -44,27 +47,22 @@ pub struct Hold {
     connection: u64,
 }
 
-/// What one writer knows of one key's lock.
-#[derive(Debug, Clone, Copy)]
+/// What a client last found in a lock word, and since when it has found
+/// that value there (every sighting is a CAS's answer, so a hold found
+/// twice at one value has been one hold all along).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sighting {
+    pub word: u64,
+    pub since: Instant,
+}
+
+/// One writer's hold on one key's lock, if it has one.
+#[derive(Debug, Clone, Copy, Default)]
 pub struct KeyLock {
-    /// The word's value as last found (or guessed), and since when this
-    /// writer has found it so.
-    seen: (u64, Instant),
-    /// This writer's hold, if it has one.
     held: Option<Hold>,
 }
 
 impl KeyLock {
-    /// Before any look at the word: its value is guessed free at `guess`,
-    /// the value this client last found there (the next even value, if
-    /// that was a hold: one a writer has not watched is never taken over).
-    pub fn new(guess: u64, now: Instant) -> KeyLock {
-        KeyLock {
-            seen: (guess.wrapping_add(guess & 1), now),
-            held: None,
-        }
-    }
-
     /// Whether this writer's hold lets it act now: it has not outlived its
     /// margin, and was taken over `primary`'s connection as it is (a
     /// connection made anew may reach a server under another group).
@@ -78,17 +76,18 @@ impl KeyLock {
         self.held.is_some()
     }
 
-    /// The next CAS, from, to: a free word to the next value; a hold of
-    /// this writer's own, or one found unchanged for a whole `life` since
-    /// `seen`, to the one after (a renewal, or a takeover); any other hold
-    /// from the value its release leaves, so that the CAS takes the lock
-    /// if it was let go meanwhile, and otherwise shows it still held.
-    pub fn next(&self, life: Duration, now: Instant) -> (u64, u64) {
+    /// The next CAS, from, to, given the client's last sighting of the
+    /// word: a free word to the next value; a hold of this writer's own,
+    /// or one found unchanged for a whole `life`, to the one after (a
+    /// renewal, or a takeover); any other hold from the value its release
+    /// leaves, so that the CAS takes the lock if it was let go meanwhile,
+    /// and otherwise shows it still held.
+    pub fn next(&self, seen: Sighting, life: Duration, now: Instant) -> (u64, u64) {
         if let Some(h) = self.held {
             return (h.word, h.word.wrapping_add(2));
         }
-        let (word, since) = self.seen;
-        let from = match word & 1 == 0 || now.saturating_duration_since(since) >= life {
+        let word = seen.word;
+        let from = match word & 1 == 0 || now.saturating_duration_since(seen.since) >= life {
             true => word,
             false => word.wrapping_add(1),
         };
@@ -96,31 +95,20 @@ impl KeyLock {
     }
 
     /// A CAS of the word from `from` to `to`, posted at `asked`, found
-    /// `found` (and so swapped if that is `from`) by `now`; the hold lets a
-    /// write act until `life` less `margin` after `asked`.
+    /// `found` (and so swapped if that is `from`); the hold lets a write
+    /// act until `life` less `margin` after `asked`.
     pub fn found(
         &mut self,
         (from, to, found): (u64, u64, u64),
-        (asked, now): (Instant, Instant),
+        asked: Instant,
         (life, margin): (Duration, Duration),
         connection: u64,
     ) {
-        if found == from {
-            self.held = Some(Hold {
-                word: to,
-                until: asked + life.saturating_sub(margin),
-                connection,
-            });
-            self.seen = (to, now);
-            return;
-        }
-        // Someone else's, or free at another value than guessed: a hold's
-        // life is counted from this first sighting of it, which is after
-        // it was taken.
-        self.held = None;
-        if found != self.seen.0 {
-            self.seen = (found, now);
-        }
+        self.held = (found == from).then(|| Hold {
+            word: to,
+            until: asked + life.saturating_sub(margin),
+            connection,
+        });
     }
 
     /// The release of this writer's hold: a CAS from, to.
@@ -142,15 +130,15 @@ impl Client {
         };
         self.conn.post(&[verb])?;
         let found = read_u64(self.conn.local(), self.layout.cas);
-        self.lock_words
-            .saw(key, if found == from { to } else { found });
+        let now_there = if found == from { to } else { found };
+        self.lock_words.saw(key, now_there, Instant::now());
         Ok(found)
     }
 
-    /// What this client last found in `key`'s lock word (0 before it has
-    /// looked): a writer's first guess.
-    pub(crate) fn insert_lock_guess(&self, key: &[u8]) -> u64 {
-        self.lock_words.guess(key)
+    /// What this client last found in `key`'s lock word, and since when
+    /// (a word it has not looked at: free at 0).
+    pub(crate) fn insert_lock_sighting(&self, key: &[u8]) -> Sighting {
+        self.lock_words.sighting(key)
     }
 
     /// How long a hold lasts, and the margin a holder keeps before its end.
@@ -160,26 +148,41 @@ impl Client {
     }
 }
 
-/// The values a client last found in the lock words, one per word: a
-/// first CAS from the right value takes a free lock in one round trip.
-/// Kept only once the client has used a lock (at a primary).
+/// What a client last found in each lock word, and since when: a first
+/// CAS from the right value takes a free lock in one round trip, and a
+/// hold's life is counted from its first sighting across this client's
+/// writes (each of which gives up waiting after two lives). Kept only once
+/// the client has used a lock (at a primary).
 #[derive(Default)]
-pub struct LockWords(Option<Box<[u64]>>);
+pub struct LockWords(Option<Box<[Sighting]>>);
 
 impl LockWords {
     fn index(key: &[u8]) -> usize {
         kv_common::layout::insert_lock_index(key) as usize
     }
 
-    fn saw(&mut self, key: &[u8], word: u64) {
-        let words = self
-            .0
-            .get_or_insert_with(|| vec![0; INSERT_LOCKS as usize].into_boxed_slice());
-        words[Self::index(key)] = word;
+    fn saw(&mut self, key: &[u8], word: u64, now: Instant) {
+        let words = self.0.get_or_insert_with(|| {
+            let free = Sighting {
+                word: 0,
+                since: now,
+            };
+            vec![free; INSERT_LOCKS as usize].into_boxed_slice()
+        });
+        let seen = &mut words[Self::index(key)];
+        if seen.word != word {
+            *seen = Sighting { word, since: now };
+        }
     }
 
-    fn guess(&self, key: &[u8]) -> u64 {
-        self.0.as_ref().map_or(0, |words| words[Self::index(key)])
+    fn sighting(&self, key: &[u8]) -> Sighting {
+        match &self.0 {
+            Some(words) => words[Self::index(key)],
+            None => Sighting {
+                word: 0,
+                since: Instant::now(),
+            },
+        }
     }
 }
 
@@ -190,61 +193,61 @@ mod tests {
     const LIFE: Duration = Duration::from_millis(1000);
     const MARGIN: Duration = Duration::from_millis(150);
 
+    fn seen(word: u64, since: Instant) -> Sighting {
+        Sighting { word, since }
+    }
+
     #[test]
     fn a_free_word_is_taken_and_released_each_step_changing_it() {
         let t = Instant::now();
-        let mut lock = KeyLock::new(6, t);
-        assert_eq!(lock.next(LIFE, t), (6, 7));
-        lock.found((6, 7, 6), (t, t), (LIFE, MARGIN), 1);
+        let mut lock = KeyLock::default();
+        assert_eq!(lock.next(seen(6, t), LIFE, t), (6, 7));
+        lock.found((6, 7, 6), t, (LIFE, MARGIN), 1);
         assert!(lock.is_held());
         // Renewed by its holder, then let go.
-        assert_eq!(lock.next(LIFE, t), (7, 9));
+        assert_eq!(lock.next(seen(7, t), LIFE, t), (7, 9));
         assert_eq!(lock.release(), Some((7, 8)));
         assert!(!lock.is_held());
         assert_eq!(lock.release(), None);
     }
 
     #[test]
-    fn a_guess_that_was_a_hold_is_never_taken_over_unwatched() {
+    fn a_hold_is_asked_for_as_let_go_and_taken_over_after_a_whole_life() {
         let t = Instant::now();
-        // Last found held at 5: guessed released at 6, not taken over.
-        assert_eq!(KeyLock::new(5, t).next(LIFE, t), (6, 7));
+        let mut lock = KeyLock::default();
+        assert_eq!(lock.next(seen(11, t), LIFE, t + LIFE / 2), (12, 13));
+        assert_eq!(lock.next(seen(11, t), LIFE, t + LIFE - MARGIN), (12, 13));
+        assert_eq!(lock.next(seen(11, t), LIFE, t + LIFE), (11, 13));
+        lock.found((12, 13, 11), t, (LIFE, MARGIN), 1);
+        assert!(!lock.is_held(), "still held by another");
+        // Let go meanwhile: the CAS from the released value took it.
+        lock.found((12, 13, 12), t, (LIFE, MARGIN), 1);
+        assert!(lock.is_held());
+        assert_eq!(lock.release(), Some((13, 14)));
     }
 
     #[test]
-    fn a_hold_is_taken_over_only_after_a_whole_life_unchanged() {
+    fn a_sighting_counts_from_the_first_time_its_value_was_found() {
         let t = Instant::now();
-        let mut lock = KeyLock::new(0, t);
-        // Found held at 11 (by another writer): asked again as let go.
-        lock.found((0, 1, 11), (t, t), (LIFE, MARGIN), 1);
-        assert!(!lock.is_held());
-        assert_eq!(lock.next(LIFE, t + LIFE / 2), (12, 13));
-        // Found at 11 again: still counted from the first sighting.
-        let half = t + LIFE / 2;
-        lock.found((12, 13, 11), (half, half), (LIFE, MARGIN), 1);
-        assert_eq!(lock.next(LIFE, t + LIFE - MARGIN), (12, 13));
-        assert_eq!(lock.next(LIFE, t + LIFE), (11, 13));
-        // Changed to another hold (renewed, or taken over): counted anew.
-        lock.found((11, 13, 15), (t + LIFE, t + LIFE), (LIFE, MARGIN), 1);
-        assert_eq!(lock.next(LIFE, t + LIFE * 3 / 2), (16, 17));
-        assert_eq!(lock.next(LIFE, t + LIFE * 2), (15, 17));
-        // Let go meanwhile: the CAS from the released value took it.
-        let later = t + LIFE * 2;
-        lock.found((16, 17, 16), (later, later), (LIFE, MARGIN), 1);
-        assert!(lock.is_held());
-        assert_eq!(lock.release(), Some((17, 18)));
+        let key = b"k";
+        let mut words = LockWords::default();
+        assert_eq!(words.sighting(key).word, 0, "free before any look");
+        words.saw(key, 11, t);
+        words.saw(key, 11, t + LIFE / 2);
+        assert_eq!(words.sighting(key), seen(11, t), "one hold all along");
+        words.saw(key, 13, t + LIFE);
+        assert_eq!(words.sighting(key), seen(13, t + LIFE), "another hold");
     }
 
     #[test]
     fn a_hold_lets_its_writer_act_for_its_life_less_the_margin_from_the_ask() {
         let t = Instant::now();
-        let mut lock = KeyLock::new(0, t);
-        lock.found((0, 1, 0), (t, t + LIFE / 4), (LIFE, MARGIN), 1);
+        let mut lock = KeyLock::default();
+        lock.found((0, 1, 0), t, (LIFE, MARGIN), 1);
         let h = lock.held.expect("held");
         assert_eq!((h.word, h.until), (1, t + LIFE - MARGIN));
         // A word a hostile client left at the top wraps, and stays odd.
-        let mut lock = KeyLock::new(0, t);
-        lock.found((0, 1, u64::MAX), (t, t), (LIFE, MARGIN), 1);
-        assert_eq!(lock.next(LIFE, t + LIFE), (u64::MAX, 1));
+        let lock = KeyLock::default();
+        assert_eq!(lock.next(seen(u64::MAX, t), LIFE, t + LIFE), (u64::MAX, 1));
     }
 }

@@ -161,7 +161,7 @@ impl Group<'_> {
     /// Brings every copy of `key` to what the primary holds (see `level`).
     fn level_copies(&mut self, key: &[u8]) -> Result<()> {
         crate::check_key(key)?;
-        let mut lock = self.key_lock(key);
+        let mut lock = KeyLock::default();
         let done = self.level(key, &mut lock);
         self.release(key, &mut lock);
         done
@@ -172,7 +172,7 @@ impl Group<'_> {
     fn write(&mut self, key: &[u8], change: Change) -> Result<Done> {
         crate::check_key(key)?;
         let mut touched = false;
-        let mut lock = self.key_lock(key);
+        let mut lock = KeyLock::default();
         let mut done = self.rounds(key, change, &mut touched, &mut lock);
         // Known not to have taken effect, the copies being level again.
         let mut unapplied = false;
@@ -356,39 +356,39 @@ impl Group<'_> {
         Err(Error::Contended(attempts))
     }
 
-    /// What this writer knows of `key`'s insert lock before it looks.
-    fn key_lock(&self, key: &[u8]) -> KeyLock {
-        KeyLock::new(self.primary.insert_lock_guess(key), Instant::now())
-    }
-
     /// Takes `key`'s lock at the primary (again: a hold renewed; or let go
     /// by another writer since it was last found), or takes it over from a
-    /// writer that held it a whole life; waits a moment if another writer
-    /// holds it.
+    /// writer that held it a whole life. Waits while another writer holds
+    /// it, for at most two lives: time enough to take over a dead writer's
+    /// hold, which a busy word (held again and again) may not leave.
     fn relock(&mut self, key: &[u8], lock: &mut KeyLock) -> Result<()> {
         let (life, margin) = self.primary.insert_lock_life();
-        // A word found free at another value than guessed (other writers
-        // took and let it go since this client last looked) is asked for
-        // again at once.
-        for _ in 0..FREE_RETRIES {
-            let (from, to) = lock.next(life, Instant::now());
-            let connection = self.primary.reconnects();
-            let asked = Instant::now();
-            let found = self.primary.cas_insert_lock(key, from, to)?;
-            lock.found(
-                (from, to, found),
-                (asked, Instant::now()),
-                (life, margin),
-                connection,
-            );
-            if lock.is_held() || found & 1 == 1 {
-                break;
+        let give_up = Instant::now() + life * 2;
+        let mut asks = 0;
+        loop {
+            // A word found free at another value than guessed (other
+            // writers took and let it go since this client last looked) is
+            // asked for again at once.
+            for _ in 0..FREE_RETRIES {
+                let seen = self.primary.insert_lock_sighting(key);
+                let (from, to) = lock.next(seen, life, Instant::now());
+                let connection = self.primary.reconnects();
+                let asked = Instant::now();
+                let found = self.primary.cas_insert_lock(key, from, to)?;
+                asks += 1;
+                lock.found((from, to, found), asked, (life, margin), connection);
+                if lock.is_held() || found & 1 == 1 {
+                    break;
+                }
             }
-        }
-        if !lock.is_held() {
+            if lock.is_held() {
+                return Ok(());
+            }
+            if Instant::now() >= give_up {
+                return Err(Error::Contended(asks));
+            }
             std::thread::sleep(LOCK_WAIT);
         }
-        Ok(())
     }
 
     /// Lets `key`'s lock go, if this writer holds it. A hold lapses anyway,
