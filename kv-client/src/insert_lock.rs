@@ -152,7 +152,9 @@ impl Client {
 /// CAS from the right value takes a free lock in one round trip, and a
 /// hold's life is counted from its first sighting across this client's
 /// writes (each of which gives up waiting after two lives). Kept only once
-/// the client has used a lock (at a primary).
+/// the client has used a lock (at a primary), and forgotten when its
+/// connection is made anew: a sighting counts only for the region it was
+/// made in.
 #[derive(Default)]
 pub struct LockWords(Option<Box<[Sighting]>>);
 

@@ -1056,6 +1056,9 @@ impl Client {
         self.alloc.reset();
         self.cache.clear();
         self.last_read.clear();
+        // Another region may lie behind the address now, its words at
+        // values this client saw in the old one's.
+        self.lock_words = insert_lock::LockWords::default();
         let (conn, info, layout, read_lease) = open(&self.address, &self.options)?;
         if info.geometry.chunk_size != self.info.geometry.chunk_size {
             return Err(Error::Protocol(
