@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# What replication costs the foreground load: YCSB-A (run twice: right
-# after the load, while the copies' heaps grow, then again) and YCSB-C
-# against a one-shard cluster of three members (zones a, b, c) created
-# with one copy and with three, alternated ROUNDS times on the same
-# machine. Prints each run's throughput and round trips per operation,
-# then the medians and the ratios R=3 / R=1.
+# What replication costs the foreground load: the load itself (inserts),
+# YCSB-A (run twice: right after the load, while the copies' heaps grow,
+# then again), YCSB-C and YCSB-D (5% inserts) against a one-shard cluster
+# of three members (zones a, b, c) created with one copy and with three,
+# alternated ROUNDS times on the same machine. Prints each run's
+# throughput and round trips per operation (the load's insert p50), then
+# the medians and the ratios R=3 / R=1.
 #
 #   scripts/replicas-bench.sh [RECORDS] [OPERATIONS] [ROUNDS]
 #                                      (default 100000 2000000 3)
@@ -44,10 +45,16 @@ one_run() {
   local common=(--server "$url" -p "recordcount=$records" --threads "$threads")
   "$bin/kv-bench" load --workload benches/workloads/workloada "${common[@]}" >"$work/out" 2>&1 ||
     { cat "$work/out" >&2; return 1; }
+  awk -v r="$r" -F', ' '
+    /^\[OVERALL\], Throughput/ {t = $3}
+    /^\[INSERT\], 50thPercentileLatency/ {p = $3}
+    /^\[INSERT\], RoundTripsPerOp/ {rt = $3}
+    END {printf "R=%s YCSB-load %8.0f ops/s  INSERT p50 %s us, %s rt/op\n", r, t, p, rt}
+  ' "$work/out"
   # YCSB-A twice: the first run after the load grows each copy's heap to
   # what the updates' garbage needs (page faults on fresh memory, on
   # every copy); the second measures the steady state.
-  for run in a:A a:A-again c:C; do
+  for run in a:A a:A-again c:C d:D; do
     "$bin/kv-bench" run --workload "benches/workloads/workload${run%%:*}" "${common[@]}" \
       -p "operationcount=$operations" >"$work/out" 2>&1 || { cat "$work/out" >&2; return 1; }
     awk -v r="$r" -v w="${run#*:}" -F', ' '
@@ -65,10 +72,10 @@ one_run() {
 
 # Not in a pipeline: one_run's members must reach `pids` (and cleanup).
 for round in $(seq "$rounds"); do
-  for r in 1 3; do one_run "$r" "$round" >>"$work/all"; tail -3 "$work/all"; done
+  for r in 1 3; do one_run "$r" "$round" >>"$work/all"; tail -5 "$work/all"; done
 done
 echo "--- medians of $rounds (R=3 / R=1)"
-for w in A A-again C; do
+for w in load A A-again C D; do
   one=$(awk -v w="YCSB-$w" '$1 == "R=1" && $2 == w {print $3}' "$work/all" | sort -n | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}')
   three=$(awk -v w="YCSB-$w" '$1 == "R=3" && $2 == w {print $3}' "$work/all" | sort -n | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}')
   awk -v w="$w" -v a="$one" -v b="$three" 'BEGIN {printf "YCSB-%s: R=1 %.0f ops/s, R=3 %.0f ops/s: %.2fx\n", w, a, b, b / a}'
