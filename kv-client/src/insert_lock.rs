@@ -26,7 +26,7 @@
 
 use std::time::{Duration, Instant};
 
-use kv_common::layout::{insert_lock_offset, INSERT_LOCKS};
+use kv_common::layout::{insert_lock_word_offset, INSERT_LOCKS};
 use kv_common::transport::{read_u64, Verb};
 
 use crate::{Client, Result};
@@ -119,11 +119,11 @@ impl KeyLock {
 }
 
 impl Client {
-    /// One CAS of `key`'s insert lock word at this server, from `from` to
-    /// `to`; the word it found there.
-    pub(crate) fn cas_insert_lock(&mut self, key: &[u8], from: u64, to: u64) -> Result<u64> {
+    /// One CAS of insert lock word `word` (`layout::insert_lock_index`) at
+    /// this server, from `from` to `to`; the value it found there.
+    pub(crate) fn cas_insert_lock(&mut self, word: u64, from: u64, to: u64) -> Result<u64> {
         let verb = Verb::Cas {
-            remote: insert_lock_offset(key),
+            remote: insert_lock_word_offset(word),
             local: self.layout.cas,
             expect: from,
             swap: to,
@@ -131,14 +131,14 @@ impl Client {
         self.conn.post(&[verb])?;
         let found = read_u64(self.conn.local(), self.layout.cas);
         let now_there = if found == from { to } else { found };
-        self.lock_words.saw(key, now_there, Instant::now());
+        self.lock_words.saw(word, now_there, Instant::now());
         Ok(found)
     }
 
-    /// What this client last found in `key`'s lock word, and since when
-    /// (a word it has not looked at: free at 0).
-    pub(crate) fn insert_lock_sighting(&self, key: &[u8]) -> Sighting {
-        self.lock_words.sighting(key)
+    /// What this client last found in lock word `word`, and since when (a
+    /// word it has not looked at: free at 0).
+    pub(crate) fn insert_lock_sighting(&self, word: u64) -> Sighting {
+        self.lock_words.sighting(word)
     }
 
     /// How long a hold lasts, and the margin a holder keeps before its end.
@@ -159,11 +159,7 @@ impl Client {
 pub struct LockWords(Option<Box<[Sighting]>>);
 
 impl LockWords {
-    fn index(key: &[u8]) -> usize {
-        kv_common::layout::insert_lock_index(key) as usize
-    }
-
-    fn saw(&mut self, key: &[u8], word: u64, now: Instant) {
+    fn saw(&mut self, index: u64, word: u64, now: Instant) {
         let words = self.0.get_or_insert_with(|| {
             let free = Sighting {
                 word: 0,
@@ -171,15 +167,15 @@ impl LockWords {
             };
             vec![free; INSERT_LOCKS as usize].into_boxed_slice()
         });
-        let seen = &mut words[Self::index(key)];
+        let seen = &mut words[(index % INSERT_LOCKS) as usize];
         if seen.word != word {
             *seen = Sighting { word, since: now };
         }
     }
 
-    fn sighting(&self, key: &[u8]) -> Sighting {
+    fn sighting(&self, index: u64) -> Sighting {
         match &self.0 {
-            Some(words) => words[Self::index(key)],
+            Some(words) => words[(index % INSERT_LOCKS) as usize],
             None => Sighting {
                 word: 0,
                 since: Instant::now(),
@@ -231,7 +227,7 @@ mod tests {
     #[test]
     fn a_sighting_counts_from_the_first_time_its_value_was_found() {
         let t = Instant::now();
-        let key = b"k";
+        let key = 7;
         let mut words = LockWords::default();
         assert_eq!(words.sighting(key).word, 0, "free before any look");
         words.saw(key, 11, t);

@@ -79,7 +79,7 @@
 use std::borrow::Cow;
 use std::time::{Duration, Instant};
 
-use kv_common::layout::COUNTER_MAX;
+use kv_common::layout::{insert_lock_index, COUNTER_MAX};
 
 use crate::insert_lock::KeyLock;
 use crate::locate::Need;
@@ -363,6 +363,7 @@ impl Group<'_> {
     /// hold, which a busy word (held again and again) may not leave.
     fn relock(&mut self, key: &[u8], lock: &mut KeyLock) -> Result<()> {
         let (life, margin) = self.primary.insert_lock_life();
+        let word = insert_lock_index(key);
         let give_up = Instant::now() + life * 2;
         let mut asks = 0;
         loop {
@@ -370,11 +371,11 @@ impl Group<'_> {
             // writers took and let it go since this client last looked) is
             // asked for again at once.
             for _ in 0..FREE_RETRIES {
-                let seen = self.primary.insert_lock_sighting(key);
+                let seen = self.primary.insert_lock_sighting(word);
                 let (from, to) = lock.next(seen, life, Instant::now());
                 let connection = self.primary.reconnects();
                 let asked = Instant::now();
-                let found = self.primary.cas_insert_lock(key, from, to)?;
+                let found = self.primary.cas_insert_lock(word, from, to)?;
                 asks += 1;
                 lock.found((from, to, found), asked, (life, margin), connection);
                 if lock.is_held() || found & 1 == 1 {
@@ -395,7 +396,9 @@ impl Group<'_> {
     /// so a release that fails costs nothing.
     fn release(&mut self, key: &[u8], lock: &mut KeyLock) {
         if let Some((from, to)) = lock.release() {
-            let _ = self.primary.cas_insert_lock(key, from, to);
+            let _ = self
+                .primary
+                .cas_insert_lock(insert_lock_index(key), from, to);
         }
     }
 }

@@ -499,7 +499,12 @@ pub fn insert_lock_index(key: &[u8]) -> u64 {
 
 /// The offset of `key`'s insert lock word.
 pub fn insert_lock_offset(key: &[u8]) -> u64 {
-    INSERT_LOCKS_OFFSET + insert_lock_index(key) * 8
+    insert_lock_word_offset(insert_lock_index(key))
+}
+
+/// The offset of insert lock word `index` (below [`INSERT_LOCKS`]).
+pub fn insert_lock_word_offset(index: u64) -> u64 {
+    INSERT_LOCKS_OFFSET + index % INSERT_LOCKS * 8
 }
 
 // The lock words lie between the epoch word and the key table.
