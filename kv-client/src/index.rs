@@ -275,8 +275,8 @@ impl Client {
         })
     }
 
-    /// Reads the key's windows in one batch (after `first`, a WRITE that
-    /// travels with them); the clock starts before it.
+    /// Reads the key's windows in one batch (after `first`, a WRITE or a
+    /// CAS that travels ahead of them); the clock starts before it.
     pub(crate) fn read_windows(&mut self, kh: &KeyHash, first: Option<Verb>) -> Result<OpClock> {
         let clock = self.timing.start();
         self.post_windows(kh, first)?;

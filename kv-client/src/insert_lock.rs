@@ -76,14 +76,22 @@ impl KeyLock {
         self.held.is_some()
     }
 
-    /// The next CAS, from, to, given the client's last sighting of the
-    /// word: a free word to the next value; a hold of this writer's own,
-    /// or one found unchanged for a whole `life`, to the one after (a
-    /// renewal, or a takeover); any other hold from the value its release
-    /// leaves, so that the CAS takes the lock if it was let go meanwhile,
-    /// and otherwise shows it still held.
-    pub fn next(&self, seen: Sighting, life: Duration, now: Instant) -> (u64, u64) {
-        if let Some(h) = self.held {
+    /// The next CAS over primary connection `connection`, from, to, given
+    /// the client's last sighting of the word: a free word to the next
+    /// value; a hold of this writer's own (taken over this connection: a
+    /// connection made anew may reach another region, where the same value
+    /// could be another writer's hold), or one found unchanged for a whole
+    /// `life`, to the one after (a renewal, or a takeover); any other hold
+    /// from the value its release leaves, so that the CAS takes the lock if
+    /// it was let go meanwhile, and otherwise shows it still held.
+    pub fn next(
+        &self,
+        seen: Sighting,
+        life: Duration,
+        now: Instant,
+        connection: u64,
+    ) -> (u64, u64) {
+        if let Some(h) = self.held.filter(|h| h.connection == connection) {
             return (h.word, h.word.wrapping_add(2));
         }
         let word = seen.word;
@@ -111,10 +119,12 @@ impl KeyLock {
         });
     }
 
-    /// The release of this writer's hold: a CAS from, to.
-    pub fn release(&mut self) -> Option<(u64, u64)> {
+    /// The release of this writer's hold over primary connection
+    /// `connection`: a CAS from, to; none for a hold taken over another
+    /// connection (see [`Self::next`]), which lapses.
+    pub fn release(&mut self, connection: u64) -> Option<(u64, u64)> {
         let h = self.held.take()?;
-        Some((h.word, h.word.wrapping_add(1)))
+        (h.connection == connection).then(|| (h.word, h.word.wrapping_add(1)))
     }
 }
 
@@ -122,17 +132,28 @@ impl Client {
     /// One CAS of insert lock word `word` (`layout::insert_lock_index`) at
     /// this server, from `from` to `to`; the value it found there.
     pub(crate) fn cas_insert_lock(&mut self, word: u64, from: u64, to: u64) -> Result<u64> {
-        let verb = Verb::Cas {
+        self.conn.post(&[self.insert_lock_cas(word, from, to)])?;
+        Ok(self.insert_lock_found(word, from, to))
+    }
+
+    /// The verb of a CAS of lock word `word` from `from` to `to`; what it
+    /// found is [`Self::insert_lock_found`], read before any other CAS.
+    pub(crate) fn insert_lock_cas(&self, word: u64, from: u64, to: u64) -> Verb {
+        Verb::Cas {
             remote: insert_lock_word_offset(word),
             local: self.layout.cas,
             expect: from,
             swap: to,
-        };
-        self.conn.post(&[verb])?;
+        }
+    }
+
+    /// What the CAS of lock word `word` from `from` to `to`, just done,
+    /// found there, remembered as this client's latest sighting.
+    pub(crate) fn insert_lock_found(&mut self, word: u64, from: u64, to: u64) -> u64 {
         let found = read_u64(self.conn.local(), self.layout.cas);
         let now_there = if found == from { to } else { found };
         self.lock_words.saw(word, now_there, Instant::now());
-        Ok(found)
+        found
     }
 
     /// What this client last found in lock word `word`, and since when (a
@@ -199,29 +220,41 @@ mod tests {
     fn a_free_word_is_taken_and_released_each_step_changing_it() {
         let t = Instant::now();
         let mut lock = KeyLock::default();
-        assert_eq!(lock.next(seen(6, t), LIFE, t), (6, 7));
+        assert_eq!(lock.next(seen(6, t), LIFE, t, 1), (6, 7));
         lock.found((6, 7, 6), t, (LIFE, MARGIN), 1);
         assert!(lock.is_held());
         // Renewed by its holder, then let go.
-        assert_eq!(lock.next(seen(7, t), LIFE, t), (7, 9));
-        assert_eq!(lock.release(), Some((7, 8)));
+        assert_eq!(lock.next(seen(7, t), LIFE, t, 1), (7, 9));
+        assert_eq!(lock.release(1), Some((7, 8)));
         assert!(!lock.is_held());
-        assert_eq!(lock.release(), None);
+        assert_eq!(lock.release(1), None);
     }
 
     #[test]
     fn a_hold_is_asked_for_as_let_go_and_taken_over_after_a_whole_life() {
         let t = Instant::now();
         let mut lock = KeyLock::default();
-        assert_eq!(lock.next(seen(11, t), LIFE, t + LIFE / 2), (12, 13));
-        assert_eq!(lock.next(seen(11, t), LIFE, t + LIFE - MARGIN), (12, 13));
-        assert_eq!(lock.next(seen(11, t), LIFE, t + LIFE), (11, 13));
+        assert_eq!(lock.next(seen(11, t), LIFE, t + LIFE / 2, 1), (12, 13));
+        assert_eq!(lock.next(seen(11, t), LIFE, t + LIFE - MARGIN, 1), (12, 13));
+        assert_eq!(lock.next(seen(11, t), LIFE, t + LIFE, 1), (11, 13));
         lock.found((12, 13, 11), t, (LIFE, MARGIN), 1);
         assert!(!lock.is_held(), "still held by another");
         // Let go meanwhile: the CAS from the released value took it.
         lock.found((12, 13, 12), t, (LIFE, MARGIN), 1);
         assert!(lock.is_held());
-        assert_eq!(lock.release(), Some((13, 14)));
+        assert_eq!(lock.release(1), Some((13, 14)));
+    }
+
+    #[test]
+    fn a_hold_taken_over_another_connection_is_neither_renewed_nor_released() {
+        let t = Instant::now();
+        let mut lock = KeyLock::default();
+        lock.found((6, 7, 6), t, (LIFE, MARGIN), 1);
+        // Over connection 2 the word may be another writer's hold at 7:
+        // asked for as anyone's, from its release.
+        assert_eq!(lock.next(seen(7, t), LIFE, t, 2), (8, 9));
+        assert_eq!(lock.release(2), None);
+        assert!(!lock.is_held());
     }
 
     #[test]
@@ -246,6 +279,9 @@ mod tests {
         assert_eq!((h.word, h.until), (1, t + LIFE - MARGIN));
         // A word a hostile client left at the top wraps, and stays odd.
         let lock = KeyLock::default();
-        assert_eq!(lock.next(seen(u64::MAX, t), LIFE, t + LIFE), (u64::MAX, 1));
+        assert_eq!(
+            lock.next(seen(u64::MAX, t), LIFE, t + LIFE, 1),
+            (u64::MAX, 1)
+        );
     }
 }

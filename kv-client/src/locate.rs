@@ -85,6 +85,17 @@ impl Client {
                 return Ok(Located::Found { copies, clock });
             }
         }
+        self.locate_in_windows(key, kh, clock)
+    }
+
+    /// Locates the key's copies from its windows, just read (in the local
+    /// buffer: `Client::slots`) by the batch timed by `clock`.
+    pub(crate) fn locate_in_windows(
+        &mut self,
+        key: &[u8],
+        kh: &KeyHash,
+        clock: OpClock,
+    ) -> Result<Located> {
         let slots = self.slots();
         if meets_resize(&slots) {
             return Ok(Located::Moved);

@@ -35,6 +35,15 @@ enum Sight {
     Absent { kh: KeyHash, clock: OpClock },
 }
 
+/// A key's windows, read with an insert lock's CAS
+/// ([`Client::lock_with_windows`]).
+pub(crate) struct WindowsRead {
+    kh: KeyHash,
+    clock: OpClock,
+    /// The geometry they were read under.
+    epoch: u64,
+}
+
 /// How a commit ended.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Commit {
@@ -56,19 +65,19 @@ impl Observed {
 }
 
 impl Client {
-    /// Observes `key`; with `want_value`, reads the value readers see too
-    /// (no blind hint then); `inserting`: the write would insert an absent
-    /// key, so an absent key whose buckets are full has the index grown
-    /// first. Read-only: redone across resizes and a lost connection like
+    /// Observes `key`. `flags` are (`want_value`: reads the value readers
+    /// see too, so no blind hint; `inserting`: the write would insert an
+    /// absent key, so an absent key whose buckets are full has the index
+    /// grown first). Read-only: redone across resizes and a lost connection like
     /// any read.
     pub(crate) fn observe(
         &mut self,
         key: &[u8],
         need: Need,
-        (want_value, inserting): (bool, bool),
+        flags: (bool, bool),
     ) -> Result<Observed> {
         crate::check_key(key)?;
-        self.run(|c| c.observe_once(key, need, want_value, inserting))
+        self.run(|c| c.observe_once(key, need, flags))
     }
 
     /// As [`Self::observe`], for a PUT at a replicated shard's primary:
@@ -94,11 +103,10 @@ impl Client {
         &mut self,
         key: &[u8],
         need: Need,
-        want_value: bool,
-        inserting: bool,
+        flags: (bool, bool),
     ) -> Result<Step<Observed>> {
         let epoch = self.info.geometry.epoch;
-        if !want_value {
+        if !flags.0 {
             if let Some(hint) = self.blind_hint(key) {
                 let seen = Sight::Hinted(hint);
                 return Ok(Step::Done(Observed {
@@ -113,34 +121,87 @@ impl Client {
         for _ in 0..self.options.max_attempts {
             // Retries may outlast a read lease (see `read_lease`).
             self.keep_read_lease()?;
-            let (seen, value) = match self.locate(key, &kh, None, need)? {
-                Located::Found { copies, clock } => {
-                    let value = match copies.value.as_ref().filter(|_| want_value) {
-                        Some(Value::Bytes(range)) => {
-                            Some(self.conn.local()[range.clone()].to_vec())
-                        }
-                        Some(Value::Counter(n)) => Some(n.to_string().into_bytes()),
-                        None => None,
-                    };
-                    (Sight::Found { copies, clock }, value)
-                }
-                Located::Absent { clock } => {
-                    // No room for it: the index grows before any copy is
-                    // written, not after the backups have it.
-                    if inserting && KeyHash::insert_choice(&self.slots()).is_none() {
-                        return Ok(Step::Full(key.to_vec()));
-                    }
-                    (Sight::Absent { kh, clock }, None)
-                }
-                Located::Retry(suspect) => {
-                    corrupt.saw(key, suspect)?;
-                    continue;
-                }
-                Located::Moved => return Ok(Step::Moved),
-            };
-            return Ok(Step::Done(Observed { seen, epoch, value }));
+            match self.locate(key, &kh, None, need)? {
+                Located::Retry(suspect) => corrupt.saw(key, suspect)?,
+                located => return Ok(self.observation((key, kh), located, epoch, flags)),
+            }
         }
         Err(Error::Contended(self.options.max_attempts))
+    }
+
+    /// The first step of an observation made under insert lock word
+    /// `word`: a CAS of the word from, to, in the batch that reads the
+    /// key's windows, before the READs. They see memory after it
+    /// (read-after-atomic order on one queue pair, see `dedup`; nothing
+    /// here checks it, so the lock's exclusion rests on it), so once the
+    /// CAS took the lock, what they show was there under it. The value the
+    /// CAS found, and the windows for [`Self::observed_in`].
+    pub(crate) fn lock_with_windows(
+        &mut self,
+        key: &[u8],
+        (word, from, to): (u64, u64, u64),
+    ) -> Result<(u64, WindowsRead)> {
+        crate::check_key(key)?;
+        self.keep_read_lease()?;
+        // A counter lock seen by an earlier call may be let go since (as
+        // `run` forgets at each operation's start).
+        self.lock_watch = None;
+        let epoch = self.info.geometry.epoch;
+        let kh = KeyHash::new(key, self.info.geometry.bucket_count);
+        let clock = self.read_windows(&kh, Some(self.insert_lock_cas(word, from, to)))?;
+        let found = self.insert_lock_found(word, from, to);
+        Ok((found, WindowsRead { kh, clock, epoch }))
+    }
+
+    /// The observation the windows `read` by [`Self::lock_with_windows`]
+    /// make (they are still in the local buffer: no other batch came
+    /// between); none where the key must be observed again (a resize,
+    /// reads too slow or a block that failed validation, an index too full
+    /// to insert into).
+    pub(crate) fn observed_in(
+        &mut self,
+        key: &[u8],
+        read: WindowsRead,
+        flags: (bool, bool),
+    ) -> Result<Option<Observed>> {
+        let located = self.locate_in_windows(key, &read.kh, read.clock)?;
+        Ok(
+            match self.observation((key, read.kh), located, read.epoch, flags) {
+                Step::Done(observed) => Some(observed),
+                Step::Moved | Step::Full(_) => None,
+            },
+        )
+    }
+
+    /// The observation `located` makes: with `want_value`, the value
+    /// readers see; `inserting` an absent key whose buckets are full has
+    /// the index grown first, before any copy is written, not after the
+    /// backups have it. Moved for a block that failed validation too.
+    fn observation(
+        &self,
+        (key, kh): (&[u8], KeyHash),
+        located: Located,
+        epoch: u64,
+        (want_value, inserting): (bool, bool),
+    ) -> Step<Observed> {
+        let (seen, value) = match located {
+            Located::Found { copies, clock } => {
+                let value = match copies.value.as_ref().filter(|_| want_value) {
+                    Some(Value::Bytes(range)) => Some(self.conn.local()[range.clone()].to_vec()),
+                    Some(Value::Counter(n)) => Some(n.to_string().into_bytes()),
+                    None => None,
+                };
+                (Sight::Found { copies, clock }, value)
+            }
+            Located::Absent { clock } => {
+                if inserting && KeyHash::insert_choice(&self.slots()).is_none() {
+                    return Step::Full(key.to_vec());
+                }
+                (Sight::Absent { kh, clock }, None)
+            }
+            Located::Retry(_) | Located::Moved => return Step::Moved,
+        };
+        Step::Done(Observed { seen, epoch, value })
     }
 
     /// Publishes `value` (None: removes the key) over exactly what
@@ -205,9 +266,9 @@ impl Client {
                     self.update(key, copies, new, *clock).map(Step::Done)
                 }
             },
+            // The block's WRITE goes in the insert's batch, before its CAS.
             Sight::Absent { kh, clock } => {
-                self.conn.post(&[write])?;
-                Ok(match self.insert(key, kh, new, *clock)? {
+                Ok(match self.insert(key, kh, (new, Some(write)), *clock)? {
                     Some(Step::Done(())) => Step::Done(true),
                     Some(Step::Full(key)) => Step::Full(key),
                     Some(Step::Moved) => Step::Moved,

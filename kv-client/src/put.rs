@@ -44,7 +44,7 @@ impl Client {
                     }
                 }
                 Located::Absent { clock } => {
-                    if let Some(step) = self.insert(key, &kh, new, clock)? {
+                    if let Some(step) = self.insert(key, &kh, (new, None), clock)? {
                         return Ok(step);
                     }
                 }
@@ -129,15 +129,16 @@ impl Client {
         Ok(true)
     }
 
-    /// Inserts into an empty slot of the windows `locate` just read: the
-    /// CAS and a new read of the windows in one batch, where the duplicate
+    /// Inserts `new` into an empty slot of the windows `locate` just read:
+    /// the CAS and a new read of the windows in one batch (after `write`,
+    /// the new block's WRITE if it is not yet posted), where the duplicate
     /// check starts. None if the slot was taken meanwhile or the reads are
     /// too old to act on: locate again.
     pub(crate) fn insert(
         &mut self,
         key: &[u8],
         kh: &KeyHash,
-        new: Slot,
+        (new, write): (Slot, Option<Verb>),
         clock: OpClock,
     ) -> Result<Option<Step<()>>> {
         let Some(empty) = KeyHash::insert_choice(&self.slots()) else {
@@ -151,8 +152,11 @@ impl Client {
         let pos = kh.slot_pos(empty);
         let published = self.timing.start();
         let [a, b] = self.window_reads(kh);
-        self.conn
-            .post(&[self.cas_verb(pos, Slot::EMPTY, new), a, b])?;
+        let cas = self.cas_verb(pos, Slot::EMPTY, new);
+        match write {
+            Some(write) => self.conn.post(&[write, cas, a, b])?,
+            None => self.conn.post(&[cas, a, b])?,
+        }
         if !self.cas_held(Slot::EMPTY) {
             return Ok(None);
         }

@@ -46,8 +46,9 @@
 //! and both succeed; the lowest copy wins at the primary (see `dedup`),
 //! while the backups keep whichever set came last. So a writer that finds
 //! the key absent first takes the key's insert lock at the primary (a word
-//! of its region, taken by CAS: see `insert_lock`), then observes again,
-//! and commits its insert only while the lock, by its own clock started
+//! of its region, taken by CAS: see `insert_lock`), then observes again
+//! (in the CAS's own batch, its READs after it: `lock_with_windows`), and
+//! commits its insert only while the lock, by its own clock started
 //! before it posted that CAS, has three deadlines of its life left.
 //! Inserts of one key then never overlap, and the observation "absent" is
 //! as good as a slot: nobody else can fill it. A hold found unchanged for
@@ -61,7 +62,8 @@
 //! would leave them apart for good. But a sum set on a backup by an
 //! increment that then dies is computed from an older state; were another
 //! increment to commit meanwhile, the backup would hold a value without
-//! it. So increments, too, run under the key's lock: none commits while
+//! it. So increments, too, run under the key's lock (taken with their
+//! first observation, since they always need it): none commits while
 //! another is between its observation and its commit, and a dead one's
 //! sum is overwritten by the next write (it stays an increment whose
 //! outcome is unknown, counted once or not at all). A sum is set on each
@@ -83,7 +85,7 @@ use kv_common::layout::{insert_lock_index, COUNTER_MAX};
 
 use crate::insert_lock::KeyLock;
 use crate::locate::Need;
-use crate::primary::Commit;
+use crate::primary::{Commit, Observed};
 use crate::{Client, Error, Result};
 
 /// CASes a writer posts in a row on an insert lock word it keeps finding
@@ -208,31 +210,16 @@ impl Group<'_> {
         touched: &mut bool,
         lock: &mut KeyLock,
     ) -> Result<Done> {
-        let need = match change {
-            Change::Delete => Need::Every,
-            Change::Put(_) | Change::Add(_) => Need::Lowest,
-        };
-        let want_value = matches!(change, Change::Add(_));
         let attempts = self.primary.options.max_attempts;
         for _ in 0..attempts {
-            let inserting = !matches!(change, Change::Delete);
-            let observed = match change {
-                Change::Put(_) => self.primary.observe_for_put(key)?,
-                Change::Delete | Change::Add(_) => {
-                    self.primary.observe(key, need, (want_value, inserting))?
-                }
+            let Some(observed) = self.observe(key, change, lock)? else {
+                continue;
             };
             let absent = observed.is_absent();
             if absent && matches!(change, Change::Delete) {
                 return Ok(Done::Deleted(false));
             }
-            // Inserts and increments act under the key's lock.
             let locks = absent || matches!(change, Change::Add(_));
-            if locks && !lock.holds(self.primary) {
-                self.relock(key, lock)?;
-                // Observed again under the lock.
-                continue;
-            }
             let (value, number) = match change {
                 Change::Put(value) => (Some(Cow::Borrowed(value)), None),
                 Change::Delete => (None, None),
@@ -269,6 +256,65 @@ impl Group<'_> {
 }
 
 impl Group<'_> {
+    /// The key at the primary as `change` acts on it: observed under the
+    /// key's lock where the write needs it (an increment always, a PUT of
+    /// an absent key), the lock asked for in the observation's own batch.
+    /// None: observe again (the lock was taken, or waited for, without an
+    /// observation to go with it).
+    fn observe(
+        &mut self,
+        key: &[u8],
+        change: Change,
+        lock: &mut KeyLock,
+    ) -> Result<Option<Observed>> {
+        let increment = matches!(change, Change::Add(_));
+        let flags = (increment, !matches!(change, Change::Delete));
+        if !increment || lock.holds(self.primary) {
+            let observed = match change {
+                Change::Put(_) => self.primary.observe_for_put(key)?,
+                Change::Delete => self.primary.observe(key, Need::Every, flags)?,
+                Change::Add(_) => self.primary.observe(key, Need::Lowest, flags)?,
+            };
+            let locks = increment || observed.is_absent() && flags.1;
+            if !locks || lock.holds(self.primary) {
+                return Ok(Some(observed));
+            }
+        }
+        self.lock_and_observe(key, flags, lock)
+    }
+
+    /// Asks for `key`'s lock (as `relock`) by a CAS in the batch that
+    /// observes it. A word found free at another value than asked from is
+    /// asked for again at once, as in `relock`; a hold of another writer
+    /// is waited for there.
+    fn lock_and_observe(
+        &mut self,
+        key: &[u8],
+        flags: (bool, bool),
+        lock: &mut KeyLock,
+    ) -> Result<Option<Observed>> {
+        let (life, margin) = self.primary.insert_lock_life();
+        let word = insert_lock_index(key);
+        for _ in 0..FREE_RETRIES {
+            let seen = self.primary.insert_lock_sighting(word);
+            let connection = self.primary.reconnects();
+            let (from, to) = lock.next(seen, life, Instant::now(), connection);
+            let asked = Instant::now();
+            let (found, read) = self.primary.lock_with_windows(key, (word, from, to))?;
+            // Recorded before locating, so that the hold is let go however
+            // the write ends.
+            lock.found((from, to, found), asked, (life, margin), connection);
+            if lock.is_held() {
+                return self.primary.observed_in(key, read, flags);
+            }
+            if found & 1 == 1 {
+                break;
+            }
+        }
+        self.relock(key, lock)?;
+        Ok(None)
+    }
+
     /// Sets `key` to `value` (None: removes it) on every backup.
     fn set_backups(&mut self, key: &[u8], value: Option<&[u8]>, touched: &mut bool) -> Result<()> {
         for (i, backup) in self.backups.iter_mut().enumerate() {
@@ -372,8 +418,8 @@ impl Group<'_> {
             // asked for again at once.
             for _ in 0..FREE_RETRIES {
                 let seen = self.primary.insert_lock_sighting(word);
-                let (from, to) = lock.next(seen, life, Instant::now());
                 let connection = self.primary.reconnects();
+                let (from, to) = lock.next(seen, life, Instant::now(), connection);
                 let asked = Instant::now();
                 let found = self.primary.cas_insert_lock(word, from, to)?;
                 asks += 1;
@@ -395,7 +441,7 @@ impl Group<'_> {
     /// Lets `key`'s lock go, if this writer holds it. A hold lapses anyway,
     /// so a release that fails costs nothing.
     fn release(&mut self, key: &[u8], lock: &mut KeyLock) {
-        if let Some((from, to)) = lock.release() {
+        if let Some((from, to)) = lock.release(self.primary.reconnects()) {
             let _ = self
                 .primary
                 .cas_insert_lock(insert_lock_index(key), from, to);

@@ -620,6 +620,55 @@ fn an_insert_lock_is_a_word_of_the_primary_a_dead_holders_for_one_life() {
 }
 
 #[test]
+fn an_insert_asks_for_its_lock_in_the_batch_of_its_second_observation() {
+    let (_etcd, url, _dir, _members) = start("insertrt");
+    let mut kv = ClusterClient::connect(&url).expect("connect");
+    let mut written = Vec::new();
+    // Round trips of `write` on fresh keys of shard 0 (so every copy's
+    // lock word is one this client guesses right), the fewest of five: a
+    // stall past a deadline adds some.
+    let mut fewest =
+        |kv: &mut ClusterClient, prefix: &str, write: &dyn Fn(&mut ClusterClient, &str)| {
+            (0..5)
+                .map(|i| {
+                    let key = key_of(kv, 0, &format!("{prefix}{i}-"));
+                    let at = kv.verb_stats().round_trips;
+                    write(kv, &key);
+                    written.push(key);
+                    kv.verb_stats().round_trips - at
+                })
+                .min()
+                .expect("five writes")
+        };
+    let insert = fewest(&mut kv, "ins", &|kv, key| kv.put(key, "v").expect("insert"));
+    let increment = fewest(&mut kv, "ctr", &|kv, key| {
+        assert_eq!(kv.incr(key, 5).expect("increment"), 5);
+    });
+    // An insert: at the primary, an observation (absent), a second one
+    // that carries the lock's CAS, the commit (block, CAS and the
+    // duplicate check's reads in one batch) and the release; at each
+    // backup, its windows with the block, then its CAS with the check.
+    // Taking the lock and writing the block in batches of their own made
+    // it 10.
+    assert!(insert <= 8, "an insert at R=3 took {insert} round trips");
+    // An increment: its one observation carries the lock's CAS; each
+    // backup is read, then set by a CAS; then the commit and the release
+    // (12 before).
+    assert!(
+        increment <= 7,
+        "an increment at R=3 took {increment} round trips"
+    );
+    let mut groups = copies(&url);
+    for key in &written {
+        let value = assert_alike(&mut groups, &kv, key);
+        assert!(
+            matches!(value.as_deref(), Some(b"v" | b"5")),
+            "{key}: {value:?}"
+        );
+    }
+}
+
+#[test]
 fn a_write_right_after_a_read_of_its_key_reads_nothing_more_at_the_primary() {
     // A longer deadline (within what the members' 2 s leases allow: a read
     // lease ends two deadlines before its member's may): a GET's read
