@@ -162,7 +162,38 @@ pub fn abort_saying(why: &str) -> ! {
     daemon_log::write_live_tails();
     // Again after the logs, where a log's tail in CI ends.
     let _ = writeln!(std::io::stderr(), "aborting: {why}");
+    // No destructor runs: the daemons would serve on, holding their ports
+    // and regions, beside the tests that come after.
+    kill_children();
     std::process::abort();
+}
+
+/// Kills (SIGKILL) every child process of this one: the daemons, etcds and
+/// clients its tests started. Found by their parent in `/proc`, so that a
+/// child already waited for (whose pid may be another process's by now)
+/// is never named.
+pub fn kill_children() {
+    let me = std::process::id();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse().ok()) else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+        let parent = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+            .and_then(|p| p.parse::<u32>().ok());
+        if parent == Some(me) {
+            // SAFETY: kill(2) on a child of this process.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    }
 }
 
 /// Now as `HH:MM:SS.mmm` UTC, the clock the daemons' log lines carry.
