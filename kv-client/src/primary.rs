@@ -68,8 +68,8 @@ impl Client {
     /// Observes `key`. `flags` are (`want_value`: reads the value readers
     /// see too, so no blind hint; `inserting`: the write would insert an
     /// absent key, so an absent key whose buckets are full has the index
-    /// grown first). Read-only: redone across resizes and a lost connection like
-    /// any read.
+    /// grown first). Read-only: redone across resizes and a lost
+    /// connection like any read.
     pub(crate) fn observe(
         &mut self,
         key: &[u8],
@@ -174,7 +174,7 @@ impl Client {
     }
 
     /// The observation `located` makes: with `want_value`, the value
-    /// readers see; `inserting` an absent key whose buckets are full has
+    /// readers see; `inserting`, an absent key whose buckets are full has
     /// the index grown first, before any copy is written, not after the
     /// backups have it. Moved for a block that failed validation too.
     fn observation(
