@@ -293,17 +293,11 @@ impl Group<'_> {
         flags: (bool, bool),
         lock: &mut KeyLock,
     ) -> Result<Option<Observed>> {
-        let (life, margin) = self.primary.insert_lock_life();
         let word = insert_lock_index(key);
         for _ in 0..FREE_RETRIES {
-            let seen = self.primary.insert_lock_sighting(word);
-            let connection = self.primary.reconnects();
-            let (from, to) = lock.next(seen, life, Instant::now(), connection);
-            let asked = Instant::now();
-            let (found, read) = self.primary.lock_with_windows(key, (word, from, to))?;
             // Recorded before locating, so that the hold is let go however
             // the write ends.
-            lock.found((from, to, found), asked, (life, margin), connection);
+            let (found, read) = self.ask(word, lock, |p, cas| p.lock_with_windows(key, cas))?;
             if lock.is_held() {
                 return self.primary.observed_in(key, read, flags);
             }
@@ -408,7 +402,7 @@ impl Group<'_> {
     /// it, for at most two lives: time enough to take over a dead writer's
     /// hold, which a busy word (held again and again) may not leave.
     fn relock(&mut self, key: &[u8], lock: &mut KeyLock) -> Result<()> {
-        let (life, margin) = self.primary.insert_lock_life();
+        let (life, _) = self.primary.insert_lock_life();
         let word = insert_lock_index(key);
         let give_up = Instant::now() + life * 2;
         let mut asks = 0;
@@ -417,13 +411,10 @@ impl Group<'_> {
             // writers took and let it go since this client last looked) is
             // asked for again at once.
             for _ in 0..FREE_RETRIES {
-                let seen = self.primary.insert_lock_sighting(word);
-                let connection = self.primary.reconnects();
-                let (from, to) = lock.next(seen, life, Instant::now(), connection);
-                let asked = Instant::now();
-                let found = self.primary.cas_insert_lock(word, from, to)?;
+                let (found, ()) = self.ask(word, lock, |p, (word, from, to)| {
+                    Ok((p.cas_insert_lock(word, from, to)?, ()))
+                })?;
                 asks += 1;
-                lock.found((from, to, found), asked, (life, margin), connection);
                 if lock.is_held() || found & 1 == 1 {
                     break;
                 }
@@ -436,6 +427,26 @@ impl Group<'_> {
             }
             std::thread::sleep(LOCK_WAIT);
         }
+    }
+
+    /// Asks once for lock word `word`: the next CAS from this client's
+    /// sighting of it (`KeyLock::next`), posted by `post` (alone, or ahead
+    /// of the key's windows), its answer recorded in `lock`. The value the
+    /// CAS found, and what else `post` read.
+    fn ask<T>(
+        &mut self,
+        word: u64,
+        lock: &mut KeyLock,
+        post: impl FnOnce(&mut Client, (u64, u64, u64)) -> Result<(u64, T)>,
+    ) -> Result<(u64, T)> {
+        let (life, margin) = self.primary.insert_lock_life();
+        let seen = self.primary.insert_lock_sighting(word);
+        let connection = self.primary.reconnects();
+        let (from, to) = lock.next(seen, life, Instant::now(), connection);
+        let asked = Instant::now();
+        let (found, read) = post(self.primary, (word, from, to))?;
+        lock.found((from, to, found), asked, (life, margin), connection);
+        Ok((found, read))
     }
 
     /// Lets `key`'s lock go, if this writer holds it. A hold lapses anyway,
