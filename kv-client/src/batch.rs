@@ -22,8 +22,8 @@
 //! lost, more blocks than fit) goes to the single-key path.
 
 use kv_common::layout::{
-    block_len, class_for, counter_block_len, counter_words, encode_block, encode_counter_block,
-    Geometry, KeyHash, Slot, SlotPos, COUNTER_GENERATION, COUNTER_SETTLED,
+    block_head_len, block_len, class_for, counter_block_len, counter_words, encode_block,
+    encode_counter_block, Geometry, KeyHash, Slot, SlotPos, COUNTER_GENERATION, COUNTER_SETTLED,
 };
 use kv_common::transport::{read_u64, Verb, MAX_BATCH_VERBS};
 use smallvec::SmallVec;
@@ -152,7 +152,8 @@ impl Client {
         let mut windows: SmallVec<[usize; BATCH_KEYS]> = SmallVec::new();
         for (i, first) in b.firsts.iter().enumerate() {
             match *first {
-                First::Sole(sole) => match self.sole_value(keys[i], &sole, b.clock) {
+                // (A whole block read always gives its value.)
+                First::Sole(sole) => match self.sole_value(keys[i], &sole, b.clock).flatten() {
                     Some(value) => {
                         copy_out(self.conn.local(), value, &mut values[i]);
                         found[i] = true;
@@ -169,7 +170,7 @@ impl Client {
         for i in windows {
             let slots = self.batch_slots(i);
             b.check_epoch |= meets_resize(&slots);
-            match reads.add_key(&g, i, &b.hashes[i], &slots) {
+            match reads.add_key(&g, (i, usize::MAX), &b.hashes[i], &slots) {
                 Some(n) => {
                     b.matching[i] = n;
                     b.read.push(i);
@@ -278,7 +279,8 @@ impl Client {
         let mut suspect = false;
         for c in reads.of_key(k) {
             match self.holds(key, c.local(), ScanMode::Lowest) {
-                Holds::Damaged => suspect = true,
+                // (`Key` is only the answer of a head read: never here.)
+                Holds::Damaged | Holds::Key => suspect = true,
                 Holds::OtherKey | Holds::Pending => {}
                 // Being unlinked: the single path waits on it.
                 Holds::Sealed { .. } => return Lowest::Suspect,
@@ -863,8 +865,10 @@ impl Client {
         let mut settles: SmallVec<[bool; BATCH_KEYS]> = located.iter().copied().collect();
         for i in (0..keys.len()).filter(|&i| located[i]) {
             let slots = self.batch_slots(i);
+            // Writers read each block's head only (`ScanMode::Keys`).
+            let cap = block_head_len(keys[i].len());
             settles[i] =
-                !meets_resize(&slots) && reads.add_key(&g, i, &hashes[i], &slots).is_some();
+                !meets_resize(&slots) && reads.add_key(&g, (i, cap), &hashes[i], &slots).is_some();
         }
         if !reads.is_empty() {
             self.conn.start(&reads.reads().collect::<Verbs>())?;
@@ -901,14 +905,13 @@ impl Client {
     ) -> Option<WriterCopies> {
         let mut found = WriterCopies::new();
         for c in reads.of_key(k) {
-            match self.holds(key, c.local(), ScanMode::AllCopies { known: None }) {
+            match self.holds(key, c.local(), ScanMode::Keys) {
                 Holds::OtherKey => {}
-                // A counter is unlinked under its lock (or, not settled,
-                // given up first): the single path does.
-                Holds::Copy(Kind::Counter { .. }, _) | Holds::Sealed { .. } | Holds::Pending => {
-                    return None
-                }
-                Holds::Copy(kind, _) => found.push((c.index, c.slot, kind)),
+                // A counter (the only copy a head read gives whole) is
+                // unlinked under its lock (or, not settled, given up
+                // first): the single path does.
+                Holds::Copy(..) | Holds::Sealed { .. } | Holds::Pending => return None,
+                Holds::Key => found.push((c.index, c.slot, Kind::Bytes)),
                 // Damage or a race: the single path retries and reports.
                 Holds::Damaged => return None,
             }

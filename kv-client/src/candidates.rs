@@ -56,14 +56,15 @@ impl CandidateReads {
         }
     }
 
-    /// Adds the blocks of key `key`'s slots whose fingerprint matches, and
-    /// returns how many matched; None, adding nothing, if one of them
-    /// cannot be read here (past the region this client knows, or no room
-    /// left): the batch cannot settle that key.
+    /// Adds the blocks of key `key`'s slots whose fingerprint matches, each
+    /// read as far as `cap` bytes at most (a writer's: their heads, see
+    /// `ScanMode::Keys`), and returns how many matched; None, adding
+    /// nothing, if one of them cannot be read here (past the region this
+    /// client knows, or no room left): the batch cannot settle that key.
     pub fn add_key(
         &mut self,
         g: &Geometry,
-        key: usize,
+        (key, cap): (usize, usize),
         kh: &KeyHash,
         slots: &Slots,
     ) -> Option<usize> {
@@ -72,6 +73,7 @@ impl CandidateReads {
             let slot = slots[index];
             let fits = g
                 .block_span(slot.thawed())
+                .map(|(remote, len)| (remote, len.min(cap)))
                 .filter(|&(_, len)| self.at + len <= self.end && self.list.len() < self.max);
             let Some((remote, len)) = fits else {
                 self.list.truncate(len_before);

@@ -11,7 +11,7 @@
 //! batch reads the slot's word and the block, two READs instead of three.
 
 use crossbeam::utils::Backoff;
-use kv_common::layout::{KeyHash, Slot};
+use kv_common::layout::{block_head_len, KeyHash, Slot};
 use kv_common::transport::{read_u64, Verb};
 
 use crate::clock::OpClock;
@@ -25,9 +25,10 @@ use crate::{Client, Result, Step};
 /// What one batch of a key's windows and its hinted block showed.
 pub enum Sighting {
     /// The hinted slot still holds the key, as its lowest copy, with this
-    /// value. `alone`: no other slot could hold a copy.
+    /// value (None: the block was read only as far as its head, see
+    /// `BlockRead`). `alone`: no other slot could hold a copy.
     Held {
-        value: Value,
+        value: Option<Value>,
         clock: OpClock,
         alone: bool,
     },
@@ -38,12 +39,23 @@ pub enum Sighting {
     Stale,
 }
 
+/// How much of a hinted block a read takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum BlockRead {
+    /// The whole block: its value is wanted (a GET, an increment).
+    Whole,
+    /// Its head (`ScanMode::Keys`): a PUT or DELETE, which replaces the
+    /// value, only needs to know the block is the key's.
+    Head,
+}
+
 /// A sole hint's reads: its slot's word and its block, in one batch.
 #[derive(Clone, Copy)]
 pub(crate) struct SoleRead {
     pub hint: Hint,
     pub word: Verb,
     pub block: Verb,
+    pub extent: BlockRead,
 }
 
 impl SoleRead {
@@ -60,14 +72,21 @@ impl Client {
         let kh = KeyHash::new(key, self.info.geometry.bucket_count);
         let mut read_already = None;
         if let Some(hint) = self.hint_to_read(key) {
-            match self.read_hinted(key, &kh, hint, None)? {
-                Sighting::Held { value, clock, .. } => {
+            match self.read_hinted(key, &kh, (hint, BlockRead::Whole), None)? {
+                Sighting::Held {
+                    value: Some(value),
+                    clock,
+                    ..
+                } => {
                     // Held: no lower slot could hold a copy.
                     let seen = Seen::new((hint.pos, hint.slot), clock);
                     self.found_by_get(key, seen, || matches!(value, Value::Bytes(_)));
                     return Ok(Step::Done(Some(value)));
                 }
-                Sighting::WindowsOnly(clock) => read_already = Some(clock),
+                // (A whole block read always gives its value.)
+                Sighting::Held { clock, .. } | Sighting::WindowsOnly(clock) => {
+                    read_already = Some(clock)
+                }
                 Sighting::Stale => {}
             }
         }
@@ -121,8 +140,9 @@ impl Client {
         Err(crate::Error::Contended(self.options.max_attempts))
     }
 
-    /// Reads the key's windows and its hinted block in one batch (after
-    /// `first`, a WRITE that travels with it). The value is the key's if the
+    /// Reads the key's windows and its hinted block (as far as `extent`
+    /// says) in one batch (after `first`, a WRITE that travels with it).
+    /// The value is the key's if the
     /// slot still holds the hinted value, no other slot could hold a lower
     /// copy (none can once the hint is sole), the block is the key's, and it
     /// was all read within the deadline: exactly what reading the buckets
@@ -132,7 +152,7 @@ impl Client {
         &mut self,
         key: &[u8],
         kh: &KeyHash,
-        hint: Hint,
+        (hint, extent): (Hint, BlockRead),
         first: Option<Verb>,
     ) -> Result<Sighting> {
         let at = kh.slot_index(hint.pos);
@@ -141,9 +161,17 @@ impl Client {
             self.cache.forget(key);
             return Ok(Sighting::WindowsOnly(self.read_windows(kh, first)?));
         };
+        let len = match extent {
+            BlockRead::Whole => len,
+            BlockRead::Head => len.min(block_head_len(key.len())),
+        };
         let block = Verb::Read { remote, local, len };
         if hint.is_sole() {
-            return self.read_sole(key, hint, block, first);
+            let sole = SoleRead {
+                extent,
+                ..self.sole_read(hint, block, self.layout.slot)
+            };
+            return self.read_sole(key, sole, first);
         }
         let clock = self.timing.start();
         // The windows before the block: a hint past its life needs it.
@@ -157,8 +185,8 @@ impl Client {
         // A counter's hint is confirmed only by its value read open: one
         // sealed by a writer must not look recently seen (see `counter`).
         let counter = match hint.is_counter() {
-            true => match self.value_in(key, block) {
-                Some(value @ Value::Counter(_)) => Some(value),
+            true => match self.held_in(key, block, extent) {
+                Some(value @ Some(Value::Counter(_))) => Some(value),
                 _ => {
                     self.cache.forget(key);
                     return Ok(Sighting::WindowsOnly(clock));
@@ -192,13 +220,13 @@ impl Client {
             // A lower slot might hold a copy: the scan decides.
             return Ok(Sighting::WindowsOnly(clock));
         }
-        match counter.or_else(|| self.value_in(key, block)) {
+        match counter.or_else(|| self.held_in(key, block, extent)) {
             Some(value) => {
                 if hint.is_reread() {
                     // A new sighting, as a scan of these windows makes.
                     let counter = match value {
-                        Value::Counter(n) => Some(n),
-                        Value::Bytes(_) => None,
+                        Some(Value::Counter(n)) => Some(n),
+                        Some(Value::Bytes(_)) | None => None,
                     };
                     let seen = Seen::new((hint.pos, hint.slot), clock);
                     self.saw(key, seen, Alone::proven_if(alone), counter);
@@ -223,15 +251,8 @@ impl Client {
     /// A sole hint: one batch reads the hinted slot's word and its block.
     /// No other slot can hold a copy, so the slot still holding the hinted
     /// value is all the block needs.
-    fn read_sole(
-        &mut self,
-        key: &[u8],
-        hint: Hint,
-        block: Verb,
-        first: Option<Verb>,
-    ) -> Result<Sighting> {
+    fn read_sole(&mut self, key: &[u8], sole: SoleRead, first: Option<Verb>) -> Result<Sighting> {
         let clock = self.timing.start();
-        let sole = self.sole_read(hint, block, self.layout.slot);
         match first {
             Some(first) => self.conn.post(&[first, sole.word, sole.block])?,
             None => self.conn.post(&sole.verbs())?,
@@ -254,23 +275,29 @@ impl Client {
             local: word_at,
             len: 8,
         };
-        SoleRead { hint, word, block }
+        SoleRead {
+            hint,
+            word,
+            block,
+            extent: BlockRead::Whole,
+        }
     }
 
-    /// What a `SoleRead` timed by `clock` shows: the key's value if the
-    /// slot still held the hinted value, in time, and the block holds the
-    /// key. The hint is confirmed, or dropped.
+    /// What a `SoleRead` timed by `clock` shows: the key's value (None if
+    /// only the block's head was read) if the slot still held the hinted
+    /// value, in time, and the block holds the key. The hint is confirmed,
+    /// or dropped.
     #[inline(always)]
     pub(crate) fn sole_value(
         &mut self,
         key: &[u8],
         sole: &SoleRead,
         clock: OpClock,
-    ) -> Option<Value> {
+    ) -> Option<Option<Value>> {
         let hint = sole.hint;
         let now = Slot(read_u64(self.conn.local(), sole.word.local_offset()));
         let value = (clock.in_time() && now == hint.slot)
-            .then(|| self.value_in(key, sole.block))
+            .then(|| self.held_in(key, sole.block, sole.extent))
             .flatten();
         match value {
             Some(_) => {
@@ -282,16 +309,27 @@ impl Client {
         value
     }
 
-    /// The value a reader sees in the block `read` brought back, if it is
+    /// The value a reader sees in the block `read` brought back (as far
+    /// as `extent`: None for a byte block read only to its head), if it is
     /// valid and holds `key` (a pending counter is not there yet, a sealed
     /// one may be gone).
-    pub(crate) fn value_in(&self, key: &[u8], read: Verb) -> Option<Value> {
+    pub(crate) fn held_in(
+        &self,
+        key: &[u8],
+        read: Verb,
+        extent: BlockRead,
+    ) -> Option<Option<Value>> {
         let Verb::Read { local, len, .. } = read else {
             return None;
         };
+        let mode = match extent {
+            BlockRead::Whole => ScanMode::Lowest,
+            BlockRead::Head => ScanMode::Keys,
+        };
         // A sealed counter's value is not the key's: the scan waits.
-        match self.holds(key, local..local + len, ScanMode::Lowest) {
-            Holds::Copy(_, value) => Some(value),
+        match self.holds(key, local..local + len, mode) {
+            Holds::Copy(_, value) => Some(Some(value)),
+            Holds::Key => Some(None),
             _ => None,
         }
     }

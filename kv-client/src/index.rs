@@ -6,8 +6,8 @@ use std::ops::Range;
 use std::time::Duration;
 
 use kv_common::layout::{
-    decode_block, set_bits, CounterState, KeyHash, Payload, Slot, SlotPos, CANDIDATE_SLOTS,
-    EPOCH_OFFSET,
+    block_head_len, decode_block, decode_block_head, set_bits, CounterState, KeyHash, Payload,
+    Slot, SlotPos, CANDIDATE_SLOTS, EPOCH_OFFSET,
 };
 use kv_common::transport::{read_u64, Verb};
 use smallvec::SmallVec;
@@ -61,11 +61,15 @@ pub enum ScanMode {
     /// `known` is taken to hold the key without reading its block (the
     /// writer's own copy, published within the deadline).
     AllCopies { known: Option<Slot> },
+    /// Every copy, lowest first, each block read only as far as its head
+    /// (`block_head_len`): what a writer that replaces the value (a PUT, a
+    /// DELETE) must know. The copies' value is not read, and so not there.
+    Keys,
 }
 
 impl ScanMode {
     fn skips_pending(self) -> bool {
-        !matches!(self, ScanMode::AllCopies { .. })
+        matches!(self, ScanMode::Lowest | ScanMode::Readable)
     }
 }
 
@@ -181,6 +185,9 @@ pub(crate) enum Holds {
     /// The key's counter, not settled, where the scan skips those.
     Pending,
     Copy(Kind, Value),
+    /// The key's byte block, read only as far as its head
+    /// (`ScanMode::Keys`): a copy whose value was not read.
+    Key,
 }
 
 /// The copies of a key a scan found.
@@ -369,7 +376,7 @@ impl Client {
         let reads_at = self.layout.reads;
         let known = match mode {
             ScanMode::AllCopies { known } => known,
-            ScanMode::Lowest | ScanMode::Readable => None,
+            ScanMode::Lowest | ScanMode::Readable | ScanMode::Keys => None,
         };
         let mut start = ScanStart {
             copies: Copies {
@@ -383,6 +390,12 @@ impl Client {
             past_region: false,
         };
         self.scan_candidates(kh, slots, known, &mut start);
+        if mode == ScanMode::Keys {
+            let head = block_head_len(key.len());
+            for candidate in &mut start.candidates {
+                candidate.3 = candidate.3.min(head);
+            }
+        }
         let check_epoch = meets_resize(slots) || start.past_region;
         self.pause_if_slow();
         if start.candidates.is_empty() && check_epoch && self.read_epoch_changed()? {
@@ -426,6 +439,10 @@ impl Client {
                             start.copies.exact = false;
                             return Ok(Scan::Found(start.copies));
                         }
+                    }
+                    Holds::Key => {
+                        start.copies.slots.push((kh.slot_pos(i), slot));
+                        start.copies.kinds.push(Kind::Bytes);
                     }
                 }
             }
@@ -570,7 +587,8 @@ impl Client {
                 return Ok(LowestCopy::Retry(None));
             }
             match self.holds(key, at..at + len, ScanMode::Lowest) {
-                Holds::Damaged => {
+                // (`Key` is only the answer of a head read: never here.)
+                Holds::Damaged | Holds::Key => {
                     suspect.get_or_insert((kh.slot_pos(i), slot));
                 }
                 Holds::OtherKey | Holds::Pending => {}
@@ -642,13 +660,20 @@ impl Client {
     /// one is damage, or a race a retry resolves.
     pub(crate) fn holds(&self, key: &[u8], range: Range<usize>, mode: ScanMode) -> Holds {
         let block = &self.conn.local()[range.clone()];
-        let Ok(view) = decode_block(block) else {
+        let decoded = match mode {
+            ScanMode::Keys => decode_block_head(block),
+            _ => decode_block(block).map(|view| (view.key, Some(view.payload))),
+        };
+        let Ok((read, payload)) = decoded else {
             return Holds::Damaged;
         };
-        if view.key != key {
+        if read != key {
             return Holds::OtherKey;
         }
-        match view.payload {
+        let Some(payload) = payload else {
+            return Holds::Key;
+        };
+        match payload {
             // A writer is unlinking it: neither its value nor its absence
             // is the key's yet.
             Payload::Counter {
@@ -663,7 +688,7 @@ impl Client {
                 Holds::Pending
             }
             Payload::Counter { value, .. } => {
-                Holds::Copy(Kind::of(&view.payload), Value::Counter(value))
+                Holds::Copy(Kind::of(&payload), Value::Counter(value))
             }
             Payload::Bytes(bytes) => {
                 let start = range.start + (bytes.as_ptr() as usize - block.as_ptr() as usize);

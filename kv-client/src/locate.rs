@@ -6,18 +6,24 @@ use kv_common::layout::{KeyHash, Slot, SlotPos};
 use kv_common::transport::Verb;
 
 use crate::clock::OpClock;
-use crate::get::Sighting;
+use crate::get::{BlockRead, Sighting};
 use crate::hint::{Alone, Seen};
 use crate::index::{meets_resize, Copies, Scan, ScanMode, Value, WindowsRead};
 use crate::{Client, Result};
 
-/// What a writer needs to know about the key's copies.
+/// What a writer needs to know about the key's copies. Unless it needs
+/// the value, their blocks are read only as far as their heads
+/// (`ScanMode::Keys`): a PUT or DELETE replaces whatever value they hold,
+/// and a byte block's value is most of its bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Need {
     /// The lowest copy (an update).
     Lowest,
     /// Every copy (a delete must remove them all).
     Every,
+    /// The lowest copy and the value readers see (an increment computes
+    /// its sum from it).
+    Value,
 }
 
 pub enum Located {
@@ -46,11 +52,15 @@ impl Client {
         need: Need,
     ) -> Result<Located> {
         let mut held = None;
+        let extent = match need {
+            Need::Value => BlockRead::Whole,
+            Need::Lowest | Need::Every => BlockRead::Head,
+        };
         // A counter's block must be read: its writers lock it first.
         let clock = match self.hint_to_read(key).filter(|h| !h.is_counter()) {
-            Some(hint) => match self.read_hinted(key, kh, hint, first)? {
+            Some(hint) => match self.read_hinted(key, kh, (hint, extent), first)? {
                 Sighting::Held {
-                    value: Value::Counter(_),
+                    value: Some(Value::Counter(_)),
                     ..
                 } => {
                     // (Hints say which blocks are counters: not this one.)
@@ -76,16 +86,16 @@ impl Client {
         // read no windows.)
         if let Some((hint, alone, value)) = held {
             let exact = alone || hint.is_sole();
-            if need == Need::Lowest || exact {
+            if need != Need::Every || exact {
                 let copies = Copies {
-                    value: Some(value),
+                    value,
                     exact,
                     ..Copies::known(hint.pos, hint.slot)
                 };
                 return Ok(Located::Found { copies, clock });
             }
         }
-        self.locate_in_windows(key, kh, clock)
+        self.locate_in_windows(key, kh, (clock, need))
     }
 
     /// Locates the key's copies from its windows, just read (in the local
@@ -94,13 +104,16 @@ impl Client {
         &mut self,
         key: &[u8],
         kh: &KeyHash,
-        clock: OpClock,
+        (clock, need): (OpClock, Need),
     ) -> Result<Located> {
         let slots = self.slots();
         if meets_resize(&slots) {
             return Ok(Located::Moved);
         }
-        let mode = ScanMode::AllCopies { known: None };
+        let mode = match need {
+            Need::Value => ScanMode::AllCopies { known: None },
+            Need::Lowest | Need::Every => ScanMode::Keys,
+        };
         Ok(
             match self.scan(key, kh, &WindowsRead::new(&slots, clock), mode)? {
                 Scan::Found(copies) => match copies.slots.first() {

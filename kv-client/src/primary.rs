@@ -65,19 +65,14 @@ impl Observed {
 }
 
 impl Client {
-    /// Observes `key`. `flags` are (`want_value`: reads the value readers
-    /// see too, so no blind hint; `inserting`: the write would insert an
-    /// absent key, so an absent key whose buckets are full has the index
-    /// grown first). Read-only: redone across resizes and a lost
-    /// connection like any read.
-    pub(crate) fn observe(
-        &mut self,
-        key: &[u8],
-        need: Need,
-        flags: (bool, bool),
-    ) -> Result<Observed> {
+    /// Observes `key`, as much of it as `need` says (`Need::Value`: the
+    /// value readers see too, so no blind hint). `inserting`: the write
+    /// would insert an absent key, so an absent key whose buckets are full
+    /// has the index grown first. Read-only: redone across resizes and a
+    /// lost connection like any read.
+    pub(crate) fn observe(&mut self, key: &[u8], need: Need, inserting: bool) -> Result<Observed> {
         crate::check_key(key)?;
-        self.run(|c| c.observe_once(key, need, flags))
+        self.run(|c| c.observe_once(key, (need, inserting)))
     }
 
     /// As [`Self::observe`], for a PUT at a replicated shard's primary:
@@ -95,18 +90,17 @@ impl Client {
                 epoch: self.info.geometry.epoch,
                 value: None,
             }),
-            None => self.observe(key, Need::Lowest, (false, true)),
+            None => self.observe(key, Need::Lowest, true),
         }
     }
 
     fn observe_once(
         &mut self,
         key: &[u8],
-        need: Need,
-        flags: (bool, bool),
+        (need, inserting): (Need, bool),
     ) -> Result<Step<Observed>> {
         let epoch = self.info.geometry.epoch;
-        if !flags.0 {
+        if need != Need::Value {
             if let Some(hint) = self.blind_hint(key) {
                 let seen = Sight::Hinted(hint);
                 return Ok(Step::Done(Observed {
@@ -123,7 +117,11 @@ impl Client {
             self.keep_read_lease()?;
             match self.locate(key, &kh, None, need)? {
                 Located::Retry(suspect) => corrupt.saw(key, suspect)?,
-                located => return Ok(self.observation((key, kh), located, epoch, flags)),
+                located => {
+                    let observation =
+                        self.observation((key, kh), located, epoch, (need, inserting));
+                    return Ok(observation);
+                }
             }
         }
         Err(Error::Contended(self.options.max_attempts))
@@ -162,18 +160,18 @@ impl Client {
         &mut self,
         key: &[u8],
         read: WindowsRead,
-        flags: (bool, bool),
+        (need, inserting): (Need, bool),
     ) -> Result<Option<Observed>> {
-        let located = self.locate_in_windows(key, &read.kh, read.clock)?;
+        let located = self.locate_in_windows(key, &read.kh, (read.clock, need))?;
         Ok(
-            match self.observation((key, read.kh), located, read.epoch, flags) {
+            match self.observation((key, read.kh), located, read.epoch, (need, inserting)) {
                 Step::Done(observed) => Some(observed),
                 Step::Moved | Step::Full(_) => None,
             },
         )
     }
 
-    /// The observation `located` makes: with `want_value`, the value
+    /// The observation `located` makes: for `Need::Value`, the value
     /// readers see; `inserting`, an absent key whose buckets are full has
     /// the index grown first, before any copy is written, not after the
     /// backups have it. Moved for a block that failed validation too.
@@ -182,11 +180,11 @@ impl Client {
         (key, kh): (&[u8], KeyHash),
         located: Located,
         epoch: u64,
-        (want_value, inserting): (bool, bool),
+        (need, inserting): (Need, bool),
     ) -> Step<Observed> {
         let (seen, value) = match located {
             Located::Found { copies, clock } => {
-                let value = match copies.value.as_ref().filter(|_| want_value) {
+                let value = match copies.value.as_ref().filter(|_| need == Need::Value) {
                     Some(Value::Bytes(range)) => Some(self.conn.local()[range.clone()].to_vec()),
                     Some(Value::Counter(n)) => Some(n.to_string().into_bytes()),
                     None => None,

@@ -268,19 +268,22 @@ impl Group<'_> {
         lock: &mut KeyLock,
     ) -> Result<Option<Observed>> {
         let increment = matches!(change, Change::Add(_));
-        let flags = (increment, !matches!(change, Change::Delete));
+        let (need, inserting) = match change {
+            Change::Put(_) => (Need::Lowest, true),
+            Change::Delete => (Need::Every, false),
+            Change::Add(_) => (Need::Value, true),
+        };
         if !increment || lock.holds(self.primary) {
             let observed = match change {
                 Change::Put(_) => self.primary.observe_for_put(key)?,
-                Change::Delete => self.primary.observe(key, Need::Every, flags)?,
-                Change::Add(_) => self.primary.observe(key, Need::Lowest, flags)?,
+                _ => self.primary.observe(key, need, inserting)?,
             };
-            let locks = increment || observed.is_absent() && flags.1;
+            let locks = increment || observed.is_absent() && inserting;
             if !locks || lock.holds(self.primary) {
                 return Ok(Some(observed));
             }
         }
-        self.lock_and_observe(key, flags, lock)
+        self.lock_and_observe(key, (need, inserting), lock)
     }
 
     /// Asks for `key`'s lock (as `relock`) by a CAS in the batch that
@@ -290,7 +293,7 @@ impl Group<'_> {
     fn lock_and_observe(
         &mut self,
         key: &[u8],
-        flags: (bool, bool),
+        observing: (Need, bool),
         lock: &mut KeyLock,
     ) -> Result<Option<Observed>> {
         let word = insert_lock_index(key);
@@ -299,7 +302,7 @@ impl Group<'_> {
             // the write ends.
             let (found, read) = self.ask(word, lock, |p, cas| p.lock_with_windows(key, cas))?;
             if lock.is_held() {
-                return self.primary.observed_in(key, read, flags);
+                return self.primary.observed_in(key, read, observing);
             }
             if found & 1 == 1 {
                 break;
@@ -344,7 +347,7 @@ impl Group<'_> {
         for backup in self.backups.iter_mut() {
             let mut set = false;
             for _ in 0..attempts {
-                let observed = backup.observe(key, Need::Lowest, (false, true))?;
+                let observed = backup.observe(key, Need::Lowest, true)?;
                 if !lock.holds(self.primary) {
                     return Ok(false);
                 }
@@ -373,7 +376,7 @@ impl Group<'_> {
         let attempts = self.primary.options.max_attempts;
         for _ in 0..attempts {
             let held = lock.holds(self.primary);
-            let observed = self.primary.observe(key, Need::Lowest, (true, false))?;
+            let observed = self.primary.observe(key, Need::Value, false)?;
             if !observed.is_absent() {
                 let Some(value) = observed.value.clone() else {
                     return Err(Error::Internal("a present key observed no value".into()));

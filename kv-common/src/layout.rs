@@ -813,6 +813,37 @@ pub fn lengths_of(lengths: u64) -> (usize, u64) {
     }
 }
 
+/// The bytes of a block that tell a writer whether it is a copy of a key of
+/// `key_len` bytes: the header and the key, and a counter's two words (a
+/// counter block of that key is this long).
+pub fn block_head_len(key_len: usize) -> usize {
+    counter_block_len(key_len) as usize
+}
+
+/// A block read only as far as its head (`block_head_len` of the key looked
+/// for, or the whole block if shorter): its key, and a counter's payload,
+/// its block being whole there (None for a byte block, whose value was not
+/// read). A counter is checked as `decode_block` checks it; a byte block's
+/// checksum covers its value, so only its lengths are: a writer that
+/// replaces the value (a PUT, a DELETE) needs no more than the key, as the
+/// slot named the block within the read's deadline (see the hazards in
+/// DESIGN: the grace period, not the checksum, is what keeps a linked
+/// block from being rewritten under a read in time).
+pub fn decode_block_head(bytes: &[u8]) -> Result<(&[u8], Option<Payload<'_>>), BlockError> {
+    if bytes.len() < BLOCK_HEADER {
+        return Err(BlockError::BadLength);
+    }
+    let lengths = u64::from_le_bytes(bytes[8..16].try_into().expect("8 bytes"));
+    if is_counter(lengths) {
+        return decode_block(bytes).map(|v| (v.key, Some(v.payload)));
+    }
+    let key_len = (lengths & 0xffff_ffff) as usize;
+    if key_len > MAX_KEY || BLOCK_HEADER + key_len > bytes.len() {
+        return Err(BlockError::BadLength);
+    }
+    Ok((&bytes[BLOCK_HEADER..BLOCK_HEADER + key_len], None))
+}
+
 pub fn decode_block(bytes: &[u8]) -> Result<BlockView<'_>, BlockError> {
     if bytes.len() < BLOCK_HEADER {
         return Err(BlockError::BadLength);
@@ -1324,6 +1355,13 @@ mod tests {
             odd[state] = 7;
             assert!(decode_block(&odd).is_err());
             assert_eq!(decode_block(&buf[..used - 1]), Err(BlockError::BadLength));
+            // A counter's head is its whole block: checked as a whole.
+            let head = &buf[..block_head_len(key.len())];
+            let whole = decode_block(&buf).unwrap().payload;
+            assert_eq!(decode_block_head(head), Ok((key, Some(whole))));
+            let mut damaged = buf.clone();
+            damaged[16] ^= 1;
+            assert!(decode_block_head(&damaged[..head.len()]).is_err());
         }
     }
 
@@ -1347,6 +1385,11 @@ mod tests {
                 );
             }
         }
+        // Its head gives the key, whatever follows it.
+        let head = &buf[..block_head_len(5)];
+        assert_eq!(decode_block_head(head), Ok((&b"key-1"[..], None)));
+        assert_eq!(decode_block_head(&buf), Ok((&b"key-1"[..], None)));
+        assert_eq!(decode_block_head(&buf[..20]), Err(BlockError::BadLength));
         // An all-zero (never written) block never validates.
         assert!(decode_block(&[0u8; 64]).is_err());
         // Lengths that run past the buffer are refused, not trusted.

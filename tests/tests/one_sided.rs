@@ -311,6 +311,74 @@ fn a_get_reads_only_the_blocks_it_needs() {
 }
 
 #[test]
+fn a_write_reads_only_the_heads_of_the_blocks_it_replaces() {
+    use kv_common::layout::block_head_len;
+    let srv = TestServer::start(|c| c.op_deadline = Duration::from_secs(2));
+    let mut kv = hinted(&srv.address, 0);
+    let (first, second) = keys_sharing_a_fingerprint(kv.geometry().bucket_count);
+    kv.put(&first, [1; 1000]).unwrap();
+    kv.put(&second, [2; 1000]).unwrap();
+    let windows = 2 * 192;
+    // Each candidate (both share the fingerprint) read as far as its key:
+    // a PUT or DELETE replaces the value, so it need not read it.
+    let heads = (block_head_len(first.len()) + block_head_len(second.len())) as u64;
+    let wrote = |kv: &mut Client, write: &dyn Fn(&mut Client)| {
+        let before = kv.verb_stats();
+        write(kv);
+        let after = kv.verb_stats().since(&before);
+        (after.round_trips, after.bytes_read)
+    };
+    let put = |kv: &mut Client| kv.put(&second, [3; 1000]).unwrap();
+    assert_eq!(
+        wrote(&mut kv, &put),
+        (3, windows + heads),
+        "write+windows, heads, CAS"
+    );
+    let delete = |kv: &mut Client| assert!(kv.delete(&first).unwrap());
+    assert_eq!(
+        wrote(&mut kv, &delete),
+        (3, windows + heads),
+        "windows, heads, CAS"
+    );
+    assert_eq!(kv.get(&first).unwrap(), None);
+    assert_eq!(kv.get(&second).unwrap(), Some(vec![3; 1000]));
+    // With a hint (not yet sole): the windows and the hinted block's head
+    // in the batch of the block's WRITE, then the CAS.
+    let mut warm = hinted(&srv.address, 1024);
+    warm.put(b"alone", [4; 1000]).unwrap();
+    assert_eq!(warm.get(b"alone").unwrap(), Some(vec![4; 1000]));
+    let put = |kv: &mut Client| kv.put(b"alone", [5; 1000]).unwrap();
+    let head = block_head_len(b"alone".len()) as u64;
+    assert_eq!(
+        wrote(&mut warm, &put),
+        (2, windows + head),
+        "write+windows+head, CAS"
+    );
+    assert_eq!(warm.get(b"alone").unwrap(), Some(vec![5; 1000]));
+    // A batch of writes (updates here) reads the heads as well.
+    kv.put(&first, [1; 1000]).unwrap();
+    let pairs = [
+        (first.clone(), vec![6; 1000]),
+        (second.clone(), vec![7; 1000]),
+    ];
+    let put_many = |kv: &mut Client| kv.put_many(&pairs).unwrap();
+    let batch = wrote(&mut kv, &put_many);
+    assert_eq!(
+        batch,
+        (3, 2 * windows + 2 * heads),
+        "blocks+windows, heads, CASes"
+    );
+    assert_eq!(kv.get(&first).unwrap(), Some(vec![6; 1000]));
+    // A counter's block is read whole (its words follow its key) and
+    // stays one: a PUT over it seals and unlinks it as before.
+    assert!(kv.delete(&first).unwrap());
+    kv.incr(&first, 5).unwrap();
+    kv.put(&first, b"plain").unwrap();
+    assert_eq!(kv.get(&first).unwrap().as_deref(), Some(&b"plain"[..]));
+    assert_eq!(kv.get(&second).unwrap(), Some(vec![7; 1000]));
+}
+
+#[test]
 fn a_get_after_a_pause_longer_than_the_deadline_reads_again_and_finds_the_value() {
     // Over shm a GET's clock starts at the thread's last clock reading (one
     // reading fewer per GET): after a pause that reading is too old, so the
