@@ -6,8 +6,8 @@ use std::ops::Range;
 use std::time::Duration;
 
 use kv_common::layout::{
-    block_head_len, decode_block, decode_block_head, set_bits, CounterState, KeyHash, Payload,
-    Slot, SlotPos, CANDIDATE_SLOTS, EPOCH_OFFSET,
+    block_head_len, decode_block, decode_block_head, set_bits, BlockHead, CounterState, KeyHash,
+    Payload, Slot, SlotPos, CANDIDATE_SLOTS, EPOCH_OFFSET,
 };
 use kv_common::transport::{read_u64, Verb};
 use smallvec::SmallVec;
@@ -63,7 +63,8 @@ pub enum ScanMode {
     AllCopies { known: Option<Slot> },
     /// Every copy, lowest first, each block read only as far as its head
     /// (`block_head_len`): what a writer that replaces the value (a PUT, a
-    /// DELETE) must know. The copies' value is not read, and so not there.
+    /// DELETE) must know. A byte copy's value is not read (a counter's
+    /// block is its head, so its value is).
     Keys,
 }
 
@@ -196,7 +197,8 @@ pub struct Copies {
     pub slots: SmallVec<[(SlotPos, Slot); 2]>,
     /// What each of `slots` holds.
     pub kinds: SmallVec<[Kind; 2]>,
-    /// The lowest copy's value.
+    /// The lowest copy's value; None when its block was read only as far
+    /// as its head (`ScanMode::Keys`, a byte copy).
     pub value: Option<Value>,
     /// Every other slot that could hold the key was read and holds another
     /// key: `slots` is all there is.
@@ -351,8 +353,9 @@ impl Client {
         Ok(held)
     }
 
-    /// Reads the blocks of the slots whose fingerprint matches and keeps
-    /// those that pass the checksum and hold `key`, in as few batches as the
+    /// Reads the blocks of the slots whose fingerprint matches (only their
+    /// heads in `ScanMode::Keys`) and keeps those that pass validation and
+    /// hold `key`, in as few batches as the
     /// local buffer allows (a GET over shm reads them one at a time: see
     /// `lowest_copy`).
     ///
@@ -661,11 +664,19 @@ impl Client {
     pub(crate) fn holds(&self, key: &[u8], range: Range<usize>, mode: ScanMode) -> Holds {
         let block = &self.conn.local()[range.clone()];
         let decoded = match mode {
-            ScanMode::Keys => decode_block_head(block),
-            _ => decode_block(block).map(|view| (view.key, Some(view.payload))),
+            ScanMode::Keys => decode_block_head(block, key.len()),
+            _ => decode_block(block).map(|view| {
+                Some(BlockHead {
+                    key: view.key,
+                    payload: Some(view.payload),
+                })
+            }),
         };
-        let Ok((read, payload)) = decoded else {
-            return Holds::Damaged;
+        let BlockHead { key: read, payload } = match decoded {
+            Ok(Some(head)) => head,
+            // A key of another length.
+            Ok(None) => return Holds::OtherKey,
+            Err(_) => return Holds::Damaged,
         };
         if read != key {
             return Holds::OtherKey;

@@ -26,6 +26,16 @@ pub enum Need {
     Value,
 }
 
+impl Need {
+    /// How much of a candidate block the writer reads.
+    pub(crate) fn extent(self) -> BlockRead {
+        match self {
+            Need::Value => BlockRead::Whole,
+            Need::Lowest | Need::Every => BlockRead::Head,
+        }
+    }
+}
+
 pub enum Located {
     /// Copies of the key, lowest first, as read by the attempt timed by
     /// `clock`.
@@ -52,13 +62,9 @@ impl Client {
         need: Need,
     ) -> Result<Located> {
         let mut held = None;
-        let extent = match need {
-            Need::Value => BlockRead::Whole,
-            Need::Lowest | Need::Every => BlockRead::Head,
-        };
         // A counter's block must be read: its writers lock it first.
         let clock = match self.hint_to_read(key).filter(|h| !h.is_counter()) {
-            Some(hint) => match self.read_hinted(key, kh, (hint, extent), first)? {
+            Some(hint) => match self.read_hinted(key, kh, (hint, need.extent()), first)? {
                 Sighting::Held {
                     value: Some(Value::Counter(_)),
                     ..
@@ -110,9 +116,9 @@ impl Client {
         if meets_resize(&slots) {
             return Ok(Located::Moved);
         }
-        let mode = match need {
-            Need::Value => ScanMode::AllCopies { known: None },
-            Need::Lowest | Need::Every => ScanMode::Keys,
+        let mode = match need.extent() {
+            BlockRead::Whole => ScanMode::AllCopies { known: None },
+            BlockRead::Head => ScanMode::Keys,
         };
         Ok(
             match self.scan(key, kh, &WindowsRead::new(&slots, clock), mode)? {

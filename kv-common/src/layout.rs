@@ -789,6 +789,14 @@ pub enum Payload<'a> {
     },
 }
 
+/// A block read as far as its head (`decode_block_head`): its key, and a
+/// counter's payload (None for a byte block, whose value was not read).
+#[derive(Debug, PartialEq, Eq)]
+pub struct BlockHead<'a> {
+    pub key: &'a [u8],
+    pub payload: Option<Payload<'a>>,
+}
+
 /// A block that passed its checksum.
 #[derive(Debug, PartialEq, Eq)]
 pub struct BlockView<'a> {
@@ -820,28 +828,44 @@ pub fn block_head_len(key_len: usize) -> usize {
     counter_block_len(key_len) as usize
 }
 
-/// A block read only as far as its head (`block_head_len` of the key looked
-/// for, or the whole block if shorter): its key, and a counter's payload,
-/// its block being whole there (None for a byte block, whose value was not
-/// read). A counter is checked as `decode_block` checks it; a byte block's
-/// checksum covers its value, so only its lengths are: a writer that
-/// replaces the value (a PUT, a DELETE) needs no more than the key, as the
-/// slot named the block within the read's deadline (see the hazards in
-/// DESIGN: the grace period, not the checksum, is what keeps a linked
-/// block from being rewritten under a read in time).
-pub fn decode_block_head(bytes: &[u8]) -> Result<(&[u8], Option<Payload<'_>>), BlockError> {
+/// A block read only as far as its head (`block_head_len(key_len)`, or the
+/// whole block if shorter) by a writer looking for a key of `key_len`
+/// bytes: None if the block's key has another length (so it is another
+/// key's block, or one whose lengths are damaged: either way not a copy
+/// of this key); else its key, and a counter's payload, its block being
+/// whole there (None for a byte block, whose value was not read). A
+/// counter is checked as `decode_block` checks it; a byte block's checksum
+/// covers its value, so only its lengths are: a writer that replaces the
+/// value (a PUT, a DELETE) needs no more than the key, as the slot named
+/// the block within the read's deadline (the grace period, not the
+/// checksum, is what keeps a linked block from being rewritten under a
+/// read in time).
+pub fn decode_block_head(
+    bytes: &[u8],
+    key_len: usize,
+) -> Result<Option<BlockHead<'_>>, BlockError> {
     if bytes.len() < BLOCK_HEADER {
         return Err(BlockError::BadLength);
     }
     let lengths = u64::from_le_bytes(bytes[8..16].try_into().expect("8 bytes"));
-    if is_counter(lengths) {
-        return decode_block(bytes).map(|v| (v.key, Some(v.payload)));
+    if (lengths & 0xffff_ffff) as usize != key_len {
+        return Ok(None);
     }
-    let key_len = (lengths & 0xffff_ffff) as usize;
-    if key_len > MAX_KEY || BLOCK_HEADER + key_len > bytes.len() {
+    if is_counter(lengths) {
+        return decode_block(bytes).map(|v| {
+            Some(BlockHead {
+                key: v.key,
+                payload: Some(v.payload),
+            })
+        });
+    }
+    if BLOCK_HEADER + key_len > bytes.len() {
         return Err(BlockError::BadLength);
     }
-    Ok((&bytes[BLOCK_HEADER..BLOCK_HEADER + key_len], None))
+    Ok(Some(BlockHead {
+        key: &bytes[BLOCK_HEADER..BLOCK_HEADER + key_len],
+        payload: None,
+    }))
 }
 
 pub fn decode_block(bytes: &[u8]) -> Result<BlockView<'_>, BlockError> {
@@ -1358,10 +1382,16 @@ mod tests {
             // A counter's head is its whole block: checked as a whole.
             let head = &buf[..block_head_len(key.len())];
             let whole = decode_block(&buf).unwrap().payload;
-            assert_eq!(decode_block_head(head), Ok((key, Some(whole))));
+            let counter = BlockHead {
+                key,
+                payload: Some(whole),
+            };
+            assert_eq!(decode_block_head(head, key.len()), Ok(Some(counter)));
             let mut damaged = buf.clone();
             damaged[16] ^= 1;
-            assert!(decode_block_head(&damaged[..head.len()]).is_err());
+            assert!(decode_block_head(&damaged[..head.len()], key.len()).is_err());
+            // Another key's counter, cut at a shorter key's head.
+            assert_eq!(decode_block_head(&buf[..block_head_len(0)], 0), Ok(None));
         }
     }
 
@@ -1385,11 +1415,18 @@ mod tests {
                 );
             }
         }
-        // Its head gives the key, whatever follows it.
+        // Its head gives the key, whatever follows it; a writer of a key
+        // of another length, shorter or longer, learns only that.
         let head = &buf[..block_head_len(5)];
-        assert_eq!(decode_block_head(head), Ok((&b"key-1"[..], None)));
-        assert_eq!(decode_block_head(&buf), Ok((&b"key-1"[..], None)));
-        assert_eq!(decode_block_head(&buf[..20]), Err(BlockError::BadLength));
+        let key_only = BlockHead {
+            key: b"key-1",
+            payload: None,
+        };
+        assert_eq!(decode_block_head(head, 5), Ok(Some(key_only)));
+        assert_eq!(decode_block_head(&buf, 5).unwrap().unwrap().key, b"key-1");
+        assert_eq!(decode_block_head(&buf[..20], 5), Err(BlockError::BadLength));
+        assert_eq!(decode_block_head(&buf[..block_head_len(1)], 1), Ok(None));
+        assert_eq!(decode_block_head(&buf[..block_head_len(1)], 64), Ok(None));
         // An all-zero (never written) block never validates.
         assert!(decode_block(&[0u8; 64]).is_err());
         // Lengths that run past the buffer are refused, not trusted.

@@ -319,9 +319,11 @@ fn a_write_reads_only_the_heads_of_the_blocks_it_replaces() {
     kv.put(&first, [1; 1000]).unwrap();
     kv.put(&second, [2; 1000]).unwrap();
     let windows = 2 * 192;
-    // Each candidate (both share the fingerprint) read as far as its key:
-    // a PUT or DELETE replaces the value, so it need not read it.
-    let heads = (block_head_len(first.len()) + block_head_len(second.len())) as u64;
+    // Each candidate (both share the fingerprint) read only as far as the
+    // head of a block of the writer's key: a PUT or DELETE replaces the
+    // value, so it need not read it.
+    assert_eq!(first.len(), second.len());
+    let heads = 2 * block_head_len(first.len()) as u64;
     let wrote = |kv: &mut Client, write: &dyn Fn(&mut Client)| {
         let before = kv.verb_stats();
         write(kv);
@@ -365,7 +367,7 @@ fn a_write_reads_only_the_heads_of_the_blocks_it_replaces() {
     let batch = wrote(&mut kv, &put_many);
     assert_eq!(
         batch,
-        (3, 2 * windows + 2 * heads),
+        (3, 2 * (windows + heads)),
         "blocks+windows, heads, CASes"
     );
     assert_eq!(kv.get(&first).unwrap(), Some(vec![6; 1000]));
@@ -376,6 +378,57 @@ fn a_write_reads_only_the_heads_of_the_blocks_it_replaces() {
     kv.put(&first, b"plain").unwrap();
     assert_eq!(kv.get(&first).unwrap().as_deref(), Some(&b"plain"[..]));
     assert_eq!(kv.get(&second).unwrap(), Some(vec![7; 1000]));
+}
+
+/// A short key and a long one with the same windows and fingerprint.
+fn short_and_long_twins(bucket_count: u64) -> (Vec<u8>, Vec<u8>) {
+    use kv_common::layout::KeyHash;
+    use std::collections::HashMap;
+    let (mut short, mut long) = (HashMap::new(), HashMap::new());
+    for i in 0u64.. {
+        let s = format!("s{i}").into_bytes();
+        let l = format!("a key far longer than its twin, whose head it overruns {i}").into_bytes();
+        let (hs, hl) = (
+            KeyHash::new(&s, bucket_count),
+            KeyHash::new(&l, bucket_count),
+        );
+        if let Some(twin) = long.get(&(hs.windows, hs.fingerprint)) {
+            return (s, Vec::clone(twin));
+        }
+        if let Some(twin) = short.get(&(hl.windows, hl.fingerprint)) {
+            return (Vec::clone(twin), l);
+        }
+        short.insert((hs.windows, hs.fingerprint), s);
+        long.insert((hl.windows, hl.fingerprint), l);
+    }
+    unreachable!("the search ends once two keys collide")
+}
+
+#[test]
+fn a_writer_of_a_short_key_passes_over_a_longer_keys_block() {
+    let srv = TestServer::start(|c| c.op_deadline = Duration::from_secs(2));
+    let mut kv = hinted(&srv.address, 0);
+    let (short, long) = short_and_long_twins(kv.geometry().bucket_count);
+    // The long key's block (a value, then a counter) is a candidate of
+    // every write of the short one, and its head is longer than the
+    // short key's: read that far, it is another key's, not damage.
+    for long_is_counter in [false, true] {
+        match long_is_counter {
+            false => kv.put(&long, [1; 100]).unwrap(),
+            true => {
+                kv.delete(&long).unwrap();
+                kv.incr(&long, 7).unwrap();
+            }
+        }
+        assert!(!kv.delete(&short).unwrap(), "absent");
+        kv.put(&short, b"inserted").unwrap();
+        kv.put(&short, b"updated").unwrap();
+        kv.put_many(&[(&short[..], &b"batched"[..])]).unwrap();
+        assert_eq!(kv.get(&short).unwrap().as_deref(), Some(&b"batched"[..]));
+        assert!(kv.delete(&short).unwrap());
+        assert_eq!(kv.get(&short).unwrap(), None);
+    }
+    assert_eq!(kv.get(&long).unwrap().as_deref(), Some(&b"7"[..]));
 }
 
 #[test]
