@@ -835,7 +835,8 @@ pub fn block_head_len(key_len: usize) -> usize {
 /// of this key); else its key, and a counter's payload, its block being
 /// whole there (None for a byte block, whose value was not read). A
 /// counter is checked as `decode_block` checks it; a byte block's checksum
-/// covers its value, so only its lengths are: a writer that replaces the
+/// covers its value, so only its key length is, and that the key fits in
+/// what was read: a writer that replaces the
 /// value (a PUT, a DELETE) needs no more than the key, as the slot named
 /// the block within the read's deadline (the grace period, not the
 /// checksum, is what keeps a linked block from being rewritten under a
