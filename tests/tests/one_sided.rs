@@ -277,26 +277,61 @@ fn keys_sharing_a_fingerprint(bucket_count: u64) -> (Vec<u8>, Vec<u8>) {
     unreachable!("the search ends once two keys collide")
 }
 
-#[test]
-fn a_get_reads_only_the_blocks_it_needs() {
-    // A deadline no stall between two operations reaches: a GET whose
-    // clock starts late would read again (see
-    // `a_get_after_a_pause_longer_than_the_deadline_reads_again_and_finds_the_value`).
+/// Two keys sharing a fingerprint and windows, holding 1000-byte values
+/// (`first` in the lower slot), on a server whose deadline no stall
+/// between two operations reaches (an operation whose clock starts late
+/// would read again, see
+/// `a_get_after_a_pause_longer_than_the_deadline_reads_again_and_finds_the_value`),
+/// and a client without hints (on by default over rdma): every operation
+/// reads the buckets.
+struct Twins {
+    srv: TestServer,
+    kv: Client,
+    first: Vec<u8>,
+    second: Vec<u8>,
+}
+
+fn twins_stored() -> Twins {
     let srv = TestServer::start(|c| c.op_deadline = Duration::from_secs(2));
-    // No hints (on by default over rdma): every GET reads the buckets.
     let mut kv = hinted(&srv.address, 0);
     let (first, second) = keys_sharing_a_fingerprint(kv.geometry().bucket_count);
     // In an empty index the first insert takes the first slot of the lower
     // window and the second the next bucket's: the first is the lower slot.
     kv.put(&first, [1; 1000]).unwrap();
     kv.put(&second, [2; 1000]).unwrap();
+    Twins {
+        srv,
+        kv,
+        first,
+        second,
+    }
+}
+
+/// The round trips and bytes read that `op` took.
+fn cost(kv: &mut Client, op: &dyn Fn(&mut Client)) -> (u64, u64) {
+    let before = kv.verb_stats();
+    op(kv);
+    let after = kv.verb_stats().since(&before);
+    (after.round_trips, after.bytes_read)
+}
+
+/// The bytes of a key's two windows.
+const WINDOWS: u64 = 2 * 192;
+
+#[test]
+fn a_get_reads_only_the_blocks_it_needs() {
+    let Twins {
+        srv,
+        mut kv,
+        first,
+        second,
+    } = twins_stored();
     let block = 1280; // the size class of a 1000-byte value with its key
-    let windows = 2 * 192;
+    let windows = WINDOWS;
     let read = |kv: &mut Client, key: &[u8]| {
-        let before = kv.verb_stats();
-        kv.get(key).unwrap().unwrap();
-        let after = kv.verb_stats().since(&before);
-        (after.round_trips, after.bytes_read)
+        cost(kv, &|kv: &mut Client| {
+            kv.get(key).unwrap().unwrap();
+        })
     };
     if srv.address.starts_with("shm://") {
         // A batch costs nothing over shm: the second block is not read
@@ -313,32 +348,27 @@ fn a_get_reads_only_the_blocks_it_needs() {
 #[test]
 fn a_write_reads_only_the_heads_of_the_blocks_it_replaces() {
     use kv_common::layout::block_head_len;
-    let srv = TestServer::start(|c| c.op_deadline = Duration::from_secs(2));
-    let mut kv = hinted(&srv.address, 0);
-    let (first, second) = keys_sharing_a_fingerprint(kv.geometry().bucket_count);
-    kv.put(&first, [1; 1000]).unwrap();
-    kv.put(&second, [2; 1000]).unwrap();
-    let windows = 2 * 192;
+    let Twins {
+        srv,
+        mut kv,
+        first,
+        second,
+    } = twins_stored();
+    let windows = WINDOWS;
     // Each candidate (both share the fingerprint) read only as far as the
     // head of a block of the writer's key: a PUT or DELETE replaces the
     // value, so it need not read it.
     assert_eq!(first.len(), second.len());
     let heads = 2 * block_head_len(first.len()) as u64;
-    let wrote = |kv: &mut Client, write: &dyn Fn(&mut Client)| {
-        let before = kv.verb_stats();
-        write(kv);
-        let after = kv.verb_stats().since(&before);
-        (after.round_trips, after.bytes_read)
-    };
     let put = |kv: &mut Client| kv.put(&second, [3; 1000]).unwrap();
     assert_eq!(
-        wrote(&mut kv, &put),
+        cost(&mut kv, &put),
         (3, windows + heads),
         "write+windows, heads, CAS"
     );
     let delete = |kv: &mut Client| assert!(kv.delete(&first).unwrap());
     assert_eq!(
-        wrote(&mut kv, &delete),
+        cost(&mut kv, &delete),
         (3, windows + heads),
         "windows, heads, CAS"
     );
@@ -352,7 +382,7 @@ fn a_write_reads_only_the_heads_of_the_blocks_it_replaces() {
     let put = |kv: &mut Client| kv.put(b"alone", [5; 1000]).unwrap();
     let head = block_head_len(b"alone".len()) as u64;
     assert_eq!(
-        wrote(&mut warm, &put),
+        cost(&mut warm, &put),
         (2, windows + head),
         "write+windows+head, CAS"
     );
@@ -364,7 +394,7 @@ fn a_write_reads_only_the_heads_of_the_blocks_it_replaces() {
         (second.clone(), vec![7; 1000]),
     ];
     let put_many = |kv: &mut Client| kv.put_many(&pairs).unwrap();
-    let batch = wrote(&mut kv, &put_many);
+    let batch = cost(&mut kv, &put_many);
     assert_eq!(
         batch,
         (3, 2 * (windows + heads)),
