@@ -853,8 +853,8 @@ impl Client {
     /// Starts the batch that reads every copy of each `located` key, as a
     /// writer sees them, from the windows the last batch read: the heads of
     /// the matching slots' blocks (`ScanMode::Keys`). A key that batch
-    /// cannot settle is left out: a
-    /// resize under way, a block past the region, or not fitting.
+    /// cannot settle is left out: a resize under way, a block past the
+    /// region, or not fitting.
     fn copies_started(
         &mut self,
         keys: &[&[u8]],

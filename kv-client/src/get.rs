@@ -142,12 +142,11 @@ impl Client {
 
     /// Reads the key's windows and its hinted block (as far as `extent`
     /// says) in one batch (after `first`, a WRITE that travels with it).
-    /// The value is the key's if the
-    /// slot still holds the hinted value, no other slot could hold a lower
-    /// copy (none can once the hint is sole), the block is the key's, and it
-    /// was all read within the deadline: exactly what reading the buckets
-    /// and then the block would have concluded. The hint is confirmed, or
-    /// dropped.
+    /// The value is the key's if the slot still holds the hinted value, no
+    /// other slot could hold a lower copy (none can once the hint is sole),
+    /// the block is the key's, and it was all read within the deadline:
+    /// exactly what reading the buckets and then the block would have
+    /// concluded. The hint is confirmed, or dropped.
     pub(crate) fn read_hinted(
         &mut self,
         key: &[u8],
