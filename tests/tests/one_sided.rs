@@ -283,15 +283,8 @@ fn keys_sharing_a_fingerprint(bucket_count: u64) -> (Vec<u8>, Vec<u8>) {
 /// would read again, see
 /// `a_get_after_a_pause_longer_than_the_deadline_reads_again_and_finds_the_value`),
 /// and a client without hints (on by default over rdma): every operation
-/// reads the buckets.
-struct Twins {
-    srv: TestServer,
-    kv: Client,
-    first: Vec<u8>,
-    second: Vec<u8>,
-}
-
-fn twins_stored() -> Twins {
+/// reads the buckets. (server, client, first, second)
+fn twins_stored() -> (TestServer, Client, Vec<u8>, Vec<u8>) {
     let srv = TestServer::start(|c| c.op_deadline = Duration::from_secs(2));
     let mut kv = hinted(&srv.address, 0);
     let (first, second) = keys_sharing_a_fingerprint(kv.geometry().bucket_count);
@@ -299,12 +292,7 @@ fn twins_stored() -> Twins {
     // window and the second the next bucket's: the first is the lower slot.
     kv.put(&first, [1; 1000]).unwrap();
     kv.put(&second, [2; 1000]).unwrap();
-    Twins {
-        srv,
-        kv,
-        first,
-        second,
-    }
+    (srv, kv, first, second)
 }
 
 /// The round trips and bytes read that `op` took.
@@ -320,14 +308,8 @@ const WINDOWS: u64 = 2 * 192;
 
 #[test]
 fn a_get_reads_only_the_blocks_it_needs() {
-    let Twins {
-        srv,
-        mut kv,
-        first,
-        second,
-    } = twins_stored();
+    let (srv, mut kv, first, second) = twins_stored();
     let block = 1280; // the size class of a 1000-byte value with its key
-    let windows = WINDOWS;
     let read = |kv: &mut Client, key: &[u8]| {
         cost(kv, &|kv: &mut Client| {
             kv.get(key).unwrap().unwrap();
@@ -336,25 +318,19 @@ fn a_get_reads_only_the_blocks_it_needs() {
     if srv.address.starts_with("shm://") {
         // A batch costs nothing over shm: the second block is not read
         // when the first holds the key, and read after it when not.
-        assert_eq!(read(&mut kv, &first), (2, windows + block));
-        assert_eq!(read(&mut kv, &second), (3, windows + 2 * block));
+        assert_eq!(read(&mut kv, &first), (2, WINDOWS + block));
+        assert_eq!(read(&mut kv, &second), (3, WINDOWS + 2 * block));
     } else {
         // A round trip is the cost over rdma: both blocks in one.
-        assert_eq!(read(&mut kv, &first), (2, windows + 2 * block));
-        assert_eq!(read(&mut kv, &second), (2, windows + 2 * block));
+        assert_eq!(read(&mut kv, &first), (2, WINDOWS + 2 * block));
+        assert_eq!(read(&mut kv, &second), (2, WINDOWS + 2 * block));
     }
 }
 
 #[test]
 fn a_write_reads_only_the_heads_of_the_blocks_it_replaces() {
     use kv_common::layout::block_head_len;
-    let Twins {
-        srv,
-        mut kv,
-        first,
-        second,
-    } = twins_stored();
-    let windows = WINDOWS;
+    let (srv, mut kv, first, second) = twins_stored();
     // Each candidate (both share the fingerprint) read only as far as the
     // head of a block of the writer's key: a PUT or DELETE replaces the
     // value, so it need not read it.
@@ -363,13 +339,13 @@ fn a_write_reads_only_the_heads_of_the_blocks_it_replaces() {
     let put = |kv: &mut Client| kv.put(&second, [3; 1000]).unwrap();
     assert_eq!(
         cost(&mut kv, &put),
-        (3, windows + heads),
+        (3, WINDOWS + heads),
         "write+windows, heads, CAS"
     );
     let delete = |kv: &mut Client| assert!(kv.delete(&first).unwrap());
     assert_eq!(
         cost(&mut kv, &delete),
-        (3, windows + heads),
+        (3, WINDOWS + heads),
         "windows, heads, CAS"
     );
     assert_eq!(kv.get(&first).unwrap(), None);
@@ -383,7 +359,7 @@ fn a_write_reads_only_the_heads_of_the_blocks_it_replaces() {
     let head = block_head_len(b"alone".len()) as u64;
     assert_eq!(
         cost(&mut warm, &put),
-        (2, windows + head),
+        (2, WINDOWS + head),
         "write+windows+head, CAS"
     );
     assert_eq!(warm.get(b"alone").unwrap(), Some(vec![5; 1000]));
@@ -397,7 +373,7 @@ fn a_write_reads_only_the_heads_of_the_blocks_it_replaces() {
     let batch = cost(&mut kv, &put_many);
     assert_eq!(
         batch,
-        (3, 2 * (windows + heads)),
+        (3, 2 * (WINDOWS + heads)),
         "blocks+windows, heads, CASes"
     );
     assert_eq!(kv.get(&first).unwrap(), Some(vec![6; 1000]));
