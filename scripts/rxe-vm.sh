@@ -287,7 +287,7 @@ for op in UPDATE INSERT; do
   p1=$(report_field 1 $op '50thPercentileLatency(us)'); p3=$(report_field 3 $op '50thPercentileLatency(us)')
   what=$([ $op = UPDATE ] && echo "whole-record UPDATE" || echo "INSERT (the load)")
   if [ -n "$p1" ] && [ -n "$p3" ]; then
-    echo "RXE-REPLICAS: $what p50 $p1 us at R=1 ($(report_field 1 $op RoundTripsPerOp) round trips), $p3 us at R=3 ($(report_field 3 $op RoundTripsPerOp) round trips, every copy's): $(awk "BEGIN{printf \"%.2f\", $p3/$p1}")x"
+    echo "RXE-REPLICAS: $what p50 $p1 us at R=1 ($(report_field 1 $op RoundTripsPerOp) round trips), $p3 us at R=3 ($(report_field 3 $op RoundTripsPerOp) round trips, every copy's; $(report_field 3 $op WaitsPerOp) waited for one after the other): $(awk "BEGIN{printf \"%.2f\", $p3/$p1}")x"
   fi
 done
 echo "RXE-SUMMARY: $pass passed, $fail failed"

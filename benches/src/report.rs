@@ -77,6 +77,7 @@ pub fn print_ycsb(out: &mut dyn Write, r: &PhaseResult) -> std::io::Result<()> {
                 "[{name}], RoundTripsPerOp, {:.3}",
                 per_op(s.verbs.round_trips, n)
             )?;
+            writeln!(out, "[{name}], WaitsPerOp, {:.3}", per_op(s.verbs.waits, n))?;
             writeln!(
                 out,
                 "[{name}], BytesReadPerOp, {:.1}",
@@ -112,6 +113,7 @@ fn op_json(s: &OpStats) -> Value {
         "return_not_found": s.not_found,
         "return_error": s.errors,
         "round_trips_per_op": (s.verbs.verbs > 0).then(|| per_op(s.verbs.round_trips, n)),
+        "waits_per_op": (s.verbs.verbs > 0).then(|| per_op(s.verbs.waits, n)),
         "bytes_read_per_op": (s.verbs.verbs > 0).then(|| per_op(s.verbs.bytes_read, n)),
         "bytes_written_per_op": (s.verbs.verbs > 0).then(|| per_op(s.verbs.bytes_written, n)),
         "cas_failures": (s.verbs.verbs > 0).then_some(s.verbs.cas_failures),

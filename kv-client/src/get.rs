@@ -154,17 +154,9 @@ impl Client {
         (hint, extent): (Hint, BlockRead),
         first: Option<Verb>,
     ) -> Result<Sighting> {
-        let at = kh.slot_index(hint.pos);
-        let local = self.layout.reads;
-        let (Some(at), Some((remote, len))) = (at, self.readable_span(hint.slot)) else {
-            self.cache.forget(key);
+        let Some((at, block)) = self.hinted_block(key, kh, (hint, extent)) else {
             return Ok(Sighting::WindowsOnly(self.read_windows(kh, first)?));
         };
-        let len = match extent {
-            BlockRead::Whole => len,
-            BlockRead::Head => len.min(block_head_len(key.len())),
-        };
-        let block = Verb::Read { remote, local, len };
         if hint.is_sole() {
             let sole = SoleRead {
                 extent,
@@ -179,6 +171,42 @@ impl Client {
             Some(first) => self.conn.post(&[first, a, b, block])?,
             None => self.conn.post(&[a, b, block])?,
         }
+        Ok(self.hinted_sighting(key, kh, (hint, extent), (at, block, clock)))
+    }
+
+    /// The hinted slot's index among the key's candidates, and the READ of
+    /// its block (as far as `extent`) into the read area; None, the hint
+    /// dropped, if the slot is not one of the key's or cannot name a block
+    /// this client can read.
+    pub(crate) fn hinted_block(
+        &mut self,
+        key: &[u8],
+        kh: &KeyHash,
+        (hint, extent): (Hint, BlockRead),
+    ) -> Option<(usize, Verb)> {
+        let at = kh.slot_index(hint.pos);
+        let (Some(at), Some((remote, len))) = (at, self.readable_span(hint.slot)) else {
+            self.cache.forget(key);
+            return None;
+        };
+        let len = match extent {
+            BlockRead::Whole => len,
+            BlockRead::Head => len.min(block_head_len(key.len())),
+        };
+        let local = self.layout.reads;
+        Some((at, Verb::Read { remote, local, len }))
+    }
+
+    /// What a batch that read the key's windows, then its hinted block
+    /// (`block`, the hinted slot being candidate `at`), timed by `clock`,
+    /// shows (see `read_hinted`). The hint is confirmed, or dropped.
+    pub(crate) fn hinted_sighting(
+        &mut self,
+        key: &[u8],
+        kh: &KeyHash,
+        (hint, extent): (Hint, BlockRead),
+        (at, block, clock): (usize, Verb, OpClock),
+    ) -> Sighting {
         let slots = self.slots();
         let alone = !others_match(kh, &slots, at, Others::Any);
         // A counter's hint is confirmed only by its value read open: one
@@ -188,14 +216,14 @@ impl Client {
                 Some(value @ Some(Value::Counter(_))) => Some(value),
                 _ => {
                     self.cache.forget(key);
-                    return Ok(Sighting::WindowsOnly(clock));
+                    return Sighting::WindowsOnly(clock);
                 }
             },
             false => None,
         };
         if !clock.in_time() || slots[at] != hint.slot {
             self.cache.forget(key);
-            return Ok(Sighting::WindowsOnly(clock));
+            return Sighting::WindowsOnly(clock);
         }
         // A hint past its life is remembered anew below, once the block
         // shows what it holds.
@@ -212,12 +240,12 @@ impl Client {
                 // Only reading the other slots' blocks tells whether they
                 // hold copies: the caller's scan does, once, and the hint
                 // settles.
-                return Ok(Sighting::WindowsOnly(clock));
+                return Sighting::WindowsOnly(clock);
             }
         }
         if !hint.is_sole() && others_match(kh, &slots, at, Others::Lower) {
             // A lower slot might hold a copy: the scan decides.
-            return Ok(Sighting::WindowsOnly(clock));
+            return Sighting::WindowsOnly(clock);
         }
         match counter.or_else(|| self.held_in(key, block, extent)) {
             Some(value) => {
@@ -230,11 +258,11 @@ impl Client {
                     let seen = Seen::new((hint.pos, hint.slot), clock);
                     self.saw(key, seen, Alone::proven_if(alone), counter);
                 }
-                Ok(Sighting::Held {
+                Sighting::Held {
                     value,
                     clock,
                     alone,
-                })
+                }
             }
             None => {
                 // A fresh hint's block is the key's: this is damage, which
@@ -242,7 +270,7 @@ impl Client {
                 // waits on. (A hint past its life may name another key's
                 // block now: the scan finds the key's.)
                 self.cache.forget(key);
-                Ok(Sighting::WindowsOnly(clock))
+                Sighting::WindowsOnly(clock)
             }
         }
     }

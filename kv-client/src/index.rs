@@ -20,18 +20,35 @@ pub type Slots = [Slot; CANDIDATE_SLOTS];
 
 /// The blocks a single-key scan reads: candidate index, slot, offset and
 /// length of its block.
-type ScanCandidates = SmallVec<[(usize, Slot, u64, usize); 4]>;
+pub(crate) type ScanCandidates = SmallVec<[(usize, Slot, u64, usize); 4]>;
 
-/// What a scan finds among its slots before it reads a block.
-struct ScanStart {
-    /// The writer's own copy, known without reading it.
+/// What a scan finds among its slots before it reads a block, and then
+/// in the blocks it read.
+pub(crate) struct ScanStart {
+    /// The writer's own copy, known without reading it; then the copies
+    /// the blocks read hold.
     copies: Copies,
     /// The blocks to read.
-    candidates: ScanCandidates,
-    /// The first slot whose block cannot be read whole.
-    suspect: Option<(SlotPos, Slot)>,
+    pub candidates: ScanCandidates,
+    /// The first slot whose block cannot be read whole, or failed
+    /// validation.
+    pub suspect: Option<(SlotPos, Slot)>,
     /// Whether a slot points past the region this client knows.
-    past_region: bool,
+    pub past_region: bool,
+}
+
+impl ScanStart {
+    /// What the scan found, every candidate judged.
+    pub fn end(mut self) -> Scan {
+        if self.suspect.is_some() {
+            if self.copies.slots.is_empty() {
+                return Scan::Retry(self.suspect);
+            }
+            self.copies.exact = false;
+        }
+        self.copies.sort();
+        Scan::Found(self.copies)
+    }
 }
 
 /// A key's candidate slots as one READ of its windows showed them, and the
@@ -192,6 +209,7 @@ pub(crate) enum Holds {
 }
 
 /// The copies of a key a scan found.
+#[derive(Default)]
 pub struct Copies {
     /// Slots holding the key, lowest position first.
     pub slots: SmallVec<[(SlotPos, Slot); 2]>,
@@ -376,7 +394,40 @@ impl Client {
         mode: ScanMode,
     ) -> Result<Scan> {
         let (slots, clock) = (read.slots, read.clock);
-        let reads_at = self.layout.reads;
+        let mut start = self.scan_start(key.len(), kh, slots, mode);
+        let check_epoch = meets_resize(slots) || start.past_region;
+        self.pause_if_slow();
+        if start.candidates.is_empty() && check_epoch && self.read_epoch_changed()? {
+            return Ok(Scan::Moved);
+        }
+        let mut next = 0;
+        while next < start.candidates.len() {
+            let epoch = check_epoch.then(|| self.epoch_read());
+            let (verbs, batch) = self.candidate_reads(&start.candidates[next..], epoch);
+            self.conn.post(&verbs)?;
+            next += batch;
+            if check_epoch && self.epoch_changed() {
+                return Ok(Scan::Moved);
+            }
+            if let Some(early) =
+                self.judge_candidates(key, kh, (&mut start, next - batch..next), (mode, clock))?
+            {
+                return Ok(early);
+            }
+        }
+        Ok(start.end())
+    }
+
+    /// What a scan of the key's `slots` (of a key `key_len` bytes long)
+    /// reads: the blocks of the slots whose fingerprint matches, each only
+    /// as far as `mode` needs.
+    pub(crate) fn scan_start(
+        &self,
+        key_len: usize,
+        kh: &KeyHash,
+        slots: &Slots,
+        mode: ScanMode,
+    ) -> ScanStart {
         let known = match mode {
             ScanMode::AllCopies { known } => known,
             ScanMode::Lowest | ScanMode::Readable | ScanMode::Keys => None,
@@ -394,70 +445,63 @@ impl Client {
         };
         self.scan_candidates(kh, slots, known, &mut start);
         if mode == ScanMode::Keys {
-            let head = block_head_len(key.len());
+            let head = block_head_len(key_len);
             for candidate in &mut start.candidates {
                 candidate.3 = candidate.3.min(head);
             }
         }
-        let check_epoch = meets_resize(slots) || start.past_region;
-        self.pause_if_slow();
-        if start.candidates.is_empty() && check_epoch && self.read_epoch_changed()? {
-            return Ok(Scan::Moved);
+        start
+    }
+
+    /// Judges the `batch` of `start`'s candidates whose blocks were just
+    /// read (into the read area, one after the other) for the scan whose
+    /// windows read `clock` timed. Some: what the scan found without
+    /// looking further (a retry, or a reader's lowest copy).
+    pub(crate) fn judge_candidates(
+        &mut self,
+        key: &[u8],
+        kh: &KeyHash,
+        (start, batch): (&mut ScanStart, Range<usize>),
+        (mode, clock): (ScanMode, OpClock),
+    ) -> Result<Option<Scan>> {
+        if !clock.in_time() {
+            // Too slow to trust anything read: a block may have been
+            // freed and rewritten (even for another key) since the slot
+            // was read, so not even "not found" can be concluded.
+            return Ok(Some(Scan::Retry(None)));
         }
-        let mut next = 0;
-        while next < start.candidates.len() {
-            let epoch = check_epoch.then(|| self.epoch_read());
-            let batch = self.read_candidates(&start.candidates[next..], epoch)?;
-            next += batch;
-            if check_epoch && self.epoch_changed() {
-                return Ok(Scan::Moved);
-            }
-            if !clock.in_time() {
-                // Too slow to trust anything read: a block may have been
-                // freed and rewritten (even for another key) since the slot
-                // was read, so not even "not found" can be concluded.
-                return Ok(Scan::Retry(None));
-            }
-            let mut at = reads_at;
-            for &(i, slot, _, len) in &start.candidates[next - batch..next] {
-                let holds = self.holds(key, at..at + len, mode);
-                at += len;
-                match holds {
-                    Holds::Damaged => {
-                        start.suspect.get_or_insert((kh.slot_pos(i), slot));
+        let mut at = self.layout.reads;
+        for &(i, slot, _, len) in &start.candidates[batch] {
+            let holds = self.holds(key, at..at + len, mode);
+            at += len;
+            match holds {
+                Holds::Damaged => {
+                    start.suspect.get_or_insert((kh.slot_pos(i), slot));
+                }
+                Holds::OtherKey => {}
+                Holds::Pending => start.copies.exact = false,
+                Holds::Sealed { state_word } => {
+                    self.wait_on_lock(key, slot, state_word, clock)?;
+                    return Ok(Some(Scan::Retry(None)));
+                }
+                Holds::Copy(kind, value) => {
+                    if start.copies.slots.is_empty() {
+                        start.copies.value = Some(value);
                     }
-                    Holds::OtherKey => {}
-                    Holds::Pending => start.copies.exact = false,
-                    Holds::Sealed { state_word } => {
-                        self.wait_on_lock(key, slot, state_word, clock)?;
-                        return Ok(Scan::Retry(None));
+                    start.copies.slots.push((kh.slot_pos(i), slot));
+                    start.copies.kinds.push(kind);
+                    if mode == ScanMode::Lowest {
+                        start.copies.exact = false;
+                        return Ok(Some(Scan::Found(std::mem::take(&mut start.copies))));
                     }
-                    Holds::Copy(kind, value) => {
-                        if start.copies.slots.is_empty() {
-                            start.copies.value = Some(value);
-                        }
-                        start.copies.slots.push((kh.slot_pos(i), slot));
-                        start.copies.kinds.push(kind);
-                        if mode == ScanMode::Lowest {
-                            start.copies.exact = false;
-                            return Ok(Scan::Found(start.copies));
-                        }
-                    }
-                    Holds::Key => {
-                        start.copies.slots.push((kh.slot_pos(i), slot));
-                        start.copies.kinds.push(Kind::Bytes);
-                    }
+                }
+                Holds::Key => {
+                    start.copies.slots.push((kh.slot_pos(i), slot));
+                    start.copies.kinds.push(Kind::Bytes);
                 }
             }
         }
-        if start.suspect.is_some() {
-            if start.copies.slots.is_empty() {
-                return Ok(Scan::Retry(start.suspect));
-            }
-            start.copies.exact = false;
-        }
-        start.copies.sort();
-        Ok(Scan::Found(start.copies))
+        Ok(None)
     }
 
     /// Sorts the slots of a scan whose fingerprint matches into `start`
@@ -489,14 +533,14 @@ impl Client {
         }
     }
 
-    /// Reads the blocks of the leading `candidates` that fit the read area
-    /// (at least one), in one batch, after `first` (the epoch word's READ,
-    /// where the scan checks it). Returns how many it read.
-    fn read_candidates(
-        &mut self,
+    /// The READs of the leading `candidates` whose blocks fit the read area
+    /// (at least one), after `first` (the epoch word's READ, where the scan
+    /// checks it), and how many candidates they read.
+    pub(crate) fn candidate_reads(
+        &self,
         candidates: &[(usize, Slot, u64, usize)],
         first: Option<Verb>,
-    ) -> Result<usize> {
+    ) -> (SmallVec<[Verb; 8]>, usize) {
         let (reads_at, room) = (self.layout.reads, self.layout.read_room());
         let mut verbs: SmallVec<[Verb; 8]> = first.into_iter().collect();
         let first = verbs.len();
@@ -512,8 +556,8 @@ impl Client {
             });
             at += len;
         }
-        self.conn.post(&verbs)?;
-        Ok(verbs.len() - first)
+        let read = verbs.len() - first;
+        (verbs, read)
     }
 
     /// The lowest copy a reader sees (a GET's answer), as `scan` would find

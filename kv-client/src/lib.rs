@@ -65,6 +65,7 @@ mod put;
 mod read_lease;
 mod replicated;
 mod slot_cache;
+mod stepped_put;
 mod values;
 
 use alloc::BlockAllocator;
@@ -319,6 +320,10 @@ pub struct Client {
     reports_held_back: u32,
     /// Verb counters of connections replaced after a server restart.
     retired_stats: VerbStats,
+    /// Round trips of this client's that completed while its caller waited
+    /// on another client's (a replicated write's copies, `stepped_put`):
+    /// not counted as waits.
+    waited_together: u64,
     jitter: u64,
     cache: SlotCache,
     /// The copy the last GET found, for a write that follows it.
@@ -397,6 +402,7 @@ impl Client {
             unlinked: Vec::new(),
             reports_held_back: 0,
             retired_stats: VerbStats::default(),
+            waited_together: 0,
             // Seeded apart in every client: settled counters take their
             // lock generations from it.
             jitter: seed(),
@@ -450,6 +456,7 @@ impl Client {
     pub fn verb_stats(&self) -> VerbStats {
         let mut s = self.retired_stats;
         s.add(self.conn.stats());
+        s.waits = s.waits.saturating_sub(self.waited_together);
         s
     }
 
@@ -1217,12 +1224,17 @@ fn timing(info: &ConnectInfo, read_lease: Option<ReadLease>) -> Timing {
 /// environment variable `ONEKV_CLIENT_FAULT` names it, as a client killed
 /// there would stop. The variable is read once.
 pub(crate) fn fault_point(step: &str) {
-    static FAULT: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
-    let fault = FAULT.get_or_init(|| std::env::var("ONEKV_CLIENT_FAULT").ok());
-    if fault.as_deref() == Some(step) {
+    if fault_armed(step) {
         eprintln!("ONEKV_CLIENT_FAULT: aborting at {step}");
         std::process::abort();
     }
+}
+
+/// Whether the fault hook `ONEKV_CLIENT_FAULT` names `step`.
+pub(crate) fn fault_armed(step: &str) -> bool {
+    static FAULT: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    let fault = FAULT.get_or_init(|| std::env::var("ONEKV_CLIENT_FAULT").ok());
+    fault.as_deref() == Some(step)
 }
 
 /// Test hook (fault injection): the first time the process reaches

@@ -120,33 +120,38 @@ impl Client {
             BlockRead::Whole => ScanMode::AllCopies { known: None },
             BlockRead::Head => ScanMode::Keys,
         };
-        Ok(
-            match self.scan(key, kh, &WindowsRead::new(&slots, clock), mode)? {
-                Scan::Found(copies) => match copies.slots.first() {
-                    Some(&(pos, slot)) => {
-                        // Hints name only copies a reader sees.
-                        if copies.kinds[0].is_readable() {
-                            let alone = copies.exact && copies.slots.len() == 1;
-                            let counter = copies.kinds[0].settled_counter();
-                            self.saw(
-                                key,
-                                Seen::new((pos, slot), clock),
-                                Alone::proven_if(alone),
-                                counter,
-                            );
-                        } else {
-                            self.cache.forget(key);
-                        }
-                        Located::Found { copies, clock }
-                    }
-                    None => {
+        let scan = self.scan(key, kh, &WindowsRead::new(&slots, clock), mode)?;
+        Ok(self.located(key, scan, clock))
+    }
+
+    /// What a writer's scan of the key's windows, read by the batch timed
+    /// by `clock`, found; the key's hint kept or dropped as it says.
+    pub(crate) fn located(&mut self, key: &[u8], scan: Scan, clock: OpClock) -> Located {
+        match scan {
+            Scan::Found(copies) => match copies.slots.first() {
+                Some(&(pos, slot)) => {
+                    // Hints name only copies a reader sees.
+                    if copies.kinds[0].is_readable() {
+                        let alone = copies.exact && copies.slots.len() == 1;
+                        let counter = copies.kinds[0].settled_counter();
+                        self.saw(
+                            key,
+                            Seen::new((pos, slot), clock),
+                            Alone::proven_if(alone),
+                            counter,
+                        );
+                    } else {
                         self.cache.forget(key);
-                        Located::Absent { clock }
                     }
-                },
-                Scan::Retry(suspect) => Located::Retry(suspect),
-                Scan::Moved => Located::Moved,
+                    Located::Found { copies, clock }
+                }
+                None => {
+                    self.cache.forget(key);
+                    Located::Absent { clock }
+                }
             },
-        )
+            Scan::Retry(suspect) => Located::Retry(suspect),
+            Scan::Moved => Located::Moved,
+        }
     }
 }

@@ -15,6 +15,7 @@
 use crossbeam::utils::Backoff;
 use kv_common::layout::{block_len, class_for, encode_block, KeyHash, Slot, SlotPos};
 use kv_common::transport::Verb;
+use smallvec::SmallVec;
 
 use crate::clock::OpClock;
 use crate::corrupt::CorruptSlot;
@@ -151,18 +152,35 @@ impl Client {
         }
         let pos = kh.slot_pos(empty);
         let published = self.timing.start();
-        let [a, b] = self.window_reads(kh);
-        let cas = self.cas_verb(pos, Slot::EMPTY, new);
-        match write {
-            Some(write) => self.conn.post(&[write, cas, a, b])?,
-            None => self.conn.post(&[cas, a, b])?,
-        }
+        self.conn.post(&self.insert_verbs(kh, (pos, new), write))?;
         if !self.cas_held(Slot::EMPTY) {
             return Ok(None);
         }
-        // A hint even if this copy is resolved away: it is checked on use.
-        self.cache.remember(key, Hint::seen(pos, new, published));
-        self.resolve_insert(key, kh, Seen::new((pos, new), published))?;
+        self.inserted(key, kh, Seen::new((pos, new), published))?;
         Ok(Some(Step::Done(())))
+    }
+
+    /// An insert's batch: the CAS of the empty slot at `pos` to `new` and
+    /// a new read of the windows, after `write` (the new block's WRITE, if
+    /// it is not yet posted).
+    pub(crate) fn insert_verbs(
+        &self,
+        kh: &KeyHash,
+        (pos, new): (SlotPos, Slot),
+        write: Option<Verb>,
+    ) -> SmallVec<[Verb; 4]> {
+        let [a, b] = self.window_reads(kh);
+        let cas = self.cas_verb(pos, Slot::EMPTY, new);
+        write.into_iter().chain([cas, a, b]).collect()
+    }
+
+    /// This client's insert CAS published `mine` (its windows read again
+    /// in the same batch): remembered as the key's hint, and checked
+    /// against a concurrent insert of the same key (`dedup`).
+    pub(crate) fn inserted(&mut self, key: &[u8], kh: &KeyHash, mine: Seen) -> Result<()> {
+        // A hint even if this copy is resolved away: it is checked on use.
+        self.cache
+            .remember(key, Hint::seen(mine.pos, mine.slot, mine.clock));
+        self.resolve_insert(key, kh, mine)
     }
 }

@@ -82,10 +82,12 @@ use std::borrow::Cow;
 use std::time::{Duration, Instant};
 
 use kv_common::layout::{insert_lock_index, COUNTER_MAX};
+use smallvec::SmallVec;
 
 use crate::insert_lock::KeyLock;
 use crate::locate::Need;
 use crate::primary::{Commit, Observed};
+use crate::stepped_put::{Progress, SteppedPut};
 use crate::{Client, Error, Result};
 
 /// CASes a writer posts in a row on an insert lock word it keeps finding
@@ -314,19 +316,26 @@ impl Group<'_> {
 
     /// Sets `key` to `value` (None: removes it) on every backup.
     fn set_backups(&mut self, key: &[u8], value: Option<&[u8]>, touched: &mut bool) -> Result<()> {
-        for (i, backup) in self.backups.iter_mut().enumerate() {
-            *touched = true;
-            match value {
-                Some(value) => backup.put(key, value)?,
-                None => {
-                    backup.delete(key)?;
+        *touched = true;
+        let Some(value) = value else {
+            for (i, backup) in self.backups.iter_mut().enumerate() {
+                backup.delete(key)?;
+                if i == 0 {
+                    crate::fault_point("replica-first-backup-set");
                 }
             }
-            if i == 0 {
-                crate::fault_point("replica-first-backup-set");
-            }
+            return Ok(());
+        };
+        // The fault hook that kills a writer between its copies sets the
+        // first before the others start: overlapped, that moment comes
+        // only by timing.
+        if crate::fault_armed("replica-first-backup-set") {
+            let (first, rest) = self.backups.split_at_mut(1);
+            put_on_each(first, key, value)?;
+            crate::fault_point("replica-first-backup-set");
+            return put_on_each(rest, key, value);
         }
-        Ok(())
+        put_on_each(self.backups, key, value)
     }
 
     /// Sets an increment's `sum` on every backup by a CAS from what it
@@ -461,6 +470,41 @@ impl Group<'_> {
                 .cas_insert_lock(insert_lock_index(key), from, to);
         }
     }
+}
+
+/// Puts `value` under `key` on each of `copies`, each PUT run a step at a
+/// time with a batch in flight on every copy at once (`stepped_put`). A
+/// PUT that leaves its steps, or one of whose steps fails, is done again
+/// as a plain PUT, which reports what persists.
+fn put_on_each(copies: &mut [Client], key: &[u8], value: &[u8]) -> Result<()> {
+    // None: to be done as a plain PUT.
+    let mut puts: SmallVec<[Option<SteppedPut>; 2]> = copies
+        .iter_mut()
+        .map(|copy| copy.put_begin(key, value).ok())
+        .collect();
+    let mut going = true;
+    while going {
+        going = false;
+        // The batches in flight are waited for together: the first wait
+        // is the round's round trip.
+        let mut waited = false;
+        for (copy, put) in copies.iter_mut().zip(&mut puts) {
+            let Some(stepped) = put else { continue };
+            let in_flight = stepped.in_flight();
+            match copy.put_step(key, stepped, waited && in_flight) {
+                Ok(Progress::Going) => going = true,
+                Ok(Progress::Done) => {}
+                Ok(Progress::Serial) | Err(_) => *put = None,
+            }
+            waited |= in_flight;
+        }
+    }
+    for (copy, put) in copies.iter_mut().zip(&puts) {
+        if put.is_none() {
+            copy.put(key, value)?;
+        }
+    }
+    Ok(())
 }
 
 /// The counter `value` (its decimal text; none: 0) plus `delta`.

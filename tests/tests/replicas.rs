@@ -709,6 +709,49 @@ fn a_write_right_after_a_read_of_its_key_reads_nothing_more_at_the_primary() {
     );
 }
 
+/// A write to a replicated shard has a batch in flight on every backup at
+/// once, waited for together: a round trip of each counts as one wait
+/// (`VerbStats::waits`). Once the key's hints have settled (every copy
+/// then updated by a blind CAS, see kv-client's `hint`), an update waits
+/// twice: for both backups' blocks and CASes, then for the primary's.
+#[test]
+fn every_copys_batch_is_in_flight_at_once_and_a_settled_update_waits_twice() {
+    // As in the test above: a read stays in time for 300 ms, hints live
+    // 600 ms and settle 900 ms after the copy appeared.
+    let (_etcd, url, _dir, _members) = start_with("together", &["--op-deadline-ms", "300"], &[]);
+    let mut kv = ClusterClient::connect(&url).expect("connect");
+    let k = key_of(&kv, 0, "together");
+    let mut write = |value: &str| {
+        let at = kv.verb_stats();
+        kv.put(&k, value).expect("put");
+        kv.verb_stats().since(&at)
+    };
+    // An insert: each backup's block with its windows, then its CAS with
+    // them again, two rounds on both.
+    let insert = write("v0");
+    assert!(insert.waits + 2 <= insert.round_trips, "{insert:?}");
+    // Updates 100 ms apart, each within its hints' life, until one finds
+    // every copy's hint settled: three round trips in all, one per copy.
+    let mut settled = None;
+    let give_up = Instant::now() + Duration::from_secs(20);
+    for i in 1.. {
+        std::thread::sleep(Duration::from_millis(100));
+        let used = write(&format!("v{i}"));
+        assert!(used.waits < used.round_trips, "update {i}: {used:?}");
+        if used.round_trips == 3 {
+            settled = Some(used);
+            break;
+        }
+        if Instant::now() > give_up {
+            break;
+        }
+    }
+    let settled = settled.expect("an update of settled hints within 20 s");
+    assert_eq!(settled.waits, 2, "{settled:?}");
+    let mut groups = copies(&url);
+    assert!(assert_alike(&mut groups, &kv, &k).is_some());
+}
+
 /// A key of `shard`, named from `prefix`.
 fn key_of(kv: &ClusterClient, shard: u32, prefix: &str) -> String {
     (0..)

@@ -111,6 +111,7 @@ impl Connection for Closed {
     fn stats(&self) -> &VerbStats {
         const NONE: VerbStats = VerbStats {
             round_trips: 0,
+            waits: 0,
             verbs: 0,
             bytes_read: 0,
             bytes_written: 0,

@@ -62,6 +62,12 @@ impl Verb {
 pub struct VerbStats {
     /// Batches posted and completed (one doorbell and one wait each).
     pub round_trips: u64,
+    /// Of `round_trips`, those the caller waited for one after the other:
+    /// a client of a replicated shard that has a batch in flight on
+    /// several copies at once waits for them together, and they count
+    /// once (kv-client's `Client::verb_stats`). A connection alone counts
+    /// each of its round trips.
+    pub waits: u64,
     /// READs, WRITEs and atomics.
     pub verbs: u64,
     /// Bytes the READs fetched.
@@ -79,6 +85,7 @@ impl VerbStats {
     pub fn since(&self, earlier: &VerbStats) -> VerbStats {
         VerbStats {
             round_trips: self.round_trips - earlier.round_trips,
+            waits: self.waits - earlier.waits,
             verbs: self.verbs - earlier.verbs,
             bytes_read: self.bytes_read - earlier.bytes_read,
             bytes_written: self.bytes_written - earlier.bytes_written,
@@ -108,10 +115,12 @@ impl VerbStats {
         }
         self.verbs += verbs.len() as u64;
         self.round_trips += 1;
+        self.waits += 1;
     }
 
     pub fn add(&mut self, other: &VerbStats) {
         self.round_trips += other.round_trips;
+        self.waits += other.waits;
         self.verbs += other.verbs;
         self.bytes_read += other.bytes_read;
         self.bytes_written += other.bytes_written;

@@ -1,0 +1,314 @@
+//! A PUT driven one batch at a time by its caller, so that a writer of
+//! several copies of a key (a replicated shard's backups, see
+//! `replicated`) has a batch in flight on every copy before it waits for
+//! any: over rdma their round trips overlap, and setting two backups costs
+//! the round trips of one. (Over shm a batch completes as it is started:
+//! the same work as a PUT on each.)
+//!
+//! The steps are those of a PUT (`put`) in its usual cases:
+//! - with a sole hint, the block's WRITE and the CAS of the hinted copy;
+//! - otherwise the block's WRITE with the READs of the key's windows (and
+//!   of the head of a hinted block, which saves the next step if the
+//!   hint holds), then the heads of the candidate blocks, then either the
+//!   CAS of the key's one copy, or an insert's CAS with the windows read
+//!   again (and its check for a concurrent insert of the key, `dedup`,
+//!   done in place).
+//!
+//! Each step acts on its reads as the PUT does, through the same code
+//! (`hinted_sighting`, `scan`, `located`, `update`, `inserted`). What a PUT does in more steps
+//! (a damaged or sealed block, candidates that do not fit one batch, a
+//! resize, a full index, a read too old to act on too often) is left to the
+//! PUT itself ([`Progress::Serial`]): it starts over, which is safe since
+//! every step of a PUT may be redone, and the block written here and
+//! never published is garbage the server reclaims.
+
+use kv_common::layout::{KeyHash, Slot};
+use kv_common::transport::Verb;
+use smallvec::SmallVec;
+
+use crate::clock::OpClock;
+use crate::get::{BlockRead, Sighting};
+use crate::hint::{Hint, Seen};
+use crate::index::{meets_resize, Copies, Kind, Scan, ScanMode, ScanStart, Value};
+use crate::locate::Located;
+use crate::{Client, Result};
+
+/// A PUT in flight: the batch it started last, and what it then does.
+pub(crate) struct SteppedPut {
+    kh: KeyHash,
+    /// The slot value that links the new block.
+    new: Slot,
+    stage: Option<Stage>,
+    /// Times the windows were read again.
+    rereads: u32,
+}
+
+/// The batch a PUT has in flight.
+enum Stage {
+    /// The block's WRITE and the CAS of the sole hint's copy (as seen).
+    Blind(Seen),
+    /// The READs of the windows (after the block's WRITE, the first time),
+    /// timed by the clock.
+    Windows(OpClock),
+    /// As `Windows`, with the READ of the block of a hint (not sole) that
+    /// is candidate `at` of the key's slots.
+    Hinted(Hint, (usize, Verb, OpClock)),
+    /// The READs of the candidate blocks' heads the windows read by the
+    /// clock show.
+    Heads(Box<ScanStart>, OpClock),
+    /// The CAS of the key's one copy, as the windows' read found it.
+    Swap(Seen),
+    /// An insert's CAS (of the new copy, as seen) and the windows' READs.
+    Insert(Seen),
+}
+
+/// Where a PUT stands after a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Progress {
+    /// A batch is in flight: step again.
+    Going,
+    /// Stored.
+    Done,
+    /// Not done: do it as a plain PUT.
+    Serial,
+}
+
+/// What a step leads to.
+enum Next {
+    Then(Stage),
+    Done,
+    /// Read the windows again (a CAS lost, a read too old).
+    Reread,
+    Serial,
+}
+
+impl SteppedPut {
+    /// Whether a batch of it is in flight.
+    pub fn in_flight(&self) -> bool {
+        self.stage.is_some()
+    }
+}
+
+impl Client {
+    /// Starts a PUT of `value` (within the value limit) under `key`: the
+    /// block's WRITE, in a batch with its sole hint's CAS or the READs of
+    /// the key's windows.
+    pub(crate) fn put_begin(&mut self, key: &[u8], value: &[u8]) -> Result<SteppedPut> {
+        // As `run` before an operation.
+        self.lock_watch = None;
+        self.keep_read_lease()?;
+        let (kh, new, write) = self.new_block(key, value)?;
+        let stage = match self.blind_hint(key) {
+            Some(hint) => {
+                let clock = self.timing.start();
+                let cas = self.cas_verb(hint.pos, hint.slot, new);
+                self.conn.start(&[write, cas])?;
+                Stage::Blind(Seen::new((hint.pos, hint.slot), clock))
+            }
+            None => self.start_locate(key, &kh, Some(write))?,
+        };
+        Ok(SteppedPut {
+            kh,
+            new,
+            stage: Some(stage),
+            rereads: 0,
+        })
+    }
+
+    /// Waits for `put`'s batch, acts on it, and starts the next one.
+    /// `together`: the caller has just waited for another client's batch,
+    /// in flight with this one, so that this wait costs no round trip of its
+    /// own (see `VerbStats::waits`).
+    pub(crate) fn put_step(
+        &mut self,
+        key: &[u8],
+        put: &mut SteppedPut,
+        together: bool,
+    ) -> Result<Progress> {
+        let Some(stage) = put.stage.take() else {
+            return Ok(Progress::Done);
+        };
+        self.conn.finish()?;
+        self.waited_together += u64::from(together);
+        let next = match stage {
+            Stage::Blind(old) | Stage::Swap(old) => self.swapped(key, old, put.new),
+            Stage::Windows(clock) => self.windows_read(key, put, clock)?,
+            Stage::Hinted(hint, read) => self.hinted_read(key, put, hint, read)?,
+            Stage::Heads(start, clock) => self.heads_read(key, put, start, clock)?,
+            Stage::Insert(mine) => match self.cas_held(Slot::EMPTY) {
+                true => {
+                    self.inserted(key, &put.kh, mine)?;
+                    Next::Done
+                }
+                false => Next::Reread,
+            },
+        };
+        let stage = match next {
+            Next::Then(stage) => stage,
+            Next::Done => return Ok(Progress::Done),
+            Next::Serial => return Ok(Progress::Serial),
+            Next::Reread if put.rereads >= self.options.max_attempts => {
+                return Ok(Progress::Serial)
+            }
+            Next::Reread => {
+                put.rereads += 1;
+                // As `run` before an attempt.
+                self.keep_read_lease()?;
+                self.start_locate(key, &put.kh, None)?
+            }
+        };
+        put.stage = Some(stage);
+        Ok(Progress::Going)
+    }
+
+    /// Starts the READs of the key's windows, after `first`, and, as
+    /// `locate` does with a hint to read (not a counter's, whose writers
+    /// read it whole), of the hinted block's head.
+    fn start_locate(&mut self, key: &[u8], kh: &KeyHash, first: Option<Verb>) -> Result<Stage> {
+        let hinted = self
+            .hint_to_read(key)
+            .filter(|h| !h.is_counter() && !h.is_sole())
+            .and_then(|hint| {
+                let (at, block) = self.hinted_block(key, kh, (hint, BlockRead::Head))?;
+                Some((hint, at, block))
+            });
+        let clock = self.timing.start();
+        let [a, b] = self.window_reads(kh);
+        let reads = [a, b].into_iter().chain(hinted.map(|(_, _, block)| block));
+        let verbs: SmallVec<[Verb; 4]> = first.into_iter().chain(reads).collect();
+        self.conn.start(&verbs)?;
+        Ok(match hinted {
+            Some((hint, at, block)) => Stage::Hinted(hint, (at, block, clock)),
+            None => Stage::Windows(clock),
+        })
+    }
+
+    /// The windows and the hinted block's head were read: acts on the
+    /// copy if the hint held (as `locate`), else on the windows.
+    fn hinted_read(
+        &mut self,
+        key: &[u8],
+        put: &SteppedPut,
+        hint: Hint,
+        read: (usize, Verb, OpClock),
+    ) -> Result<Next> {
+        match self.hinted_sighting(key, &put.kh, (hint, BlockRead::Head), read) {
+            Sighting::Held {
+                value: Some(Value::Counter(_)),
+                ..
+            } => {
+                // (Hints say which blocks are counters: not this one.)
+                self.cache.forget(key);
+                Ok(Next::Reread)
+            }
+            Sighting::Held {
+                clock,
+                alone,
+                value,
+            } => {
+                let copies = Copies {
+                    value,
+                    exact: alone || hint.is_sole(),
+                    ..Copies::known(hint.pos, hint.slot)
+                };
+                self.act(key, put, Located::Found { copies, clock })
+            }
+            Sighting::WindowsOnly(clock) => self.windows_read(key, put, clock),
+            Sighting::Stale => Ok(Next::Reread),
+        }
+    }
+
+    /// A CAS of the copy `old` to `new` completed (as `update_blind` and
+    /// `update` take it).
+    fn swapped(&mut self, key: &[u8], old: Seen, new: Slot) -> Next {
+        if self.cas_held(old.slot) {
+            self.unlinked(old.slot);
+            self.replaced(key, old, new);
+            return Next::Done;
+        }
+        self.cache.forget(key);
+        Next::Reread
+    }
+
+    /// The windows were read (by the batch timed by `clock`): starts the
+    /// READs of the candidates' heads, all in one batch, or acts at once
+    /// when there are none.
+    fn windows_read(&mut self, key: &[u8], put: &SteppedPut, clock: OpClock) -> Result<Next> {
+        let slots = self.slots();
+        if meets_resize(&slots) {
+            return Ok(Next::Serial);
+        }
+        let start = self.scan_start(key.len(), &put.kh, &slots, ScanMode::Keys);
+        if start.suspect.is_some() || start.past_region {
+            return Ok(Next::Serial);
+        }
+        self.pause_if_slow();
+        if start.candidates.is_empty() {
+            let located = self.located(key, start.end(), clock);
+            return self.act(key, put, located);
+        }
+        let (reads, read) = self.candidate_reads(&start.candidates, None);
+        if read < start.candidates.len() {
+            return Ok(Next::Serial);
+        }
+        self.conn.start(&reads)?;
+        Ok(Next::Then(Stage::Heads(Box::new(start), clock)))
+    }
+
+    /// The candidates' heads were read: acts on the copies they hold.
+    fn heads_read(
+        &mut self,
+        key: &[u8],
+        put: &SteppedPut,
+        mut start: Box<ScanStart>,
+        clock: OpClock,
+    ) -> Result<Next> {
+        let every = 0..start.candidates.len();
+        let judged = (ScanMode::Keys, clock);
+        match self.judge_candidates(key, &put.kh, (&mut start, every), judged)? {
+            // Too late to act on, or a sealed counter waited on.
+            Some(Scan::Retry(None)) => Ok(Next::Reread),
+            Some(_) => Ok(Next::Serial),
+            None => {
+                let located = self.located(key, start.end(), clock);
+                self.act(key, put, located)
+            }
+        }
+    }
+
+    /// Acts on the key's copies as located: starts the CAS of its one
+    /// byte copy or an insert; updates over several copies or a counter as
+    /// a PUT does (in steps of its own).
+    fn act(&mut self, key: &[u8], put: &SteppedPut, located: Located) -> Result<Next> {
+        match located {
+            Located::Found { copies, clock } => match (&copies.slots[..], &copies.kinds[..]) {
+                (&[(pos, old)], [Kind::Bytes | Kind::Known]) if clock.in_time() => {
+                    self.conn.start(&[self.cas_verb(pos, old, put.new)])?;
+                    Ok(Next::Then(Stage::Swap(Seen::new((pos, old), clock))))
+                }
+                _ => Ok(match self.update(key, &copies, put.new, clock)? {
+                    true => Next::Done,
+                    false => Next::Reread,
+                }),
+            },
+            Located::Absent { clock } => {
+                let Some(empty) = KeyHash::insert_choice(&self.slots()) else {
+                    return Ok(Next::Serial);
+                };
+                // As `insert`: within two deadlines of the read.
+                if !clock.in_time() {
+                    return Ok(Next::Reread);
+                }
+                let pos = put.kh.slot_pos(empty);
+                let published = self.timing.start();
+                self.conn
+                    .start(&self.insert_verbs(&put.kh, (pos, put.new), None))?;
+                Ok(Next::Then(Stage::Insert(Seen::new(
+                    (pos, put.new),
+                    published,
+                ))))
+            }
+            Located::Retry(_) | Located::Moved => Ok(Next::Serial),
+        }
+    }
+}
