@@ -4,7 +4,8 @@
 # then again), YCSB-C and YCSB-D (5% inserts) against a one-shard cluster
 # of three members (zones a, b, c) created with one copy and with three,
 # alternated ROUNDS times on the same machine. Prints each run's
-# throughput and round trips per operation (the load's insert p50), then
+# throughput and round trips per operation (and of those, how many were
+# waited for one after the other; the load's insert p50), then
 # the medians and the ratios R=3 / R=1.
 #
 #   scripts/replicas-bench.sh [RECORDS] [OPERATIONS] [ROUNDS]
@@ -49,7 +50,8 @@ one_run() {
     /^\[OVERALL\], Throughput/ {t = $3}
     /^\[INSERT\], 50thPercentileLatency/ {p = $3}
     /^\[INSERT\], RoundTripsPerOp/ {rt = $3}
-    END {printf "R=%s YCSB-load %8.0f ops/s  INSERT p50 %s us, %s rt/op\n", r, t, p, rt}
+    /^\[INSERT\], WaitsPerOp/ {w = $3}
+    END {printf "R=%s YCSB-load %8.0f ops/s  INSERT p50 %s us, %s rt/op (%s waited for)\n", r, t, p, rt, (w == "" ? "-" : w)}
   ' "$work/out"
   # YCSB-A twice: the first run after the load grows each copy's heap to
   # what the updates' garbage needs (page faults on fresh memory, on
@@ -61,8 +63,9 @@ one_run() {
       /^\[OVERALL\], Throughput/ {t = $3}
       /^\[READ\], RoundTripsPerOp/ {rd = $3}
       /^\[UPDATE\], RoundTripsPerOp/ {up = $3}
+      /^\[UPDATE\], WaitsPerOp/ {uw = $3}
       /first error/ {err = $0}
-      END {printf "R=%s YCSB-%s %8.0f ops/s  READ %s rt/op  UPDATE %s rt/op %s\n", r, w, t, rd, (up == "" ? "-" : up), err}
+      END {printf "R=%s YCSB-%s %8.0f ops/s  READ %s rt/op  UPDATE %s rt/op (%s waited for) %s\n", r, w, t, rd, (up == "" ? "-" : up), (uw == "" ? "-" : uw), err}
     ' "$work/out"
   done
   kill -9 "${members[@]}" 2>/dev/null || true

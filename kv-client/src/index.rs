@@ -420,7 +420,9 @@ impl Client {
 
     /// What a scan of the key's `slots` (of a key `key_len` bytes long)
     /// reads: the blocks of the slots whose fingerprint matches, each only
-    /// as far as `mode` needs.
+    /// as far as `mode` needs. (Inlined: the struct is too large to return
+    /// cheaply.)
+    #[inline(always)]
     pub(crate) fn scan_start(
         &self,
         key_len: usize,
@@ -536,6 +538,7 @@ impl Client {
     /// The READs of the leading `candidates` whose blocks fit the read area
     /// (at least one), after `first` (the epoch word's READ, where the scan
     /// checks it), and how many candidates they read.
+    #[inline(always)]
     pub(crate) fn candidate_reads(
         &self,
         candidates: &[(usize, Slot, u64, usize)],

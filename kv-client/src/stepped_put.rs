@@ -29,7 +29,7 @@ use smallvec::SmallVec;
 use crate::clock::OpClock;
 use crate::get::{BlockRead, Sighting};
 use crate::hint::{Hint, Seen};
-use crate::index::{meets_resize, Copies, Kind, Scan, ScanMode, ScanStart, Value};
+use crate::index::{meets_resize, Copies, Kind, Scan, ScanMode, Value};
 use crate::locate::Located;
 use crate::{Client, Result};
 
@@ -54,8 +54,8 @@ enum Stage {
     /// is candidate `at` of the key's slots.
     Hinted(Hint, (usize, Verb, OpClock)),
     /// The READs of the candidate blocks' heads the windows read by the
-    /// clock show.
-    Heads(Box<ScanStart>, OpClock),
+    /// clock show (still in the local buffer: the heads land elsewhere).
+    Heads(OpClock),
     /// The CAS of the key's one copy, as the windows' read found it.
     Swap(Seen),
     /// An insert's CAS (of the new copy, as seen) and the windows' READs.
@@ -134,7 +134,7 @@ impl Client {
             Stage::Blind(old) | Stage::Swap(old) => self.swapped(key, old, put.new),
             Stage::Windows(clock) => self.windows_read(key, put, clock)?,
             Stage::Hinted(hint, read) => self.hinted_read(key, put, hint, read)?,
-            Stage::Heads(start, clock) => self.heads_read(key, put, start, clock)?,
+            Stage::Heads(clock) => self.heads_read(key, put, clock)?,
             Stage::Insert(mine) => match self.cas_held(Slot::EMPTY) {
                 true => {
                     self.inserted(key, &put.kh, mine)?;
@@ -252,17 +252,14 @@ impl Client {
             return Ok(Next::Serial);
         }
         self.conn.start(&reads)?;
-        Ok(Next::Then(Stage::Heads(Box::new(start), clock)))
+        Ok(Next::Then(Stage::Heads(clock)))
     }
 
     /// The candidates' heads were read: acts on the copies they hold.
-    fn heads_read(
-        &mut self,
-        key: &[u8],
-        put: &SteppedPut,
-        mut start: Box<ScanStart>,
-        clock: OpClock,
-    ) -> Result<Next> {
+    fn heads_read(&mut self, key: &[u8], put: &SteppedPut, clock: OpClock) -> Result<Next> {
+        // The candidates `windows_read` read, sorted out again (cheaper
+        // than keeping them).
+        let mut start = self.scan_start(key.len(), &put.kh, &self.slots(), ScanMode::Keys);
         let every = 0..start.candidates.len();
         let judged = (ScanMode::Keys, clock);
         match self.judge_candidates(key, &put.kh, (&mut start, every), judged)? {
