@@ -316,7 +316,7 @@ impl Group<'_> {
 
     /// Sets `key` to `value` (None: removes it) on every backup.
     fn set_backups(&mut self, key: &[u8], value: Option<&[u8]>, touched: &mut bool) -> Result<()> {
-        *touched = true;
+        *touched |= !self.backups.is_empty();
         let Some(value) = value else {
             for (i, backup) in self.backups.iter_mut().enumerate() {
                 backup.delete(key)?;
@@ -329,7 +329,7 @@ impl Group<'_> {
         // The fault hook that kills a writer between its copies sets the
         // first before the others start: overlapped, that moment comes
         // only by timing.
-        if crate::fault_armed("replica-first-backup-set") {
+        if crate::fault_armed("replica-first-backup-set") && !self.backups.is_empty() {
             let (first, rest) = self.backups.split_at_mut(1);
             put_on_each(first, key, value)?;
             crate::fault_point("replica-first-backup-set");
@@ -474,14 +474,19 @@ impl Group<'_> {
 
 /// Puts `value` under `key` on each of `copies`, each PUT run a step at a
 /// time with a batch in flight on every copy at once (`stepped_put`). A
-/// PUT that leaves its steps, or one of whose steps fails, is done again
-/// as a plain PUT, which reports what persists.
+/// PUT that leaves its steps, or whose connection was lost, is done again
+/// as a plain PUT (which reconnects). Any other error is the write's: no
+/// copy's PUT begins after it, and those under way are finished first, so
+/// that no batch is left in flight.
 fn put_on_each(copies: &mut [Client], key: &[u8], value: &[u8]) -> Result<()> {
-    // None: to be done as a plain PUT.
-    let mut puts: SmallVec<[Option<SteppedPut>; 2]> = copies
-        .iter_mut()
-        .map(|copy| copy.put_begin(key, value).ok())
-        .collect();
+    let mut failed = None;
+    let mut puts: SmallVec<[CopyPut; 2]> = SmallVec::new();
+    for copy in copies.iter_mut() {
+        puts.push(match failed {
+            Some(_) => CopyPut::Over,
+            None => CopyPut::after(copy.put_begin(key, value), &mut failed),
+        });
+    }
     let mut going = true;
     while going {
         going = false;
@@ -489,22 +494,52 @@ fn put_on_each(copies: &mut [Client], key: &[u8], value: &[u8]) -> Result<()> {
         // is the round's round trip.
         let mut waited = false;
         for (copy, put) in copies.iter_mut().zip(&mut puts) {
-            let Some(stepped) = put else { continue };
+            let CopyPut::Stepping(stepped) = put else {
+                continue;
+            };
             let in_flight = stepped.in_flight();
             match copy.put_step(key, stepped, waited && in_flight) {
                 Ok(Progress::Going) => going = true,
-                Ok(Progress::Done) => {}
-                Ok(Progress::Serial) | Err(_) => *put = None,
+                Ok(Progress::Done) => *put = CopyPut::Over,
+                Ok(Progress::Serial) => *put = CopyPut::Plain,
+                Err(e) => *put = CopyPut::after(Err(e), &mut failed),
             }
             waited |= in_flight;
         }
     }
+    if let Some(e) = failed {
+        return Err(e);
+    }
     for (copy, put) in copies.iter_mut().zip(&puts) {
-        if put.is_none() {
+        if matches!(put, CopyPut::Plain) {
             copy.put(key, value)?;
         }
     }
     Ok(())
+}
+
+/// Where one copy's PUT stands in `put_on_each`.
+enum CopyPut {
+    Stepping(SteppedPut),
+    /// To be done as a plain PUT.
+    Plain,
+    /// Done, failed, or not begun after another copy's failed.
+    Over,
+}
+
+impl CopyPut {
+    /// A copy's PUT after a step that returned `result`; an error other
+    /// than a lost connection is kept in `failed` (the first one).
+    fn after(result: Result<SteppedPut>, failed: &mut Option<Error>) -> CopyPut {
+        match result {
+            Ok(stepped) => CopyPut::Stepping(stepped),
+            Err(e) if e.is_connection_lost() => CopyPut::Plain,
+            Err(e) => {
+                failed.get_or_insert(e);
+                CopyPut::Over
+            }
+        }
+    }
 }
 
 /// The counter `value` (its decimal text; none: 0) plus `delta`.

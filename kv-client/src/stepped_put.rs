@@ -22,6 +22,7 @@
 //! every step of a PUT may be redone, and the block written here and
 //! never published is garbage the server reclaims.
 
+use crossbeam::utils::Backoff;
 use kv_common::layout::{KeyHash, Slot};
 use kv_common::transport::Verb;
 use smallvec::SmallVec;
@@ -39,8 +40,10 @@ pub(crate) struct SteppedPut {
     /// The slot value that links the new block.
     new: Slot,
     stage: Option<Stage>,
-    /// Times the windows were read again.
+    /// Times the windows were read again, and the pause before the next
+    /// time (as a PUT's attempts back off).
     rereads: u32,
+    backoff: Backoff,
 }
 
 /// The batch a PUT has in flight.
@@ -112,6 +115,7 @@ impl Client {
             new,
             stage: Some(stage),
             rereads: 0,
+            backoff: Backoff::new(),
         })
     }
 
@@ -152,6 +156,7 @@ impl Client {
             }
             Next::Reread => {
                 put.rereads += 1;
+                put.backoff.snooze();
                 // As `run` before an attempt.
                 self.keep_read_lease()?;
                 self.start_locate(key, &put.kh, None)?

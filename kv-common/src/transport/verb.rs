@@ -66,7 +66,8 @@ pub struct VerbStats {
     /// a client of a replicated shard that has a batch in flight on
     /// several copies at once waits for them together, and they count
     /// once (kv-client's `Client::verb_stats`). A connection alone counts
-    /// each of its round trips.
+    /// each of its round trips. (Over shm, where a batch completes as it is
+    /// started, these are the round trips a network would wait for.)
     pub waits: u64,
     /// READs, WRITEs and atomics.
     pub verbs: u64,
