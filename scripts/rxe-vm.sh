@@ -244,8 +244,8 @@ fi
 # What replication costs a write over rdma: one shard on three members,
 # created with one copy, then with three; the same whole-record updates (1
 # thread, 1000 keys) against each, and the load of those keys before.
-# Counted round trips add every copy's; the p50 is one operation's wall
-# time (its backups set one after the other).
+# Counted round trips add every copy's, and "waited for" counts the
+# backups' overlapped ones once; the p50 is one operation's wall time.
 etcd --name r --data-dir /tmp/etcd-r --listen-client-urls http://127.0.0.1:2479 \
   --advertise-client-urls http://127.0.0.1:2479 --listen-peer-urls http://127.0.0.1:2480 \
   --initial-advertise-peer-urls http://127.0.0.1:2480 --initial-cluster r=http://127.0.0.1:2480 \

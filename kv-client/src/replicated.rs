@@ -7,8 +7,9 @@
 //!    readers see (a fresh, sole hint counts: no read at all; so does what
 //!    a GET of the key found just before, while its read is in time, see
 //!    `hint::LastRead`), or that there is none;
-//! 2. *sets* the key on every backup (a plain PUT or DELETE there, redone
-//!    as often as it takes);
+//! 2. *sets* the key on every backup (a PUT or DELETE there, redone as
+//!    often as it takes; the PUTs run in steps, every backup's started
+//!    before any is waited for: `stepped_put`);
 //! 3. *commits* at the primary by a CAS from exactly what it observed
 //!    (`Client::commit`): the slot it saw, or, for a key that was absent,
 //!    an empty slot, under the key's *insert lock* (below). If the CAS
