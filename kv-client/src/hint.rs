@@ -265,6 +265,11 @@ impl LastRead {
         (at == epoch && self.key == key && seen.clock.in_time()).then_some(seen)
     }
 
+    /// Whether a copy of `key` is kept (usable or not).
+    pub fn has(&self, key: &[u8]) -> bool {
+        self.seen.is_some() && self.key == key
+    }
+
     pub fn clear(&mut self) {
         self.seen = None;
     }
@@ -294,6 +299,12 @@ impl Client {
     /// primary of a replicated shard may ask: `observe_for_put`).
     pub(crate) fn last_read(&mut self, key: &[u8]) -> Option<Seen> {
         self.last_read.take(key, self.info.geometry.epoch)
+    }
+
+    /// Whether this client has seen `key`'s copy lately: it has a hint of
+    /// it, or kept what a GET of it just found.
+    pub(crate) fn has_seen(&self, key: &[u8]) -> bool {
+        self.last_read.has(key) || self.cache.get(key).is_some()
     }
 
     /// The key's hint, if it allows a CAS with no read (`Hint::allows_blind_cas`).

@@ -123,8 +123,21 @@ impl KeyLock {
     /// `connection`: a CAS from, to; none for a hold taken over another
     /// connection (see [`Self::next`]), which lapses.
     pub fn release(&mut self, connection: u64) -> Option<(u64, u64)> {
-        let h = self.held.take()?;
-        (h.connection == connection).then(|| (h.word, h.word.wrapping_add(1)))
+        let release = self.releasing(connection);
+        self.held = None;
+        release
+    }
+
+    /// What [`Self::release`] would post, the hold kept: for a release
+    /// that rides in another batch, made with [`Self::let_go`] once it went.
+    pub fn releasing(&self, connection: u64) -> Option<(u64, u64)> {
+        let h = self.held.filter(|h| h.connection == connection)?;
+        Some((h.word, h.word.wrapping_add(1)))
+    }
+
+    /// The hold's release (as [`Self::releasing`] made it) was posted.
+    pub fn let_go(&mut self) {
+        self.held = None;
     }
 }
 
@@ -139,18 +152,31 @@ impl Client {
     /// The verb of a CAS of lock word `word` from `from` to `to`; what it
     /// found is [`Self::insert_lock_found`], read before any other CAS.
     pub(crate) fn insert_lock_cas(&self, word: u64, from: u64, to: u64) -> Verb {
-        Verb::Cas {
-            remote: insert_lock_word_offset(word),
-            local: self.layout.cas,
-            expect: from,
-            swap: to,
-        }
+        lock_cas(word, (from, to), self.layout.cas)
     }
 
     /// What the CAS of lock word `word` from `from` to `to`, just done,
     /// found there, remembered as this client's latest sighting.
     pub(crate) fn insert_lock_found(&mut self, word: u64, from: u64, to: u64) -> u64 {
-        let found = read_u64(self.conn.local(), self.layout.cas);
+        self.lock_found_at(word, (from, to), self.layout.cas)
+    }
+
+    /// The verb of the CAS that lets lock word `word` go, from, to, in the
+    /// batch of another CAS and after it (which may then be posted with it
+    /// since it has a word of its own: `LocalLayout::release`); once done,
+    /// [`Self::insert_lock_released`].
+    pub(crate) fn insert_lock_release(&self, word: u64, (from, to): (u64, u64)) -> Verb {
+        lock_cas(word, (from, to), self.layout.release)
+    }
+
+    /// The release by [`Self::insert_lock_release`] was done: what it
+    /// found is remembered as this client's latest sighting.
+    pub(crate) fn insert_lock_released(&mut self, word: u64, (from, to): (u64, u64)) {
+        self.lock_found_at(word, (from, to), self.layout.release);
+    }
+
+    fn lock_found_at(&mut self, word: u64, (from, to): (u64, u64), local: usize) -> u64 {
+        let found = read_u64(self.conn.local(), local);
         let now_there = if found == from { to } else { found };
         self.lock_words.saw(word, now_there, Instant::now());
         found
@@ -166,6 +192,16 @@ impl Client {
     pub(crate) fn insert_lock_life(&self) -> (Duration, Duration) {
         let deadline = self.op_deadline();
         (deadline * LIFE_DEADLINES, deadline * 3)
+    }
+}
+
+/// A CAS of lock word `word` from, to, its answer landing at `local`.
+fn lock_cas(word: u64, (from, to): (u64, u64), local: usize) -> Verb {
+    Verb::Cas {
+        remote: insert_lock_word_offset(word),
+        local,
+        expect: from,
+        swap: to,
     }
 }
 
@@ -243,6 +279,19 @@ mod tests {
         lock.found((12, 13, 12), t, (LIFE, MARGIN), 1);
         assert!(lock.is_held());
         assert_eq!(lock.release(1), Some((13, 14)));
+    }
+
+    #[test]
+    fn a_release_that_rides_in_another_batch_keeps_the_hold_until_it_went() {
+        let t = Instant::now();
+        let mut lock = KeyLock::default();
+        lock.found((6, 7, 6), t, (LIFE, MARGIN), 1);
+        assert_eq!(lock.releasing(1), Some((7, 8)));
+        assert!(lock.is_held(), "kept while the release is only made");
+        assert_eq!(lock.releasing(2), None, "not over another connection");
+        lock.let_go();
+        assert!(!lock.is_held());
+        assert_eq!(lock.release(1), None, "nothing left to let go");
     }
 
     #[test]

@@ -1240,7 +1240,8 @@ pub(crate) fn fault_armed(step: &str) -> bool {
 /// Test hook (fault injection): the first time the process reaches
 /// `step`, sleeps for as long as the environment variable
 /// `ONEKV_CLIENT_PAUSE` (`STEP:MILLISECONDS`) says, as a client stalled
-/// there once (descheduled, swapped out) would. Read once.
+/// there once (descheduled, swapped out) would, and says so on stderr
+/// (so that a test can act while it sleeps). Read once.
 pub(crate) fn pause_point(step: &str) {
     static PAUSE: std::sync::OnceLock<Option<(String, Duration)>> = std::sync::OnceLock::new();
     static PAUSED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -1251,6 +1252,7 @@ pub(crate) fn pause_point(step: &str) {
     });
     if let Some((_, pause)) = pause.as_ref().filter(|(at, _)| at == step) {
         if !PAUSED.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            eprintln!("ONEKV_CLIENT_PAUSE: pausing at {step}");
             std::thread::sleep(*pause);
         }
     }

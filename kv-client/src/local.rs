@@ -1,7 +1,7 @@
 //! The connection's local buffer, laid out once per connection: where the
-//! key's windows of buckets land, the epoch word, the result of a CAS, a
-//! slot read alone, the block being written, and room for the candidate
-//! blocks read back.
+//! key's windows of buckets land, the epoch word, the results of a CAS
+//! and of an insert lock's release, a slot read alone, the block being
+//! written, and room for the candidate blocks read back.
 
 use kv_common::layout::{
     block_len, class_for, class_size, Geometry, BUCKET_BYTES, MAX_KEY, WINDOW_BUCKETS,
@@ -22,6 +22,9 @@ pub struct LocalLayout {
     pub epoch: usize,
     /// The old value a CAS returns.
     pub cas: usize,
+    /// The old value the CAS that lets an insert lock go returns, when it
+    /// rides in the batch of another CAS (a replicated write's commit).
+    pub release: usize,
     /// One slot read alone (a sole hint's).
     pub slot: usize,
     /// The windows of the keys of a multi-key batch, then one slot word per
@@ -46,7 +49,8 @@ impl LocalLayout {
         let windows = 0;
         let epoch = windows + 2 * WINDOW_BYTES;
         let cas = epoch + 8;
-        let slot = cas + 8;
+        let release = cas + 8;
+        let slot = release + 8;
         let batch = (slot + 8).next_multiple_of(64);
         let batch_end = batch + BATCH_KEYS * (2 * WINDOW_BYTES + 8);
         let block = batch_end.next_multiple_of(64);
@@ -55,6 +59,7 @@ impl LocalLayout {
             windows,
             epoch,
             cas,
+            release,
             slot,
             batch,
             block,

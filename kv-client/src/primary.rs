@@ -4,6 +4,7 @@
 //! succeeds only if the key is still as observed.
 
 use kv_common::layout::{KeyHash, Slot};
+use kv_common::transport::Verb;
 use smallvec::SmallVec;
 
 use crate::clock::OpClock;
@@ -203,19 +204,23 @@ impl Client {
     }
 
     /// Publishes `value` (None: removes the key) over exactly what
-    /// `observed` saw. Nothing is redone here: once a CAS may have been
-    /// posted, a lost connection is an unknown outcome.
+    /// `observed` saw. `then`, another word's CAS (the key's insert lock
+    /// let go), is taken where it rides in the batch of the publishing CAS,
+    /// after it: a value's CAS of one copy, or an insert's. Nothing is
+    /// redone here: once a CAS may have been posted, a lost connection is
+    /// an unknown outcome.
     pub(crate) fn commit(
         &mut self,
         key: &[u8],
         value: Option<&[u8]>,
         observed: &Observed,
+        then: &mut Option<Verb>,
     ) -> Result<Commit> {
         if observed.epoch != self.info.geometry.epoch {
             return Ok(Commit::Changed);
         }
         let step = match value {
-            Some(value) => self.commit_value(key, value, observed)?,
+            Some(value) => self.commit_value(key, value, observed, then)?,
             None => Step::Done(self.commit_removal(key, observed)?),
         };
         Ok(match step {
@@ -238,6 +243,7 @@ impl Client {
         key: &[u8],
         value: &[u8],
         observed: &Observed,
+        then: &mut Option<Verb>,
     ) -> Result<Step<bool>> {
         let (_, new, write) = self.new_block(key, value)?;
         // Leasing may have taught this client a new geometry.
@@ -249,15 +255,15 @@ impl Client {
                 if !hint.allows_blind_cas(&self.timing) {
                     return Ok(Step::Done(false));
                 }
-                self.update_blind(key, (hint.pos, hint.slot), write, new)
+                self.update_blind(key, (hint.pos, hint.slot), (write, then), new)
                     .map(Step::Done)
             }
             Sight::Found { copies, clock } => match copies.only_known() {
                 // One copy, known to be the lowest: `update` would only CAS
                 // it, so the block's WRITE goes with the CAS.
-                Some(copy) if clock.in_time() => {
-                    self.update_blind(key, copy, write, new).map(Step::Done)
-                }
+                Some(copy) if clock.in_time() => self
+                    .update_blind(key, copy, (write, then), new)
+                    .map(Step::Done),
                 Some(_) => Ok(Step::Done(false)),
                 None => {
                     self.conn.post(&[write])?;
@@ -265,14 +271,14 @@ impl Client {
                 }
             },
             // The block's WRITE goes in the insert's batch, before its CAS.
-            Sight::Absent { kh, clock } => {
-                Ok(match self.insert(key, kh, (new, Some(write)), *clock)? {
+            Sight::Absent { kh, clock } => Ok(
+                match self.insert(key, kh, (new, Some(write), then), *clock)? {
                     Some(Step::Done(())) => Step::Done(true),
                     Some(Step::Full(key)) => Step::Full(key),
                     Some(Step::Moved) => Step::Moved,
                     None => Step::Done(false),
-                })
-            }
+                },
+            ),
         }
     }
 

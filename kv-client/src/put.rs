@@ -31,7 +31,7 @@ impl Client {
         let mut unwritten = Some(write);
         if let Some(hint) = self.blind_hint(key) {
             unwritten = None;
-            if self.update_blind(key, (hint.pos, hint.slot), write, new)? {
+            if self.update_blind(key, (hint.pos, hint.slot), (write, &mut None), new)? {
                 return Ok(Step::Done(()));
             }
         }
@@ -45,7 +45,7 @@ impl Client {
                     }
                 }
                 Located::Absent { clock } => {
-                    if let Some(step) = self.insert(key, &kh, (new, None), clock)? {
+                    if let Some(step) = self.insert(key, &kh, (new, None, &mut None), clock)? {
                         return Ok(step);
                     }
                 }
@@ -80,24 +80,34 @@ impl Client {
 
     /// One round trip: the block's WRITE and the CAS of the key's copy
     /// (`pos` holding `old`, as a sole hint or a read in time says) in one
-    /// batch. False if the slot changed (the block is written; locate).
+    /// batch, and after it `then`, taken (another word's CAS: a replicated
+    /// write's insert lock let go). False if the slot changed (the block is
+    /// written; locate).
     pub(crate) fn update_blind(
         &mut self,
         key: &[u8],
         (pos, old): (SlotPos, Slot),
-        write: Verb,
+        (write, then): (Verb, &mut Option<Verb>),
         new: Slot,
     ) -> Result<bool> {
         let clock = self.timing.start();
         let cas = self.cas_verb(pos, old, new);
-        self.conn.post(&[write, cas])?;
-        if self.cas_held(old) {
-            self.unlinked(old);
-            self.replaced(key, Seen::new((pos, old), clock), new);
-            return Ok(true);
+        let verbs: SmallVec<[Verb; 3]> = [write, cas].into_iter().chain(then.take()).collect();
+        self.conn.post(&verbs)?;
+        Ok(self.swapped(key, Seen::new((pos, old), clock), new))
+    }
+
+    /// A CAS of the copy `old` to `new` completed: whether it held (the old
+    /// block is then unlinked, and the hint follows the new one); if not,
+    /// the key's hint is forgotten.
+    pub(crate) fn swapped(&mut self, key: &[u8], old: Seen, new: Slot) -> bool {
+        if self.cas_held(old.slot) {
+            self.unlinked(old.slot);
+            self.replaced(key, old, new);
+            return true;
         }
         self.cache.forget(key);
-        Ok(false)
+        false
     }
 
     /// Publishes `new` over the copy readers see (the lowest readable one,
@@ -132,14 +142,15 @@ impl Client {
 
     /// Inserts `new` into an empty slot of the windows `locate` just read:
     /// the CAS and a new read of the windows in one batch (after `write`,
-    /// the new block's WRITE if it is not yet posted), where the duplicate
-    /// check starts. None if the slot was taken meanwhile or the reads are
-    /// too old to act on: locate again.
+    /// the new block's WRITE if it is not yet posted; and with `then`, if
+    /// the CAS is posted: see `insert_verbs`), where the duplicate check
+    /// starts. None if the slot was taken meanwhile or the reads are too
+    /// old to act on: locate again.
     pub(crate) fn insert(
         &mut self,
         key: &[u8],
         kh: &KeyHash,
-        (new, write): (Slot, Option<Verb>),
+        (new, write, then): (Slot, Option<Verb>, &mut Option<Verb>),
         clock: OpClock,
     ) -> Result<Option<Step<()>>> {
         let Some(empty) = KeyHash::insert_choice(&self.slots()) else {
@@ -152,7 +163,8 @@ impl Client {
         }
         let pos = kh.slot_pos(empty);
         let published = self.timing.start();
-        self.conn.post(&self.insert_verbs(kh, (pos, new), write))?;
+        self.conn
+            .post(&self.insert_verbs(kh, (pos, new), (write, then.take())))?;
         if !self.cas_held(Slot::EMPTY) {
             return Ok(None);
         }
@@ -162,16 +174,22 @@ impl Client {
 
     /// An insert's batch: the CAS of the empty slot at `pos` to `new` and
     /// a new read of the windows, after `write` (the new block's WRITE, if
-    /// it is not yet posted).
+    /// it is not yet posted). `then`, another word's CAS, goes right after
+    /// the insert's, before the READs, which so see both.
     pub(crate) fn insert_verbs(
         &self,
         kh: &KeyHash,
         (pos, new): (SlotPos, Slot),
-        write: Option<Verb>,
-    ) -> SmallVec<[Verb; 4]> {
+        (write, then): (Option<Verb>, Option<Verb>),
+    ) -> SmallVec<[Verb; 5]> {
         let [a, b] = self.window_reads(kh);
         let cas = self.cas_verb(pos, Slot::EMPTY, new);
-        write.into_iter().chain([cas, a, b]).collect()
+        write
+            .into_iter()
+            .chain([cas])
+            .chain(then)
+            .chain([a, b])
+            .collect()
     }
 
     /// This client's insert CAS published `mine` (its windows read again

@@ -15,12 +15,21 @@
 //!    an empty slot, under the key's *insert lock* (below). If the CAS
 //!    fails, the key changed: the writer starts again from 1.
 //!
+//! A PUT of a key the primary has not seen lately (a load's insert,
+//! mostly) overlaps these steps where that is safe: it asks for the lock
+//! in its first observation; its backups' blocks are written and their
+//! windows read while it observes (`Group::begin_early` argues when those
+//! reads may be acted on); and the lock is let go in the batch of the
+//! commit's CAS. A plain insert then waits three times.
+//!
 //! **Why every copy ends alike.** Call a write *committed* when its CAS
 //! succeeds; commits of one key follow each other at the primary. Take two
 //! in a row, W then W'. W' observed the slot W's CAS installed (or W's
 //! deletion left empty), so W' observed after W committed, and W' sets
 //! the backups after it observed: W's sets all happened before W's commit,
-//! so they are over before any of W''s begins. Each backup therefore
+//! so they are over before any of W''s begins (W' may read a backup
+//! earlier, and then acts on that read only as `Group::begin_early`
+//! argues). Each backup therefore
 //! receives the committed writes in commit order, and after the last of
 //! them holds what the primary holds. (No ABA: a slot value names a block
 //! that is not reused before a grace period, and the CAS is posted within
@@ -48,7 +57,9 @@
 //! while the backups keep whichever set came last. So a writer that finds
 //! the key absent first takes the key's insert lock at the primary (a word
 //! of its region, taken by CAS: see `insert_lock`), then observes again
-//! (in the CAS's own batch, its READs after it: `lock_with_windows`), and
+//! (in the CAS's own batch, its READs after it: `lock_with_windows`; a
+//! PUT of a key the primary has not seen lately asks for the lock in its
+//! first observation, the key then likely absent), and
 //! commits its insert only while the lock, by its own clock started
 //! before it posted that CAS, has three deadlines of its life left.
 //! Inserts of one key then never overlap, and the observation "absent" is
@@ -88,7 +99,7 @@ use smallvec::SmallVec;
 use crate::insert_lock::KeyLock;
 use crate::locate::Need;
 use crate::primary::{Commit, Observed};
-use crate::stepped_put::{Progress, SteppedPut};
+use crate::stepped_put::{First, Progress, SteppedPut};
 use crate::{Client, Error, Result};
 
 /// CASes a writer posts in a row on an insert lock word it keeps finding
@@ -214,8 +225,19 @@ impl Group<'_> {
         lock: &mut KeyLock,
     ) -> Result<Done> {
         let attempts = self.primary.options.max_attempts;
-        for _ in 0..attempts {
-            let Some(observed) = self.observe(key, change, lock)? else {
+        for attempt in 0..attempts {
+            // A PUT of a key the primary has not seen lately (no hint of
+            // it, no GET just before) is most likely an insert (a load).
+            let unseen = matches!(change, Change::Put(_)) && !self.primary.has_seen(key);
+            let mut early = match change {
+                Change::Put(value) if unseen && attempt == 0 => self.begin_early(key, value),
+                _ => None,
+            };
+            if early.is_some() {
+                crate::pause_point("replica-backups-begun");
+            }
+            let observing = (change, unseen);
+            let Some(observed) = self.observe_or_abandon(key, observing, lock, &mut early)? else {
                 continue;
             };
             let absent = observed.is_absent();
@@ -241,13 +263,21 @@ impl Group<'_> {
                         continue;
                     }
                 }
-                (_, value) => self.set_backups(key, value, touched)?,
+                (_, value) => {
+                    // Acted on only as argued at `begin_early`.
+                    if let Some(puts) = early.as_mut() {
+                        if !(absent && lock.holds(self.primary)) {
+                            puts.read_again();
+                        }
+                    }
+                    self.set_backups(key, value, touched, early)?;
+                }
             }
             crate::fault_point("replica-backups-set");
             if locks && !lock.holds(self.primary) {
                 continue;
             }
-            if self.primary.commit(key, value.as_deref(), &observed)? == Commit::Done {
+            if self.commit(key, value.as_deref(), &observed, lock)? == Commit::Done {
                 return Ok(match change {
                     Change::Delete => Done::Deleted(true),
                     Change::Put(_) | Change::Add(_) => Done::Stored(number),
@@ -262,12 +292,15 @@ impl Group<'_> {
     /// The key at the primary as `change` acts on it: observed under the
     /// key's lock where the write needs it (an increment always, a PUT of
     /// an absent key), the lock asked for in the observation's own batch.
-    /// None: observe again (the lock was taken, or waited for, without an
-    /// observation to go with it).
+    /// A PUT of a key the primary has not seen lately (`unseen`: a load,
+    /// mostly inserts) asks for it in its first observation, rather than
+    /// in a second one once the key is found absent; it goes on without
+    /// the lock if the key is there. None: observe again (the lock was
+    /// taken, or waited for, without an observation to go with it).
     fn observe(
         &mut self,
         key: &[u8],
-        change: Change,
+        (change, unseen): (Change, bool),
         lock: &mut KeyLock,
     ) -> Result<Option<Observed>> {
         let increment = matches!(change, Change::Add(_));
@@ -276,7 +309,7 @@ impl Group<'_> {
             Change::Delete => (Need::Every, false),
             Change::Add(_) => (Need::Value, true),
         };
-        if !increment || lock.holds(self.primary) {
+        if !(increment || unseen) || lock.holds(self.primary) {
             let observed = match change {
                 Change::Put(_) => self.primary.observe_for_put(key)?,
                 _ => self.primary.observe(key, need, inserting)?,
@@ -286,17 +319,36 @@ impl Group<'_> {
                 return Ok(Some(observed));
             }
         }
-        self.lock_and_observe(key, (need, inserting), lock)
+        self.lock_and_observe(key, (change, (need, inserting)), lock)
+    }
+
+    /// [`Self::observe`]; the backups' PUTs begun `early` are left
+    /// (`CopyPuts::abandon`) unless there is an observation to act on.
+    fn observe_or_abandon(
+        &mut self,
+        key: &[u8],
+        observing: (Change, bool),
+        lock: &mut KeyLock,
+        early: &mut Option<CopyPuts>,
+    ) -> Result<Option<Observed>> {
+        let observed = self.observe(key, observing, lock);
+        if !matches!(observed, Ok(Some(_))) {
+            if let Some(puts) = early.take() {
+                puts.abandon(self.backups);
+            }
+        }
+        observed
     }
 
     /// Asks for `key`'s lock (as `relock`) by a CAS in the batch that
     /// observes it. A word found free at another value than asked from is
     /// asked for again at once, as in `relock`; a hold of another writer
-    /// is waited for there.
+    /// is waited for there, unless `change` is a PUT and the key is there
+    /// (the lock is then not needed).
     fn lock_and_observe(
         &mut self,
         key: &[u8],
-        observing: (Need, bool),
+        (change, observing): (Change, (Need, bool)),
         lock: &mut KeyLock,
     ) -> Result<Option<Observed>> {
         let word = insert_lock_index(key);
@@ -307,6 +359,12 @@ impl Group<'_> {
             if lock.is_held() {
                 return self.primary.observed_in(key, read, observing);
             }
+            if matches!(change, Change::Put(_)) {
+                let observed = self.primary.observed_in(key, read, observing)?;
+                if observed.as_ref().is_some_and(|o| !o.is_absent()) {
+                    return Ok(observed);
+                }
+            }
             if found & 1 == 1 {
                 break;
             }
@@ -315,9 +373,65 @@ impl Group<'_> {
         Ok(None)
     }
 
-    /// Sets `key` to `value` (None: removes it) on every backup.
-    fn set_backups(&mut self, key: &[u8], value: Option<&[u8]>, touched: &mut bool) -> Result<()> {
+    /// Begins a PUT of `value` on every backup that publishes nothing yet:
+    /// the block's WRITE and the READs of the key's windows, in flight
+    /// while the primary observes the key, so that the backups' first
+    /// round trip costs no wait of its own. None when the fault hook must
+    /// see the copies set one after the other (`set_backups`).
+    ///
+    /// **Why reads made before the observation may be acted on** (and
+    /// only in one case: the primary's observation, under the key's
+    /// lock taken by this writer, finds the key absent; otherwise the
+    /// backups read again, `CopyPuts::read_again`). Every write of the key
+    /// committed before this one then committed before the lock was taken
+    /// (an update needs the key present, an insert the lock, and a hold
+    /// taken over from a writer has outlived the time that writer may act),
+    /// and the last of them is a delete, whose removals on each backup
+    /// were done before it committed. So from the observation on, no copy
+    /// of a committed write is on a backup, and none comes before this
+    /// write commits: the copies a backup may still hold are of writes in
+    /// flight, which the argument at the top allows. A backup's CAS from
+    /// what it read before the observation is posted after it, within
+    /// the read's deadline (no slot value comes back); if a removal
+    /// changed the slot since, the CAS fails and the windows are read
+    /// again. An insert into an empty slot then never hides a committed
+    /// copy behind it, since there is none. (After a failover, a backup
+    /// kept beside the promoted one may still hold a copy of a committed
+    /// write the new primary lacks, until it is levelled; that copy was
+    /// there before this write began, so the early read saw it, and the
+    /// CAS or a levelling, which takes the lock, covers it.)
+    ///
+    /// What it costs a PUT of a key that is there after all (the client
+    /// had no hint of it): the lock is held while the backups are set
+    /// (inserts and increments of keys on its word wait), and each
+    /// backup reads its windows once more, in a round trip waited for no
+    /// longer than the first one would have been.
+    fn begin_early(&mut self, key: &[u8], value: &[u8]) -> Option<CopyPuts> {
+        if crate::fault_armed("replica-first-backup-set") {
+            return None;
+        }
+        let puts = CopyPuts::begin(self.backups, key, value, First::ReadsOnly);
+        if puts.failed.is_some() {
+            // Left to the write's own sets, where the error counts.
+            puts.abandon(self.backups);
+            return None;
+        }
+        Some(puts)
+    }
+
+    /// Sets `key` to `value` (None: removes it) on every backup (the PUTs
+    /// begun `early`, if they were).
+    fn set_backups(
+        &mut self,
+        key: &[u8],
+        value: Option<&[u8]>,
+        touched: &mut bool,
+        early: Option<CopyPuts>,
+    ) -> Result<()> {
         *touched |= !self.backups.is_empty();
+        if let (Some(puts), Some(value)) = (early, value) {
+            return puts.run(self.backups, key, value, true);
+        }
         let Some(value) = value else {
             for (i, backup) in self.backups.iter_mut().enumerate() {
                 backup.delete(key)?;
@@ -362,7 +476,7 @@ impl Group<'_> {
                     return Ok(false);
                 }
                 *touched = true;
-                if backup.commit(key, Some(sum), &observed)? == Commit::Done {
+                if backup.commit(key, Some(sum), &observed, &mut None)? == Commit::Done {
                     set = true;
                     break;
                 }
@@ -391,8 +505,8 @@ impl Group<'_> {
                 let Some(value) = observed.value.clone() else {
                     return Err(Error::Internal("a present key observed no value".into()));
                 };
-                self.set_backups(key, Some(&value), &mut touched)?;
-                if self.primary.commit(key, Some(&value), &observed)? == Commit::Done {
+                self.set_backups(key, Some(&value), &mut touched, None)?;
+                if self.commit(key, Some(&value), &observed, lock)? == Commit::Done {
                     return Ok(());
                 }
                 continue;
@@ -401,12 +515,40 @@ impl Group<'_> {
                 self.relock(key, lock)?;
                 continue;
             }
-            self.set_backups(key, None, &mut touched)?;
+            self.set_backups(key, None, &mut touched, None)?;
             if lock.holds(self.primary) {
                 return Ok(());
             }
         }
         Err(Error::Contended(attempts))
+    }
+
+    /// Commits at the primary (`Client::commit`). The key's lock, if this
+    /// writer holds it, is let go in the commit's batch where it can ride
+    /// there, after the commit's CAS, saving the release its round trip.
+    /// The next holder must observe what this commit left: the release is
+    /// an atomic posted after the commit's on one queue pair, which
+    /// executes after it (atomics in the order posted, see
+    /// `kv_common::transport::Verb`). A commit that then fails takes the
+    /// lock again if it needs it.
+    fn commit(
+        &mut self,
+        key: &[u8],
+        value: Option<&[u8]>,
+        observed: &Observed,
+        lock: &mut KeyLock,
+    ) -> Result<Commit> {
+        let word = insert_lock_index(key);
+        let releasing = lock.releasing(self.primary.reconnects());
+        let mut then = releasing.map(|r| self.primary.insert_lock_release(word, r));
+        let committed = self.primary.commit(key, value, observed, &mut then);
+        // After an error the hold is kept, to be let go by a CAS of its own
+        // (which fails, harmlessly, if this one went).
+        if let (Some(release), None, Ok(_)) = (releasing, then, &committed) {
+            lock.let_go();
+            self.primary.insert_lock_released(word, release);
+        }
+        committed
     }
 
     /// Takes `key`'s lock at the primary (again: a hold renewed; or let go
@@ -474,52 +616,100 @@ impl Group<'_> {
 }
 
 /// Puts `value` under `key` on each of `copies`, each PUT run a step at a
-/// time with a batch in flight on every copy at once (`stepped_put`). A
-/// PUT that leaves its steps, or whose connection was lost, is done again
-/// as a plain PUT (which reconnects). Any other error is the write's: no
-/// copy's PUT begins after it, and those under way are finished first, so
-/// that no batch is left in flight.
+/// time with a batch in flight on every copy at once (`stepped_put`).
 fn put_on_each(copies: &mut [Client], key: &[u8], value: &[u8]) -> Result<()> {
-    let mut failed = None;
-    let mut puts: SmallVec<[CopyPut; 2]> = SmallVec::new();
-    for copy in copies.iter_mut() {
-        puts.push(match failed {
-            Some(_) => CopyPut::Over,
-            None => CopyPut::after(copy.put_begin(key, value), &mut failed),
-        });
-    }
-    let mut going = true;
-    while going {
-        going = false;
-        // The batches in flight are waited for together: the first wait
-        // is the round's round trip.
-        let mut waited = false;
-        for (copy, put) in copies.iter_mut().zip(&mut puts) {
-            let CopyPut::Stepping(stepped) = put else {
-                continue;
-            };
-            let in_flight = stepped.in_flight();
-            match copy.put_step(key, stepped, waited && in_flight) {
-                Ok(Progress::Going) => going = true,
-                Ok(Progress::Done) => *put = CopyPut::Over,
-                Ok(Progress::Serial) => *put = CopyPut::Plain,
-                Err(e) => *put = CopyPut::after(Err(e), &mut failed),
-            }
-            waited |= in_flight;
-        }
-    }
-    if let Some(e) = failed {
-        return Err(e);
-    }
-    for (copy, put) in copies.iter_mut().zip(&puts) {
-        if matches!(put, CopyPut::Plain) {
-            copy.put(key, value)?;
-        }
-    }
-    Ok(())
+    CopyPuts::begin(copies, key, value, First::MayPublish).run(copies, key, value, false)
 }
 
-/// Where one copy's PUT stands in `put_on_each`.
+/// One write's PUTs on each of a shard's copies, begun and not yet done.
+struct CopyPuts {
+    puts: SmallVec<[CopyPut; 2]>,
+    /// The first error of a copy other than a lost connection.
+    failed: Option<Error>,
+}
+
+impl CopyPuts {
+    /// Begins the PUT on each of `copies`, as `first` allows; after an
+    /// error, no copy's PUT begins.
+    fn begin(copies: &mut [Client], key: &[u8], value: &[u8], first: First) -> CopyPuts {
+        let mut failed = None;
+        let mut puts = SmallVec::new();
+        for copy in copies.iter_mut() {
+            puts.push(match failed {
+                Some(_) => CopyPut::Over,
+                None => CopyPut::after(copy.put_begin(key, value, first), &mut failed),
+            });
+        }
+        CopyPuts { puts, failed }
+    }
+
+    /// Runs the PUTs to their end, a step on each copy per round. A PUT
+    /// that leaves its steps, or whose connection was lost, is done again
+    /// as a plain PUT (which reconnects). Any other error is the write's:
+    /// the PUTs under way are finished first, so that no batch is left in
+    /// flight. `overlapped`: the caller has waited for a round trip while
+    /// the first batches were in flight (see `VerbStats::waits`).
+    fn run(self, copies: &mut [Client], key: &[u8], value: &[u8], overlapped: bool) -> Result<()> {
+        let CopyPuts {
+            mut puts,
+            mut failed,
+        } = self;
+        let mut first = overlapped;
+        let mut going = true;
+        while going {
+            going = false;
+            // The batches in flight are waited for together: the first
+            // wait is the round's round trip.
+            let mut waited = std::mem::take(&mut first);
+            for (copy, put) in copies.iter_mut().zip(&mut puts) {
+                let CopyPut::Stepping(stepped) = put else {
+                    continue;
+                };
+                let in_flight = stepped.in_flight();
+                match copy.put_step(key, stepped, waited && in_flight) {
+                    Ok(Progress::Going) => going = true,
+                    Ok(Progress::Done) => *put = CopyPut::Over,
+                    Ok(Progress::Serial) => *put = CopyPut::Plain,
+                    Err(e) => *put = CopyPut::after(Err(e), &mut failed),
+                }
+                waited |= in_flight;
+            }
+        }
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        for (copy, put) in copies.iter_mut().zip(&puts) {
+            if matches!(put, CopyPut::Plain) {
+                copy.put(key, value)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The reads of the batches in flight are not to be acted on (see
+    /// `SteppedPut::read_again`).
+    fn read_again(&mut self) {
+        for put in &mut self.puts {
+            if let CopyPut::Stepping(stepped) = put {
+                stepped.read_again();
+            }
+        }
+    }
+
+    /// Leaves the PUTs, once their batches in flight are done (they were in
+    /// flight while the caller waited for its observation); a copy whose
+    /// wait fails is left as it is (its connection is made anew on its next
+    /// use).
+    fn abandon(self, copies: &mut [Client]) {
+        for (copy, put) in copies.iter_mut().zip(self.puts) {
+            if let CopyPut::Stepping(stepped) = put {
+                let _ = copy.put_abandon(stepped, true);
+            }
+        }
+    }
+}
+
+/// Where one copy's PUT stands in `CopyPuts`.
 enum CopyPut {
     Stepping(SteppedPut),
     /// To be done as a plain PUT.

@@ -14,11 +14,17 @@
 //!   again (and its check for a concurrent insert of the key, `dedup`,
 //!   done in place).
 //!
+//! A PUT may also be begun to publish nothing in its first batch
+//! ([`First::ReadsOnly`]): a replicated write begins its backups' PUTs that
+//! way while it observes the key at the primary, and may then have their
+//! reads thrown away ([`SteppedPut::read_again`]).
+//!
 //! Each step acts on its reads as the PUT does, through the same code
-//! (`hinted_sighting`, `scan`, `located`, `update`, `inserted`). What a PUT does in more steps
-//! (a damaged or sealed block, candidates that do not fit one batch, a
-//! resize, a full index, a read too old to act on too often) is left to the
-//! PUT itself ([`Progress::Serial`]): it starts over, which is safe since
+//! (`hinted_sighting`, `scan`, `located`, `swapped`, `update`,
+//! `inserted`). What a PUT does in more steps (a damaged or sealed block,
+//! candidates that do not fit one batch, a resize, a full index, a read
+//! too old to act on too often) is left to the PUT itself
+//! ([`Progress::Serial`]): it starts over, which is safe since
 //! every step of a PUT may be redone, and the block written here and
 //! never published is garbage the server reclaims.
 
@@ -40,10 +46,23 @@ pub(crate) struct SteppedPut {
     /// The slot value that links the new block.
     new: Slot,
     stage: Option<Stage>,
+    /// What the batch in flight reads is not to be acted on: the next step
+    /// reads the windows again (`Self::read_again`).
+    stale: bool,
     /// Times the windows were read again, and the pause before the next
     /// time (as a PUT's attempts back off).
     rereads: u32,
     backoff: Backoff,
+}
+
+/// What a PUT's first batch may do besides the block's WRITE.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum First {
+    /// Publish it at once (with a sole hint's CAS), or read the windows.
+    MayPublish,
+    /// Only read the windows (and a hinted block's head): the caller
+    /// publishes nothing before it has learnt something elsewhere.
+    ReadsOnly,
 }
 
 /// The batch a PUT has in flight.
@@ -90,18 +109,39 @@ impl SteppedPut {
     pub fn in_flight(&self) -> bool {
         self.stage.is_some()
     }
+
+    /// What this PUT's batch in flight reads may be older than what it
+    /// must act on: its next step reads the windows again instead (its
+    /// block stays written). Only for a PUT that publishes nothing in that
+    /// batch (begun with [`First::ReadsOnly`], not stepped since).
+    pub fn read_again(&mut self) {
+        debug_assert!(matches!(
+            self.stage,
+            Some(Stage::Windows(_) | Stage::Hinted(..))
+        ));
+        self.stale = true;
+    }
 }
 
 impl Client {
     /// Starts a PUT of `value` (within the value limit) under `key`: the
-    /// block's WRITE, in a batch with its sole hint's CAS or the READs of
-    /// the key's windows.
-    pub(crate) fn put_begin(&mut self, key: &[u8], value: &[u8]) -> Result<SteppedPut> {
+    /// block's WRITE, in a batch with its sole hint's CAS (if `first`
+    /// allows) or the READs of the key's windows.
+    pub(crate) fn put_begin(
+        &mut self,
+        key: &[u8],
+        value: &[u8],
+        first: First,
+    ) -> Result<SteppedPut> {
         // As `run` before an operation.
         self.lock_watch = None;
         self.keep_read_lease()?;
         let (kh, new, write) = self.new_block(key, value)?;
-        let stage = match self.blind_hint(key) {
+        let blind = match first {
+            First::MayPublish => self.blind_hint(key),
+            First::ReadsOnly => None,
+        };
+        let stage = match blind {
             Some(hint) => {
                 let clock = self.timing.start();
                 let cas = self.cas_verb(hint.pos, hint.slot, new);
@@ -114,6 +154,7 @@ impl Client {
             kh,
             new,
             stage: Some(stage),
+            stale: false,
             rereads: 0,
             backoff: Backoff::new(),
         })
@@ -134,8 +175,16 @@ impl Client {
         };
         self.conn.finish()?;
         self.waited_together += u64::from(together);
+        if std::mem::take(&mut put.stale) {
+            self.keep_read_lease()?;
+            put.stage = Some(self.start_locate(key, &put.kh, None)?);
+            return Ok(Progress::Going);
+        }
         let next = match stage {
-            Stage::Blind(old) | Stage::Swap(old) => self.swapped(key, old, put.new),
+            Stage::Blind(old) | Stage::Swap(old) => match self.swapped(key, old, put.new) {
+                true => Next::Done,
+                false => Next::Reread,
+            },
             Stage::Windows(clock) => self.windows_read(key, put, clock)?,
             Stage::Hinted(hint, read) => self.hinted_read(key, put, hint, read)?,
             Stage::Heads(clock) => self.heads_read(key, put, clock)?,
@@ -164,6 +213,17 @@ impl Client {
         };
         put.stage = Some(stage);
         Ok(Progress::Going)
+    }
+
+    /// Waits for the batch `put` has in flight, if any (`together`: as in
+    /// [`Self::put_step`]), and leaves it: its block, written and never
+    /// published, is garbage the server reclaims.
+    pub(crate) fn put_abandon(&mut self, put: SteppedPut, together: bool) -> Result<()> {
+        if put.in_flight() {
+            self.conn.finish()?;
+            self.waited_together += u64::from(together);
+        }
+        Ok(())
     }
 
     /// Starts the READs of the key's windows, after `first`, and, as
@@ -221,18 +281,6 @@ impl Client {
             Sighting::WindowsOnly(clock) => self.windows_read(key, put, clock),
             Sighting::Stale => Ok(Next::Reread),
         }
-    }
-
-    /// A CAS of the copy `old` to `new` completed (as `update_blind` and
-    /// `update` take it).
-    fn swapped(&mut self, key: &[u8], old: Seen, new: Slot) -> Next {
-        if self.cas_held(old.slot) {
-            self.unlinked(old.slot);
-            self.replaced(key, old, new);
-            return Next::Done;
-        }
-        self.cache.forget(key);
-        Next::Reread
     }
 
     /// The windows were read (by the batch timed by `clock`): starts the
@@ -304,7 +352,7 @@ impl Client {
                 let pos = put.kh.slot_pos(empty);
                 let published = self.timing.start();
                 self.conn
-                    .start(&self.insert_verbs(&put.kh, (pos, put.new), None))?;
+                    .start(&self.insert_verbs(&put.kh, (pos, put.new), (None, None)))?;
                 Ok(Next::Then(Stage::Insert(Seen::new(
                     (pos, put.new),
                     published,

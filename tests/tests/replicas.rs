@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 use kv_client::{Client, ClientOptions, ClusterClient, Error};
 use kv_cluster::etcd::BlockingEtcd;
 use kv_cluster::{shard_address, ClusterState, ClusterUrl, ShardMap};
+use kv_common::layout::KeyHash;
 use onekv_tests::cluster::{
     cluster_status, create_cluster_with, start_member, start_member_with_env, EtcdServer,
 };
@@ -620,7 +621,7 @@ fn an_insert_lock_is_a_word_of_the_primary_a_dead_holders_for_one_life() {
 }
 
 #[test]
-fn an_insert_asks_for_its_lock_in_the_batch_of_its_second_observation() {
+fn an_insert_takes_its_lock_in_its_observation_and_lets_it_go_in_its_commit() {
     let (_etcd, url, _dir, _members) = start("insertrt");
     let mut kv = ClusterClient::connect(&url).expect("connect");
     let mut written = Vec::new();
@@ -644,18 +645,19 @@ fn an_insert_asks_for_its_lock_in_the_batch_of_its_second_observation() {
     let increment = fewest(&mut kv, "ctr", &|kv, key| {
         assert_eq!(kv.incr(key, 5).expect("increment"), 5);
     });
-    // An insert: at the primary, an observation (absent), a second one
-    // that carries the lock's CAS, the commit (block, CAS and the
-    // duplicate check's reads in one batch) and the release; at each
-    // backup, its windows with the block, then its CAS with the check.
-    // Taking the lock and writing the block in batches of their own made
-    // it 10.
-    assert!(insert <= 8, "an insert at R=3 took {insert} round trips");
+    // An insert of a key this client has not seen: at the primary, an
+    // observation that carries the lock's CAS, then the commit (block,
+    // CAS, the lock's release and the duplicate check's reads in one
+    // batch); at each backup, its windows with the block, then its CAS
+    // with the check. Observing without the lock first, and letting it go
+    // in a batch of its own, made it 8; taking the lock and writing the
+    // block in batches of their own, 10.
+    assert!(insert <= 6, "an insert at R=3 took {insert} round trips");
     // An increment: its one observation carries the lock's CAS; each
-    // backup is read, then set by a CAS; then the commit and the release
-    // (12 before).
+    // backup is read, then set by a CAS; then the commit with the release
+    // (7 with the release on its own, 12 before).
     assert!(
-        increment <= 7,
+        increment <= 6,
         "an increment at R=3 took {increment} round trips"
     );
     let mut groups = copies(&url);
@@ -713,23 +715,40 @@ fn a_write_right_after_a_read_of_its_key_reads_nothing_more_at_the_primary() {
 /// once, waited for together: a round trip of each counts as one wait
 /// (`VerbStats::waits`). Once the key's hints have settled (every copy
 /// then updated by a blind CAS, see kv-client's `hint`), an update waits
-/// twice: for both backups' blocks and CASes, then for the primary's.
+/// twice: for both backups' blocks and CASes, then for the primary's. An
+/// insert waits three times: for the primary's lock and observation
+/// together with both backups' blocks and windows, for the backups'
+/// CASes, then for the primary's commit, the lock let go in its batch.
 #[test]
 fn every_copys_batch_is_in_flight_at_once_and_a_settled_update_waits_twice() {
     // As in the test above: a read stays in time for 300 ms, hints live
     // 600 ms and settle 900 ms after the copy appeared.
     let (_etcd, url, _dir, _members) = start_with("together", &["--op-deadline-ms", "300"], &[]);
     let mut kv = ClusterClient::connect(&url).expect("connect");
+    let fresh: Vec<String> = (0..8)
+        .map(|i| key_of(&kv, 0, &format!("fresh{i}-")))
+        .collect();
     let k = key_of(&kv, 0, "together");
-    let mut write = |value: &str| {
+    let mut write = |key: &str, value: &str| {
         let at = kv.verb_stats();
-        kv.put(&k, value).expect("put");
+        kv.put(key, value).expect("put");
         kv.verb_stats().since(&at)
     };
-    // An insert: each backup's block with its windows, then its CAS with
-    // them again, two rounds on both.
+    // Three waits, for six round trips at least; more where another key's
+    // slot shows a key's fingerprint (its head is read too).
+    let inserts: Vec<_> = fresh.iter().map(|key| write(key, "v0")).collect();
+    assert!(
+        inserts.iter().all(|s| s.waits + 3 <= s.round_trips),
+        "{inserts:?}"
+    );
+    assert_eq!(
+        inserts.iter().map(|s| s.waits).min(),
+        Some(3),
+        "{inserts:?}"
+    );
+    let mut write = |value: &str| write(&k, value);
     let insert = write("v0");
-    assert!(insert.waits + 2 <= insert.round_trips, "{insert:?}");
+    assert!(insert.waits + 3 <= insert.round_trips, "{insert:?}");
     // Updates 100 ms apart, each within its hints' life, until one finds
     // every copy's hint settled: three round trips in all, one per copy.
     let mut settled = None;
@@ -750,6 +769,66 @@ fn every_copys_batch_is_in_flight_at_once_and_a_settled_update_waits_twice() {
     assert_eq!(settled.waits, 2, "{settled:?}");
     let mut groups = copies(&url);
     assert!(assert_alike(&mut groups, &kv, &k).is_some());
+}
+
+/// A PUT of a key its client has not seen begins its backups' PUTs (the
+/// blocks and the windows' READs) before it observes the key at the
+/// primary. Stalled right there (`kv put` paused by `ONEKV_CLIENT_PAUSE`)
+/// while another client inserts the key and commits, it must act on the
+/// backups as they are once it observed, not as it read them. Here the
+/// other insert takes a lower slot than the one the stalled writer read as
+/// the key's (a filler held it, and was deleted meanwhile): acting on its
+/// early read, the stalled writer would insert a second copy above it,
+/// find the other's lower and remove its own (see `dedup`), then commit
+/// its value at the primary, the backups keeping the other's.
+#[test]
+fn a_put_stalled_after_reading_its_backups_early_leaves_every_copy_alike() {
+    // The stalled writer's reads stay in time across its pause (200 ms of
+    // a 300 ms deadline), so that nothing but the rule keeps it from
+    // acting on them.
+    let (_etcd, url, _dir, _members) = start_with("early", &["--op-deadline-ms", "300"], &[]);
+    let mut kv = ClusterClient::connect(&url).expect("connect");
+    let mut groups = copies(&url);
+    let key = key_of(&kv, 0, "early");
+    // A key of the same shard whose first window of buckets is the key's
+    // on every copy: with the buckets around empty, an insert of either
+    // takes the first slot of that window's first bucket.
+    let buckets: Vec<u64> = groups[0]
+        .iter()
+        .map(|(_, copy)| copy.geometry().bucket_count)
+        .collect();
+    let first_window = |k: &str, n: u64| KeyHash::new(k.as_bytes(), n).windows[0];
+    let filler = (0..)
+        .map(|i| format!("filler{i}"))
+        .find(|f| {
+            kv.shard_of(f) == 0
+                && buckets
+                    .iter()
+                    .all(|&n| first_window(f, n) == first_window(&key, n))
+        })
+        .expect("a filler");
+    kv.put(&filler, "filler").expect("put the filler");
+    let mut child = Command::new(workspace_bin("kv"))
+        .args(["--server", &url, "put", &key, "stalled"])
+        .env("ONEKV_CLIENT_PAUSE", "replica-backups-begun:200")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run kv");
+    let stderr = child.stderr.take().expect("its stderr");
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(stderr));
+    let paused = lines.find(|l| l.as_ref().is_ok_and(|l| l.contains("pausing at")));
+    assert!(paused.is_some(), "kv put never reached its pause");
+    // While it sleeps, having read the filler where the key would go.
+    assert!(kv.delete(&filler).expect("delete the filler"));
+    kv.put(&key, "first").expect("put");
+    let rest: Vec<String> = lines.map_while(std::result::Result::ok).collect();
+    let status = child.wait().expect("wait for kv");
+    assert!(status.success(), "kv put: {}", rest.join("\n"));
+    let value = assert_alike(&mut groups, &kv, &key);
+    assert!(
+        matches!(value.as_deref(), Some(b"stalled" | b"first")),
+        "{value:?}"
+    );
 }
 
 /// A key of `shard`, named from `prefix`.

@@ -7,11 +7,17 @@ use serde::{Deserialize, Serialize};
 /// offset inside the connection's local buffer.
 ///
 /// Order within a batch, as on an RC queue pair: a WRITE or an atomic
-/// executes after the WRITEs posted before it, and a READ sees the effect
-/// of the WRITEs and atomics posted before it. Nothing may count on a WRITE
-/// or an atomic executing after an earlier READ or atomic of the same batch
-/// (an RC queue pair orders that only with the fence indicator), nor on
-/// the order in which the READs of a batch read memory (see [`ReadOrder`]).
+/// executes after the WRITEs posted before it, an atomic after the atomics
+/// posted before it, and a READ sees the effect of the WRITEs and atomics
+/// posted before it. Nothing may count on a WRITE executing after an
+/// earlier READ or atomic of the same batch, nor an atomic after an earlier
+/// READ (an RC queue pair orders those only with the fence indicator), nor
+/// on the order in which the READs of a batch read memory (see
+/// [`ReadOrder`]). Atomics after atomics: the responder executes requests
+/// in the order sent (IBA vol. 1, §9.5), a retried atomic is answered from
+/// its cache rather than executed again, and the stores of two atomics
+/// reach host memory as posted writes, in order; libfabric's verbs
+/// provider advertises it for RC (`FI_ORDER_ATOMIC_WAW`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verb {
     Read {
