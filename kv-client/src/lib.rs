@@ -333,6 +333,9 @@ pub struct Client {
     lock_watch: Option<counter::LockWatch>,
     /// What this client last found in each insert lock word.
     lock_words: insert_lock::LockWords,
+    /// Whether this client's PUTs of keys it has not seen have lately been
+    /// inserts (as a replicated shard's primary, see `replicated`).
+    unseen_puts: replicated::UnseenPuts,
     /// On a copy of a replicated shard: until when it may read (see
     /// `read_lease`).
     read_lease: Option<ReadLease>,
@@ -411,6 +414,7 @@ impl Client {
             reconnects: 0,
             lock_watch: None,
             lock_words: insert_lock::LockWords::default(),
+            unseen_puts: replicated::UnseenPuts::default(),
             read_lease,
         })
     }

@@ -15,8 +15,9 @@
 //!    an empty slot, under the key's *insert lock* (below). If the CAS
 //!    fails, the key changed: the writer starts again from 1.
 //!
-//! A PUT of a key the primary has not seen lately (a load's insert,
-//! mostly) overlaps these steps where that is safe: it asks for the lock
+//! A PUT of a key the primary has not seen lately, from a client whose
+//! such PUTs were lately inserts (a load), overlaps these steps where that
+//! is safe: it asks for the lock
 //! in its first observation; its backups' blocks are written and their
 //! windows read while it observes (`Group::begin_early` argues when those
 //! reads may be acted on); and the lock is let go in the batch of the
@@ -227,8 +228,10 @@ impl Group<'_> {
         let attempts = self.primary.options.max_attempts;
         for attempt in 0..attempts {
             // A PUT of a key the primary has not seen lately (no hint of
-            // it, no GET just before) is most likely an insert (a load).
-            let unseen = matches!(change, Change::Put(_)) && !self.primary.has_seen(key);
+            // it, no GET just before), from a client whose such PUTs were
+            // lately inserts (a load), is most likely an insert.
+            let not_seen = matches!(change, Change::Put(_)) && !self.primary.has_seen(key);
+            let unseen = not_seen && self.primary.unseen_puts.insert_likely();
             let mut early = match change {
                 Change::Put(value) if unseen && attempt == 0 => self.begin_early(key, value),
                 _ => None,
@@ -241,6 +244,9 @@ impl Group<'_> {
                 continue;
             };
             let absent = observed.is_absent();
+            if not_seen {
+                self.primary.unseen_puts.found(absent);
+            }
             if absent && matches!(change, Change::Delete) {
                 return Ok(Done::Deleted(false));
             }
@@ -404,8 +410,10 @@ impl Group<'_> {
     /// What it costs a PUT of a key that is there after all (the client
     /// had no hint of it): the lock is held while the backups are set
     /// (inserts and increments of keys on its word wait), and each
-    /// backup reads its windows once more, in a round trip waited for no
-    /// longer than the first one would have been.
+    /// backup reads its windows once more: a round trip more on each,
+    /// waited for together, so the write waits as often as before. A
+    /// client whose such PUTs keep finding their keys there stops taking
+    /// them for inserts (`UnseenPuts`).
     fn begin_early(&mut self, key: &[u8], value: &[u8]) -> Option<CopyPuts> {
         if crate::fault_armed("replica-first-backup-set") {
             return None;
@@ -615,6 +623,36 @@ impl Group<'_> {
     }
 }
 
+/// Whether a client's PUTs of keys it has not seen have lately been inserts,
+/// so that the next one is likely to be one too (`Group::begin_early`): a
+/// two-bit saturating count, up for an insert, down for an update, the way
+/// a branch predictor follows a branch. A load keeps it up; updates of keys
+/// whose hints were forgotten bring it down in two, and they then go the
+/// way that costs an update least.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct UnseenPuts(u8);
+
+impl Default for UnseenPuts {
+    /// A new client's first such PUTs are taken for inserts.
+    fn default() -> Self {
+        UnseenPuts(3)
+    }
+}
+
+impl UnseenPuts {
+    pub fn insert_likely(self) -> bool {
+        self.0 >= 2
+    }
+
+    /// Such a PUT found the key `absent` (an insert) or there.
+    pub fn found(&mut self, absent: bool) {
+        self.0 = match absent {
+            true => (self.0 + 1).min(3),
+            false => self.0.saturating_sub(1),
+        };
+    }
+}
+
 /// Puts `value` under `key` on each of `copies`, each PUT run a step at a
 /// time with a batch in flight on every copy at once (`stepped_put`).
 fn put_on_each(copies: &mut [Client], key: &[u8], value: &[u8]) -> Result<()> {
@@ -752,4 +790,32 @@ fn add(value: Option<&[u8]>, delta: i64) -> Result<i64> {
 /// The counter a replicated shard holds as `value`.
 pub(crate) fn counter(value: Option<Vec<u8>>) -> Result<Option<i64>> {
     value.map(|v| add(Some(&v), 0)).transpose()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unseen_puts_are_taken_for_inserts_until_two_in_a_row_were_updates() {
+        let mut puts = UnseenPuts::default();
+        assert!(puts.insert_likely(), "a new client's are");
+        puts.found(false);
+        assert!(puts.insert_likely(), "one update does not turn it");
+        puts.found(false);
+        assert!(!puts.insert_likely());
+        puts.found(false);
+        puts.found(true);
+        assert!(!puts.insert_likely(), "one insert after many updates");
+        puts.found(true);
+        assert!(puts.insert_likely());
+        for _ in 0..10 {
+            puts.found(true);
+        }
+        puts.found(false);
+        assert!(
+            puts.insert_likely(),
+            "saturated: one update does not turn it"
+        );
+    }
 }
