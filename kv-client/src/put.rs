@@ -92,8 +92,10 @@ impl Client {
     ) -> Result<bool> {
         let clock = self.timing.start();
         let cas = self.cas_verb(pos, old, new);
-        let verbs: SmallVec<[Verb; 3]> = [write, cas].into_iter().chain(then.take()).collect();
-        self.conn.post(&verbs)?;
+        match then.take() {
+            Some(then) => self.conn.post(&[write, cas, then])?,
+            None => self.conn.post(&[write, cas])?,
+        }
         Ok(self.swapped(key, Seen::new((pos, old), clock), new))
     }
 
