@@ -13,6 +13,7 @@ use kv_common::transport::{read_u64, Verb};
 use smallvec::SmallVec;
 
 use crate::clock::OpClock;
+use crate::hint::Hint;
 use crate::local::WINDOW_BYTES;
 use crate::{Client, Result};
 
@@ -232,6 +233,18 @@ impl Copies {
             kinds: smallvec::smallvec![Kind::Known],
             value: None,
             exact: false,
+        }
+    }
+
+    /// The copy `hint` names, found still holding its slot by a read that
+    /// saw it `alone` (no other slot could hold the key) and its `value`
+    /// (if the block was read whole): all there is if alone or the hint is
+    /// sole.
+    pub fn held(hint: &Hint, alone: bool, value: Option<Value>) -> Copies {
+        Copies {
+            value,
+            exact: alone || hint.is_sole(),
+            ..Copies::known(hint.pos, hint.slot)
         }
     }
 

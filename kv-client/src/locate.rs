@@ -91,13 +91,8 @@ impl Client {
         // be updated whatever else a resize has frozen. (A sole hint's batch
         // read no windows.)
         if let Some((hint, alone, value)) = held {
-            let exact = alone || hint.is_sole();
-            if need != Need::Every || exact {
-                let copies = Copies {
-                    value,
-                    exact,
-                    ..Copies::known(hint.pos, hint.slot)
-                };
+            let copies = Copies::held(&hint, alone, value);
+            if need != Need::Every || copies.exact {
                 return Ok(Located::Found { copies, clock });
             }
         }

@@ -100,12 +100,16 @@ impl Client {
     }
 
     /// A CAS of the copy `old` to `new` completed: whether it held (the old
-    /// block is then unlinked, and the hint follows the new one); if not,
-    /// the key's hint is forgotten.
+    /// block is then unlinked, and the hint follows the new one, or is
+    /// forgotten with the key: `new` empty); if not, the key's hint is
+    /// forgotten.
     pub(crate) fn swapped(&mut self, key: &[u8], old: Seen, new: Slot) -> bool {
         if self.cas_held(old.slot) {
             self.unlinked(old.slot);
-            self.replaced(key, old, new);
+            match new {
+                Slot::EMPTY => self.cache.forget(key),
+                _ => self.replaced(key, old, new),
+            }
             return true;
         }
         self.cache.forget(key);

@@ -8,7 +8,7 @@
 //!    a GET of the key found just before, while its read is in time, see
 //!    `hint::LastRead`), or that there is none;
 //! 2. *sets* the key on every backup (a PUT or DELETE there, redone as
-//!    often as it takes; the PUTs run in steps, every backup's started
+//!    often as it takes; they run in steps, every backup's started
 //!    before any is waited for: `stepped_put`);
 //! 3. *commits* at the primary by a CAS from exactly what it observed
 //!    (`Client::commit`): the slot it saw, or, for a key that was absent,
@@ -329,13 +329,13 @@ impl Group<'_> {
     }
 
     /// [`Self::observe`]; the backups' PUTs begun `early` are left
-    /// (`CopyPuts::abandon`) unless there is an observation to act on.
+    /// (`CopySets::abandon`) unless there is an observation to act on.
     fn observe_or_abandon(
         &mut self,
         key: &[u8],
         observing: (Change, bool),
         lock: &mut KeyLock,
-        early: &mut Option<CopyPuts>,
+        early: &mut Option<CopySets>,
     ) -> Result<Option<Observed>> {
         let observed = self.observe(key, observing, lock);
         if !matches!(observed, Ok(Some(_))) {
@@ -388,7 +388,7 @@ impl Group<'_> {
     /// **Why reads made before the observation may be acted on** (and
     /// only in one case: the primary's observation, under the key's
     /// lock taken by this writer, finds the key absent; otherwise the
-    /// backups read again, `CopyPuts::read_again`). Every write of the key
+    /// backups read again, `CopySets::read_again`). Every write of the key
     /// committed before this one then committed before the lock was taken
     /// (an update needs the key present, an insert the lock, and a hold
     /// taken over from a writer has outlived the time that writer may act),
@@ -414,11 +414,11 @@ impl Group<'_> {
     /// waited for together, so the write waits as often as before. A
     /// client whose such PUTs keep finding their keys there stops taking
     /// them for inserts (`UnseenPuts`).
-    fn begin_early(&mut self, key: &[u8], value: &[u8]) -> Option<CopyPuts> {
+    fn begin_early(&mut self, key: &[u8], value: &[u8]) -> Option<CopySets> {
         if crate::fault_armed("replica-first-backup-set") {
             return None;
         }
-        let puts = CopyPuts::begin(self.backups, key, value, First::ReadsOnly);
+        let puts = CopySets::begin(self.backups, key, Some(value), First::ReadsOnly);
         if puts.failed.is_some() {
             // Left to the write's own sets, where the error counts.
             puts.abandon(self.backups);
@@ -434,31 +434,22 @@ impl Group<'_> {
         key: &[u8],
         value: Option<&[u8]>,
         touched: &mut bool,
-        early: Option<CopyPuts>,
+        early: Option<CopySets>,
     ) -> Result<()> {
         *touched |= !self.backups.is_empty();
-        if let (Some(puts), Some(value)) = (early, value) {
-            return puts.run(self.backups, key, value, true);
+        if let Some(sets) = early {
+            return sets.run(self.backups, key, value, true);
         }
-        let Some(value) = value else {
-            for (i, backup) in self.backups.iter_mut().enumerate() {
-                backup.delete(key)?;
-                if i == 0 {
-                    crate::fault_point("replica-first-backup-set");
-                }
-            }
-            return Ok(());
-        };
         // The fault hook that kills a writer between its copies sets the
         // first before the others start: overlapped, that moment comes
         // only by timing.
         if crate::fault_armed("replica-first-backup-set") && !self.backups.is_empty() {
             let (first, rest) = self.backups.split_at_mut(1);
-            put_on_each(first, key, value)?;
+            set_on_each(first, key, value)?;
             crate::fault_point("replica-first-backup-set");
-            return put_on_each(rest, key, value);
+            return set_on_each(rest, key, value);
         }
-        put_on_each(self.backups, key, value)
+        set_on_each(self.backups, key, value)
     }
 
     /// Sets an increment's `sum` on every backup by a CAS from what it
@@ -653,43 +644,58 @@ impl UnseenPuts {
     }
 }
 
-/// Puts `value` under `key` on each of `copies`, each PUT run a step at a
-/// time with a batch in flight on every copy at once (`stepped_put`).
-fn put_on_each(copies: &mut [Client], key: &[u8], value: &[u8]) -> Result<()> {
-    CopyPuts::begin(copies, key, value, First::MayPublish).run(copies, key, value, false)
+/// Sets `key` to `value` (None: removes it) on each of `copies`, each PUT
+/// or DELETE run a step at a time with a batch in flight on every copy at
+/// once (`stepped_put`).
+fn set_on_each(copies: &mut [Client], key: &[u8], value: Option<&[u8]>) -> Result<()> {
+    CopySets::begin(copies, key, value, First::MayPublish).run(copies, key, value, false)
 }
 
-/// One write's PUTs on each of a shard's copies, begun and not yet done.
-struct CopyPuts {
-    puts: SmallVec<[CopyPut; 2]>,
+/// One write's PUTs (or DELETEs) on each of a shard's copies, begun and not
+/// yet done.
+struct CopySets {
+    sets: SmallVec<[CopySet; 2]>,
     /// The first error of a copy other than a lost connection.
     failed: Option<Error>,
 }
 
-impl CopyPuts {
-    /// Begins the PUT on each of `copies`, as `first` allows; after an
-    /// error, no copy's PUT begins.
-    fn begin(copies: &mut [Client], key: &[u8], value: &[u8], first: First) -> CopyPuts {
+impl CopySets {
+    /// Begins the PUT of `value` (None: the DELETE) on each of `copies`, a
+    /// PUT as `first` allows (a DELETE always may publish: only PUTs begin
+    /// early); after an error, no copy's begins.
+    fn begin(copies: &mut [Client], key: &[u8], value: Option<&[u8]>, first: First) -> CopySets {
         let mut failed = None;
-        let mut puts = SmallVec::new();
+        let mut sets = SmallVec::new();
         for copy in copies.iter_mut() {
-            puts.push(match failed {
-                Some(_) => CopyPut::Over,
-                None => CopyPut::after(copy.put_begin(key, value, first), &mut failed),
+            sets.push(match failed {
+                Some(_) => CopySet::Over,
+                None => {
+                    let begun = match value {
+                        Some(value) => copy.put_begin(key, value, first),
+                        None => copy.delete_begin(key),
+                    };
+                    CopySet::after(begun, &mut failed)
+                }
             });
         }
-        CopyPuts { puts, failed }
+        CopySets { sets, failed }
     }
 
-    /// Runs the PUTs to their end, a step on each copy per round. A PUT
-    /// that leaves its steps, or whose connection was lost, is done again
-    /// as a plain PUT (which reconnects). Any other error is the write's:
-    /// the PUTs under way are finished first, so that no batch is left in
-    /// flight. `overlapped`: the caller has waited for a round trip while
-    /// the first batches were in flight (see `VerbStats::waits`).
-    fn run(self, copies: &mut [Client], key: &[u8], value: &[u8], overlapped: bool) -> Result<()> {
-        let CopyPuts {
-            mut puts,
+    /// Runs the sets to their end, a step on each copy per round. One that
+    /// leaves its steps, or whose connection was lost, is done again as a
+    /// plain PUT or DELETE (which reconnects). Any other error is the
+    /// write's: the sets under way are finished first, so that no batch is
+    /// left in flight. `overlapped`: the caller has waited for a round trip
+    /// while the first batches were in flight (see `VerbStats::waits`).
+    fn run(
+        self,
+        copies: &mut [Client],
+        key: &[u8],
+        value: Option<&[u8]>,
+        overlapped: bool,
+    ) -> Result<()> {
+        let CopySets {
+            mut sets,
             mut failed,
         } = self;
         let mut first = overlapped;
@@ -699,16 +705,16 @@ impl CopyPuts {
             // The batches in flight are waited for together: the first
             // wait is the round's round trip.
             let mut waited = std::mem::take(&mut first);
-            for (copy, put) in copies.iter_mut().zip(&mut puts) {
-                let CopyPut::Stepping(stepped) = put else {
+            for (copy, set) in copies.iter_mut().zip(&mut sets) {
+                let CopySet::Stepping(stepped) = set else {
                     continue;
                 };
                 let in_flight = stepped.in_flight();
                 match copy.put_step(key, stepped, waited && in_flight) {
                     Ok(Progress::Going) => going = true,
-                    Ok(Progress::Done) => *put = CopyPut::Over,
-                    Ok(Progress::Serial) => *put = CopyPut::Plain,
-                    Err(e) => *put = CopyPut::after(Err(e), &mut failed),
+                    Ok(Progress::Done) => *set = CopySet::Over,
+                    Ok(Progress::Serial) => *set = CopySet::Plain,
+                    Err(e) => *set = CopySet::after(Err(e), &mut failed),
                 }
                 waited |= in_flight;
             }
@@ -716,9 +722,14 @@ impl CopyPuts {
         if let Some(e) = failed {
             return Err(e);
         }
-        for (copy, put) in copies.iter_mut().zip(&puts) {
-            if matches!(put, CopyPut::Plain) {
-                copy.put(key, value)?;
+        for (copy, set) in copies.iter_mut().zip(&sets) {
+            if matches!(set, CopySet::Plain) {
+                match value {
+                    Some(value) => copy.put(key, value)?,
+                    None => {
+                        copy.delete(key)?;
+                    }
+                }
             }
         }
         Ok(())
@@ -727,45 +738,45 @@ impl CopyPuts {
     /// The reads of the batches in flight are not to be acted on (see
     /// `SteppedPut::read_again`).
     fn read_again(&mut self) {
-        for put in &mut self.puts {
-            if let CopyPut::Stepping(stepped) = put {
+        for set in &mut self.sets {
+            if let CopySet::Stepping(stepped) = set {
                 stepped.read_again();
             }
         }
     }
 
-    /// Leaves the PUTs, once their batches in flight are done (they were in
+    /// Leaves the sets, once their batches in flight are done (they were in
     /// flight while the caller waited for its observation); a copy whose
     /// wait fails is left as it is (its connection is made anew on its next
     /// use).
     fn abandon(self, copies: &mut [Client]) {
-        for (copy, put) in copies.iter_mut().zip(self.puts) {
-            if let CopyPut::Stepping(stepped) = put {
+        for (copy, set) in copies.iter_mut().zip(self.sets) {
+            if let CopySet::Stepping(stepped) = set {
                 let _ = copy.put_abandon(stepped, true);
             }
         }
     }
 }
 
-/// Where one copy's PUT stands in `CopyPuts`.
-enum CopyPut {
+/// Where one copy's PUT or DELETE stands in `CopySets`.
+enum CopySet {
     Stepping(SteppedPut),
-    /// To be done as a plain PUT.
+    /// To be done as a plain PUT or DELETE.
     Plain,
     /// Done, failed, or not begun after another copy's failed.
     Over,
 }
 
-impl CopyPut {
-    /// A copy's PUT after a step that returned `result`; an error other
+impl CopySet {
+    /// A copy's set after a step that returned `result`; an error other
     /// than a lost connection is kept in `failed` (the first one).
-    fn after(result: Result<SteppedPut>, failed: &mut Option<Error>) -> CopyPut {
+    fn after(result: Result<SteppedPut>, failed: &mut Option<Error>) -> CopySet {
         match result {
-            Ok(stepped) => CopyPut::Stepping(stepped),
-            Err(e) if e.is_connection_lost() => CopyPut::Plain,
+            Ok(stepped) => CopySet::Stepping(stepped),
+            Err(e) if e.is_connection_lost() => CopySet::Plain,
             Err(e) => {
                 failed.get_or_insert(e);
-                CopyPut::Over
+                CopySet::Over
             }
         }
     }

@@ -14,6 +14,11 @@
 //!   again (and its check for a concurrent insert of the key, `dedup`,
 //!   done in place).
 //!
+//! A DELETE steps the same way, as a PUT of the empty slot with no block:
+//! a sole hint's CAS, or the reads, then the CAS of the key's one copy; an
+//! absent key is done. What a DELETE does in more steps (several copies, a
+//! counter) is left to the DELETE itself.
+//!
 //! A PUT may also be begun to publish nothing in its first batch
 //! ([`First::ReadsOnly`]): a replicated write begins its backups' PUTs that
 //! way while it observes the key at the primary, and may then have their
@@ -40,10 +45,11 @@ use crate::index::{meets_resize, Copies, Kind, Scan, ScanMode, Value};
 use crate::locate::Located;
 use crate::{Client, Result};
 
-/// A PUT in flight: the batch it started last, and what it then does.
+/// A PUT (or a DELETE) in flight: the batch it started last, and what it
+/// then does.
 pub(crate) struct SteppedPut {
     kh: KeyHash,
-    /// The slot value that links the new block.
+    /// The slot value that links the new block; empty for a DELETE.
     new: Slot,
     stage: Option<Stage>,
     /// What the batch in flight reads is not to be acted on: the next step
@@ -110,6 +116,11 @@ impl SteppedPut {
         self.stage.is_some()
     }
 
+    /// Whether it is a DELETE.
+    fn removes(&self) -> bool {
+        self.new == Slot::EMPTY
+    }
+
     /// What this PUT's batch in flight reads may be older than what it
     /// must act on: its next step reads the windows again instead (its
     /// block stays written). Only for a PUT that publishes nothing in that
@@ -133,10 +144,33 @@ impl Client {
         value: &[u8],
         first: First,
     ) -> Result<SteppedPut> {
-        // As `run` before an operation.
-        self.lock_watch = None;
-        self.keep_read_lease()?;
+        self.before_steps()?;
         let (kh, new, write) = self.new_block(key, value)?;
+        self.step_begin(key, (kh, new, Some(write)), first)
+    }
+
+    /// Starts a DELETE of `key`: its sole hint's CAS, or the READs of its
+    /// windows.
+    pub(crate) fn delete_begin(&mut self, key: &[u8]) -> Result<SteppedPut> {
+        self.before_steps()?;
+        let kh = KeyHash::new(key, self.info.geometry.bucket_count);
+        self.step_begin(key, (kh, Slot::EMPTY, None), First::MayPublish)
+    }
+
+    /// As `run` before an operation.
+    fn before_steps(&mut self) -> Result<()> {
+        self.lock_watch = None;
+        self.keep_read_lease()
+    }
+
+    /// Starts the first batch of a write of `new` (after `write`, its
+    /// block's WRITE, if any).
+    fn step_begin(
+        &mut self,
+        key: &[u8],
+        (kh, new, write): (KeyHash, Slot, Option<Verb>),
+        first: First,
+    ) -> Result<SteppedPut> {
         let blind = match first {
             First::MayPublish => self.blind_hint(key),
             First::ReadsOnly => None,
@@ -145,10 +179,11 @@ impl Client {
             Some(hint) => {
                 let clock = self.timing.start();
                 let cas = self.cas_verb(hint.pos, hint.slot, new);
-                self.conn.start(&[write, cas])?;
+                let verbs: SmallVec<[Verb; 2]> = write.into_iter().chain([cas]).collect();
+                self.conn.start(&verbs)?;
                 Stage::Blind(Seen::new((hint.pos, hint.slot), clock))
             }
-            None => self.start_locate(key, &kh, Some(write))?,
+            None => self.start_locate(key, &kh, write)?,
         };
         Ok(SteppedPut {
             kh,
@@ -271,11 +306,11 @@ impl Client {
                 alone,
                 value,
             } => {
-                let copies = Copies {
-                    value,
-                    exact: alone || hint.is_sole(),
-                    ..Copies::known(hint.pos, hint.slot)
-                };
+                let copies = Copies::held(&hint, alone, value);
+                // A DELETE must see every copy (as `locate` for it).
+                if put.removes() && !copies.exact {
+                    return self.windows_read(key, put, clock);
+                }
                 self.act(key, put, Located::Found { copies, clock })
             }
             Sighting::WindowsOnly(clock) => self.windows_read(key, put, clock),
@@ -328,7 +363,8 @@ impl Client {
 
     /// Acts on the key's copies as located: starts the CAS of its one
     /// byte copy or an insert; updates over several copies or a counter as
-    /// a PUT does (in steps of its own).
+    /// a PUT does (in steps of its own); leaves a DELETE of those to the
+    /// DELETE, and is done with one of an absent key.
     fn act(&mut self, key: &[u8], put: &SteppedPut, located: Located) -> Result<Next> {
         match located {
             Located::Found { copies, clock } => match (&copies.slots[..], &copies.kinds[..]) {
@@ -336,11 +372,13 @@ impl Client {
                     self.conn.start(&[self.cas_verb(pos, old, put.new)])?;
                     Ok(Next::Then(Stage::Swap(Seen::new((pos, old), clock))))
                 }
+                _ if put.removes() => Ok(Next::Serial),
                 _ => Ok(match self.update(key, &copies, put.new, clock)? {
                     true => Next::Done,
                     false => Next::Reread,
                 }),
             },
+            Located::Absent { .. } if put.removes() => Ok(Next::Done),
             Located::Absent { clock } => {
                 let Some(empty) = KeyHash::insert_choice(&self.slots()) else {
                     return Ok(Next::Serial);

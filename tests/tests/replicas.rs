@@ -718,7 +718,8 @@ fn a_write_right_after_a_read_of_its_key_reads_nothing_more_at_the_primary() {
 /// twice: for both backups' blocks and CASes, then for the primary's. An
 /// insert waits three times: for the primary's lock and observation
 /// together with both backups' blocks and windows, for the backups'
-/// CASes, then for the primary's commit, the lock let go in its batch.
+/// CASes, then for the primary's commit, the lock let go in its batch. A
+/// delete removes the key from both backups together, too.
 #[test]
 fn every_copys_batch_is_in_flight_at_once_and_a_settled_update_waits_twice() {
     // As in the test above: a read stays in time for 300 ms, hints live
@@ -769,6 +770,16 @@ fn every_copys_batch_is_in_flight_at_once_and_a_settled_update_waits_twice() {
     assert_eq!(settled.waits, 2, "{settled:?}");
     let mut groups = copies(&url);
     assert!(assert_alike(&mut groups, &kv, &k).is_some());
+    // Each backup's removal (a blind CAS; or its reads, then its CAS) runs
+    // beside the other's: at least their first round trips are waited for
+    // together. One after the other, a delete waits for every round trip.
+    for key in fresh.iter().chain([&k]) {
+        let at = kv.verb_stats();
+        assert!(kv.delete(key).expect("delete"), "{key} was there");
+        let used = kv.verb_stats().since(&at);
+        assert!(used.waits < used.round_trips, "delete of {key}: {used:?}");
+        assert_eq!(assert_alike(&mut groups, &kv, key), None, "{key}");
+    }
 }
 
 /// A PUT of a key its client has not seen begins its backups' PUTs (the
