@@ -340,7 +340,7 @@ impl Group<'_> {
         let observed = self.observe(key, observing, lock);
         if !matches!(observed, Ok(Some(_))) {
             if let Some(puts) = early.take() {
-                puts.abandon(self.backups);
+                puts.abandon(self.backups, true);
             }
         }
         observed
@@ -421,7 +421,7 @@ impl Group<'_> {
         let puts = CopySets::begin(self.backups, key, Some(value), First::ReadsOnly);
         if puts.failed.is_some() {
             // Left to the write's own sets, where the error counts.
-            puts.abandon(self.backups);
+            puts.abandon(self.backups, false);
             return None;
         }
         Some(puts)
@@ -438,7 +438,7 @@ impl Group<'_> {
     ) -> Result<()> {
         *touched |= !self.backups.is_empty();
         if let Some(sets) = early {
-            return sets.run(self.backups, key, value, true);
+            return sets.run(self.backups, key, value, (true, None)).map(drop);
         }
         // The fault hook that kills a writer between its copies sets the
         // first before the others start: overlapped, that moment comes
@@ -458,7 +458,9 @@ impl Group<'_> {
     /// value under the lock, so it must not land once the lock may have
     /// passed to the next increment (a plain PUT, redone until it lands,
     /// could set a stale sum over a later one's, which a failover would
-    /// then serve). False when the lock lapsed first.
+    /// then serve). The backups' PUTs step together, the lock checked
+    /// before each step (`CopySets::run`). False when the lock lapsed
+    /// first.
     fn set_backups_locked(
         &mut self,
         key: &[u8],
@@ -466,25 +468,14 @@ impl Group<'_> {
         lock: &KeyLock,
         touched: &mut bool,
     ) -> Result<bool> {
-        let attempts = self.primary.options.max_attempts;
-        for backup in self.backups.iter_mut() {
-            let mut set = false;
-            for _ in 0..attempts {
-                let observed = backup.observe(key, Need::Lowest, true)?;
-                if !lock.holds(self.primary) {
-                    return Ok(false);
-                }
-                *touched = true;
-                if backup.commit(key, Some(sum), &observed, &mut None)? == Commit::Done {
-                    set = true;
-                    break;
-                }
-            }
-            if !set {
-                return Err(Error::Contended(attempts));
-            }
+        let primary = &*self.primary;
+        let holds = || lock.holds(primary);
+        if !holds() {
+            return Ok(false);
         }
-        Ok(true)
+        *touched |= !self.backups.is_empty();
+        let sets = CopySets::begin(self.backups, key, Some(sum), First::MayPublish);
+        sets.run(self.backups, key, Some(sum), (false, Some(&holds)))
     }
 
     /// After an increment failed having set the backups (the key became
@@ -648,8 +639,31 @@ impl UnseenPuts {
 /// or DELETE run a step at a time with a batch in flight on every copy at
 /// once (`stepped_put`).
 fn set_on_each(copies: &mut [Client], key: &[u8], value: Option<&[u8]>) -> Result<()> {
-    CopySets::begin(copies, key, value, First::MayPublish).run(copies, key, value, false)
+    CopySets::begin(copies, key, value, First::MayPublish)
+        .run(copies, key, value, (false, None))
+        .map(drop)
 }
+
+/// While `holds`: sets an increment's `sum` on `backup` by a CAS from what
+/// it observes there, observing again until one lands. False if `holds`
+/// stopped first.
+fn set_while(backup: &mut Client, key: &[u8], sum: &[u8], holds: Guard) -> Result<bool> {
+    let attempts = backup.options.max_attempts;
+    for _ in 0..attempts {
+        let observed = backup.observe(key, Need::Lowest, true)?;
+        if !holds() {
+            return Ok(false);
+        }
+        if backup.commit(key, Some(sum), &observed, &mut None)? == Commit::Done {
+            return Ok(true);
+        }
+    }
+    Err(Error::Contended(attempts))
+}
+
+/// What a copy's CASes may be posted only while it is true (an increment's
+/// lock holds).
+type Guard<'g> = &'g dyn Fn() -> bool;
 
 /// One write's PUTs (or DELETEs) on each of a shard's copies, begun and not
 /// yet done.
@@ -683,17 +697,22 @@ impl CopySets {
 
     /// Runs the sets to their end, a step on each copy per round. One that
     /// leaves its steps, or whose connection was lost, is done again as a
-    /// plain PUT or DELETE (which reconnects). Any other error is the
-    /// write's: the sets under way are finished first, so that no batch is
-    /// left in flight. `overlapped`: the caller has waited for a round trip
-    /// while the first batches were in flight (see `VerbStats::waits`).
+    /// plain PUT or DELETE (which reconnects; under a `guard`, by
+    /// `set_while`). Any other error is the write's: the sets under way are
+    /// finished first, so that no batch is left in flight. `overlapped`:
+    /// the caller has waited for a round trip while the first batches were
+    /// in flight (see `VerbStats::waits`). Under a `guard`, checked before
+    /// each round: a step posts its CAS once its batch in flight is
+    /// done, and only while what that batch read is in time (within a
+    /// deadline of its start, before the check), so within a deadline of
+    /// the check. False if the guard stopped holding first.
     fn run(
         self,
         copies: &mut [Client],
         key: &[u8],
         value: Option<&[u8]>,
-        overlapped: bool,
-    ) -> Result<()> {
+        (overlapped, guard): (bool, Option<Guard>),
+    ) -> Result<bool> {
         let CopySets {
             mut sets,
             mut failed,
@@ -701,6 +720,10 @@ impl CopySets {
         let mut first = overlapped;
         let mut going = true;
         while going {
+            if guard.is_some_and(|holds| !holds()) {
+                CopySets { sets, failed }.abandon(copies, first);
+                return Ok(false);
+            }
             going = false;
             // The batches in flight are waited for together: the first
             // wait is the round's round trip.
@@ -718,21 +741,30 @@ impl CopySets {
                 }
                 waited |= in_flight;
             }
+            if guard.is_some() {
+                crate::pause_point("replica-sum-round");
+            }
         }
         if let Some(e) = failed {
             return Err(e);
         }
         for (copy, set) in copies.iter_mut().zip(&sets) {
-            if matches!(set, CopySet::Plain) {
-                match value {
-                    Some(value) => copy.put(key, value)?,
-                    None => {
-                        copy.delete(key)?;
+            if !matches!(set, CopySet::Plain) {
+                continue;
+            }
+            match (value, guard) {
+                (Some(sum), Some(holds)) => {
+                    if !set_while(copy, key, sum, holds)? {
+                        return Ok(false);
                     }
+                }
+                (Some(value), None) => copy.put(key, value)?,
+                (None, _) => {
+                    copy.delete(key)?;
                 }
             }
         }
-        Ok(())
+        Ok(true)
     }
 
     /// The reads of the batches in flight are not to be acted on (see
@@ -745,14 +777,18 @@ impl CopySets {
         }
     }
 
-    /// Leaves the sets, once their batches in flight are done (they were in
-    /// flight while the caller waited for its observation); a copy whose
-    /// wait fails is left as it is (its connection is made anew on its next
+    /// Leaves the sets, once their batches in flight are done, waited for
+    /// together (`overlapped`: the caller waited for a round trip while
+    /// they were in flight, as for its observation); a copy whose wait
+    /// fails is left as it is (its connection is made anew on its next
     /// use).
-    fn abandon(self, copies: &mut [Client]) {
+    fn abandon(self, copies: &mut [Client], overlapped: bool) {
+        let mut waited = overlapped;
         for (copy, set) in copies.iter_mut().zip(self.sets) {
             if let CopySet::Stepping(stepped) = set {
-                let _ = copy.put_abandon(stepped, true);
+                let in_flight = stepped.in_flight();
+                let _ = copy.put_abandon(stepped, waited && in_flight);
+                waited |= in_flight;
             }
         }
     }

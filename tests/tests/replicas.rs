@@ -625,24 +625,25 @@ fn an_insert_takes_its_lock_in_its_observation_and_lets_it_go_in_its_commit() {
     let (_etcd, url, _dir, _members) = start("insertrt");
     let mut kv = ClusterClient::connect(&url).expect("connect");
     let mut written = Vec::new();
-    // Round trips of `write` on fresh keys of shard 0 (so every copy's
-    // lock word is one this client guesses right), the fewest of five: a
-    // stall past a deadline adds some.
+    // Round trips and waits of `write` on fresh keys of shard 0 (so every
+    // copy's lock word is one this client guesses right), the fewest round
+    // trips of five: a stall past a deadline adds some.
     let mut fewest =
         |kv: &mut ClusterClient, prefix: &str, write: &dyn Fn(&mut ClusterClient, &str)| {
             (0..5)
                 .map(|i| {
                     let key = key_of(kv, 0, &format!("{prefix}{i}-"));
-                    let at = kv.verb_stats().round_trips;
+                    let at = kv.verb_stats();
                     write(kv, &key);
                     written.push(key);
-                    kv.verb_stats().round_trips - at
+                    let used = kv.verb_stats().since(&at);
+                    (used.round_trips, used.waits)
                 })
                 .min()
                 .expect("five writes")
         };
-    let insert = fewest(&mut kv, "ins", &|kv, key| kv.put(key, "v").expect("insert"));
-    let increment = fewest(&mut kv, "ctr", &|kv, key| {
+    let (insert, _) = fewest(&mut kv, "ins", &|kv, key| kv.put(key, "v").expect("insert"));
+    let (increment, increment_waits) = fewest(&mut kv, "ctr", &|kv, key| {
         assert_eq!(kv.incr(key, 5).expect("increment"), 5);
     });
     // An insert of a key this client has not seen: at the primary, an
@@ -659,6 +660,13 @@ fn an_insert_takes_its_lock_in_its_observation_and_lets_it_go_in_its_commit() {
     assert!(
         increment <= 6,
         "an increment at R=3 took {increment} round trips"
+    );
+    // The backups' reads are waited for together, and so are their CASes
+    // (each posted while the lock holds): 4 waits, where one backup after
+    // the other took 6.
+    assert!(
+        increment_waits + 2 <= increment,
+        "an increment at R=3 waited {increment_waits} times for {increment} round trips"
     );
     let mut groups = copies(&url);
     for key in &written {
@@ -1624,35 +1632,47 @@ fn an_etcd_outage_pauses_the_copies_until_the_leases_are_confirmed() {
     );
 }
 
-/// An increment that stalls past its key's lock between its observation
-/// and its backups (`kv incr` paused there by `ONEKV_CLIENT_PAUSE`, longer
-/// than the lock lives) never sets its stale sum on a backup once other
-/// increments have passed it: with increments of +1 only, every backup's
-/// value only grows (what a failover relies on), and the sum counts each.
+/// An increment that stalls past its key's lock (`kv incr` paused by
+/// `ONEKV_CLIENT_PAUSE`, longer than the lock lives), between its
+/// observation and its backups or between two rounds of its backups'
+/// steps, never sets its stale sum on a backup once other increments have
+/// passed it: with increments of +1 only, every backup's value only grows
+/// (what a failover relies on), and the sum counts each.
 #[test]
 fn a_stalled_increment_never_sets_an_older_sum_on_a_backup() {
     let (_etcd, url, _dir, _members) = start("stalled");
-    let mut kv = ClusterClient::connect(&url).expect("connect");
-    kv.incr("slow-count", 1).expect("incr");
-    let shard = kv.shard_of("slow-count") as usize;
-    let mut groups = copies(&url);
+    for (i, pause) in ["replica-before-backups", "replica-sum-round"]
+        .into_iter()
+        .enumerate()
+    {
+        stalled_increment(&url, &format!("slow-count{i}"), pause);
+    }
+}
+
+/// Increments `key` from a `kv incr` paused at `pause` while another client
+/// increments it, checking every copy's value as it goes.
+fn stalled_increment(url: &str, key: &str, pause: &str) {
+    let mut kv = ClusterClient::connect(url).expect("connect");
+    kv.incr(key, 1).expect("incr");
+    let shard = kv.shard_of(key) as usize;
+    let mut groups = copies(url);
     let stop = AtomicBool::new(false);
     let fast = std::thread::scope(|s| {
         let slow = s.spawn(|| {
             Command::new(workspace_bin("kv"))
-                .args(["--server", &url, "incr", "slow-count", "1"])
-                .env("ONEKV_CLIENT_PAUSE", "replica-before-backups:1500")
+                .args(["--server", url, "incr", key, "1"])
+                .env("ONEKV_CLIENT_PAUSE", format!("{pause}:1500"))
                 .output()
                 .expect("run kv")
         });
         let fast = s.spawn(|| {
-            let mut kv = or_abort(ClusterClient::connect(&url), "connect");
+            let mut kv = or_abort(ClusterClient::connect(url), "connect");
             // Once the slow one holds the lock (a moment after it started),
             // and until it is done.
             std::thread::sleep(Duration::from_millis(300));
             let mut done = 0;
             while !stop.load(Ordering::SeqCst) {
-                or_abort(kv.incr("slow-count", 1), "incr");
+                or_abort(kv.incr(key, 1), "incr");
                 done += 1;
             }
             done
@@ -1661,7 +1681,7 @@ fn a_stalled_increment_never_sets_an_older_sum_on_a_backup() {
         let mut last = vec![0i64; groups[shard].len()];
         while !slow.is_finished() {
             for (at, (id, copy)) in groups[shard].iter_mut().enumerate() {
-                let value = or_abort(copy.get("slow-count"), "read a copy").expect("a value");
+                let value = or_abort(copy.get(key), "read a copy").expect("a value");
                 let n: i64 = String::from_utf8_lossy(&value).parse().expect("a number");
                 if n < last[at] {
                     stop.store(true, Ordering::SeqCst);
@@ -1684,12 +1704,9 @@ fn a_stalled_increment_never_sets_an_older_sum_on_a_backup() {
     });
     assert!(fast > 0, "no increment passed the stalled one");
     let total = 2 + fast;
+    assert_eq!(kv.get_counter(key).expect("get_counter"), Some(total));
     assert_eq!(
-        kv.get_counter("slow-count").expect("get_counter"),
-        Some(total)
-    );
-    assert_eq!(
-        assert_alike(&mut groups, &kv, "slow-count"),
+        assert_alike(&mut groups, &kv, key),
         Some(total.to_string().into_bytes())
     );
 }
