@@ -1243,19 +1243,25 @@ pub(crate) fn fault_armed(step: &str) -> bool {
 
 /// Test hook (fault injection): the first time the process reaches
 /// `step`, sleeps for as long as the environment variable
-/// `ONEKV_CLIENT_PAUSE` (`STEP:MILLISECONDS`) says, as a client stalled
-/// there once (descheduled, swapped out) would, and says so on stderr
-/// (so that a test can act while it sleeps). Read once.
+/// `ONEKV_CLIENT_PAUSE` (`STEP:MILLISECONDS`, or several such, separated
+/// by commas) says, as a client stalled there once (descheduled, swapped
+/// out) would, and says so on stderr (so that a test can act while it
+/// sleeps). Read once.
 pub(crate) fn pause_point(step: &str) {
-    static PAUSE: std::sync::OnceLock<Option<(String, Duration)>> = std::sync::OnceLock::new();
-    static PAUSED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-    let pause = PAUSE.get_or_init(|| {
-        let spec = std::env::var("ONEKV_CLIENT_PAUSE").ok()?;
-        let (at, ms) = spec.split_once(':')?;
-        Some((at.to_string(), Duration::from_millis(ms.parse().ok()?)))
+    type Pause = (String, Duration, std::sync::atomic::AtomicBool);
+    static PAUSES: std::sync::OnceLock<Vec<Pause>> = std::sync::OnceLock::new();
+    let pauses = PAUSES.get_or_init(|| {
+        let spec = std::env::var("ONEKV_CLIENT_PAUSE").unwrap_or_default();
+        spec.split(',')
+            .filter_map(|one| {
+                let (at, ms) = one.split_once(':')?;
+                let pause = Duration::from_millis(ms.parse().ok()?);
+                Some((at.to_string(), pause, Default::default()))
+            })
+            .collect()
     });
-    if let Some((_, pause)) = pause.as_ref().filter(|(at, _)| at == step) {
-        if !PAUSED.swap(true, std::sync::atomic::Ordering::SeqCst) {
+    for (at, pause, paused) in pauses {
+        if at == step && !paused.swap(true, std::sync::atomic::Ordering::SeqCst) {
             eprintln!("ONEKV_CLIENT_PAUSE: pausing at {step}");
             std::thread::sleep(*pause);
         }

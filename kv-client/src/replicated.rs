@@ -80,9 +80,11 @@
 //! another is between its observation and its commit, and a dead one's
 //! sum is overwritten by the next write (it stays an increment whose
 //! outcome is unknown, counted once or not at all). A sum is set on each
-//! backup by a CAS posted while the lock still holds, not by a PUT that is
-//! redone until it lands: a stalled increment's sum could otherwise land
-//! after a later increment's, older than what the primary acknowledged. An increment that
+//! backup by a CAS from what a read made while the lock still holds found
+//! there (or from the backup's hint of it), not by a PUT that reads again
+//! for as long as it takes: a stalled increment's sum could otherwise
+//! land after a later increment's, older than what the primary
+//! acknowledged (see `Group::set_backups_locked`). An increment that
 //! fails after setting the backups (a PUT made the key plain meanwhile)
 //! brings them back to the primary's value before it returns (`level`).
 //! What this leaves open: a PUT or DELETE of a counter's key racing an
@@ -280,6 +282,7 @@ impl Group<'_> {
                 }
             }
             crate::fault_point("replica-backups-set");
+            crate::pause_point("replica-backups-set");
             if locks && !lock.holds(self.primary) {
                 continue;
             }
@@ -340,7 +343,7 @@ impl Group<'_> {
         let observed = self.observe(key, observing, lock);
         if !matches!(observed, Ok(Some(_))) {
             if let Some(puts) = early.take() {
-                puts.abandon(self.backups, true);
+                puts.abandon(self.backups, key, true);
             }
         }
         observed
@@ -421,7 +424,7 @@ impl Group<'_> {
         let puts = CopySets::begin(self.backups, key, Some(value), First::ReadsOnly);
         if puts.failed.is_some() {
             // Left to the write's own sets, where the error counts.
-            puts.abandon(self.backups, false);
+            puts.abandon(self.backups, key, false);
             return None;
         }
         Some(puts)
@@ -459,8 +462,15 @@ impl Group<'_> {
     /// passed to the next increment (a plain PUT, redone until it lands,
     /// could set a stale sum over a later one's, which a failover would
     /// then serve). The backups' PUTs step together, the lock checked
-    /// before each step (`CopySets::run`). False when the lock lapsed
-    /// first.
+    /// before each round (`CopySets::run`): each CAS acting on a read goes
+    /// out within a deadline of a check that found the lock held (the
+    /// margin is three of the primary's deadlines: the members of a
+    /// cluster are meant to share one `--op-deadline-ms`). A blind CAS
+    /// from a backup's sole hint, posted as its PUT begins, may go out
+    /// later (other backups' PUTs begin first, and a block's lease may
+    /// ask the server); it expects the slot this client last saw there,
+    /// which a later increment's set would have replaced. False when the
+    /// lock lapsed first.
     fn set_backups_locked(
         &mut self,
         key: &[u8],
@@ -721,8 +731,8 @@ impl CopySets {
         let mut going = true;
         while going {
             if guard.is_some_and(|holds| !holds()) {
-                CopySets { sets, failed }.abandon(copies, first);
-                return Ok(false);
+                let failed = CopySets { sets, failed }.abandon(copies, key, first);
+                return failed.map_or(Ok(false), Err);
             }
             going = false;
             // The batches in flight are waited for together: the first
@@ -732,14 +742,13 @@ impl CopySets {
                 let CopySet::Stepping(stepped) = set else {
                     continue;
                 };
-                let in_flight = stepped.in_flight();
-                match copy.put_step(key, stepped, waited && in_flight) {
+                let together = wait_together(&mut waited, stepped.in_flight());
+                match copy.put_step(key, stepped, together) {
                     Ok(Progress::Going) => going = true,
                     Ok(Progress::Done) => *set = CopySet::Over,
                     Ok(Progress::Serial) => *set = CopySet::Plain,
                     Err(e) => *set = CopySet::after(Err(e), &mut failed),
                 }
-                waited |= in_flight;
             }
             if guard.is_some() {
                 crate::pause_point("replica-sum-round");
@@ -779,19 +788,29 @@ impl CopySets {
 
     /// Leaves the sets, once their batches in flight are done, waited for
     /// together (`overlapped`: the caller waited for a round trip while
-    /// they were in flight, as for its observation); a copy whose wait
+    /// they were in flight, as for its observation), and what they
+    /// published accounted for (`Client::put_abandon`); a copy whose wait
     /// fails is left as it is (its connection is made anew on its next
-    /// use).
-    fn abandon(self, copies: &mut [Client], overlapped: bool) {
+    /// use). The first error a copy's set had met before, if any.
+    fn abandon(self, copies: &mut [Client], key: &[u8], overlapped: bool) -> Option<Error> {
         let mut waited = overlapped;
         for (copy, set) in copies.iter_mut().zip(self.sets) {
             if let CopySet::Stepping(stepped) = set {
-                let in_flight = stepped.in_flight();
-                let _ = copy.put_abandon(stepped, waited && in_flight);
-                waited |= in_flight;
+                let together = wait_together(&mut waited, stepped.in_flight());
+                let _ = copy.put_abandon(key, stepped, together);
             }
         }
+        self.failed
     }
+}
+
+/// Whether a copy's wait, in a round whose batches in flight are waited
+/// for together, costs no round trip of its own (`waited`: one of them
+/// was waited for before; see `VerbStats::waits`); notes this one's.
+fn wait_together(waited: &mut bool, in_flight: bool) -> bool {
+    let together = *waited && in_flight;
+    *waited |= in_flight;
+    together
 }
 
 /// Where one copy's PUT or DELETE stands in `CopySets`.

@@ -90,14 +90,14 @@ enum Stage {
     Insert(Seen),
 }
 
-/// Where a PUT stands after a step.
+/// Where a PUT (or DELETE) stands after a step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Progress {
     /// A batch is in flight: step again.
     Going,
-    /// Stored.
+    /// Stored (or removed).
     Done,
-    /// Not done: do it as a plain PUT.
+    /// Not done: do it as a plain PUT (or DELETE).
     Serial,
 }
 
@@ -251,12 +251,30 @@ impl Client {
     }
 
     /// Waits for the batch `put` has in flight, if any (`together`: as in
-    /// [`Self::put_step`]), and leaves it: its block, written and never
-    /// published, is garbage the server reclaims.
-    pub(crate) fn put_abandon(&mut self, put: SteppedPut, together: bool) -> Result<()> {
-        if put.in_flight() {
-            self.conn.finish()?;
-            self.waited_together += u64::from(together);
+    /// [`Self::put_step`]), and leaves the PUT there, starting nothing
+    /// more. A CAS that batch posted is accounted for as a step would (the
+    /// block it unlinked reported, the hint kept; an insert checked for a
+    /// concurrent one, `dedup`). A block written and never published is
+    /// garbage the server reclaims.
+    pub(crate) fn put_abandon(
+        &mut self,
+        key: &[u8],
+        put: SteppedPut,
+        together: bool,
+    ) -> Result<()> {
+        let Some(stage) = put.stage else {
+            return Ok(());
+        };
+        self.conn.finish()?;
+        self.waited_together += u64::from(together);
+        match stage {
+            Stage::Blind(old) | Stage::Swap(old) => {
+                self.swapped(key, old, put.new);
+            }
+            Stage::Insert(mine) if self.cas_held(Slot::EMPTY) => {
+                self.inserted(key, &put.kh, mine)?;
+            }
+            _ => {}
         }
         Ok(())
     }
@@ -371,6 +389,11 @@ impl Client {
                 (&[(pos, old)], [Kind::Bytes | Kind::Known]) if clock.in_time() => {
                     self.conn.start(&[self.cas_verb(pos, old, put.new)])?;
                     Ok(Next::Then(Stage::Swap(Seen::new((pos, old), clock))))
+                }
+                // Read too long ago to act on (as `update` would find).
+                (&[_], [Kind::Bytes | Kind::Known]) => {
+                    self.cache.forget(key);
+                    Ok(Next::Reread)
                 }
                 _ if put.removes() => Ok(Next::Serial),
                 _ => Ok(match self.update(key, &copies, put.new, clock)? {
