@@ -24,6 +24,16 @@ use crate::index::Copies;
 use crate::locate::{Located, Need};
 use crate::{Client, Error, Result, Step};
 
+/// Where an insert goes (`Client::insert_at`).
+pub(crate) enum InsertAt {
+    /// The empty slot it takes.
+    Empty(SlotPos),
+    /// None of the key's slots is empty: the index must grow.
+    Full,
+    /// The windows were read too long ago to act on: read them again.
+    Late,
+}
+
 impl Client {
     pub(crate) fn put_once(&mut self, key: &[u8], value: &[u8]) -> Result<Step<()>> {
         let (kh, new, write) = self.new_block(key, value)?;
@@ -159,15 +169,11 @@ impl Client {
         (new, write, then): (Slot, Option<Verb>, &mut Option<Verb>),
         clock: OpClock,
     ) -> Result<Option<Step<()>>> {
-        let Some(empty) = KeyHash::insert_choice(&self.slots()) else {
-            return Ok(Some(Step::Full(key.to_vec())));
+        let pos = match self.insert_at(kh, clock) {
+            InsertAt::Empty(pos) => pos,
+            InsertAt::Full => return Ok(Some(Step::Full(key.to_vec()))),
+            InsertAt::Late => return Ok(None),
         };
-        // An insert lands within two deadlines of the read that found no
-        // copy: what lets a hint settle (`Timing::settle`).
-        if !clock.in_time() {
-            return Ok(None);
-        }
-        let pos = kh.slot_pos(empty);
         let published = self.timing.start();
         self.conn
             .post(&self.insert_verbs(kh, (pos, new), (write, then.take())))?;
@@ -176,6 +182,20 @@ impl Client {
         }
         self.inserted(key, kh, Seen::new((pos, new), published))?;
         Ok(Some(Step::Done(())))
+    }
+
+    /// Where an insert goes in the windows `locate` just read (by the
+    /// batch timed by `clock`).
+    pub(crate) fn insert_at(&self, kh: &KeyHash, clock: OpClock) -> InsertAt {
+        let Some(empty) = KeyHash::insert_choice(&self.slots()) else {
+            return InsertAt::Full;
+        };
+        // An insert lands within two deadlines of the read that found no
+        // copy: what lets a hint settle (`Timing::settle`).
+        if !clock.in_time() {
+            return InsertAt::Late;
+        }
+        InsertAt::Empty(kh.slot_pos(empty))
     }
 
     /// An insert's batch: the CAS of the empty slot at `pos` to `new` and

@@ -43,6 +43,7 @@ use crate::get::{BlockRead, Sighting};
 use crate::hint::{Hint, Seen};
 use crate::index::{meets_resize, Copies, Kind, Scan, ScanMode, Value};
 use crate::locate::Located;
+use crate::put::InsertAt;
 use crate::{Client, Result};
 
 /// A PUT (or a DELETE) in flight: the batch it started last, and what it
@@ -403,14 +404,11 @@ impl Client {
             },
             Located::Absent { .. } if put.removes() => Ok(Next::Done),
             Located::Absent { clock } => {
-                let Some(empty) = KeyHash::insert_choice(&self.slots()) else {
-                    return Ok(Next::Serial);
+                let pos = match self.insert_at(&put.kh, clock) {
+                    InsertAt::Empty(pos) => pos,
+                    InsertAt::Full => return Ok(Next::Serial),
+                    InsertAt::Late => return Ok(Next::Reread),
                 };
-                // As `insert`: within two deadlines of the read.
-                if !clock.in_time() {
-                    return Ok(Next::Reread);
-                }
-                let pos = put.kh.slot_pos(empty);
                 let published = self.timing.start();
                 self.conn
                     .start(&self.insert_verbs(&put.kh, (pos, put.new), (None, None)))?;
