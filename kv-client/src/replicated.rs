@@ -465,7 +465,8 @@ impl Group<'_> {
     /// before each round (`CopySets::run`): each CAS acting on a read goes
     /// out within a deadline of a check that found the lock held (the
     /// margin is three of the primary's deadlines: the members of a
-    /// cluster are meant to share one `--op-deadline-ms`). A blind CAS
+    /// cluster share one `--op-deadline-ms`, which they are held to as
+    /// they join, see kv-cluster's `Etcd::agree_op_deadline`). A blind CAS
     /// from a backup's sole hint, posted as its PUT begins, may go out
     /// later (other backups' PUTs begin first, and a block's lease may
     /// ask the server); it expects the slot this client last saw there,

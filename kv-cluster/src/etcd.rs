@@ -5,8 +5,8 @@
 use std::time::Duration;
 
 use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, GetOptions, PutOptions, Txn, TxnOp, WatchOptions,
-    WatchStream,
+    Client, Compare, CompareOp, ConnectOptions, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse,
+    WatchOptions, WatchStream,
 };
 
 pub use crate::records::ClusterState;
@@ -40,6 +40,9 @@ impl Keys {
     }
     pub fn map(&self) -> String {
         format!("{}map", self.prefix)
+    }
+    pub fn op_deadline(&self) -> String {
+        format!("{}op_deadline_ms", self.prefix)
     }
     pub fn coordinator(&self) -> String {
         format!("{}coordinator", self.prefix)
@@ -148,13 +151,27 @@ impl Etcd {
         etcd_error(&self.url)
     }
 
-    /// Records a new cluster; refused if one of that name exists.
-    pub async fn create(&mut self, config: &ClusterConfig) -> Result<(), ClusterError> {
+    /// Records a new cluster, and the `--op-deadline-ms` its members must
+    /// run if one is given; refused if a cluster of that name exists.
+    pub async fn create(
+        &mut self,
+        config: &ClusterConfig,
+        op_deadline_ms: Option<u64>,
+    ) -> Result<(), ClusterError> {
         config.validate().map_err(ClusterError::Config)?;
+        if op_deadline_ms == Some(0) {
+            return Err(ClusterError::Config(
+                "--op-deadline-ms 0: a deadline must be at least 1 ms".into(),
+            ));
+        }
         let key = self.keys.config();
+        let mut puts = vec![TxnOp::put(key.clone(), encode(config), None)];
+        if let Some(ms) = op_deadline_ms {
+            puts.push(TxnOp::put(self.keys.op_deadline(), encode(&ms), None));
+        }
         let txn = Txn::new()
-            .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
-            .and_then([TxnOp::put(key, encode(config), None)]);
+            .when([Compare::create_revision(key, CompareOp::Equal, 0)])
+            .and_then(puts);
         let reply = self.client.txn(txn).await.map_err(self.error())?;
         if reply.succeeded() {
             return Ok(());
@@ -240,6 +257,58 @@ impl Etcd {
         Ok(())
     }
 
+    /// Holds this member to the `--op-deadline-ms` the cluster's members
+    /// run: the one recorded, or `own_ms`, recorded now if none is (by
+    /// `cluster create`, or by an earlier member: the first to join sets
+    /// it). Refused when another is recorded. Why one for all: a
+    /// replicated write's lock keeps a margin of the primary's deadlines
+    /// for CASes on the backups, each in flight for up to the backup's
+    /// (see kv-client's `replicated`).
+    pub async fn agree_op_deadline(&mut self, own_ms: u64) -> Result<(), ClusterError> {
+        let key = self.keys.op_deadline();
+        let txn = Txn::new()
+            .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
+            .and_then([TxnOp::put(key.clone(), encode(&own_ms), None)])
+            .or_else([TxnOp::get(key, None)]);
+        let reply = self.client.txn(txn).await.map_err(self.error())?;
+        if reply.succeeded() {
+            return Ok(());
+        }
+        let recorded = reply.op_responses().into_iter().find_map(|r| match r {
+            TxnOpResponse::Get(got) => got.kvs().first().map(|kv| kv.value().to_vec()),
+            _ => None,
+        });
+        // Recorded, then deleted by hand between the compare and the get:
+        // a retry would record ours, but an operator's deletion is theirs
+        // to explain.
+        let recorded = recorded.ok_or_else(|| {
+            ClusterError::Etcd(format!("{}: the op deadline record vanished", self.url))
+        })?;
+        let recorded: u64 = decode("the op deadline record", &recorded)?;
+        if recorded == own_ms {
+            return Ok(());
+        }
+        Err(ClusterError::Refused(format!(
+            "this server runs --op-deadline-ms {own_ms}, but the members of {} run {recorded}: \
+             start it with --op-deadline-ms {recorded} (a replicated write's lock margins \
+             assume that every member keeps one deadline)",
+            self.url
+        )))
+    }
+
+    /// The `--op-deadline-ms` the cluster's members run, once recorded.
+    pub async fn op_deadline(&mut self) -> Result<Option<u64>, ClusterError> {
+        let reply = self
+            .client
+            .get(self.keys.op_deadline(), None)
+            .await
+            .map_err(self.error())?;
+        match reply.kvs().first() {
+            Some(kv) => Ok(Some(decode("the op deadline record", kv.value())?)),
+            None => Ok(None),
+        }
+    }
+
     /// Puts a member's record on its lease, unless a record of that id
     /// exists: another server of the same name, or this one's previous
     /// incarnation, whose lease has not run out yet.
@@ -283,8 +352,17 @@ impl BlockingEtcd {
         Ok(BlockingEtcd { runtime, etcd })
     }
 
-    pub fn create(&mut self, config: &ClusterConfig) -> Result<(), ClusterError> {
-        self.runtime.block_on(self.etcd.create(config))
+    pub fn create(
+        &mut self,
+        config: &ClusterConfig,
+        op_deadline_ms: Option<u64>,
+    ) -> Result<(), ClusterError> {
+        self.runtime
+            .block_on(self.etcd.create(config, op_deadline_ms))
+    }
+
+    pub fn op_deadline(&mut self) -> Result<Option<u64>, ClusterError> {
+        self.runtime.block_on(self.etcd.op_deadline())
     }
 
     pub fn state(&mut self) -> Result<ClusterState, ClusterError> {

@@ -35,6 +35,10 @@ pub enum ClusterError {
     Damaged(String),
     #[error("membership lost: {0}")]
     LeaseLost(String),
+    /// This member may not join as it is configured: joining again will
+    /// not help.
+    #[error("{0}")]
+    Refused(String),
 }
 
 impl From<String> for ClusterError {

@@ -58,6 +58,9 @@ pub enum MemberEvent {
     /// The lease is gone (etcd said so), or joining failed: serve
     /// nothing until the next `Joined`.
     Fenced { why: String },
+    /// This member may not join as configured (`ClusterError::Refused`):
+    /// the membership has ended.
+    Refused { why: String },
 }
 
 /// Whether the lease is held, as an atomic the server reads.
@@ -182,6 +185,8 @@ pub struct MemberSpec {
     pub ttl: Duration,
     /// Its failure domain (`--zone`), if it names one.
     pub zone: Option<String>,
+    /// Its `--op-deadline-ms`, which must be the cluster's.
+    pub op_deadline_ms: u64,
 }
 
 impl Membership {
@@ -276,6 +281,11 @@ async fn run(
         controls.deadline.clear();
         let why = match result {
             Ok(()) => return,
+            Err(ClusterError::Refused(why)) => {
+                tracing::error!(member = %spec.id, "{why}");
+                let _ = events.send(MemberEvent::Refused { why });
+                return;
+            }
             Err(e) => e.to_string(),
         };
         tracing::warn!(member = %spec.id, "{why}");
@@ -299,6 +309,7 @@ async fn incarnation(
 ) -> Result<(), ClusterError> {
     let mut etcd = Etcd::connect(url).await?;
     let state = etcd.state().await?;
+    etcd.agree_op_deadline(spec.op_deadline_ms).await?;
     let ttl_secs = spec.ttl.as_secs().max(1) as i64;
     // etcd starts the lease's time after this: count from here.
     let asked = Instant::now();

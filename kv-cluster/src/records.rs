@@ -2,6 +2,9 @@
 //! `etcdctl get --prefix /onekv/` is readable by an operator):
 //!
 //! - `config`: the shard count, fixed at creation;
+//! - `op_deadline_ms`: the `--op-deadline-ms` every member runs, set once:
+//!   by `cluster create --op-deadline-ms`, or else by the first member to
+//!   join (see `Etcd::agree_op_deadline`);
 //! - `members/<id>`: one record per live server, on that server's etcd
 //!   lease (it vanishes when the server stops renewing);
 //! - `map`: which member owns each shard (its primary) and which hold its

@@ -187,6 +187,11 @@ enum ClusterCommand {
         /// --initial-members.
         #[arg(long, default_value_t = 1)]
         replicas: u32,
+        /// The --op-deadline-ms every member must run (a server started
+        /// with another is refused). Unset: the first member to join sets
+        /// it with its own.
+        #[arg(long)]
+        op_deadline_ms: Option<u64>,
     },
     /// Print the cluster's members and which shards each serves.
     Status {
@@ -287,6 +292,7 @@ fn cluster(action: ClusterCommand) -> Result<(), String> {
             shards,
             initial_members,
             replicas,
+            op_deadline_ms,
         } => {
             let config = ClusterConfig {
                 shards,
@@ -294,7 +300,8 @@ fn cluster(action: ClusterCommand) -> Result<(), String> {
                 replicas,
             };
             let mut etcd = BlockingEtcd::connect(&url).map_err(|e| e.to_string())?;
-            etcd.create(&config).map_err(|e| e.to_string())?;
+            etcd.create(&config, op_deadline_ms)
+                .map_err(|e| e.to_string())?;
             println!(
                 "created {url}: {shards} shards of {replicas} cop{}, dealt once {initial_members} servers have joined",
                 if replicas == 1 { "y" } else { "ies" }
@@ -308,6 +315,10 @@ fn cluster(action: ClusterCommand) -> Result<(), String> {
                 "{}",
                 kv_cluster::records::describe(&state.config, &state.members, state.shard_map())
             );
+            match etcd.op_deadline().map_err(|e| e.to_string())? {
+                Some(ms) => println!("every member runs --op-deadline-ms {ms}"),
+                None => println!("--op-deadline-ms: set by the first member to join"),
+            }
             Ok(())
         }
     }
@@ -359,6 +370,7 @@ fn serve_shards(
         listen: host.listen().to_string(),
         ttl,
         zone,
+        op_deadline_ms: u64::try_from(host.op_deadline().as_millis()).unwrap_or(u64::MAX),
     };
     // Bound before joining: a second process on this address fails here.
     let directory = Directory::serve(host.listen(), host.member(), &url.name)
@@ -403,7 +415,7 @@ fn serve_shards(
         }
         member.tend()?;
         match events.recv_timeout(Duration::from_millis(200)) {
-            Ok(event) => member.hear(event),
+            Ok(event) => member.hear(event)?,
             Err(mpsc::RecvTimeoutError::Timeout) => {}
             Err(mpsc::RecvTimeoutError::Disconnected) => {
                 return Err("the membership thread ended".into())
@@ -460,7 +472,8 @@ impl Member {
         Ok(())
     }
 
-    fn hear(&mut self, event: MemberEvent) {
+    /// Err when the cluster refused this member: the daemon ends.
+    fn hear(&mut self, event: MemberEvent) -> Result<(), String> {
         match event {
             MemberEvent::Joined { incarnation } => {
                 tracing::info!(incarnation, "member of the cluster");
@@ -489,7 +502,9 @@ impl Member {
                 tracing::warn!("serving nothing until joined again: {why}");
                 self.leave_serving();
             }
+            MemberEvent::Refused { why } => return Err(why),
         }
+        Ok(())
     }
 
     /// Out of the cluster until joined again: no shard, no map.

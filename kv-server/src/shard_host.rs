@@ -250,6 +250,11 @@ impl ShardHost {
         &self.member
     }
 
+    /// The deadline every shard here is served with.
+    pub fn op_deadline(&self) -> Duration {
+        self.template.op_deadline
+    }
+
     pub fn listen(&self) -> &Address {
         &self.template.address
     }

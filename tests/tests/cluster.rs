@@ -17,7 +17,8 @@ use kv_cluster::{shard_address, ClusterConfig, ClusterState, ClusterUrl, MemberR
 use kv_server::directory::Directory;
 use kv_server::Server;
 use onekv_tests::cluster::{
-    cluster_status, create_cluster, member_address, members_url, start_member, EtcdServer,
+    cluster_status, create_cluster, create_cluster_with, member_address, members_url, start_member,
+    EtcdServer,
 };
 use onekv_tests::{eventually, region_dir, workspace_bin};
 
@@ -272,6 +273,51 @@ fn the_kv_tool_works_on_the_cluster(url: &str, counter: &str) {
     let (code, stats, _) = kv(&["stats", "--shard", "5"]);
     assert_eq!(code, Some(0));
     assert!(stats.contains("buckets "), "{stats}");
+}
+
+/// A replicated write's lock margins count in the primary's deadlines
+/// while its CASes on the backups run under theirs: members of one cluster
+/// must keep one `--op-deadline-ms`. The first to join sets it (unless
+/// `cluster create` did), and a server started with another exits at once,
+/// saying which to use.
+#[test]
+fn every_member_of_a_cluster_keeps_one_op_deadline() {
+    let etcd = EtcdServer::start();
+    let dir = region_dir();
+    let refused = |url: &str, name: &str, ms: &str, recorded: &str| {
+        let member = start_member(url, dir.path(), name, &["--op-deadline-ms", ms]);
+        let (status, log) = member.wait_exit(Duration::from_secs(60));
+        assert_eq!(status.code(), Some(1), "{log}");
+        let hint = format!("start it with --op-deadline-ms {recorded}");
+        assert!(log.contains(&hint), "{log}");
+    };
+
+    // Set by the first member to join.
+    let url = etcd.url("deadline");
+    create_cluster(&url, 2, 1);
+    assert!(
+        cluster_status(&url).contains("set by the first member to join"),
+        "{}",
+        cluster_status(&url)
+    );
+    let _m0 = start_member(&url, dir.path(), "m0", &["--op-deadline-ms", "70"]);
+    eventually("m0 sets the deadline", Duration::from_secs(60), || {
+        cluster_status(&url).contains("every member runs --op-deadline-ms 70")
+    });
+    refused(&url, "m1", "50", "70");
+    let _m1 = start_member(&url, dir.path(), "m1", &["--op-deadline-ms", "70"]);
+    eventually("m1 joins", Duration::from_secs(60), || {
+        cluster_status(&url).contains("m1")
+    });
+
+    // Set by `cluster create`: even the first member is held to it.
+    let url = etcd.url("created");
+    create_cluster_with(&url, 2, 1, &["--op-deadline-ms", "90"]);
+    refused(&url, "c0", "50", "90");
+    let _c0 = start_member(&url, dir.path(), "c0", &["--op-deadline-ms", "90"]);
+    eventually("c0 serves", Duration::from_secs(60), || {
+        ClusterClient::connect(&url).is_ok_and(|mut kv| kv.put("k", "v").is_ok())
+    });
 }
 
 #[test]
