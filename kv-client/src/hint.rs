@@ -353,17 +353,19 @@ impl Client {
             self.cache.forget(key);
             return;
         }
-        let hint = match self.cache.get(key) {
-            Some(h) if h.pos == pos && h.slot == slot && h.is_fresh(&self.timing) => {
-                h.confirmed(slot, clock.started(), alone, &self.timing)
+        let timing = self.timing;
+        self.cache.update(key, |held| {
+            let hint = match held {
+                Some(h) if h.pos == pos && h.slot == slot && h.is_fresh(&timing) => {
+                    h.confirmed(slot, clock.started(), alone, &timing)
+                }
+                _ => Hint::seen(pos, slot, clock),
+            };
+            match counter {
+                Some(value) => hint.of_counter(value),
+                None => hint,
             }
-            _ => Hint::seen(pos, slot, clock),
-        };
-        let hint = match counter {
-            Some(value) => hint.of_counter(value),
-            None => hint,
-        };
-        self.cache.remember(key, hint);
+        });
     }
 
     /// This client's CAS replaced the copy `old` (its slot's position and
@@ -379,13 +381,13 @@ impl Client {
         if !self.cache.is_enabled() {
             return;
         }
-        let hint = match self.cache.get(key) {
+        let timing = self.timing;
+        self.cache.update(key, |held| match held {
             Some(h) if h.pos == pos && h.slot == old => {
-                h.confirmed(new, clock.started(), Alone::Unknown, &self.timing)
+                h.confirmed(new, clock.started(), Alone::Unknown, &timing)
             }
             _ => Hint::seen(pos, new, clock),
-        };
-        self.cache.remember(key, hint);
+        });
     }
 }
 
