@@ -278,13 +278,23 @@ impl Etcd {
             TxnOpResponse::Get(got) => got.kvs().first().map(|kv| kv.value().to_vec()),
             _ => None,
         });
-        // Recorded, then deleted by hand between the compare and the get:
-        // a retry would record ours, but an operator's deletion is theirs
-        // to explain.
+        // The compare and the get read one revision: a failed compare
+        // means the key is there.
         let recorded = recorded.ok_or_else(|| {
-            ClusterError::Etcd(format!("{}: the op deadline record vanished", self.url))
+            ClusterError::Etcd(format!("{}: etcd answered no op deadline record", self.url))
         })?;
-        let recorded: u64 = decode("the op deadline record", &recorded)?;
+        // Retrying cannot mend a bad record: an operator must.
+        let repair = |why: String| {
+            ClusterError::Refused(format!(
+                "{why}: put the members' deadline in milliseconds there \
+                 (etcdctl put {} 50)",
+                self.keys.op_deadline()
+            ))
+        };
+        let recorded: u64 = decode("the op deadline record", &recorded).map_err(repair)?;
+        if recorded == 0 {
+            return Err(repair("the op deadline record in etcd is 0".into()));
+        }
         if recorded == own_ms {
             return Ok(());
         }

@@ -307,7 +307,7 @@ fn every_member_of_a_cluster_keeps_one_op_deadline() {
     refused(&url, "m1", "50", "70");
     let _m1 = start_member(&url, dir.path(), "m1", &["--op-deadline-ms", "70"]);
     eventually("m1 joins", Duration::from_secs(60), || {
-        cluster_status(&url).contains("m1")
+        cluster_status(&url).contains("member m1 ")
     });
 
     // Set by `cluster create`: even the first member is held to it.
