@@ -688,11 +688,12 @@ impl ClusterClient {
     pub fn status(&mut self) -> Result<String> {
         self.reread(None)?;
         let s = &self.state;
-        Ok(kv_cluster::records::describe(
-            &s.config,
-            &s.members,
-            s.shard_map(),
-        ))
+        let mut status = kv_cluster::records::describe(&s.config, &s.members, s.shard_map());
+        if let Some(line) = self.map.describe_op_deadline()? {
+            status.push_str(&line);
+            status.push('\n');
+        }
+        Ok(status)
     }
 
     fn check_shard(&self, shard: u32) -> Result<()> {

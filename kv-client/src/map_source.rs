@@ -74,6 +74,20 @@ impl MapSource {
         }
     }
 
+    /// What etcd records of the `--op-deadline-ms` every member runs, as
+    /// `cluster status` says it; None from the members, whose map says
+    /// nothing of it.
+    pub(crate) fn describe_op_deadline(&mut self) -> Result<Option<String>> {
+        match self {
+            #[cfg(feature = "etcd")]
+            MapSource::Etcd(etcd) => etcd
+                .op_deadline()
+                .map(|ms| Some(kv_cluster::records::describe_op_deadline(ms)))
+                .map_err(|e| Error::Cluster(e.to_string())),
+            MapSource::Members(_) => Ok(None),
+        }
+    }
+
     /// The cluster now, never older than `newest` (what the caller holds).
     pub(crate) fn read(&mut self, newest: Option<&ClusterState>) -> Result<ClusterState> {
         self.read_past(newest, None)

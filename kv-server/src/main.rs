@@ -315,10 +315,8 @@ fn cluster(action: ClusterCommand) -> Result<(), String> {
                 "{}",
                 kv_cluster::records::describe(&state.config, &state.members, state.shard_map())
             );
-            match etcd.op_deadline().map_err(|e| e.to_string())? {
-                Some(ms) => println!("every member runs --op-deadline-ms {ms}"),
-                None => println!("--op-deadline-ms: set by the first member to join"),
-            }
+            let op_deadline = etcd.op_deadline().map_err(|e| e.to_string())?;
+            println!("{}", kv_cluster::records::describe_op_deadline(op_deadline));
             Ok(())
         }
     }

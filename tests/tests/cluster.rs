@@ -267,6 +267,12 @@ fn the_kv_tool_works_on_the_cluster(url: &str, counter: &str) {
         assert!(status.contains(&format!("member {m} ")), "{status}");
     }
     assert!(status.contains("map epoch: "), "{status}");
+    // etcd records the deadline its members run; their maps do not.
+    assert_eq!(
+        status.contains("every member runs --op-deadline-ms 50"),
+        url.starts_with("etcd://"),
+        "{status}"
+    );
     let (code, _, err) = kv(&["stats"]);
     assert_eq!(code, Some(2));
     assert!(err.contains("give --shard"), "{err}");

@@ -95,7 +95,8 @@ enum Command {
         shard: Option<u32>,
     },
     /// Of a cluster: its members, the shards each serves, the shard map's
-    /// epoch and the move under way.
+    /// epoch, the move under way and (read from etcd) the --op-deadline-ms
+    /// every member runs.
     Cluster,
 }
 
