@@ -103,6 +103,22 @@ impl EtcdServer {
         );
     }
 
+    /// Puts `value` at `key` as `etcdctl put` would: a record as an
+    /// operator sets it, or damaged.
+    pub fn put(&self, key: &str, value: &[u8]) {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a runtime for the etcd client");
+        runtime.block_on(async {
+            let endpoint = format!("http://127.0.0.1:{}", self.port);
+            let mut client = etcd_client::Client::connect([endpoint], None)
+                .await
+                .expect("connect to etcd");
+            client.put(key, value, None).await.expect("etcd put");
+        });
+    }
+
     /// The URL of cluster `name` in this etcd.
     pub fn url(&self, name: &str) -> String {
         format!("etcd://127.0.0.1:{}/{name}", self.port)

@@ -326,6 +326,32 @@ fn every_member_of_a_cluster_keeps_one_op_deadline() {
     });
 }
 
+/// A deadline record that does not decode, or is 0, cannot be mended by
+/// waiting: a server refuses to join and exits, saying how to repair it,
+/// and joins once an operator has.
+#[test]
+fn a_damaged_op_deadline_record_refuses_members_until_repaired() {
+    let etcd = EtcdServer::start();
+    let dir = region_dir();
+    let url = etcd.url("damaged");
+    create_cluster(&url, 2, 1);
+    let record = "/onekv/damaged/op_deadline_ms";
+    for (damage, why) in [(&b"fifty"[..], "is damaged"), (b"0", "is 0")] {
+        etcd.put(record, damage);
+        let member = start_member(&url, dir.path(), "m0", &[]);
+        let (status, log) = member.wait_exit(Duration::from_secs(60));
+        assert_eq!(status.code(), Some(1), "{log}");
+        assert!(log.contains(why), "{log}");
+        assert!(log.contains(&format!("etcdctl put {record} 50")), "{log}");
+    }
+    // Repaired as the message says.
+    etcd.put(record, b"50");
+    let _m0 = start_member(&url, dir.path(), "m0", &[]);
+    eventually("m0 joins", Duration::from_secs(60), || {
+        cluster_status(&url).contains("member m0 ")
+    });
+}
+
 #[test]
 fn a_member_paused_past_its_lease_serves_nothing_until_it_joins_again() {
     let etcd = EtcdServer::start();
