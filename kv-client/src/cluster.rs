@@ -680,7 +680,8 @@ impl ClusterClient {
 
     /// The cluster as etcd (or the member asked) holds it now, for people:
     /// its members, the shards each serves, the map's epoch, the move
-    /// under way.
+    /// under way, and, from etcd, the `--op-deadline-ms` its members run
+    /// (or what is wrong with that record).
     ///
     /// # Errors
     ///

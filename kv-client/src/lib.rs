@@ -114,7 +114,7 @@ const SPACE_WAIT: Duration = Duration::from_secs(30);
 /// Keys whose slot a client remembers unless told otherwise, per transport.
 pub struct SlotCacheEntries {
     /// Over rdma a round trip costs microseconds: 65 536 keys (about 6 MiB
-    /// of table once all are in use).
+    /// of table at its full size).
     pub rdma: usize,
     /// Over shm a round trip costs about what two cache misses do: a table
     /// that stays in the core's cache (4 096 keys, ~400 KiB), which keeps

@@ -75,14 +75,15 @@ impl MapSource {
     }
 
     /// What etcd records of the `--op-deadline-ms` every member runs, as
-    /// `cluster status` says it; None from the members, whose map says
-    /// nothing of it.
+    /// `kv-server cluster status` says it (kv-cluster's
+    /// `Etcd::describe_op_deadline`); None from the members, whose map
+    /// says nothing of it.
     pub(crate) fn describe_op_deadline(&mut self) -> Result<Option<String>> {
         match self {
             #[cfg(feature = "etcd")]
             MapSource::Etcd(etcd) => etcd
-                .op_deadline()
-                .map(|ms| Some(kv_cluster::records::describe_op_deadline(ms)))
+                .describe_op_deadline()
+                .map(Some)
                 .map_err(|e| Error::Cluster(e.to_string())),
             MapSource::Members(_) => Ok(None),
         }

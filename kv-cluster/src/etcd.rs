@@ -284,17 +284,9 @@ impl Etcd {
             ClusterError::Etcd(format!("{}: etcd answered no op deadline record", self.url))
         })?;
         // Retrying cannot mend a bad record: an operator must.
-        let repair = |why: String| {
-            ClusterError::Refused(format!(
-                "{why}: put the members' deadline in milliseconds there \
-                 (etcdctl put {} 50)",
-                self.keys.op_deadline()
-            ))
-        };
-        let recorded: u64 = decode("the op deadline record", &recorded).map_err(repair)?;
-        if recorded == 0 {
-            return Err(repair("the op deadline record in etcd is 0".into()));
-        }
+        let recorded = self
+            .decode_op_deadline(&recorded)
+            .map_err(ClusterError::Refused)?;
         if recorded == own_ms {
             return Ok(());
         }
@@ -306,17 +298,37 @@ impl Etcd {
         )))
     }
 
-    /// The `--op-deadline-ms` the cluster's members run, once recorded.
-    pub async fn op_deadline(&mut self) -> Result<Option<u64>, ClusterError> {
+    /// The op deadline `record` holds; what is wrong with it and how to
+    /// repair it, where it holds none (it does not decode, or is 0).
+    fn decode_op_deadline(&self, record: &[u8]) -> Result<u64, String> {
+        let why = match decode::<u64>("the op deadline record", record) {
+            Ok(0) => "the op deadline record in etcd is 0".to_string(),
+            Ok(ms) => return Ok(ms),
+            Err(why) => why,
+        };
+        Err(format!(
+            "{why}: put the members' deadline in milliseconds there \
+             (etcdctl put {} 50)",
+            self.keys.op_deadline()
+        ))
+    }
+
+    /// The `--op-deadline-ms` the cluster's members run, as `cluster
+    /// status` says it: the one recorded, none yet, or a damaged record
+    /// (which members refuse to join under) and how to repair it.
+    pub async fn describe_op_deadline(&mut self) -> Result<String, ClusterError> {
         let reply = self
             .client
             .get(self.keys.op_deadline(), None)
             .await
             .map_err(self.error())?;
-        match reply.kvs().first() {
-            Some(kv) => Ok(Some(decode("the op deadline record", kv.value())?)),
-            None => Ok(None),
-        }
+        Ok(match reply.kvs().first() {
+            None => "--op-deadline-ms: set by the first member to join".to_string(),
+            Some(kv) => match self.decode_op_deadline(kv.value()) {
+                Ok(ms) => format!("every member runs --op-deadline-ms {ms}"),
+                Err(damage) => format!("servers refuse to join: {damage}"),
+            },
+        })
     }
 
     /// Puts a member's record on its lease, unless a record of that id
@@ -371,8 +383,8 @@ impl BlockingEtcd {
             .block_on(self.etcd.create(config, op_deadline_ms))
     }
 
-    pub fn op_deadline(&mut self) -> Result<Option<u64>, ClusterError> {
-        self.runtime.block_on(self.etcd.op_deadline())
+    pub fn describe_op_deadline(&mut self) -> Result<String, ClusterError> {
+        self.runtime.block_on(self.etcd.describe_op_deadline())
     }
 
     pub fn state(&mut self) -> Result<ClusterState, ClusterError> {

@@ -405,15 +405,6 @@ fn describe_move(config: &ClusterConfig, map: &ShardMap, m: &ShardMove) -> Strin
     }
 }
 
-/// What `cluster status` says of the `--op-deadline-ms` its members must
-/// run (`op_deadline_ms`, None before the first member set it).
-pub fn describe_op_deadline(op_deadline_ms: Option<u64>) -> String {
-    match op_deadline_ms {
-        Some(ms) => format!("every member runs --op-deadline-ms {ms}"),
-        None => "--op-deadline-ms: set by the first member to join".to_string(),
-    }
-}
-
 /// What `cluster status` prints: members, the shards each owns, and the
 /// shards in trouble.
 pub fn describe(

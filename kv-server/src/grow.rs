@@ -265,7 +265,9 @@ pub fn grow_heap(shared: &Shared, at_least: u64) -> Result<(), String> {
     // keeps small pages rather than take a core from readers for longer,
     // but is zeroed here (~0.3 s/GiB), not by the faults of the clients
     // that first write each page (their system time per 1 M YCSB-A
-    // operations at R=3 after the heaps grew: 1.1–1.2 s → 0.5 s).
+    // operations at R=3 after the heaps grew: 1.1–1.2 s → 0.5 s). The
+    // growth is published that much later; space reserved for a new
+    // index would be zeroed by its copy here anyway.
     if new_len - g.region_len <= HUGE_GROWTH {
         if let Err(e) = shared.region.make_huge(g.region_len, new_len) {
             tracing::debug!("the grown part keeps small pages: {e}");

@@ -315,8 +315,8 @@ fn cluster(action: ClusterCommand) -> Result<(), String> {
                 "{}",
                 kv_cluster::records::describe(&state.config, &state.members, state.shard_map())
             );
-            let op_deadline = etcd.op_deadline().map_err(|e| e.to_string())?;
-            println!("{}", kv_cluster::records::describe_op_deadline(op_deadline));
+            let op_deadline = etcd.describe_op_deadline().map_err(|e| e.to_string())?;
+            println!("{op_deadline}");
             Ok(())
         }
     }

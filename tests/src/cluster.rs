@@ -103,42 +103,43 @@ impl EtcdServer {
         );
     }
 
-    /// Puts `value` at `key` as `etcdctl put` would: a record as an
-    /// operator sets it, or damaged.
-    pub fn put(&self, key: &str, value: &[u8]) {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("a runtime for the etcd client");
-        runtime.block_on(async {
-            let endpoint = format!("http://127.0.0.1:{}", self.port);
-            let mut client = etcd_client::Client::connect([endpoint], None)
-                .await
-                .expect("connect to etcd");
-            client.put(key, value, None).await.expect("etcd put");
-        });
-    }
-
     /// The URL of cluster `name` in this etcd.
     pub fn url(&self, name: &str) -> String {
         format!("etcd://127.0.0.1:{}/{name}", self.port)
     }
 
     /// Compacts etcd's history up to `revision`: watches from before it
-    /// are cancelled. (etcd's JSON gateway: the tests need no etcdctl.)
+    /// are cancelled.
     pub fn compact(&self, revision: i64) {
-        use std::io::{Read, Write};
         let body = format!("{{\"revision\": \"{revision}\", \"physical\": true}}");
+        self.gateway("/v3/kv/compaction", &body);
+    }
+
+    /// Puts `value` at `key`, as an operator's `etcdctl put` would (or
+    /// damage).
+    pub fn put(&self, key: &str, value: &[u8]) {
+        let body = format!(
+            "{{\"key\": \"{}\", \"value\": \"{}\"}}",
+            base64(key.as_bytes()),
+            base64(value)
+        );
+        self.gateway("/v3/kv/put", &body);
+    }
+
+    /// Posts `body` to etcd's JSON gateway at `path`: the tests need no
+    /// etcdctl.
+    fn gateway(&self, path: &str, body: &str) {
+        use std::io::{Read, Write};
         let mut stream = std::net::TcpStream::connect(("127.0.0.1", self.port)).expect("etcd");
         let request = format!(
-            "POST /v3/kv/compaction HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: \
+            "POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: \
              application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
             body.len()
         );
         stream.write_all(request.as_bytes()).expect("send");
         let mut reply = String::new();
         stream.read_to_string(&mut reply).expect("etcd's reply");
-        assert!(reply.starts_with("HTTP/1.1 200"), "compaction: {reply}");
+        assert!(reply.starts_with("HTTP/1.1 200"), "{path}: {reply}");
     }
 
     /// Sends `signal` (SIGSTOP, SIGCONT) to etcd.
@@ -146,6 +147,26 @@ impl EtcdServer {
         // SAFETY: kill(2) on our own child's pid.
         unsafe { libc::kill(self.child.id() as i32, signal) };
     }
+}
+
+/// `bytes` in base64 (with padding), as etcd's JSON gateway takes keys and
+/// values.
+fn base64(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::new();
+    for group in bytes.chunks(3) {
+        let word = group
+            .iter()
+            .enumerate()
+            .fold(0u32, |w, (i, &b)| w | u32::from(b) << (16 - 8 * i));
+        for i in 0..4 {
+            out.push(match i <= group.len() {
+                true => char::from(DIGITS[(word >> (18 - 6 * i) & 63) as usize]),
+                false => '=',
+            });
+        }
+    }
+    out
 }
 
 /// Whether process `pid` holds a socket that listens on TCP `port` of

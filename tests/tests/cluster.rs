@@ -335,17 +335,27 @@ fn a_damaged_op_deadline_record_refuses_members_until_repaired() {
     let dir = region_dir();
     let url = etcd.url("damaged");
     create_cluster(&url, 2, 1);
-    let record = "/onekv/damaged/op_deadline_ms";
-    for (damage, why) in [(&b"fifty"[..], "is damaged"), (b"0", "is 0")] {
-        etcd.put(record, damage);
+    let record = kv_cluster::etcd::Keys::new("damaged").op_deadline();
+    let repair = format!("etcdctl put {record} 50");
+    for (damage, why) in [
+        (&b"fifty"[..], "the op deadline record in etcd is damaged"),
+        (b"0", "the op deadline record in etcd is 0"),
+    ] {
+        etcd.put(&record, damage);
         let member = start_member(&url, dir.path(), "m0", &[]);
         let (status, log) = member.wait_exit(Duration::from_secs(60));
         assert_eq!(status.code(), Some(1), "{log}");
-        assert!(log.contains(why), "{log}");
-        assert!(log.contains(&format!("etcdctl put {record} 50")), "{log}");
+        assert!(log.contains(why) && log.contains(&repair), "{log}");
+        // What is wrong, shown with the rest of the cluster.
+        let status = cluster_status(&url);
+        assert!(
+            status.contains("shards: 2") && status.contains(why),
+            "{status}"
+        );
+        assert!(status.contains(&repair), "{status}");
     }
     // Repaired as the message says.
-    etcd.put(record, b"50");
+    etcd.put(&record, b"50");
     let _m0 = start_member(&url, dir.path(), "m0", &[]);
     eventually("m0 joins", Duration::from_secs(60), || {
         cluster_status(&url).contains("member m0 ")
