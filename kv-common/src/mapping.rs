@@ -426,14 +426,20 @@ pub(crate) mod tests {
         smaps_bytes(region, &["ShmemPmdMapped", "FilePmdMapped"])
     }
 
-    #[test]
-    fn a_region_on_huge_pages_keeps_its_bytes_and_is_mapped_huge() {
-        // On tmpfs, where the region lives in production.
+    /// A region of `len` bytes (growing to 16 MiB) on tmpfs, where regions
+    /// live in production; its directory goes when dropped.
+    fn region_on_tmpfs(len: u64) -> (tempfile::TempDir, std::path::PathBuf, SharedRegion) {
         let dir = tempfile::tempdir_in("/dev/shm").unwrap();
         let path = dir.path().join("r");
         let file = File::create_new(&path).unwrap();
-        file.set_len(8 << 20).unwrap();
+        file.set_len(len).unwrap();
         let region = SharedRegion::from_file(&file, &path, 16 << 20).unwrap();
+        (dir, path, region)
+    }
+
+    #[test]
+    fn a_region_on_huge_pages_keeps_its_bytes_and_is_mapped_huge() {
+        let (_dir, path, region) = region_on_tmpfs(8 << 20);
         assert_eq!(
             region.base as usize % HUGE_PAGE,
             0,
@@ -475,11 +481,7 @@ pub(crate) mod tests {
 
     #[test]
     fn a_populated_part_is_mapped_before_anyone_touches_it() {
-        let dir = tempfile::tempdir_in("/dev/shm").unwrap();
-        let path = dir.path().join("r");
-        let file = File::create_new(&path).unwrap();
-        file.set_len(4 << 20).unwrap();
-        let region = SharedRegion::from_file(&file, &path, 16 << 20).unwrap();
+        let (_dir, _, region) = region_on_tmpfs(4 << 20);
         region.grow(12 << 20).unwrap();
         let before = smaps_bytes(&region, &["Rss"]);
         if let Err(e) = region.populate(4 << 20, 12 << 20) {
