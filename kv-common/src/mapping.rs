@@ -160,20 +160,17 @@ impl SharedRegion {
         Ok(())
     }
 
-    /// Grows the file to `new_len` bytes (allocating them, so a full file
-    /// system fails here rather than with SIGBUS later) and maps the new
-    /// part in place. Readers see the new length only once it is mapped.
-    /// The new part has small pages; the server puts it on huge pages
-    /// (`make_huge`), or has them zeroed (`populate`), before anyone else
-    /// maps it.
-    pub fn grow(&self, new_len: u64) -> std::io::Result<()> {
+    /// Grows the file to `new_len` bytes, allocated (see `allocate`), and
+    /// maps the new part in place. Readers see the new length only once it
+    /// is mapped. On an error the file keeps its length.
+    pub fn grow(&self, new_len: u64) -> std::io::Result<Pages> {
         let _one = self
             .growing
             .lock()
             .map_err(|_| std::io::Error::other("poisoned"))?;
         let len = self.len();
         if new_len <= len {
-            return Ok(());
+            return Ok(Pages::Huge);
         }
         if new_len > self.reserved || !new_len.is_multiple_of(4096) {
             return Err(std::io::Error::other(format!(
@@ -181,38 +178,66 @@ impl SharedRegion {
                 self.reserved
             )));
         }
+        let grown = self
+            .file
+            .set_len(new_len)
+            .and_then(|()| self.map_part(len, new_len))
+            .and_then(|()| self.allocate(len, new_len));
+        match grown {
+            Ok(pages) => {
+                self.len.store(new_len, Ordering::Release);
+                Ok(pages)
+            }
+            Err(e) => {
+                // Frees what was allocated; nobody reads past `len`.
+                let _ = self.file.set_len(len);
+                Err(e)
+            }
+        }
+    }
+
+    /// Allocates file bytes `[from, to)`, which nobody uses yet: a full
+    /// file system fails here, not with SIGBUS in a client later. Their
+    /// whole huge pages are put on huge pages where the kernel can (a TLB
+    /// miss less on every random access to a large region; clients map the
+    /// same huge pages). The cheap way: one small page allocated per huge
+    /// page, then MADV_COLLAPSE (Linux ≥ 6.1, any tmpfs `huge=` unless
+    /// `shmem_enabled` is `deny`), which then zeroes fresh huge pages
+    /// instead of copying 512 small ones each (0.1–0.2 s per GiB on this
+    /// project's machine, where every page allocated and then collapsed
+    /// took 0.6–1.9 s). What the kernel cannot put on huge pages is
+    /// allocated on small ones, which tmpfs zeroes at their first touch.
+    pub fn allocate(&self, from: u64, to: u64) -> std::io::Result<Pages> {
+        // The seeds alone would fill a file system too small for the
+        // whole before posix_fallocate said so.
+        check_room(&self.file, to.saturating_sub(from))?;
+        let huge = HUGE_PAGE as u64;
+        let (start, end) = (from.next_multiple_of(huge), to / huge * huge);
+        for seed in (start..end).step_by(HUGE_PAGE) {
+            self.fallocate(seed, 4096)?;
+        }
+        let pages = match self.advise((start, end), libc::MADV_COLLAPSE) {
+            Ok(()) => Pages::Huge,
+            Err(e) => Pages::Small(e),
+        };
+        self.fallocate(from, to - from)?;
+        Ok(pages)
+    }
+
+    /// Allocates file bytes `[from, from + len)` (posix_fallocate).
+    fn fallocate(&self, from: u64, len: u64) -> std::io::Result<()> {
         // SAFETY: posix_fallocate on a descriptor we own.
         let rc = unsafe {
             libc::posix_fallocate(
                 self.file.as_raw_fd(),
+                from as libc::off_t,
                 len as libc::off_t,
-                (new_len - len) as libc::off_t,
             )
         };
         if rc != 0 {
             return Err(std::io::Error::from_raw_os_error(rc));
         }
-        self.map_part(len, new_len)?;
-        self.len.store(new_len, Ordering::Release);
         Ok(())
-    }
-
-    /// Asks the kernel to back the whole huge pages of file bytes
-    /// `[from, to)` with huge pages (MADV_COLLAPSE, Linux ≥ 6.1), which cuts
-    /// a TLB miss on every random access to a large region. It works on
-    /// tmpfs whatever its `huge=` option (unless `shmem_enabled` is
-    /// `deny`); where it cannot, the region keeps small pages, which is
-    /// only slower. It copies the bytes (0.4 s to several seconds per GiB,
-    /// depending on how much memory the kernel must compact), so the server
-    /// calls it once, on a region it has just created, before any client
-    /// or device sees it; clients map the same huge pages.
-    pub fn make_huge(&self, from: u64, to: u64) -> std::io::Result<()> {
-        let huge = HUGE_PAGE as u64;
-        let (start, end) = (
-            from.next_multiple_of(huge),
-            to.min(self.len()) / huge * huge,
-        );
-        self.advise((start, end), libc::MADV_COLLAPSE)
     }
 
     /// Has the kernel allocate and zero the pages of file bytes `[from, to)`
@@ -228,14 +253,20 @@ impl SharedRegion {
         )
     }
 
-    /// `advice` (one that keeps the bytes) on mapped file bytes
-    /// `[start, end)`, `start` page-aligned; nothing if the range is empty.
+    /// `advice` (one that keeps the bytes) on file bytes `[start, end)`,
+    /// `start` page-aligned, mapped (a part not mapped yet fails the call);
+    /// nothing if the range is empty.
     fn advise(&self, (start, end): (u64, u64), advice: libc::c_int) -> std::io::Result<()> {
-        if start >= end || end > self.len() {
+        if start >= end {
             return Ok(());
         }
-        // SAFETY: [start, end) lies inside our mapping (checked against its
-        // length, which only grows); the callers' advice keeps contents.
+        if end > self.reserved {
+            return Err(std::io::Error::other(format!(
+                "bytes {start}..{end} lie outside the mapping"
+            )));
+        }
+        // SAFETY: [start, end) lies inside our reservation (checked above),
+        // which only this value unmaps; the callers' advice keeps contents.
         let rc = unsafe {
             libc::madvise(
                 self.base.add(start as usize) as *mut libc::c_void,
@@ -383,6 +414,34 @@ impl Drop for SharedRegion {
 /// The huge-page size a mapping is aligned to (x86-64's and arm64's PMD).
 const HUGE_PAGE: usize = 2 << 20;
 
+/// Fails with ENOSPC when the file system of `file` has fewer than `bytes`
+/// free (one with no size limit reports none and passes). A check ahead of
+/// allocating, which still fails on its own if others took the space.
+pub fn check_room(file: &File, bytes: u64) -> std::io::Result<()> {
+    let mut fs = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: fstatvfs fills the struct we pass, on a descriptor we own.
+    let rc = unsafe { libc::fstatvfs(file.as_raw_fd(), fs.as_mut_ptr()) };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: fstatvfs succeeded, so it filled the struct.
+    let fs = unsafe { fs.assume_init() };
+    let free = fs.f_bavail.saturating_mul(fs.f_frsize);
+    if fs.f_blocks > 0 && free < bytes {
+        return Err(std::io::Error::from_raw_os_error(libc::ENOSPC));
+    }
+    Ok(())
+}
+
+/// What backs a part of the region just allocated.
+#[derive(Debug)]
+pub enum Pages {
+    /// Its whole huge pages are huge pages.
+    Huge,
+    /// Small pages, for the reason the kernel gave.
+    Small(std::io::Error),
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
@@ -438,51 +497,82 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn a_region_on_huge_pages_keeps_its_bytes_and_is_mapped_huge() {
+    fn allocated_parts_are_on_huge_pages_and_growth_keeps_the_bytes() {
         let (_dir, path, region) = region_on_tmpfs(8 << 20);
         assert_eq!(
             region.base as usize % HUGE_PAGE,
             0,
             "aligned for huge pages"
         );
+        let pages = region.allocate(0, 8 << 20).unwrap();
         for at in (0..8 << 20).step_by(4096) {
+            assert_eq!(region.load(at).unwrap(), 0);
             region.store(at, at ^ 0x5a5a).unwrap();
         }
-        match region.make_huge(0, region.len()) {
-            Ok(()) => {
-                // Every whole huge page of the file: all four.
-                assert_eq!(huge_mapped_bytes(&region), 8 << 20);
+        let grown = region.grow(12 << 20).unwrap();
+        assert_eq!(region.len(), 12 << 20);
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), 12 << 20);
+        for at in (8 << 20..12 << 20).step_by(4096) {
+            assert_eq!(region.load(at).unwrap(), 0);
+        }
+        for at in (0..8 << 20).step_by(4096) {
+            assert_eq!(region.load(at).unwrap(), at ^ 0x5a5a);
+        }
+        match (pages, grown) {
+            (Pages::Huge, Pages::Huge) => {
+                // Every whole huge page of the file: all six.
+                assert_eq!(huge_mapped_bytes(&region), 12 << 20);
                 // A client's mapping of the same file maps them whole too.
                 let client = SharedRegion::open(&path).unwrap();
                 assert_eq!(client.base as usize % HUGE_PAGE, 0);
-                for at in (0..8 << 20).step_by(4096) {
-                    assert_eq!(client.load(at).unwrap(), at ^ 0x5a5a);
+                for at in (0..12 << 20).step_by(4096) {
+                    let want = if at < 8 << 20 { at ^ 0x5a5a } else { 0 };
+                    assert_eq!(client.load(at).unwrap(), want);
                 }
-                assert_eq!(huge_mapped_bytes(&client), 8 << 20);
+                assert_eq!(huge_mapped_bytes(&client), 12 << 20);
             }
-            // A kernel before 6.1, or one told to deny them.
-            Err(e) => eprintln!("no huge pages here: {e}"),
+            // A kernel before 6.1, one told to deny them, or no free 2 MiB
+            // blocks of memory: the bytes are allocated all the same.
+            (p, g) => eprintln!("no huge pages here: {p:?}, {g:?}"),
         }
-        for at in (0..8 << 20).step_by(4096) {
-            assert_eq!(region.load(at).unwrap(), at ^ 0x5a5a);
-        }
-        // A grown part keeps small pages (no copy while serving); the
-        // huge ones keep their bytes.
-        let huge = huge_mapped_bytes(&region);
-        region.grow(12 << 20).unwrap();
-        assert_eq!(region.load((12 << 20) - 8).unwrap(), 0);
-        region.store((12 << 20) - 8, 7).unwrap();
-        assert_eq!(region.load((12 << 20) - 8).unwrap(), 7);
-        assert_eq!(huge_mapped_bytes(&region), huge);
-        for at in (0..8 << 20).step_by(4096) {
-            assert_eq!(region.load(at).unwrap(), at ^ 0x5a5a);
-        }
+        assert_eq!(
+            smaps_bytes(&region, &["Rss"]) % 4096,
+            0,
+            "smaps is readable"
+        );
+    }
+
+    #[test]
+    fn a_growth_beyond_the_file_system_fails_and_leaves_the_file_as_it_was() {
+        let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+        let path = dir.path().join("r");
+        let file = File::create_new(&path).unwrap();
+        file.set_len(4 << 20).unwrap();
+        // SAFETY: fstatvfs fills the struct we pass.
+        let fs = unsafe {
+            let mut fs = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+            assert_eq!(libc::fstatvfs(file.as_raw_fd(), fs.as_mut_ptr()), 0);
+            fs.assume_init()
+        };
+        let fs_bytes = fs.f_blocks * fs.f_frsize;
+        assert!(fs_bytes > 0, "/dev/shm has a size limit");
+        let too_big = (fs_bytes + (64 << 20)).next_multiple_of(4096);
+        let region = SharedRegion::from_file(&file, &path, too_big).unwrap();
+        let e = region.grow(too_big).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::ENOSPC), "{e}");
+        assert_eq!(region.len(), 4 << 20);
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), 4 << 20);
+        // The region still grows within what there is.
+        region.grow(8 << 20).unwrap();
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), 8 << 20);
     }
 
     #[test]
     fn a_populated_part_is_mapped_before_anyone_touches_it() {
-        let (_dir, _, region) = region_on_tmpfs(4 << 20);
-        region.grow(12 << 20).unwrap();
+        // Small pages allocated and not touched: what a part the kernel
+        // could not put on huge pages holds.
+        let (_dir, _, region) = region_on_tmpfs(12 << 20);
+        region.fallocate(0, 12 << 20).unwrap();
         let before = smaps_bytes(&region, &["Rss"]);
         if let Err(e) = region.populate(4 << 20, 12 << 20) {
             // A kernel before 5.14.

@@ -41,6 +41,7 @@ use kv_common::layout::{
     decode_block, index_bytes, CounterState, Geometry, KeyHash, Payload, Slot, BUCKET_BYTES,
     CANDIDATE_SLOTS, SLOTS_PER_BUCKET,
 };
+use kv_common::mapping::Pages;
 use kv_common::protocol::{Extent, Request, Response, PROTOCOL_VERSION};
 use kv_common::transport::{self, read_u64, Connection, TransportError, Verb};
 
@@ -51,8 +52,6 @@ use crate::{header, index_load, region};
 /// one step's allocation takes well under a second).
 const MIN_GROWTH: u64 = 64 << 20;
 const MAX_GROWTH: u64 = 1 << 30;
-/// Largest growth step put on huge pages (see `grow_heap`).
-const HUGE_GROWTH: u64 = 256 << 20;
 /// How often the index's occupancy is sampled.
 const SAMPLE_EVERY: Duration = Duration::from_millis(500);
 /// Least time between two passes that thaw stray frozen slots.
@@ -253,27 +252,23 @@ pub fn grow_heap(shared: &Shared, at_least: u64) -> Result<(), String> {
             g.region_len
         ));
     }
-    shared
+    let pages = shared
         .region
         .grow(new_len)
         .map_err(|e| format!("growing the region file to {new_len} bytes: {e}"))?;
-    // Nobody has the new part yet (not the device, not a client): up to
-    // HUGE_GROWTH of it is put on huge pages now, as a new region is, so
-    // that writes streaming through it do not miss the TLB every few blocks
-    // (UPDATE-warm's p99 at the default size: 3.8 → 1.3 us). Copying pages
-    // nobody wrote costs ~0.4 s/GiB of this thread's time; a larger step
-    // keeps small pages rather than take a core from readers for longer,
-    // but is zeroed here (~0.3 s/GiB), not by the faults of the clients
-    // that first write each page (their system time per 1 M YCSB-A
-    // operations at R=3 after the heaps grew: 1.1–1.2 s → 0.5 s). The
-    // growth is published that much later; space reserved for a new
-    // index would be zeroed by its copy here anyway.
-    if new_len - g.region_len <= HUGE_GROWTH {
-        if let Err(e) = shared.region.make_huge(g.region_len, new_len) {
-            tracing::debug!("the grown part keeps small pages: {e}");
+    // Nobody has the new part yet (not the device, not a client): it is on
+    // huge pages now where the kernel could (see `SharedRegion::allocate`),
+    // so that writes streaming through it do not miss the TLB every few
+    // blocks (UPDATE-warm's p99 at the default size: 3.8 → 1.3 us). Where
+    // it could not, the small pages are zeroed here (~0.3 s/GiB), not by
+    // the faults of the clients that first write each page (their system
+    // time per 1 M YCSB-A operations at R=3 after the heaps grew: 1.1–1.2 s
+    // → 0.5 s). The growth is published that much later.
+    if let Pages::Small(e) = pages {
+        tracing::debug!("the grown part keeps small pages: {e}");
+        if let Err(e) = shared.region.populate(g.region_len, new_len) {
+            tracing::debug!("the grown part is zeroed as clients first write it: {e}");
         }
-    } else if let Err(e) = shared.region.populate(g.region_len, new_len) {
-        tracing::debug!("the grown part is zeroed as clients first write it: {e}");
     }
     shared.listener.extend().map_err(|e| e.to_string())?;
     let new = Geometry {

@@ -13,7 +13,7 @@ use kv_common::layout::{
     BLOCK_HEADER, BUCKET_BYTES, HEADER_READ_WORDS, KEY_TABLE_ENTRIES, KEY_TABLE_OFFSET, MAX_KEY,
     RECORD_OFFSETS, RECORD_WORDS, SLOTS_PER_BUCKET,
 };
-use kv_common::mapping::SharedRegion;
+use kv_common::mapping::{check_room, Pages, SharedRegion};
 use kv_common::protocol::KeyDigest;
 use kv_common::transport::TransportError;
 use xxhash_rust::xxh3::{xxh3_128_with_seed, xxh3_64};
@@ -101,20 +101,6 @@ pub fn open_or_create(
     })
 }
 
-/// Puts a region just created on huge pages where the kernel can, and says
-/// whether it is. Only then: on a region in use it would copy gigabytes
-/// while clients wait for the server to come back.
-fn on_huge_pages(region: &SharedRegion, path: &Path) {
-    match region.make_huge(0, region.len()) {
-        Ok(()) => tracing::debug!(path = %path.display(), "region on huge pages"),
-        Err(e) => tracing::info!(
-            path = %path.display(),
-            error = %e,
-            "region kept small pages (huge pages need Linux 6.1 or later, free 2 MiB blocks of memory, and shmem_enabled other than deny)"
-        ),
-    }
-}
-
 /// A file that holds nothing but zeros where a region keeps its header, key
 /// table and index (the index of a default geometry for its size, and at
 /// least 64 MiB): a create that died between sizing the file and writing the
@@ -150,22 +136,29 @@ fn create(
         .map_err(|e| region_error(path, e))?;
     let len = geometry.region_len;
     // Allocate every page now: a region larger than its file system fails
-    // here with a clear error, not later with SIGBUS in a client.
-    file.set_len(0).map_err(|e| region_error(path, e))?;
-    // SAFETY: fallocate on a descriptor we own; it only sizes the file.
-    let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) };
-    if rc != 0 {
+    // here with a clear error, not later with SIGBUS in a client. Then
+    // huge pages: nobody has the region yet, so they cost no copy.
+    let refused = |reason: String| {
         // Ours to remove: it was empty (or an unfinished create) and we hold its lock.
         let _ = std::fs::remove_file(path);
-        let e = std::io::Error::from_raw_os_error(rc);
-        return Err(region_error(
-            path,
-            format!("cannot allocate {len} bytes for the region: {e}"),
-        ));
-    }
+        region_error(path, reason)
+    };
+    let cannot_allocate =
+        |e: std::io::Error| refused(format!("cannot allocate {len} bytes for the region: {e}"));
+    // Emptied first: an unfinished create's pages count as used.
+    file.set_len(0).map_err(|e| refused(e.to_string()))?;
+    check_room(&file, len).map_err(cannot_allocate)?;
+    file.set_len(len).map_err(|e| refused(e.to_string()))?;
     let region =
-        SharedRegion::from_file(&file, path, max_len).map_err(|e| region_error(path, e))?;
-    on_huge_pages(&region, path);
+        SharedRegion::from_file(&file, path, max_len).map_err(|e| refused(e.to_string()))?;
+    match region.allocate(0, len).map_err(cannot_allocate)? {
+        Pages::Huge => tracing::debug!(path = %path.display(), "region on huge pages"),
+        Pages::Small(e) => tracing::info!(
+            path = %path.display(),
+            error = %e,
+            "region kept small pages (huge pages need Linux 6.1 or later, free 2 MiB blocks of memory, and shmem_enabled other than deny)"
+        ),
+    }
     header::write_geometry(&region, geometry).map_err(|e| region_error(path, e))?;
     Ok(OpenedRegion {
         region,
