@@ -9,6 +9,7 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use crate::words::{compare_and_swap, fetch_and_add, load_words, prefetch_lines, store_words};
 
@@ -170,7 +171,7 @@ impl SharedRegion {
             .map_err(|_| std::io::Error::other("poisoned"))?;
         let len = self.len();
         if new_len <= len {
-            return Ok(Pages::Huge);
+            return Ok(Pages::Unchanged);
         }
         if new_len > self.reserved || !new_len.is_multiple_of(4096) {
             return Err(std::io::Error::other(format!(
@@ -196,32 +197,78 @@ impl SharedRegion {
         }
     }
 
-    /// Allocates file bytes `[from, to)`, which nobody uses yet: a full
-    /// file system fails here, not with SIGBUS in a client later. Their
-    /// whole huge pages are put on huge pages where the kernel can (a TLB
-    /// miss less on every random access to a large region; clients map the
-    /// same huge pages). The cheap way: one small page allocated per huge
-    /// page, then MADV_COLLAPSE (Linux ≥ 6.1, any tmpfs `huge=` unless
+    /// Allocates the file's bytes from `from` to the end of the mapping,
+    /// which nobody uses yet (see `allocate`): all of a region just
+    /// created, or the tail a growth that died before its header switch
+    /// left, perhaps with holes.
+    pub fn allocate_tail(&self, from: u64) -> std::io::Result<Pages> {
+        self.allocate(from, self.len())
+    }
+
+    /// Allocates file bytes `[from, to)`, mapped and used by nobody yet: a
+    /// full file system fails here, not with SIGBUS in a client later.
+    /// Their whole huge pages are put on huge pages where the kernel can (a
+    /// TLB miss less on every random access to a large region; clients map
+    /// the same huge pages). The cheap way: one small page allocated per
+    /// huge page, then MADV_COLLAPSE (Linux ≥ 6.1, any tmpfs `huge=` unless
     /// `shmem_enabled` is `deny`), which then zeroes fresh huge pages
     /// instead of copying 512 small ones each (0.1–0.2 s per GiB on this
     /// project's machine, where every page allocated and then collapsed
-    /// took 0.6–1.9 s). What the kernel cannot put on huge pages is
-    /// allocated on small ones, which tmpfs zeroes at their first touch.
-    pub fn allocate(&self, from: u64, to: u64) -> std::io::Result<Pages> {
-        // The seeds alone would fill a file system too small for the
-        // whole before posix_fallocate said so.
-        check_room(&self.file, to.saturating_sub(from))?;
+    /// took 0.6–1.9 s). It collapses a chunk at a time and stops at the
+    /// first chunk the kernel refuses, or once it has spent its budget
+    /// (memory short of free 2 MiB blocks is compacted first, which can
+    /// take seconds): the rest is allocated on small pages, which tmpfs
+    /// zeroes at their first touch.
+    fn allocate(&self, from: u64, to: u64) -> std::io::Result<Pages> {
+        if from > to || to > self.reserved {
+            return Err(std::io::Error::other(format!(
+                "cannot allocate bytes {from}..{to} of a {}-byte mapping",
+                self.reserved
+            )));
+        }
+        // A collapse charges whole huge pages: on a file system too small
+        // for the whole, collapsing would fill it before posix_fallocate
+        // said so.
+        check_room(&self.file, to - from)?;
         let huge = HUGE_PAGE as u64;
         let (start, end) = (from.next_multiple_of(huge), to / huge * huge);
         for seed in (start..end).step_by(HUGE_PAGE) {
             self.fallocate(seed, 4096)?;
         }
-        let pages = match self.advise((start, end), libc::MADV_COLLAPSE) {
-            Ok(()) => Pages::Huge,
-            Err(e) => Pages::Small(e),
-        };
+        let pages = self.collapse(start, end);
         self.fallocate(from, to - from)?;
         Ok(pages)
+    }
+
+    /// MADV_COLLAPSE over `[start, end)` (whole huge pages), a chunk at a
+    /// time, within the budget `allocate` describes.
+    fn collapse(&self, start: u64, end: u64) -> Pages {
+        let budget = COLLAPSE_BUDGET_PER_GIB
+            .mul_f64((end - start) as f64 / (1u64 << 30) as f64)
+            .max(COLLAPSE_BUDGET_PER_GIB / 4);
+        let began = Instant::now();
+        let mut at = start;
+        while at < end {
+            if began.elapsed() > budget {
+                let e = std::io::Error::other(format!("collapsing took over {budget:?}"));
+                return Pages::SmallFrom(at, e);
+            }
+            let chunk = (at, (at + COLLAPSE_CHUNK).min(end));
+            // EAGAIN: a page was busy for a moment (locked, on its way to
+            // an LRU list); once more usually takes it.
+            let done = self.advise(chunk, libc::MADV_COLLAPSE).or_else(|e| {
+                if e.raw_os_error() == Some(libc::EAGAIN) {
+                    self.advise(chunk, libc::MADV_COLLAPSE)
+                } else {
+                    Err(e)
+                }
+            });
+            if let Err(e) = done {
+                return Pages::SmallFrom(at, e);
+            }
+            at = chunk.1;
+        }
+        Pages::Huge
     }
 
     /// Allocates file bytes `[from, from + len)` (posix_fallocate).
@@ -426,6 +473,8 @@ pub fn check_room(file: &File, bytes: u64) -> std::io::Result<()> {
     }
     // SAFETY: fstatvfs succeeded, so it filled the struct.
     let fs = unsafe { fs.assume_init() };
+    // What an unprivileged user may use: a server run as root does not eat
+    // a disk's reserve either.
     let free = fs.f_bavail.saturating_mul(fs.f_frsize);
     if fs.f_blocks > 0 && free < bytes {
         return Err(std::io::Error::from_raw_os_error(libc::ENOSPC));
@@ -433,13 +482,22 @@ pub fn check_room(file: &File, bytes: u64) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Bytes collapsed into huge pages in one call.
+const COLLAPSE_CHUNK: u64 = 64 << 20;
+/// Time collapsing may take per GiB (several times what it takes when free
+/// 2 MiB blocks are at hand) before the rest is left on small pages.
+const COLLAPSE_BUDGET_PER_GIB: Duration = Duration::from_millis(800);
+
 /// What backs a part of the region just allocated.
 #[derive(Debug)]
 pub enum Pages {
     /// Its whole huge pages are huge pages.
     Huge,
-    /// Small pages, for the reason the kernel gave.
-    Small(std::io::Error),
+    /// Huge pages up to the byte given, small ones from there on, for the
+    /// reason given.
+    SmallFrom(u64, std::io::Error),
+    /// Nothing was allocated: the file was that long already.
+    Unchanged,
 }
 
 #[cfg(test)]
@@ -504,7 +562,8 @@ pub(crate) mod tests {
             0,
             "aligned for huge pages"
         );
-        let pages = region.allocate(0, 8 << 20).unwrap();
+        let pages = region.allocate_tail(0).unwrap();
+        assert!(allocated_bytes(&path) >= 8 << 20, "every byte allocated");
         for at in (0..8 << 20).step_by(4096) {
             assert_eq!(region.load(at).unwrap(), 0);
             region.store(at, at ^ 0x5a5a).unwrap();
@@ -512,6 +571,8 @@ pub(crate) mod tests {
         let grown = region.grow(12 << 20).unwrap();
         assert_eq!(region.len(), 12 << 20);
         assert_eq!(std::fs::metadata(&path).unwrap().len(), 12 << 20);
+        assert!(allocated_bytes(&path) >= 12 << 20, "every byte allocated");
+        assert!(matches!(region.grow(12 << 20), Ok(Pages::Unchanged)));
         for at in (8 << 20..12 << 20).step_by(4096) {
             assert_eq!(region.load(at).unwrap(), 0);
         }
@@ -535,11 +596,12 @@ pub(crate) mod tests {
             // blocks of memory: the bytes are allocated all the same.
             (p, g) => eprintln!("no huge pages here: {p:?}, {g:?}"),
         }
-        assert_eq!(
-            smaps_bytes(&region, &["Rss"]) % 4096,
-            0,
-            "smaps is readable"
-        );
+    }
+
+    /// Bytes of the file at `path` that its file system has allocated.
+    fn allocated_bytes(path: &Path) -> u64 {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata(path).unwrap().blocks() * 512
     }
 
     #[test]
@@ -555,7 +617,10 @@ pub(crate) mod tests {
             fs.assume_init()
         };
         let fs_bytes = fs.f_blocks * fs.f_frsize;
-        assert!(fs_bytes > 0, "/dev/shm has a size limit");
+        if fs_bytes == 0 {
+            eprintln!("/dev/shm has no size limit: nothing to exceed");
+            return;
+        }
         let too_big = (fs_bytes + (64 << 20)).next_multiple_of(4096);
         let region = SharedRegion::from_file(&file, &path, too_big).unwrap();
         let e = region.grow(too_big).unwrap_err();

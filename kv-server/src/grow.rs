@@ -264,9 +264,9 @@ pub fn grow_heap(shared: &Shared, at_least: u64) -> Result<(), String> {
     // the faults of the clients that first write each page (their system
     // time per 1 M YCSB-A operations at R=3 after the heaps grew: 1.1–1.2 s
     // → 0.5 s). The growth is published that much later.
-    if let Pages::Small(e) = pages {
-        tracing::debug!("the grown part keeps small pages: {e}");
-        if let Err(e) = shared.region.populate(g.region_len, new_len) {
+    if let Pages::SmallFrom(small, e) = pages {
+        tracing::info!("the grown region keeps small pages from byte {small} on: {e}");
+        if let Err(e) = shared.region.populate(small, new_len) {
             tracing::debug!("the grown part is zeroed as clients first write it: {e}");
         }
     }

@@ -82,7 +82,14 @@ pub fn open_or_create(
         region_error(path, format!("{e}; {way_out}"))
     })?;
     // Longer is a growth that died before its header switch: the header
-    // rules, and the next growth reuses the space.
+    // rules, and the next growth reuses the space, allocated now (the
+    // growth may have died before its pages were).
+    if found.region_len < region.len() {
+        let pages = region
+            .allocate_tail(found.region_len)
+            .map_err(|e| region_error(path, format!("cannot allocate its unused tail: {e}")))?;
+        say_pages(&pages, path);
+    }
     if found.region_len > region.len() {
         return Err(region_error(
             path,
@@ -99,6 +106,20 @@ pub fn open_or_create(
         created: false,
         lock: file,
     })
+}
+
+/// Logs what backs a part of the region just allocated.
+fn say_pages(pages: &Pages, path: &Path) {
+    match pages {
+        Pages::Huge | Pages::Unchanged => {
+            tracing::debug!(path = %path.display(), "region on huge pages")
+        }
+        Pages::SmallFrom(small, e) => tracing::info!(
+            path = %path.display(),
+            error = %e,
+            "region keeps small pages from byte {small} on (huge pages need Linux 6.1 or later, free 2 MiB blocks of memory, and shmem_enabled other than deny)"
+        ),
+    }
 }
 
 /// A file that holds nothing but zeros where a region keeps its header, key
@@ -151,14 +172,8 @@ fn create(
     file.set_len(len).map_err(|e| refused(e.to_string()))?;
     let region =
         SharedRegion::from_file(&file, path, max_len).map_err(|e| refused(e.to_string()))?;
-    match region.allocate(0, len).map_err(cannot_allocate)? {
-        Pages::Huge => tracing::debug!(path = %path.display(), "region on huge pages"),
-        Pages::Small(e) => tracing::info!(
-            path = %path.display(),
-            error = %e,
-            "region kept small pages (huge pages need Linux 6.1 or later, free 2 MiB blocks of memory, and shmem_enabled other than deny)"
-        ),
-    }
+    let pages = region.allocate_tail(0).map_err(cannot_allocate)?;
+    say_pages(&pages, path);
     header::write_geometry(&region, geometry).map_err(|e| region_error(path, e))?;
     Ok(OpenedRegion {
         region,
@@ -1035,6 +1050,31 @@ mod tests {
     };
 
     use super::*;
+
+    /// A growth that died after lengthening the file and before allocating
+    /// its pages leaves holes past the header's length; a restart
+    /// allocates them, so no client meets one later.
+    #[test]
+    fn a_tail_left_by_a_growth_that_died_is_allocated_at_open() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+        let path = dir.path().join("r");
+        let g = Geometry::for_memory(4 << 20, None).unwrap();
+        let created = open_or_create(&path, &g, 0o600, 16 << 20).unwrap();
+        let len = created.geometry.region_len;
+        drop(created);
+        let blocks = |path: &Path| std::fs::metadata(path).unwrap().blocks() * 512;
+        assert!(blocks(&path) >= len, "a new region is allocated");
+        // What `SharedRegion::grow` does first.
+        let file = OpenOptions::new().write(true).open(&path).unwrap();
+        file.set_len(len + (4 << 20)).unwrap();
+        drop(file);
+        assert!(blocks(&path) < len + (4 << 20), "a tail of holes");
+        let opened = open_or_create(&path, &g, 0o600, 16 << 20).unwrap();
+        assert!(!opened.created);
+        assert_eq!(opened.geometry.region_len, len, "the header rules");
+        assert!(blocks(&path) >= len + (4 << 20), "the tail allocated");
+    }
 
     /// Keys listed a page at a time: every key once, with its value's
     /// digest, each page within a control message.
