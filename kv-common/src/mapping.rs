@@ -9,7 +9,7 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::words::{compare_and_swap, fetch_and_add, load_words, prefetch_lines, store_words};
 
@@ -212,13 +212,13 @@ impl SharedRegion {
     /// the same huge pages). The cheap way: one small page allocated per
     /// huge page, then MADV_COLLAPSE (Linux ≥ 6.1, any tmpfs `huge=` unless
     /// `shmem_enabled` is `deny`), which then zeroes fresh huge pages
-    /// instead of copying 512 small ones each (0.1–0.2 s per GiB on this
-    /// project's machine, where every page allocated and then collapsed
-    /// took 0.6–1.9 s). It collapses a chunk at a time and stops at the
-    /// first chunk the kernel refuses, or once it has spent its budget
-    /// (memory short of free 2 MiB blocks is compacted first, which can
-    /// take seconds): the rest is allocated on small pages, which tmpfs
-    /// zeroes at their first touch.
+    /// instead of copying 512 small ones each (on this project's idle
+    /// machine 0.1–0.2 s per GiB, where every page allocated and then
+    /// collapsed took 0.6–1.9 s). It collapses a chunk at a time and stops
+    /// at the first chunk the kernel refuses, or once it has spent its
+    /// budget of CPU time (memory short of free 2 MiB blocks is compacted
+    /// first, which can take seconds): the rest is allocated on small
+    /// pages, which tmpfs zeroes at their first touch.
     fn allocate(&self, from: u64, to: u64) -> std::io::Result<Pages> {
         if from > to || to > self.reserved {
             return Err(std::io::Error::other(format!(
@@ -245,11 +245,11 @@ impl SharedRegion {
     fn collapse(&self, start: u64, end: u64) -> Pages {
         let budget = COLLAPSE_BUDGET_PER_GIB
             .mul_f64((end - start) as f64 / (1u64 << 30) as f64)
-            .max(COLLAPSE_BUDGET_PER_GIB / 4);
-        let began = Instant::now();
+            .max(COLLAPSE_BUDGET_PER_GIB / 8);
+        let began = thread_cpu_time();
         let mut at = start;
         while at < end {
-            if began.elapsed() > budget {
+            if thread_cpu_time().saturating_sub(began) > budget {
                 let e = std::io::Error::other(format!("collapsing took over {budget:?}"));
                 return Pages::SmallFrom(at, e);
             }
@@ -484,9 +484,27 @@ pub fn check_room(file: &File, bytes: u64) -> std::io::Result<()> {
 
 /// Bytes collapsed into huge pages in one call.
 const COLLAPSE_CHUNK: u64 = 64 << 20;
-/// Time collapsing may take per GiB (several times what it takes when free
-/// 2 MiB blocks are at hand) before the rest is left on small pages.
-const COLLAPSE_BUDGET_PER_GIB: Duration = Duration::from_millis(800);
+/// CPU time collapsing may take per GiB before the rest is left on small
+/// pages: about twice what it takes here while clients load the machine
+/// (1.0–1.2 s; 0.1–0.2 s on an idle one), so only a kernel that must
+/// compact memory for every huge page runs out of it.
+const COLLAPSE_BUDGET_PER_GIB: Duration = Duration::from_secs(2);
+
+/// CPU time this thread has used: what collapsing takes from the clients
+/// (compaction included), however long a busy machine keeps the thread
+/// waiting for a core.
+fn thread_cpu_time() -> Duration {
+    let mut t = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime fills the timespec we pass.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) };
+    if rc != 0 {
+        return Duration::ZERO;
+    }
+    Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
+}
 
 /// What backs a part of the region just allocated.
 #[derive(Debug)]
