@@ -465,6 +465,17 @@ const HUGE_PAGE: usize = 2 << 20;
 /// free (one with no size limit reports none and passes). A check ahead of
 /// allocating, which still fails on its own if others took the space.
 pub fn check_room(file: &File, bytes: u64) -> std::io::Result<()> {
+    let (size, free) = file_system_bytes(file)?;
+    if size > 0 && free < bytes {
+        return Err(std::io::Error::from_raw_os_error(libc::ENOSPC));
+    }
+    Ok(())
+}
+
+/// The size of the file system that holds `file`, and the bytes of it an
+/// unprivileged user may still take (a server run as root does not eat a
+/// disk's reserve either); tmpfs with no size limit says 0 and 0.
+fn file_system_bytes(file: &File) -> std::io::Result<(u64, u64)> {
     let mut fs = std::mem::MaybeUninit::<libc::statvfs>::uninit();
     // SAFETY: fstatvfs fills the struct we pass, on a descriptor we own.
     let rc = unsafe { libc::fstatvfs(file.as_raw_fd(), fs.as_mut_ptr()) };
@@ -473,13 +484,10 @@ pub fn check_room(file: &File, bytes: u64) -> std::io::Result<()> {
     }
     // SAFETY: fstatvfs succeeded, so it filled the struct.
     let fs = unsafe { fs.assume_init() };
-    // What an unprivileged user may use: a server run as root does not eat
-    // a disk's reserve either.
-    let free = fs.f_bavail.saturating_mul(fs.f_frsize);
-    if fs.f_blocks > 0 && free < bytes {
-        return Err(std::io::Error::from_raw_os_error(libc::ENOSPC));
-    }
-    Ok(())
+    Ok((
+        fs.f_blocks.saturating_mul(fs.f_frsize),
+        fs.f_bavail.saturating_mul(fs.f_frsize),
+    ))
 }
 
 /// Bytes collapsed into huge pages in one call.
@@ -628,13 +636,7 @@ pub(crate) mod tests {
         let path = dir.path().join("r");
         let file = File::create_new(&path).unwrap();
         file.set_len(4 << 20).unwrap();
-        // SAFETY: fstatvfs fills the struct we pass.
-        let fs = unsafe {
-            let mut fs = std::mem::MaybeUninit::<libc::statvfs>::uninit();
-            assert_eq!(libc::fstatvfs(file.as_raw_fd(), fs.as_mut_ptr()), 0);
-            fs.assume_init()
-        };
-        let fs_bytes = fs.f_blocks * fs.f_frsize;
+        let (fs_bytes, _) = file_system_bytes(&file).unwrap();
         if fs_bytes == 0 {
             eprintln!("/dev/shm has no size limit: nothing to exceed");
             return;
