@@ -9,7 +9,7 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::words::{compare_and_swap, fetch_and_add, load_words, prefetch_lines, store_words};
 
@@ -183,7 +183,7 @@ impl SharedRegion {
             .file
             .set_len(new_len)
             .and_then(|()| self.map_part(len, new_len))
-            .and_then(|()| self.allocate(len, new_len));
+            .and_then(|()| self.allocate((len, new_len), COLLAPSE_BUDGET_PER_GIB));
         match grown {
             Ok(pages) => {
                 self.len.store(new_len, Ordering::Release);
@@ -197,12 +197,10 @@ impl SharedRegion {
         }
     }
 
-    /// Allocates the file's bytes from `from` to the end of the mapping,
-    /// which nobody uses yet (see `allocate`): all of a region just
-    /// created, or the tail a growth that died before its header switch
-    /// left, perhaps with holes.
-    pub fn allocate_tail(&self, from: u64) -> std::io::Result<Pages> {
-        self.allocate(from, self.len())
+    /// Allocates every byte of a region just created, a sparse file
+    /// nobody else has mapped (see `allocate`).
+    pub fn allocate_all(&self) -> std::io::Result<Pages> {
+        self.allocate((0, self.len()), COLLAPSE_BUDGET_PER_GIB)
     }
 
     /// Allocates file bytes `[from, to)`, mapped and used by nobody yet: a
@@ -216,10 +214,11 @@ impl SharedRegion {
     /// machine 0.1–0.2 s per GiB, where every page allocated and then
     /// collapsed took 0.6–1.9 s). It collapses a chunk at a time and stops
     /// at the first chunk the kernel refuses, or once it has spent its
-    /// budget of CPU time (memory short of free 2 MiB blocks is compacted
-    /// first, which can take seconds): the rest is allocated on small
-    /// pages, which tmpfs zeroes at their first touch.
-    fn allocate(&self, from: u64, to: u64) -> std::io::Result<Pages> {
+    /// budget, `budget_per_gib` of CPU time (memory short of free 2 MiB
+    /// blocks is compacted first, which can take seconds) or four times
+    /// that of waiting: the rest is allocated on small pages, which tmpfs
+    /// zeroes at their first touch.
+    fn allocate(&self, (from, to): (u64, u64), budget_per_gib: Duration) -> std::io::Result<Pages> {
         if from > to || to > self.reserved {
             return Err(std::io::Error::other(format!(
                 "cannot allocate bytes {from}..{to} of a {}-byte mapping",
@@ -235,21 +234,27 @@ impl SharedRegion {
         for seed in (start..end).step_by(HUGE_PAGE) {
             self.fallocate(seed, 4096)?;
         }
-        let pages = self.collapse(start, end);
+        let budget = budget_per_gib
+            .mul_f64((end.saturating_sub(start)) as f64 / (1u64 << 30) as f64)
+            .max(budget_per_gib / 8);
+        let pages = match self.collapse((start, end), budget) {
+            // Nothing collapsed: small pages from the first byte (which
+            // the caller has zeroed ahead of clients).
+            Pages::SmallFrom(at, e) if at == start => Pages::SmallFrom(from, e),
+            pages => pages,
+        };
         self.fallocate(from, to - from)?;
         Ok(pages)
     }
 
     /// MADV_COLLAPSE over `[start, end)` (whole huge pages), a chunk at a
-    /// time, within the budget `allocate` describes.
-    fn collapse(&self, start: u64, end: u64) -> Pages {
-        let budget = COLLAPSE_BUDGET_PER_GIB
-            .mul_f64((end - start) as f64 / (1u64 << 30) as f64)
-            .max(COLLAPSE_BUDGET_PER_GIB / 8);
-        let began = thread_cpu_time();
+    /// time, until `budget` of this thread's CPU time (or four times that
+    /// of waiting) is spent.
+    fn collapse(&self, (start, end): (u64, u64), budget: Duration) -> Pages {
+        let (cpu, wall) = (thread_cpu_time(), Instant::now());
         let mut at = start;
         while at < end {
-            if thread_cpu_time().saturating_sub(began) > budget {
+            if thread_cpu_time().saturating_sub(cpu) >= budget || wall.elapsed() >= budget * 4 {
                 let e = std::io::Error::other(format!("collapsing took over {budget:?}"));
                 return Pages::SmallFrom(at, e);
             }
@@ -588,7 +593,7 @@ pub(crate) mod tests {
             0,
             "aligned for huge pages"
         );
-        let pages = region.allocate_tail(0).unwrap();
+        let pages = region.allocate_all().unwrap();
         assert!(allocated_bytes(&path) >= 8 << 20, "every byte allocated");
         for at in (0..8 << 20).step_by(4096) {
             assert_eq!(region.load(at).unwrap(), 0);
@@ -628,6 +633,27 @@ pub(crate) mod tests {
     fn allocated_bytes(path: &Path) -> u64 {
         use std::os::unix::fs::MetadataExt;
         std::fs::metadata(path).unwrap().blocks() * 512
+    }
+
+    #[test]
+    fn what_collapsing_leaves_out_is_allocated_on_small_pages() {
+        let (_dir, path, region) = region_on_tmpfs(16 << 20);
+        // No budget: nothing is collapsed, from the first byte on.
+        match region.allocate((4096, 16 << 20), Duration::ZERO).unwrap() {
+            Pages::SmallFrom(from, e) => {
+                assert_eq!(from, 4096, "{e}");
+                assert!(e.to_string().contains("collapsing took over"), "{e}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(
+            allocated_bytes(&path) >= (16 << 20) - 4096,
+            "every byte allocated"
+        );
+        assert_eq!(huge_mapped_bytes(&region), 0);
+        for at in (0..16 << 20).step_by(4096) {
+            assert_eq!(region.load(at).unwrap(), 0);
+        }
     }
 
     #[test]

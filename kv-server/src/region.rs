@@ -82,14 +82,16 @@ pub fn open_or_create(
         region_error(path, format!("{e}; {way_out}"))
     })?;
     // Longer is a growth that died before its header switch: the header
-    // rules, and the next growth reuses the space, allocated now (the
-    // growth may have died before its pages were).
-    if found.region_len < region.len() {
-        let pages = region
-            .allocate_tail(found.region_len)
-            .map_err(|e| region_error(path, format!("cannot allocate its unused tail: {e}")))?;
-        say_pages(&pages, path);
-    }
+    // rules. The tail is cut off (the growth may have died before it was
+    // all allocated, and nobody uses it) and the file mapped again.
+    let region = if found.region_len < region.len() {
+        drop(region);
+        file.set_len(found.region_len)
+            .map_err(|e| region_error(path, format!("cannot cut its unused tail: {e}")))?;
+        SharedRegion::from_file(&file, path, max_len).map_err(|e| region_error(path, e))?
+    } else {
+        region
+    };
     if found.region_len > region.len() {
         return Err(region_error(
             path,
@@ -172,7 +174,7 @@ fn create(
     file.set_len(len).map_err(|e| refused(e.to_string()))?;
     let region =
         SharedRegion::from_file(&file, path, max_len).map_err(|e| refused(e.to_string()))?;
-    let pages = region.allocate_tail(0).map_err(cannot_allocate)?;
+    let pages = region.allocate_all().map_err(cannot_allocate)?;
     say_pages(&pages, path);
     header::write_geometry(&region, geometry).map_err(|e| region_error(path, e))?;
     Ok(OpenedRegion {
@@ -1052,10 +1054,10 @@ mod tests {
     use super::*;
 
     /// A growth that died after lengthening the file and before allocating
-    /// its pages leaves holes past the header's length; a restart
-    /// allocates them, so no client meets one later.
+    /// its pages leaves holes past the header's length; a restart cuts
+    /// them off, so no client meets one later.
     #[test]
-    fn a_tail_left_by_a_growth_that_died_is_allocated_at_open() {
+    fn a_tail_left_by_a_growth_that_died_is_cut_off_at_open() {
         use std::os::unix::fs::MetadataExt;
         let dir = tempfile::tempdir_in("/dev/shm").unwrap();
         let path = dir.path().join("r");
@@ -1073,7 +1075,13 @@ mod tests {
         let opened = open_or_create(&path, &g, 0o600, 16 << 20).unwrap();
         assert!(!opened.created);
         assert_eq!(opened.geometry.region_len, len, "the header rules");
-        assert!(blocks(&path) >= len + (4 << 20), "the tail allocated");
+        assert_eq!(opened.region.len(), len);
+        assert_eq!(
+            std::fs::metadata(&path).unwrap().len(),
+            len,
+            "the tail cut off"
+        );
+        assert!(blocks(&path) >= len, "what is left is allocated");
     }
 
     /// Keys listed a page at a time: every key once, with its value's
