@@ -301,7 +301,8 @@ impl Shared {
 
     /// Whether the heap may grow to keep its headroom: the region is under
     /// its cap, and the heap under twice the live data (as of the last
-    /// scan) and the headroom — the bound on memory under a steady load.
+    /// scan) and the headroom: under a steady load the heap ends within
+    /// twice that, a growth step doubling the region.
     pub fn may_grow_for_headroom(&self, g: &Geometry) -> bool {
         let live = self.counters.live_bytes.load(Relaxed);
         let headroom = self.headroom.load(Relaxed);

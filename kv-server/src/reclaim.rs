@@ -12,9 +12,11 @@
 //! - short of it, it **grows** the heap, unless the space neither free nor
 //!   leased holds much more than the last scan found live — garbage nobody
 //!   reported (clients that died, a reopened region), which a **scan**
-//!   reclaims instead — and never past twice the live data and the
-//!   headroom (`Shared::may_grow_for_headroom`), so that reclamation that
-//!   falls behind cannot make the region grow without end.
+//!   reclaims instead — and starts no such growth past twice the live
+//!   data and the headroom (`Shared::may_grow_for_headroom`), so that
+//!   reclamation that falls behind cannot make the region grow without
+//!   end (a step doubles the region, so it ends within twice that bound:
+//!   see `grow::grow_heap`).
 //!
 //! It also scans when a lease went wanting or a departed client's space
 //! has settled, and after a scan that finds more than half the heap live it

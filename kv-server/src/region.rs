@@ -257,8 +257,15 @@ pub struct IndexScan {
 }
 
 /// Marks the block of every occupied slot; slots that cannot point at a
-/// block are counted and skipped.
+/// block are counted and skipped. A block past `g`'s end but within the
+/// region as now mapped is in space a growth published during the scan
+/// and clients were then handed: live, not marked (this scan frees
+/// nothing there), and not damage.
 pub fn scan_index(region: &SharedRegion, g: &Geometry) -> Result<IndexScan, TransportError> {
+    let grown = Geometry {
+        region_len: region.len().max(g.region_len),
+        ..*g
+    };
     let mut scan = IndexScan {
         live: UnitMap::new(g.heap_offset, g.region_len),
         live_slots: 0,
@@ -278,10 +285,16 @@ pub fn scan_index(region: &SharedRegion, g: &Geometry) -> Result<IndexScan, Tran
                 scan.live_slots += 1;
                 scan.live_bytes += len as u64;
             }
-            None => {
-                scan.corrupt_slots += 1;
-                first_corrupt.get_or_insert((pos, slot));
-            }
+            None => match grown.block_span(slot.thawed()) {
+                Some((_, len)) => {
+                    scan.live_slots += 1;
+                    scan.live_bytes += len as u64;
+                }
+                None => {
+                    scan.corrupt_slots += 1;
+                    first_corrupt.get_or_insert((pos, slot));
+                }
+            },
         }
     })?;
     if let Some((pos, slot)) = first_corrupt {
@@ -1047,8 +1060,8 @@ fn check_header(region: &SharedRegion) -> Result<(Geometry, Option<HeaderDamage>
 #[cfg(test)]
 mod tests {
     use kv_common::layout::{
-        class_for, counter_words, encode_block, encode_counter_block, COUNTER_ABANDONED,
-        COUNTER_SETTLED, MIN_BUCKETS,
+        class_for, class_size, counter_words, encode_block, encode_counter_block,
+        COUNTER_ABANDONED, COUNTER_SETTLED, MIN_BUCKETS,
     };
 
     use super::*;
@@ -1082,6 +1095,36 @@ mod tests {
             "the tail cut off"
         );
         assert!(blocks(&path) >= len, "what is left is allocated");
+    }
+
+    /// A scan that began before a growth was published meets blocks
+    /// clients wrote in the grown part: live, and not damage; a slot past
+    /// the region as mapped is.
+    #[test]
+    fn a_block_in_space_grown_during_a_scan_is_live_and_not_damage() {
+        let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+        let g = Geometry::for_memory(4 << 20, None).unwrap();
+        let opened = open_or_create(&dir.path().join("r"), &g, 0o600, 16 << 20).unwrap();
+        let (region, g) = (&opened.region, opened.geometry);
+        region.grow(g.region_len + (2 << 20)).unwrap();
+        let class = class_for(1000).unwrap();
+        let link = |i: usize, offset: u64| {
+            let kh = KeyHash::new(format!("k{i}").as_bytes(), g.bucket_count);
+            let pos = (0..kv_common::layout::CANDIDATE_SLOTS)
+                .map(|c| kh.slot_pos(c))
+                .find(|p| region.load(g.slot_offset(*p)).unwrap() == 0)
+                .expect("a free candidate");
+            let slot = Slot::new(kh.fingerprint, class, offset);
+            region.store(g.slot_offset(pos), slot.0).unwrap();
+        };
+        link(0, g.heap_offset + g.index_bytes());
+        link(1, g.region_len);
+        let scan = scan_index(region, &g).unwrap();
+        assert_eq!((scan.live_slots, scan.corrupt_slots), (2, 0));
+        assert_eq!(scan.live_bytes, 2 * class_size(class));
+        link(2, region.len());
+        let scan = scan_index(region, &g).unwrap();
+        assert_eq!((scan.live_slots, scan.corrupt_slots), (2, 1));
     }
 
     /// Keys listed a page at a time: every key once, with its value's
