@@ -104,13 +104,62 @@ unsafe fn load_words_aligned(src: *const AtomicU64, dst: *mut u64, words: usize)
     }
 }
 
-/// A WRITE's copy: a Release fence, then relaxed stores, so that a CAS
-/// publishing the words is seen after them.
+/// A WRITE's copy of `min(src.len(), dst.len())` words: a Release fence,
+/// then the stores, so that a CAS publishing the words is seen after them.
+///
+/// On x86-64 the stores are non-temporal (MOVNTI, then SFENCE, which
+/// orders them before every later store, the publishing CAS included):
+/// a block is read by other clients, later, or by nobody (a backup's), so
+/// fetching each of its lines for ownership first and keeping it in this
+/// core's cache only cost. Aligned 8-byte stores are atomic whatever
+/// their kind (Intel SDM vol. 3A §9.1.1). Measured (shm, YCSB-A, 100 k
+/// records of 1 KB, 2 threads, steady runs): +2–4% at one copy, +4% at
+/// three, whose writers store three blocks per update.
 #[inline]
 pub(crate) fn store_words(src: &[u64], dst: &[AtomicU64]) {
     fence(Ordering::Release);
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: both slices hold at least that many words, 8-byte aligned
+    // as every `[u64]` and `[AtomicU64]` is; `src` is not shared.
+    unsafe {
+        store_words_streaming(src.as_ptr(), dst.as_ptr(), src.len().min(dst.len()));
+    }
+    #[cfg(not(target_arch = "x86_64"))]
     for (d, s) in dst.iter().zip(src) {
         d.store(*s, Ordering::Relaxed);
+    }
+}
+
+/// Stores `words` words with MOVNTI, then an SFENCE.
+///
+/// # Safety
+///
+/// `src` and `dst` must be valid for `words` 8-byte-aligned words, and
+/// `src` not shared: every store is then an aligned 8-byte MOVNTI, atomic
+/// as the atomic loads of other processes need.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+unsafe fn store_words_streaming(src: *const u64, dst: *const AtomicU64, words: usize) {
+    // SAFETY: as the caller promises.
+    unsafe {
+        std::arch::asm!(
+            "test {n}, {n}",
+            "jz 3f",
+            "2:",
+            "mov {t}, [{src}]",
+            "movnti [{dst}], {t}",
+            "add {src}, 8",
+            "add {dst}, 8",
+            "dec {n}",
+            "jnz 2b",
+            "3:",
+            "sfence",
+            src = inout(reg) src => _,
+            dst = inout(reg) dst => _,
+            n = inout(reg) words => _,
+            t = out(reg) _,
+            options(nostack),
+        );
     }
 }
 
@@ -224,6 +273,25 @@ mod tests {
         }
     }
 
+    #[test]
+    fn a_write_stores_every_word_of_any_length_and_start_and_nothing_past() {
+        for start in 0..3usize {
+            for len in 0..=40usize {
+                let dst = line();
+                let src: Vec<u64> = (0..len as u64).map(|i| !i).collect();
+                store_words(&src, &dst.0[start..start + len]);
+                for (i, w) in dst.0.iter().enumerate() {
+                    let want = match i.checked_sub(start) {
+                        Some(at) if at < len => src[at],
+                        _ => i as u64 * 0x0101_0101_0101_0101 + 7,
+                    };
+                    let got = w.load(Ordering::Relaxed);
+                    assert_eq!(got, want, "start {start} len {len}: word {i}");
+                }
+            }
+        }
+    }
+
     /// Sets `stop` when dropped, so that a failed assertion ends the
     /// writer too instead of leaving the scope waiting for it.
     struct StopOnDrop<'a>(&'a AtomicBool);
@@ -240,14 +308,15 @@ mod tests {
         let stop = AtomicBool::new(false);
         std::thread::scope(|s| {
             s.spawn(|| {
-                // Whole words, each all zeros or all ones, stored while the
-                // other thread copies them.
-                let mut flip = 0u64;
+                // Whole words, each all zeros or all ones, stored as a
+                // WRITE stores them while the other thread copies them.
+                let (mut flip, mut words) = (0u64, [0u64; 48]);
                 while !stop.load(Ordering::Relaxed) {
                     flip = !flip;
-                    for (i, w) in src.0.iter().enumerate() {
-                        w.store(flip ^ (i as u64 & 1).wrapping_neg(), Ordering::Relaxed);
+                    for (i, w) in words.iter_mut().enumerate() {
+                        *w = flip ^ (i as u64 & 1).wrapping_neg();
                     }
+                    store_words(&words, &src.0);
                 }
             });
             let _stop = StopOnDrop(&stop);
