@@ -107,8 +107,10 @@ unsafe fn load_words_aligned(src: *const AtomicU64, dst: *mut u64, words: usize)
 /// A WRITE's copy of `min(src.len(), dst.len())` words: a Release fence,
 /// then the stores, so that a CAS publishing the words is seen after them.
 ///
-/// On x86-64 the stores are non-temporal (MOVNTI, then SFENCE, which
-/// orders them before every later store, the publishing CAS included):
+/// On x86-64 the stores are non-temporal, between two SFENCEs (the Release
+/// fence is no instruction there, and non-temporal stores may pass earlier
+/// stores; the second orders them before every later store, the
+/// publishing CAS included):
 /// a block is read by other clients, later, or by nobody (a backup's), so
 /// fetching each of its lines for ownership first and keeping it in this
 /// core's cache only cost. Aligned 8-byte stores are atomic whatever
@@ -130,7 +132,7 @@ pub(crate) fn store_words(src: &[u64], dst: &[AtomicU64]) {
     }
 }
 
-/// Stores `words` words with MOVNTI, then an SFENCE.
+/// Stores `words` words with MOVNTI, between two SFENCEs.
 ///
 /// # Safety
 ///
@@ -143,6 +145,7 @@ unsafe fn store_words_streaming(src: *const u64, dst: *const AtomicU64, words: u
     // SAFETY: as the caller promises.
     unsafe {
         std::arch::asm!(
+            "sfence",
             "test {n}, {n}",
             "jz 3f",
             "2:",
@@ -290,6 +293,67 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_write_stores_no_more_words_than_either_side_holds() {
+        let dst = line();
+        store_words(&[1, 2, 3, 4], &dst.0[5..7]);
+        store_words(&[9], &dst.0[10..13]);
+        let got: Vec<u64> = dst.0[4..14]
+            .iter()
+            .map(|w| w.load(Ordering::Relaxed))
+            .collect();
+        let old = |i: u64| i * 0x0101_0101_0101_0101 + 7;
+        let want = [
+            old(4),
+            1,
+            2,
+            old(7),
+            old(8),
+            old(9),
+            9,
+            old(11),
+            old(12),
+            old(13),
+        ];
+        assert_eq!(got, want);
+    }
+
+    /// A block WRITE, then the CAS of the word that publishes it, as a
+    /// PUT does: a reader that sees the word sees the whole block.
+    #[test]
+    fn a_reader_that_sees_the_publishing_cas_sees_the_whole_block() {
+        let (block, flag) = (line(), AtomicU64::new(0));
+        let stop = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let mut words = [0u64; 48];
+                for generation in 1u64.. {
+                    if stop.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    words.fill(generation);
+                    store_words(&words, &block.0);
+                    compare_and_swap(&flag, generation - 1, generation);
+                }
+            });
+            let _stop = StopOnDrop(&stop);
+            let mut dst = [0u64; 48];
+            let (mut seen, mut last) = (0, 0);
+            for _ in 0..2_000_000 {
+                let published = flag.load(Ordering::Acquire);
+                load_words(&block.0, &mut dst);
+                // Later WRITEs may have landed since; never an older one.
+                assert!(dst.iter().all(|&w| w >= published), "{published}: {dst:?}");
+                seen += usize::from(published != last);
+                last = published;
+                if seen >= 2_000 {
+                    break;
+                }
+            }
+            assert!(seen > 0, "the writer never published");
+        });
     }
 
     /// Sets `stop` when dropped, so that a failed assertion ends the

@@ -440,7 +440,7 @@ fn rebuild_heap(
     geometry: &Geometry,
 ) -> Result<(heap::HeapPool, Counters), ServerError> {
     let scan_started = Instant::now();
-    let scan = region::scan_index(region, geometry)?;
+    let scan = region::scan_index(region, geometry, || *geometry)?;
     let mut pool = heap::HeapPool::new(
         geometry.heap_offset,
         geometry.region_len,

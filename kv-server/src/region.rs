@@ -257,15 +257,18 @@ pub struct IndexScan {
 }
 
 /// Marks the block of every occupied slot; slots that cannot point at a
-/// block are counted and skipped. A block past `g`'s end but within the
-/// region as now mapped is in space a growth published during the scan
-/// and clients were then handed: live, not marked (this scan frees
-/// nothing there), and not damage.
-pub fn scan_index(region: &SharedRegion, g: &Geometry) -> Result<IndexScan, TransportError> {
-    let grown = Geometry {
-        region_len: region.len().max(g.region_len),
-        ..*g
-    };
+/// block are counted and skipped. A slot past `g`'s end whose block fits
+/// the geometry `published` gives when the slot is met is a block in
+/// space a growth published during the scan, which clients were then
+/// handed (after the publication: so the geometry read after the slot
+/// shows it): live, not marked (this scan frees nothing there), and not
+/// damage. Space a growth has mapped but not published is damage there,
+/// as anywhere past the region.
+pub fn scan_index(
+    region: &SharedRegion,
+    g: &Geometry,
+    published: impl Fn() -> Geometry,
+) -> Result<IndexScan, TransportError> {
     let mut scan = IndexScan {
         live: UnitMap::new(g.heap_offset, g.region_len),
         live_slots: 0,
@@ -285,7 +288,7 @@ pub fn scan_index(region: &SharedRegion, g: &Geometry) -> Result<IndexScan, Tran
                 scan.live_slots += 1;
                 scan.live_bytes += len as u64;
             }
-            None => match grown.block_span(slot.thawed()) {
+            None => match published().block_span(slot.thawed()) {
                 Some((_, len)) => {
                     scan.live_slots += 1;
                     scan.live_bytes += len as u64;
@@ -1098,8 +1101,9 @@ mod tests {
     }
 
     /// A scan that began before a growth was published meets blocks
-    /// clients wrote in the grown part: live, and not damage; a slot past
-    /// the region as mapped is.
+    /// clients wrote in the grown part: live, and not damage, once the
+    /// growth is published (as it is before clients get any of it); a
+    /// slot in space mapped but not published, or past the region, is.
     #[test]
     fn a_block_in_space_grown_during_a_scan_is_live_and_not_damage() {
         let dir = tempfile::tempdir_in("/dev/shm").unwrap();
@@ -1107,6 +1111,12 @@ mod tests {
         let opened = open_or_create(&dir.path().join("r"), &g, 0o600, 16 << 20).unwrap();
         let (region, g) = (&opened.region, opened.geometry);
         region.grow(g.region_len + (2 << 20)).unwrap();
+        let grown = Geometry {
+            region_len: region.len(),
+            heap_size: region.len() - g.heap_offset,
+            epoch: g.epoch + 1,
+            ..g
+        };
         let class = class_for(1000).unwrap();
         let link = |i: usize, offset: u64| {
             let kh = KeyHash::new(format!("k{i}").as_bytes(), g.bucket_count);
@@ -1119,12 +1129,17 @@ mod tests {
         };
         link(0, g.heap_offset + g.index_bytes());
         link(1, g.region_len);
-        let scan = scan_index(region, &g).unwrap();
-        assert_eq!((scan.live_slots, scan.corrupt_slots), (2, 0));
-        assert_eq!(scan.live_bytes, 2 * class_size(class));
-        link(2, region.len());
-        let scan = scan_index(region, &g).unwrap();
-        assert_eq!((scan.live_slots, scan.corrupt_slots), (2, 1));
+        let counts = |scan: IndexScan| (scan.live_slots, scan.live_bytes, scan.corrupt_slots);
+        let block = class_size(class);
+        // Published while the scan ran: the scan's geometry is the old one.
+        let scan = scan_index(region, &g, || grown).unwrap();
+        assert_eq!(counts(scan), (2, 2 * block, 0));
+        // Mapped, but no growth published.
+        let scan = scan_index(region, &g, || g).unwrap();
+        assert_eq!(counts(scan), (1, block, 1));
+        link(2, grown.region_len);
+        let scan = scan_index(region, &g, || grown).unwrap();
+        assert_eq!(counts(scan), (2, 2 * block, 1));
     }
 
     /// Keys listed a page at a time: every key once, with its value's

@@ -4,7 +4,8 @@
 //!
 //! Accesses to the mapping (`crate::mapping`) never form data races in Rust's memory model:
 //! every word is an `AtomicU64`, read and written whole (see `words`). A
-//! WRITE is a Release fence followed by relaxed stores, a READ word loads
+//! WRITE is a Release fence followed by word stores (non-temporal on
+//! x86-64, fenced on both sides), a READ word loads
 //! followed by an Acquire fence, and CAS/FETCH-AND-ADD are SeqCst
 //! read-modify-writes. So a block written before the CAS that publishes its
 //! slot is visible to any reader that saw the slot. (DESIGN.md has READs as
