@@ -239,7 +239,7 @@ impl SharedRegion {
             .max(budget_per_gib / 8);
         let pages = match self.collapse((start, end), budget) {
             // Nothing collapsed: small pages from the first byte (which
-            // the caller has zeroed ahead of clients).
+            // the caller zeroes ahead of clients).
             Pages::SmallFrom(at, e) if at == start => Pages::SmallFrom(from, e),
             pages => pages,
         };

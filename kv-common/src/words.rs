@@ -113,7 +113,7 @@ unsafe fn load_words_aligned(src: *const AtomicU64, dst: *mut u64, words: usize)
 /// publishing CAS included):
 /// a block is read by other clients, later, or by nobody (a backup's), so
 /// fetching each of its lines for ownership first and keeping it in this
-/// core's cache only cost. Aligned 8-byte stores are atomic whatever
+/// core's cache only costs. Aligned 8-byte stores are atomic whatever
 /// their kind (Intel SDM vol. 3A §9.1.1). Measured (shm, YCSB-A, 100 k
 /// records of 1 KB, 2 threads, steady runs): +2–4% at one copy, +4% at
 /// three, whose writers store three blocks per update.

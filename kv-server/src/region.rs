@@ -282,22 +282,19 @@ pub fn scan_index(
         if slot.thawed().is_empty() {
             return;
         }
-        match g.block_span(slot.thawed()) {
-            Some((offset, len)) => {
-                scan.live.mark(offset, len as u64);
+        let span = g.block_span(slot.thawed());
+        if let Some((offset, len)) = span {
+            scan.live.mark(offset, len as u64);
+        }
+        match span.or_else(|| published().block_span(slot.thawed())) {
+            Some((_, len)) => {
                 scan.live_slots += 1;
                 scan.live_bytes += len as u64;
             }
-            None => match published().block_span(slot.thawed()) {
-                Some((_, len)) => {
-                    scan.live_slots += 1;
-                    scan.live_bytes += len as u64;
-                }
-                None => {
-                    scan.corrupt_slots += 1;
-                    first_corrupt.get_or_insert((pos, slot));
-                }
-            },
+            None => {
+                scan.corrupt_slots += 1;
+                first_corrupt.get_or_insert((pos, slot));
+            }
         }
     })?;
     if let Some((pos, slot)) = first_corrupt {
