@@ -35,55 +35,46 @@ impl UnitMap {
         }
         let first = offset.saturating_sub(self.start) / UNIT;
         let last = ((end - self.start).div_ceil(UNIT)).min(self.units);
-        let mut u = first;
-        while u < last {
-            let (w, b) = ((u / 64) as usize, u % 64);
-            if b == 0 && last - u >= 64 {
-                self.words[w] = u64::MAX;
-                u += 64;
-            } else {
-                self.words[w] |= 1 << b;
-                u += 1;
-            }
+        if first >= last {
+            return;
+        }
+        // A word at a time: a block spans tens of units.
+        let (first_word, last_word) = (first / 64, (last - 1) / 64);
+        for w in first_word..=last_word {
+            let low = if w == first_word { first % 64 } else { 0 };
+            let high = if w == last_word { (last - 1) % 64 } else { 63 };
+            self.words[w as usize] |= (u64::MAX >> (63 - high)) & (u64::MAX << low);
         }
     }
 
     /// The runs of unmarked units, as byte extents in ascending order.
     pub fn unmarked_runs(&self) -> Vec<Extent> {
         let mut runs = Vec::new();
-        let mut run_start: Option<u64> = None;
-        let mut u = 0;
-        while u < self.units {
-            let (w, b) = ((u / 64) as usize, u % 64);
-            let word = self.words[w];
-            // Whole words at once where they are all one way.
-            if b == 0 && self.units - u >= 64 && (word == 0 || word == u64::MAX) {
-                match (word == 0, run_start) {
-                    (true, None) => run_start = Some(u),
-                    (false, Some(s)) => {
-                        runs.push(self.extent(s, u));
-                        run_start = None;
-                    }
-                    _ => {}
-                }
-                u += 64;
-                continue;
-            }
-            let marked = word & (1 << b) != 0;
-            match (marked, run_start) {
-                (false, None) => run_start = Some(u),
-                (true, Some(s)) => {
-                    runs.push(self.extent(s, u));
-                    run_start = None;
-                }
-                _ => {}
-            }
-            u += 1;
-        }
-        if let Some(s) = run_start {
-            runs.push(self.extent(s, self.units));
+        let mut from = 0;
+        while let Some(start) = self.next_unit(from, false) {
+            let end = self.next_unit(start, true).unwrap_or(self.units);
+            runs.push(self.extent(start, end));
+            from = end;
         }
         runs
+    }
+
+    /// The first unit at or after `from` that is marked (or unmarked, as
+    /// `marked` says). Word by word, and within a word by counting zeros:
+    /// the cost is the words and runs, not the units.
+    fn next_unit(&self, from: u64, marked: bool) -> Option<u64> {
+        // Flipped so that the units looked for are the set bits.
+        let flip = if marked { 0 } else { u64::MAX };
+        let mut w = (from / 64) as usize;
+        let mut bits = (self.words.get(w)? ^ flip) & (u64::MAX << (from % 64));
+        while bits == 0 {
+            w += 1;
+            bits = self.words.get(w)? ^ flip;
+        }
+        // The last word's bits past the map are never marked: looking for
+        // an unmarked unit may land there, which is past the end.
+        let unit = w as u64 * 64 + u64::from(bits.trailing_zeros());
+        (unit < self.units).then_some(unit)
     }
 
     fn extent(&self, from: u64, to: u64) -> Extent {
@@ -115,6 +106,58 @@ mod tests {
             m.unmarked_runs(),
             vec![ext(4096 + 2 * u, u * 68), ext(4096 + u * 134, u * 65)]
         );
+    }
+
+    /// Unit by unit, as the map was first written: what the word-wise
+    /// `mark` and `unmarked_runs` must agree with.
+    fn runs_unit_by_unit(map_start: u64, units: u64, marks: &[(u64, u64)]) -> Vec<Extent> {
+        let marked = |u: u64| {
+            let (from, to) = (map_start + u * UNIT, map_start + (u + 1) * UNIT);
+            marks
+                .iter()
+                .any(|&(o, l)| l > 0 && o < to && o.saturating_add(l) > from)
+        };
+        let mut runs: Vec<Extent> = Vec::new();
+        for u in (0..units).filter(|&u| !marked(u)) {
+            match runs.last_mut() {
+                Some(r) if r.offset + r.len == map_start + u * UNIT => r.len += UNIT,
+                _ => runs.push(ext(map_start + u * UNIT, UNIT)),
+            }
+        }
+        runs
+    }
+
+    #[test]
+    fn word_wise_runs_match_unit_by_unit_ones_on_random_marks() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut next = move |below: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % below
+        };
+        for round in 0..300 {
+            let (start, units) = (4096 + next(4) * UNIT, 1 + next(700));
+            let mut m = UnitMap::new(start, start + units * UNIT);
+            let marks: Vec<(u64, u64)> = (0..next(12))
+                .map(|_| {
+                    let offset = start.saturating_sub(UNIT * 3) + next((units + 6) * UNIT);
+                    // Mostly short, some past a word, some zero-length.
+                    (
+                        offset,
+                        next(if round % 3 == 0 { 150 * UNIT } else { 5 * UNIT }),
+                    )
+                })
+                .collect();
+            for &(o, l) in &marks {
+                m.mark(o, l);
+            }
+            assert_eq!(
+                m.unmarked_runs(),
+                runs_unit_by_unit(start, units, &marks),
+                "round {round}: marks {marks:?} on {units} units"
+            );
+        }
     }
 
     #[test]
