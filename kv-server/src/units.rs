@@ -71,8 +71,8 @@ impl UnitMap {
             w += 1;
             bits = self.words.get(w)? ^ flip;
         }
-        // The last word's bits past the map are never marked: looking for
-        // an unmarked unit may land there, which is past the end.
+        // Looking for an unmarked unit may land on the last word's bits
+        // past the map, which are no units.
         let unit = w as u64 * 64 + u64::from(bits.trailing_zeros());
         (unit < self.units).then_some(unit)
     }
@@ -169,5 +169,10 @@ mod tests {
         let mut m = UnitMap::new(0, u * 128);
         m.mark(u * 64, u);
         assert_eq!(m.unmarked_runs(), vec![ext(0, u * 64), ext(u * 65, u * 63)]);
+        m.mark(u * 100, u64::MAX); // its end would overflow: clipped
+        assert_eq!(m.unmarked_runs(), vec![ext(0, u * 64), ext(u * 65, u * 35)]);
+        let mut empty = UnitMap::new(u * 8, u * 8);
+        empty.mark(0, u * 100);
+        assert!(empty.unmarked_runs().is_empty());
     }
 }
