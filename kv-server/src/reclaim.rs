@@ -407,6 +407,7 @@ pub fn collect(shared: &Shared) -> u64 {
         shared.want_growth(|w| w.heap = Some(g.region_len));
     }
     let ready_at = Instant::now() + shared.grace();
+    let locked = Instant::now();
     let freed = match shared.pool.lock() {
         Ok(mut p) => {
             p.take_ready(subsumed);
@@ -418,6 +419,8 @@ pub fn collect(shared: &Shared) -> u64 {
         freed,
         live_slots = scan.live_slots,
         took_us = started.elapsed().as_micros() as u64,
+        // Leases wait while the pool is locked.
+        locked_us = locked.elapsed().as_micros() as u64,
         "collected"
     );
     freed
