@@ -175,8 +175,8 @@ pub struct HeapPool {
 
 /// Extents maturing at once from which the free maps are rebuilt rather
 /// than added to one by one, if they are also an eighth of the extents
-/// already free or more (a rebuild costs a pass over both, an insert a
-/// tree's descent).
+/// already free or more (a rebuild costs a pass over both and a sort of
+/// the result by size, an insert a tree's descent or two).
 const BULK_FREES: usize = 256;
 
 /// How recent a collection must be for a lease it did not help to be told
@@ -522,8 +522,13 @@ impl HeapPool {
     /// leases waiting 5-25 ms (merged: 1-5 ms; YCSB-A, 100 k keys, R=3).
     fn push_aging_runs(&mut self, ready_at: Instant, runs: Vec<Extent>) -> u64 {
         let bytes = runs.iter().map(|e| e.len).sum();
-        let mut at: BTreeMap<u64, u64> = runs.iter().map(|e| (e.offset, e.len)).collect();
-        self.aging_at.append(&mut at);
+        // A merge rebuilds the whole map: not for a few runs into many.
+        if runs.len() * 8 < self.aging_at.len() {
+            self.aging_at.extend(runs.iter().map(|e| (e.offset, e.len)));
+        } else {
+            let mut at: BTreeMap<u64, u64> = runs.iter().map(|e| (e.offset, e.len)).collect();
+            self.aging_at.append(&mut at);
+        }
         self.aging.extend(runs.into_iter().map(|e| (ready_at, e)));
         self.aging_bytes += bytes;
         bytes
@@ -693,6 +698,10 @@ impl HeapPool {
         matured.sort_unstable_by_key(|e| e.offset);
         if self.aging.is_empty() {
             self.aging_at.clear();
+        } else if due * 8 < self.aging_at.len() {
+            for e in &matured {
+                self.aging_at.remove(&e.offset);
+            }
         } else {
             self.aging_at
                 .retain(|o, _| matured.binary_search_by_key(o, |e| e.offset).is_err());
@@ -960,6 +969,47 @@ mod tests {
         assert_eq!(aging_at, aging);
         assert_eq!(p.aging.len(), aging.len());
         assert_eq!(p.aging_bytes, aging.iter().map(|a| a.1).sum::<u64>());
+    }
+
+    /// `insert_free_sorted` leaves the free maps as `insert_free` one by
+    /// one does, on random extents that touch each other, free ones on
+    /// either side, or none, before, between and after the free ones.
+    #[test]
+    fn a_rebuild_of_the_free_maps_is_inserting_one_by_one() {
+        let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+        let mut next = move |below: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % below
+        };
+        for round in 0..200 {
+            // Cut [0, 64 units) into pieces: each free, added, or neither.
+            let (mut free, mut added) = (Vec::new(), Vec::new());
+            let mut at = 0;
+            while at < 64 {
+                let len = 1 + next(4);
+                let piece = ext(at * UNIT, len.min(64 - at) * UNIT);
+                match next(3) {
+                    0 => free.push(piece),
+                    1 => added.push(piece),
+                    _ => {}
+                }
+                at += len;
+            }
+            let mut one_by_one = HeapPool::new(0, 64 * UNIT, 4096);
+            for &e in free.iter().chain(&added) {
+                one_by_one.insert_free(e);
+            }
+            let mut rebuilt = HeapPool::new(0, 64 * UNIT, 4096);
+            for &e in &free {
+                rebuilt.insert_free(e);
+            }
+            rebuilt.insert_free_sorted(&added);
+            assert_eq!(rebuilt.free, one_by_one.free, "round {round}");
+            assert_eq!(rebuilt.free_by_size, one_by_one.free_by_size);
+            assert_eq!(rebuilt.free_bytes, one_by_one.free_bytes);
+        }
     }
 
     /// Collections free thousands of holes at once, and they mature at

@@ -407,11 +407,12 @@ pub fn collect(shared: &Shared) -> u64 {
         shared.want_growth(|w| w.heap = Some(g.region_len));
     }
     let ready_at = Instant::now() + shared.grace();
-    let locked = Instant::now();
-    let freed = match shared.pool.lock() {
+    let (freed, locked) = match shared.pool.lock() {
         Ok(mut p) => {
+            let at = Instant::now();
             p.take_ready(subsumed);
-            p.collect(started, scan.live, ready_at)
+            let freed = p.collect(started, scan.live, ready_at);
+            (freed, at.elapsed())
         }
         Err(_) => return 0,
     };
@@ -420,7 +421,7 @@ pub fn collect(shared: &Shared) -> u64 {
         live_slots = scan.live_slots,
         took_us = started.elapsed().as_micros() as u64,
         // Leases wait while the pool is locked.
-        locked_us = locked.elapsed().as_micros() as u64,
+        locked_us = locked.as_micros() as u64,
         "collected"
     );
     freed
