@@ -571,8 +571,23 @@ impl HeapPool {
     /// marked the live blocks in `live`. Unmarked space that nothing else
     /// holds becomes leasable at `ready_at`; returns its size in bytes.
     pub fn collect(&mut self, scan_started: Instant, mut live: UnitMap, ready_at: Instant) -> u64 {
-        let now = Instant::now();
-        self.mature(now);
+        self.mark_held(scan_started, &mut live);
+        self.free_runs(scan_started, live.unmarked_runs(), ready_at)
+    }
+
+    /// The first half of [`Self::collect`]: marks in `live` all the pool
+    /// holds (free, aging, leased, reserved, retired since the scan began,
+    /// and past its end). What is left unmarked is settled space that no
+    /// slot the scan read references; the caller finds its runs without
+    /// the pool's lock (over a large heap that takes milliseconds, which
+    /// leases would wait) and hands them to [`Self::free_runs`]. Only a
+    /// collection or a check of reports turns settled space into anything
+    /// else, so the caller holds both off between the halves
+    /// (`Shared::collecting`); a lease takes free space, a give-back
+    /// retires leased space, a growth adds space past the end, a release
+    /// ages reserved space: all marked here.
+    pub fn mark_held(&mut self, scan_started: Instant, live: &mut UnitMap) {
+        self.mature(Instant::now());
         for (&offset, &len) in &self.free {
             live.mark(offset, len);
         }
@@ -596,7 +611,18 @@ impl HeapPool {
         // collection whose map already covers it must not free it too (it
         // would be counted free twice and leased over live blocks).
         live.mark(self.end, u64::MAX - self.end);
-        let runs = live.unmarked_runs();
+    }
+
+    /// The second half of [`Self::collect`]: `runs`, the runs left unmarked
+    /// by [`Self::mark_held`] (ascending), become leasable at `ready_at`.
+    /// Returns their size in bytes.
+    pub fn free_runs(
+        &mut self,
+        scan_started: Instant,
+        runs: Vec<Extent>,
+        ready_at: Instant,
+    ) -> u64 {
+        let now = Instant::now();
         for &e in &runs {
             self.registry.forget_freed_run(e);
         }
@@ -969,6 +995,52 @@ mod tests {
         assert_eq!(aging_at, aging);
         assert_eq!(p.aging.len(), aging.len());
         assert_eq!(p.aging_bytes, aging.iter().map(|a| a.1).sum::<u64>());
+    }
+
+    /// Every extent the pool holds (free, aging, leased, reserved, retired)
+    /// overlaps no other.
+    fn assert_disjoint(p: &HeapPool) {
+        let mut all: Vec<(u64, u64, &str)> = Vec::new();
+        all.extend(p.free.iter().map(|(&o, &l)| (o, l, "free")));
+        all.extend(p.aging.iter().map(|(_, e)| (e.offset, e.len, "aging")));
+        all.extend(p.leases.iter().map(|(&o, l)| (o, l.len, "leased")));
+        all.extend(p.reserved.iter().map(|(&o, &l)| (o, l, "reserved")));
+        all.extend(
+            p.retired
+                .iter()
+                .map(|r| (r.extent.offset, r.extent.len, "retired")),
+        );
+        all.sort_unstable();
+        for pair in all.windows(2) {
+            assert!(pair[0].0 + pair[0].1 <= pair[1].0, "overlap: {pair:?}");
+        }
+    }
+
+    /// A collection lets the pool's lock go between marking what the pool
+    /// holds and freeing what is left: leases, give-backs and a growth
+    /// meanwhile change only what was marked, so nothing it frees is held
+    /// by anyone.
+    #[test]
+    fn what_a_collection_frees_after_letting_the_lock_go_is_nobodys() {
+        let u = UNIT;
+        let len = u * 8 * 512;
+        // A 5-unit block every 8 units; the holes between are free.
+        let live: Vec<Extent> = (0..512).map(|i| ext(i * u * 8, u * 5)).collect();
+        let mut p = pool(len, u * 64, &live);
+        let first = p.lease(1, u, 64).unwrap();
+        let started = Instant::now();
+        std::thread::sleep(Duration::from_millis(1));
+        let half: Vec<Extent> = live.iter().step_by(2).copied().collect();
+        let mut marks = map(len, &half);
+        p.mark_held(started, &mut marks);
+        // Meanwhile: another lease, the first given back, a growth.
+        let second = p.lease(2, u, 64).unwrap();
+        give_back(&mut p, 1, &first).unwrap();
+        p.grow(len * 2);
+        let freed = p.free_runs(started, marks.unmarked_runs(), Instant::now());
+        assert_eq!(freed, u * 5 * 256, "the blocks that died, no more");
+        assert_disjoint(&p);
+        assert!(second.iter().all(|e| p.leases.contains_key(&e.offset)));
     }
 
     /// `insert_free_sorted` leaves the free maps as `insert_free` one by

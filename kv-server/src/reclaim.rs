@@ -406,13 +406,25 @@ pub fn collect(shared: &Shared) -> u64 {
     if scan.live_bytes > g.heap_size / 2 && g.region_len < shared.limits.max_region {
         shared.want_growth(|w| w.heap = Some(g.region_len));
     }
+    let mut live = scan.live;
+    let marking = match shared.pool.lock() {
+        Ok(mut p) => {
+            let at = Instant::now();
+            p.take_ready(subsumed);
+            p.mark_held(started, &mut live);
+            at.elapsed()
+        }
+        Err(_) => return 0,
+    };
+    // Without the pool's lock: this collection holds `collecting`, so what
+    // is unmarked stays settled until it is freed (see `mark_held`).
+    let runs = live.unmarked_runs();
     let ready_at = Instant::now() + shared.grace();
     let (freed, locked) = match shared.pool.lock() {
         Ok(mut p) => {
             let at = Instant::now();
-            p.take_ready(subsumed);
-            let freed = p.collect(started, scan.live, ready_at);
-            (freed, at.elapsed())
+            let freed = p.free_runs(started, runs, ready_at);
+            (freed, marking + at.elapsed())
         }
         Err(_) => return 0,
     };
