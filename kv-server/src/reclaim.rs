@@ -20,8 +20,10 @@
 //!
 //! It also scans when a lease went wanting or a departed client's space
 //! has settled, and after a scan that finds more than half the heap live it
-//! grows the heap. The scan reads the region without the pool's lock; only
-//! the short sweep over the unit map takes it.
+//! grows the heap. The scan reads the region without the pool's lock, and
+//! so does the sweep that finds the unit map's unmarked runs; the lock is
+//! taken to mark what the pool holds, then to age the runs (in bulk: a
+//! collection frees tens of thousands of holes).
 
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
