@@ -582,10 +582,11 @@ impl HeapPool {
     /// the pool's lock (over a large heap that takes milliseconds, which
     /// leases would wait) and hands them to [`Self::free_runs`]. Only a
     /// collection or a check of reports turns settled space into anything
-    /// else, so the caller holds both off between the halves
-    /// (`Shared::collecting`); a lease takes free space, a give-back
-    /// retires leased space, a growth adds space past the end, a release
-    /// ages reserved space: all marked here.
+    /// else (and [`Self::reserve_at`], at open, before any collection), so
+    /// the caller holds both off between the halves (`Shared::collecting`);
+    /// a lease takes free space, a give-back retires leased space, a
+    /// growth adds space past the end, a release ages reserved space: all
+    /// marked here.
     pub fn mark_held(&mut self, scan_started: Instant, live: &mut UnitMap) {
         self.mature(Instant::now());
         for (&offset, &len) in &self.free {
@@ -598,9 +599,9 @@ impl HeapPool {
             live.mark(offset, l.len);
         }
         // Retired after the scan began: it may hold blocks the scan missed.
-        self.retired.retain(|r| r.eligible > scan_started);
-        self.departed_eligible.retain(|&t| t > scan_started);
-        for r in &self.retired {
+        // The rest stays retired until its runs age (`free_runs`): a lease
+        // refused meanwhile must see the heap busy, not full.
+        for r in self.retired.iter().filter(|r| r.eligible > scan_started) {
             live.mark(r.extent.offset, r.extent.len);
         }
         for (&offset, &len) in &self.reserved {
@@ -627,6 +628,10 @@ impl HeapPool {
             self.registry.forget_freed_run(e);
         }
         let freed = self.push_aging_runs(ready_at, runs);
+        // What was retired before the scan began is collected now; what
+        // was retired since (between the halves too) waits for the next.
+        self.retired.retain(|r| r.eligible > scan_started);
+        self.departed_eligible.retain(|&t| t > scan_started);
         if self.wanted_since.is_some_and(|t| t <= scan_started) {
             self.wanted_since = None;
         }
@@ -1041,6 +1046,34 @@ mod tests {
         assert_eq!(freed, u * 5 * 256, "the blocks that died, no more");
         assert_disjoint(&p);
         assert!(second.iter().all(|e| p.leases.contains_key(&e.offset)));
+    }
+
+    /// A lease refused between a collection's halves, for space that
+    /// collection is about to free, is told to wait, not that the heap is
+    /// full (the space retired before the scan stays retired until its
+    /// runs age).
+    #[test]
+    fn a_lease_between_a_collections_halves_waits_for_what_it_frees() {
+        let u = UNIT;
+        let len = u * 64;
+        let mut p = pool(len, u * 16, &[ext(0, u * 32)]);
+        let (a, b) = (lease1(&mut p, 1, u), lease1(&mut p, 3, u));
+        give_back(&mut p, 1, &[a]).unwrap();
+        assert_eq!(p.lease(2, u, usize::MAX), Err(LeaseRefusal::Busy));
+        // A collection after the shortage finds a's blocks live.
+        std::thread::sleep(Duration::from_millis(1));
+        collect_at(&mut p, Instant::now(), &[ext(0, u * 48)]);
+        std::thread::sleep(Duration::from_millis(1));
+        give_back(&mut p, 3, &[b]).unwrap();
+        assert_eq!(p.lease(2, u, usize::MAX), Err(LeaseRefusal::Busy));
+        // The next finds b's dead.
+        std::thread::sleep(Duration::from_millis(1));
+        let started = Instant::now();
+        let mut marks = map(len, &[ext(0, u * 48)]);
+        p.mark_held(started, &mut marks);
+        assert_eq!(p.lease(2, u, usize::MAX), Err(LeaseRefusal::Busy));
+        assert_eq!(p.free_runs(started, marks.unmarked_runs(), started), u * 16);
+        assert_eq!(p.lease(2, u, usize::MAX), Ok(vec![b]));
     }
 
     /// `insert_free_sorted` leaves the free maps as `insert_free` one by
