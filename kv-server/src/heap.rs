@@ -1081,13 +1081,7 @@ mod tests {
     /// either side, or none, before, between and after the free ones.
     #[test]
     fn a_rebuild_of_the_free_maps_is_inserting_one_by_one() {
-        let mut seed = 0x2545_f491_4f6c_dd1d_u64;
-        let mut next = move |below: u64| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed % below
-        };
+        let mut next = crate::units::tests::numbers_from(0x2545_f491_4f6c_dd1d);
         for round in 0..200 {
             // Cut [0, 64 units) into pieces: each free, added, or neither.
             let (mut free, mut added) = (Vec::new(), Vec::new());

@@ -86,7 +86,7 @@ impl UnitMap {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn ext(offset: u64, len: u64) -> Extent {
@@ -127,15 +127,20 @@ mod tests {
         runs
     }
 
-    #[test]
-    fn word_wise_runs_match_unit_by_unit_ones_on_random_marks() {
-        let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
-        let mut next = move |below: u64| {
+    /// Numbers below the argument, from a xorshift seeded with `seed` (not
+    /// zero): the same sequence every run, so a failing round is replayed.
+    pub(crate) fn numbers_from(mut seed: u64) -> impl FnMut(u64) -> u64 {
+        move |below: u64| {
             seed ^= seed << 13;
             seed ^= seed >> 7;
             seed ^= seed << 17;
             seed % below
-        };
+        }
+    }
+
+    #[test]
+    fn word_wise_runs_match_unit_by_unit_ones_on_random_marks() {
+        let mut next = numbers_from(0x9e37_79b9_7f4a_7c15);
         for round in 0..300 {
             let (start, units) = (4096 + next(4) * UNIT, 1 + next(700));
             let mut m = UnitMap::new(start, start + units * UNIT);
