@@ -81,16 +81,17 @@
 //! sum is overwritten by the next write (it stays an increment whose
 //! outcome is unknown, counted once or not at all). A sum is set on each
 //! backup by a CAS from what a read made while the lock still holds found
-//! there (or from the backup's hint of it), not by a PUT that reads again
-//! for as long as it takes: a stalled increment's sum could otherwise
-//! land after a later increment's, older than what the primary
-//! acknowledged (see `Group::set_backups_locked`). An increment that
-//! fails after setting the backups (a PUT made the key plain meanwhile)
-//! brings them back to the primary's value before it returns (`level`).
-//! What this leaves open: a PUT or DELETE of a counter's key racing an
-//! increment whose client then dies between its copies can leave a backup
-//! with the sum and the primary with the PUT's value until the key's next
-//! write; and `level`'s sets of a present value are PUTs, which a stalled
+//! there, not by a PUT that reads again for as long as it takes: a
+//! stalled increment's sum could otherwise land after a later
+//! increment's, older than what the primary acknowledged (see
+//! `Group::set_backups_locked`). And only over the value the sum was
+//! computed from (`SumGuard`): PUTs and DELETEs of a present key take no
+//! lock, so one may set a backup and commit while an increment holds it;
+//! a backup found holding anything else is levelled with the primary and
+//! the increment observes again. An increment that fails after setting
+//! the backups (a PUT made the key plain meanwhile) brings them back to
+//! the primary's value before it returns (`level`). What this leaves
+//! open: `level`'s sets of a present value are PUTs, which a stalled
 //! client could land after a later increment.
 
 use std::borrow::Cow;
@@ -102,7 +103,7 @@ use smallvec::SmallVec;
 use crate::insert_lock::KeyLock;
 use crate::locate::Need;
 use crate::primary::{Commit, Observed};
-use crate::stepped_put::{First, Progress, SteppedPut};
+use crate::stepped_put::{Expect, First, Progress, SteppedPut};
 use crate::{Client, Error, Result};
 
 /// CASes a writer posts in a row on an insert lock word it keeps finding
@@ -267,8 +268,19 @@ impl Group<'_> {
             crate::pause_point("replica-before-backups");
             match (change, value.as_deref()) {
                 (Change::Add(_), Some(sum)) => {
-                    if !self.set_backups_locked(key, sum, lock, touched)? {
-                        continue;
+                    let over = match observed.value.clone() {
+                        Some(value) => Expect::Holds(value),
+                        None => Expect::Absent,
+                    };
+                    match self.set_backups_locked(key, (&over, sum), lock, touched)? {
+                        Ran::Done => {}
+                        Ran::Lapsed => continue,
+                        // A backup holds something else than what the sum
+                        // was computed from: level, then observe again.
+                        Ran::Apart => {
+                            self.level(key, lock)?;
+                            continue;
+                        }
                     }
                 }
                 (_, value) => {
@@ -421,7 +433,7 @@ impl Group<'_> {
         if crate::fault_armed("replica-first-backup-set") {
             return None;
         }
-        let puts = CopySets::begin(self.backups, key, Some(value), First::ReadsOnly);
+        let puts = CopySets::begin(self.backups, key, Some(value), (First::ReadsOnly, None));
         if puts.failed.is_some() {
             // Left to the write's own sets, where the error counts.
             puts.abandon(self.backups, key, false);
@@ -466,27 +478,30 @@ impl Group<'_> {
     /// out within a deadline of a check that found the lock held (the
     /// margin is three of the primary's deadlines: the members of a
     /// cluster share one `--op-deadline-ms`, which they are held to as
-    /// they join, see kv-cluster's `Etcd::agree_op_deadline`). A blind CAS
-    /// from a backup's sole hint, posted as its PUT begins, may go out
-    /// later (other backups' PUTs begin first, and a block's lease may
-    /// ask the server); it expects the slot this client last saw there,
-    /// which a later increment's set would have replaced. False when the
-    /// lock lapsed first.
+    /// they join, see kv-cluster's `Etcd::agree_op_deadline`). Each CAS
+    /// acts on a read of the backup's value that found what the sum was
+    /// computed from, `over` (no blind CAS from a hint, which does not say
+    /// what its block holds); a backup holding anything else ends the sets
+    /// `Apart`. `Lapsed` when the lock lapsed first.
     fn set_backups_locked(
         &mut self,
         key: &[u8],
-        sum: &[u8],
+        (over, sum): (&Expect, &[u8]),
         lock: &KeyLock,
         touched: &mut bool,
-    ) -> Result<bool> {
+    ) -> Result<Ran> {
         let primary = &*self.primary;
         let holds = || lock.holds(primary);
         if !holds() {
-            return Ok(false);
+            return Ok(Ran::Lapsed);
         }
         *touched |= !self.backups.is_empty();
-        let sets = CopySets::begin(self.backups, key, Some(sum), First::MayPublish);
-        sets.run(self.backups, key, Some(sum), (false, Some(&holds)))
+        let guard = SumGuard {
+            holds: &holds,
+            over,
+        };
+        let sets = CopySets::begin(self.backups, key, Some(sum), (First::ReadsOnly, Some(over)));
+        sets.run(self.backups, key, Some(sum), (false, Some(guard)))
     }
 
     /// After an increment failed having set the backups (the key became
@@ -650,31 +665,61 @@ impl UnseenPuts {
 /// or DELETE run a step at a time with a batch in flight on every copy at
 /// once (`stepped_put`).
 fn set_on_each(copies: &mut [Client], key: &[u8], value: Option<&[u8]>) -> Result<()> {
-    CopySets::begin(copies, key, value, First::MayPublish)
+    CopySets::begin(copies, key, value, (First::MayPublish, None))
         .run(copies, key, value, (false, None))
         .map(drop)
 }
 
-/// While `holds`: sets an increment's `sum` on `backup` by a CAS from what
-/// it observes there, observing again until one lands. False if `holds`
-/// stopped first.
-fn set_while(backup: &mut Client, key: &[u8], sum: &[u8], holds: Guard) -> Result<bool> {
+/// While `guard` holds: sets an increment's `sum` on `backup` by a CAS
+/// from what it observes there, if that is what the sum was computed from,
+/// observing again until one lands.
+fn set_while(backup: &mut Client, key: &[u8], sum: &[u8], guard: &SumGuard) -> Result<Ran> {
     let attempts = backup.options.max_attempts;
     for _ in 0..attempts {
-        let observed = backup.observe(key, Need::Lowest, true)?;
-        if !holds() {
-            return Ok(false);
+        let observed = backup.observe(key, Need::Value, true)?;
+        if !(guard.holds)() {
+            return Ok(Ran::Lapsed);
+        }
+        let held = match observed.value.clone() {
+            Some(value) => Expect::Holds(value),
+            None => Expect::Absent,
+        };
+        if held != *guard.over {
+            return Ok(Ran::Apart);
         }
         if backup.commit(key, Some(sum), &observed, &mut None)? == Commit::Done {
-            return Ok(true);
+            return Ok(Ran::Done);
         }
     }
     Err(Error::Contended(attempts))
 }
 
-/// What a copy's CASes may be posted only while it is true (an increment's
-/// lock holds).
-type Guard<'g> = &'g dyn Fn() -> bool;
+/// An increment's sums: each CAS posted only while `holds` (the key's lock
+/// does), and only over a copy holding `over`, the value the sum was
+/// computed from. A PUT or DELETE of the key does not take the lock: one
+/// that set a backup before the increment read it, and commits at the
+/// primary after the increment observed it there, would otherwise have
+/// its value replaced by a sum the primary never gets if the increment's
+/// client dies before its commit, and a failover to that backup would
+/// lose the acknowledged PUT. Over the value it was computed from, a sum
+/// left by a dead increment is that increment applied after whatever set
+/// the value (its outcome unknown to its caller): a write in flight, as
+/// the argument at the top allows.
+struct SumGuard<'g> {
+    holds: &'g dyn Fn() -> bool,
+    over: &'g Expect,
+}
+
+/// How a write's sets on a shard's copies ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ran {
+    /// Every copy has it.
+    Done,
+    /// The increment's lock stopped holding first.
+    Lapsed,
+    /// A copy does not hold what an increment's sum was computed from.
+    Apart,
+}
 
 /// One write's PUTs (or DELETEs) on each of a shard's copies, begun and not
 /// yet done.
@@ -688,16 +733,22 @@ impl CopySets {
     /// Begins the PUT of `value` (None: the DELETE) on each of `copies`, a
     /// PUT as `first` allows (a DELETE always may publish: only PUTs begin
     /// early); after an error, no copy's begins.
-    fn begin(copies: &mut [Client], key: &[u8], value: Option<&[u8]>, first: First) -> CopySets {
+    fn begin(
+        copies: &mut [Client],
+        key: &[u8],
+        value: Option<&[u8]>,
+        (first, over): (First, Option<&Expect>),
+    ) -> CopySets {
         let mut failed = None;
         let mut sets = SmallVec::new();
         for copy in copies.iter_mut() {
             sets.push(match failed {
                 Some(_) => CopySet::Over,
                 None => {
-                    let begun = match value {
-                        Some(value) => copy.put_begin(key, value, first),
-                        None => copy.delete_begin(key),
+                    let begun = match (value, over) {
+                        (Some(value), Some(over)) => copy.put_begin_over(key, value, over.clone()),
+                        (Some(value), None) => copy.put_begin(key, value, first),
+                        (None, _) => copy.delete_begin(key),
                     };
                     CopySet::after(begun, &mut failed)
                 }
@@ -716,24 +767,26 @@ impl CopySets {
     /// each round: a step posts its CAS once its batch in flight is
     /// done, and only while what that batch read is in time (within a
     /// deadline of its start, before the check), so within a deadline of
-    /// the check. False if the guard stopped holding first.
+    /// the check; and only over the value the guard names (the sets were
+    /// begun over it), else that copy stops and the sets end `Apart`.
     fn run(
         self,
         copies: &mut [Client],
         key: &[u8],
         value: Option<&[u8]>,
-        (overlapped, guard): (bool, Option<Guard>),
-    ) -> Result<bool> {
+        (overlapped, guard): (bool, Option<SumGuard>),
+    ) -> Result<Ran> {
         let CopySets {
             mut sets,
             mut failed,
         } = self;
         let mut first = overlapped;
         let mut going = true;
+        let mut apart = false;
         while going {
-            if guard.is_some_and(|holds| !holds()) {
+            if guard.as_ref().is_some_and(|g| !(g.holds)()) {
                 let failed = CopySets { sets, failed }.abandon(copies, key, first);
-                return failed.map_or(Ok(false), Err);
+                return failed.map_or(Ok(Ran::Lapsed), Err);
             }
             going = false;
             // The batches in flight are waited for together: the first
@@ -748,6 +801,10 @@ impl CopySets {
                     Ok(Progress::Going) => going = true,
                     Ok(Progress::Done) => *set = CopySet::Over,
                     Ok(Progress::Serial) => *set = CopySet::Plain,
+                    Ok(Progress::Apart) => {
+                        apart = true;
+                        *set = CopySet::Over;
+                    }
                     Err(e) => *set = CopySet::after(Err(e), &mut failed),
                 }
             }
@@ -758,14 +815,18 @@ impl CopySets {
         if let Some(e) = failed {
             return Err(e);
         }
+        if apart {
+            return Ok(Ran::Apart);
+        }
         for (copy, set) in copies.iter_mut().zip(&sets) {
             if !matches!(set, CopySet::Plain) {
                 continue;
             }
-            match (value, guard) {
-                (Some(sum), Some(holds)) => {
-                    if !set_while(copy, key, sum, holds)? {
-                        return Ok(false);
+            match (value, &guard) {
+                (Some(sum), Some(guard)) => {
+                    let ran = set_while(copy, key, sum, guard)?;
+                    if ran != Ran::Done {
+                        return Ok(ran);
                     }
                 }
                 (Some(value), None) => copy.put(key, value)?,
@@ -774,7 +835,7 @@ impl CopySets {
                 }
             }
         }
-        Ok(true)
+        Ok(Ran::Done)
     }
 
     /// The reads of the batches in flight are not to be acted on (see

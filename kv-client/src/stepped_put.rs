@@ -19,6 +19,12 @@
 //! absent key is done. What a DELETE does in more steps (several copies, a
 //! counter) is left to the DELETE itself.
 //!
+//! A PUT may be begun *over* a value ([`Expect`]): it then replaces only a
+//! copy that holds that value (or, expecting none, only an absent key),
+//! reading the key's blocks whole to tell, and otherwise stops
+//! ([`Progress::Apart`]). A replicated increment sets its sums so (see
+//! `replicated`).
+//!
 //! A PUT may also be begun to publish nothing in its first batch
 //! ([`First::ReadsOnly`]): a replicated write begins its backups' PUTs that
 //! way while it observes the key at the primary, and may then have their
@@ -39,7 +45,7 @@ use kv_common::transport::Verb;
 use smallvec::SmallVec;
 
 use crate::clock::OpClock;
-use crate::get::{BlockRead, Sighting};
+use crate::get::{copy_out, BlockRead, Sighting};
 use crate::hint::{Hint, Seen};
 use crate::index::{meets_resize, Copies, Kind, Scan, ScanMode, Value};
 use crate::locate::Located;
@@ -56,6 +62,8 @@ pub(crate) struct SteppedPut {
     /// What the batch in flight reads is not to be acted on: the next step
     /// reads the windows again (`Self::read_again`).
     stale: bool,
+    /// What the copy it replaces must hold.
+    expect: Expect,
     /// Times the windows were read again, and the pause before the next
     /// time (as a PUT's attempts back off).
     rereads: u32,
@@ -70,6 +78,17 @@ pub(crate) enum First {
     /// Only read the windows (and a hinted block's head): the caller
     /// publishes nothing before it has learnt something elsewhere.
     ReadsOnly,
+}
+
+/// What a PUT may replace.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Expect {
+    /// Whatever the key holds.
+    Any,
+    /// Nothing: the key must be absent.
+    Absent,
+    /// A copy holding exactly this value (as a GET returns it).
+    Holds(Vec<u8>),
 }
 
 /// The batch a PUT has in flight.
@@ -100,6 +119,8 @@ pub(crate) enum Progress {
     Done,
     /// Not done: do it as a plain PUT (or DELETE).
     Serial,
+    /// Not done: the key does not hold what the PUT expected.
+    Apart,
 }
 
 /// What a step leads to.
@@ -109,6 +130,7 @@ enum Next {
     /// Read the windows again (a CAS lost, a read too old).
     Reread,
     Serial,
+    Apart,
 }
 
 impl SteppedPut {
@@ -120,6 +142,22 @@ impl SteppedPut {
     /// Whether it is a DELETE.
     fn removes(&self) -> bool {
         self.new == Slot::EMPTY
+    }
+
+    /// How far it reads the key's blocks: whole when it must compare a
+    /// copy's value with what it expects.
+    fn extent(&self) -> BlockRead {
+        match self.expect {
+            Expect::Any => BlockRead::Head,
+            Expect::Absent | Expect::Holds(_) => BlockRead::Whole,
+        }
+    }
+
+    fn scan_mode(&self) -> ScanMode {
+        match self.extent() {
+            BlockRead::Head => ScanMode::Keys,
+            BlockRead::Whole => ScanMode::AllCopies { known: None },
+        }
     }
 
     /// What this PUT's batch in flight reads may be older than what it
@@ -147,7 +185,21 @@ impl Client {
     ) -> Result<SteppedPut> {
         self.before_steps()?;
         let (kh, new, write) = self.new_block(key, value)?;
-        self.step_begin(key, (kh, new, Some(write)), first)
+        self.step_begin(key, (kh, new, Some(write)), (first, Expect::Any))
+    }
+
+    /// Starts a PUT of `value` under `key` over what `expect` says the key
+    /// holds: the block's WRITE and the READs of the key's windows (never
+    /// a blind CAS: a hint does not say what its block holds).
+    pub(crate) fn put_begin_over(
+        &mut self,
+        key: &[u8],
+        value: &[u8],
+        expect: Expect,
+    ) -> Result<SteppedPut> {
+        self.before_steps()?;
+        let (kh, new, write) = self.new_block(key, value)?;
+        self.step_begin(key, (kh, new, Some(write)), (First::ReadsOnly, expect))
     }
 
     /// Starts a DELETE of `key`: its sole hint's CAS, or the READs of its
@@ -155,7 +207,11 @@ impl Client {
     pub(crate) fn delete_begin(&mut self, key: &[u8]) -> Result<SteppedPut> {
         self.before_steps()?;
         let kh = KeyHash::new(key, self.info.geometry.bucket_count);
-        self.step_begin(key, (kh, Slot::EMPTY, None), First::MayPublish)
+        self.step_begin(
+            key,
+            (kh, Slot::EMPTY, None),
+            (First::MayPublish, Expect::Any),
+        )
     }
 
     /// As `run` before an operation.
@@ -170,8 +226,17 @@ impl Client {
         &mut self,
         key: &[u8],
         (kh, new, write): (KeyHash, Slot, Option<Verb>),
-        first: First,
+        (first, expect): (First, Expect),
     ) -> Result<SteppedPut> {
+        let mut put = SteppedPut {
+            kh,
+            new,
+            stage: None,
+            stale: false,
+            expect,
+            rereads: 0,
+            backoff: Backoff::new(),
+        };
         let blind = match first {
             First::MayPublish => self.blind_hint(key),
             First::ReadsOnly => None,
@@ -184,16 +249,10 @@ impl Client {
                 self.conn.start(&verbs)?;
                 Stage::Blind(Seen::new((hint.pos, hint.slot), clock))
             }
-            None => self.start_locate(key, &kh, write)?,
+            None => self.start_locate(key, &put, write)?,
         };
-        Ok(SteppedPut {
-            kh,
-            new,
-            stage: Some(stage),
-            stale: false,
-            rereads: 0,
-            backoff: Backoff::new(),
-        })
+        put.stage = Some(stage);
+        Ok(put)
     }
 
     /// Waits for `put`'s batch, acts on it, and starts the next one.
@@ -213,7 +272,7 @@ impl Client {
         self.waited_together += u64::from(together);
         if std::mem::take(&mut put.stale) {
             self.keep_read_lease()?;
-            put.stage = Some(self.start_locate(key, &put.kh, None)?);
+            put.stage = Some(self.start_locate(key, put, None)?);
             return Ok(Progress::Going);
         }
         let next = match stage {
@@ -236,6 +295,7 @@ impl Client {
             Next::Then(stage) => stage,
             Next::Done => return Ok(Progress::Done),
             Next::Serial => return Ok(Progress::Serial),
+            Next::Apart => return Ok(Progress::Apart),
             Next::Reread if put.rereads >= self.options.max_attempts => {
                 return Ok(Progress::Serial)
             }
@@ -244,7 +304,7 @@ impl Client {
                 put.backoff.snooze();
                 // As `run` before an attempt.
                 self.keep_read_lease()?;
-                self.start_locate(key, &put.kh, None)?
+                self.start_locate(key, put, None)?
             }
         };
         put.stage = Some(stage);
@@ -283,12 +343,13 @@ impl Client {
     /// Starts the READs of the key's windows, after `first`, and, as
     /// `locate` does with a hint to read (not a counter's, whose writers
     /// read it whole), of the hinted block's head.
-    fn start_locate(&mut self, key: &[u8], kh: &KeyHash, first: Option<Verb>) -> Result<Stage> {
+    fn start_locate(&mut self, key: &[u8], put: &SteppedPut, first: Option<Verb>) -> Result<Stage> {
+        let kh = &put.kh;
         let hinted = self
             .hint_to_read(key)
             .filter(|h| !h.is_counter() && !h.is_sole())
             .and_then(|hint| {
-                let (at, block) = self.hinted_block(key, kh, (hint, BlockRead::Head))?;
+                let (at, block) = self.hinted_block(key, kh, (hint, put.extent()))?;
                 Some((hint, at, block))
             });
         let clock = self.timing.start();
@@ -311,7 +372,7 @@ impl Client {
         hint: Hint,
         read: (usize, Verb, OpClock),
     ) -> Result<Next> {
-        match self.hinted_sighting(key, &put.kh, (hint, BlockRead::Head), read) {
+        match self.hinted_sighting(key, &put.kh, (hint, put.extent()), read) {
             Sighting::Held {
                 value: Some(Value::Counter(_)),
                 ..
@@ -345,7 +406,7 @@ impl Client {
         if meets_resize(&slots) {
             return Ok(Next::Serial);
         }
-        let start = self.scan_start(key.len(), &put.kh, &slots, ScanMode::Keys);
+        let start = self.scan_start(key.len(), &put.kh, &slots, put.scan_mode());
         if start.suspect.is_some() || start.past_region {
             return Ok(Next::Serial);
         }
@@ -366,9 +427,10 @@ impl Client {
     fn heads_read(&mut self, key: &[u8], put: &SteppedPut, clock: OpClock) -> Result<Next> {
         // The candidates `windows_read` read, sorted out again (cheaper
         // than keeping them).
-        let mut start = self.scan_start(key.len(), &put.kh, &self.slots(), ScanMode::Keys);
+        let mode = put.scan_mode();
+        let mut start = self.scan_start(key.len(), &put.kh, &self.slots(), mode);
         let every = 0..start.candidates.len();
-        let judged = (ScanMode::Keys, clock);
+        let judged = (mode, clock);
         match self.judge_candidates(key, &put.kh, (&mut start, every), judged)? {
             // Too late to act on, or a sealed counter waited on.
             Some(Scan::Retry(None)) => Ok(Next::Reread),
@@ -385,6 +447,9 @@ impl Client {
     /// a PUT does (in steps of its own); leaves a DELETE of those to the
     /// DELETE, and is done with one of an absent key.
     fn act(&mut self, key: &[u8], put: &SteppedPut, located: Located) -> Result<Next> {
+        if !self.as_expected(&put.expect, &located) {
+            return Ok(Next::Apart);
+        }
         match located {
             Located::Found { copies, clock } => match (&copies.slots[..], &copies.kinds[..]) {
                 (&[(pos, old)], [Kind::Bytes | Kind::Known]) if clock.in_time() => {
@@ -418,6 +483,26 @@ impl Client {
                 ))))
             }
             Located::Retry(_) | Located::Moved => Ok(Next::Serial),
+        }
+    }
+
+    /// Whether the key's copies as `located` hold what `expect` says. A
+    /// read that cannot be acted on counts (too late, a retry, a resize):
+    /// the PUT reads again, or leaves it to the plain PUT, as it would.
+    fn as_expected(&self, expect: &Expect, located: &Located) -> bool {
+        let late = |clock: &OpClock| !clock.in_time();
+        match (expect, located) {
+            (Expect::Any, _) | (_, Located::Retry(_) | Located::Moved) => true,
+            (_, Located::Found { clock, .. } | Located::Absent { clock }) if late(clock) => true,
+            (Expect::Absent, located) => matches!(located, Located::Absent { .. }),
+            (Expect::Holds(_), Located::Absent { .. }) => false,
+            (Expect::Holds(value), Located::Found { copies, .. }) => {
+                let mut held = Vec::new();
+                if let Some(found) = copies.value.clone() {
+                    copy_out(self.conn.local(), found, &mut held);
+                }
+                copies.value.is_some() && held == *value
+            }
         }
     }
 }

@@ -1705,3 +1705,51 @@ fn stalled_increment(url: &str, key: &str, pause: &str) {
         Some(total.to_string().into_bytes())
     );
 }
+
+/// A PUT of a present key does not take the key's lock, so it may set the
+/// backups and commit while an increment of the key holds the lock,
+/// between the increment's observation and its sums. That increment
+/// (`kv incr` paused there, and killed once its backups are set, before
+/// its commit) must not set its sum, computed from the value before the
+/// PUT, over the PUT's value on a backup: a failover to that backup would
+/// lose the acknowledged PUT. It finds the backups holding something else
+/// than what it observed, levels them and observes again, and the PUT's
+/// value is no counter.
+#[test]
+fn an_increment_never_sets_its_sum_over_a_put_that_passed_it() {
+    let (_etcd, url, _dir, _members) = start("passed");
+    let mut kv = ClusterClient::connect(&url).expect("connect");
+    let key = key_of(&kv, 0, "passed");
+    kv.incr(&key, 1).expect("incr");
+    let mut groups = copies(&url);
+    // The pause is half the lock's life (20 deadlines, 1 s by default):
+    // the increment wakes holding it, with its margin to spare.
+    let mut child = Command::new(workspace_bin("kv"))
+        .args(["--server", &url, "incr", &key, "5"])
+        .env("ONEKV_CLIENT_PAUSE", "replica-before-backups:500")
+        .env("ONEKV_CLIENT_FAULT", "replica-backups-set")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run kv");
+    let stderr = child.stderr.take().expect("its stderr");
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(stderr));
+    let paused = lines.find(|l| {
+        l.as_ref()
+            .is_ok_and(|l| l.contains("pausing at replica-before-backups"))
+    });
+    assert!(paused.is_some(), "kv incr never reached its pause");
+    kv.put(&key, "replaced").expect("put");
+    let rest: Vec<String> = lines.map_while(std::result::Result::ok).collect();
+    child.wait().expect("wait for kv");
+    assert_eq!(
+        assert_alike(&mut groups, &kv, &key).as_deref(),
+        Some(&b"replaced"[..]),
+        "kv incr: {}",
+        rest.join("\n")
+    );
+    assert!(
+        rest.iter().any(|l| l.contains("not a counter")),
+        "kv incr: {}",
+        rest.join("\n")
+    );
+}
