@@ -248,10 +248,12 @@ impl Copies {
         }
     }
 
-    /// The one copy, if it is `known` (an update CASes it and nothing else).
-    pub fn only_known(&self) -> Option<(SlotPos, Slot)> {
+    /// The one copy, if it holds plain bytes (read, or `known`): an update
+    /// CASes it and nothing else (`Client::update`; a counter's copy is
+    /// unlinked through its lock, see `counter`).
+    pub fn only_bytes(&self) -> Option<(SlotPos, Slot)> {
         match (&self.slots[..], &self.kinds[..]) {
-            ([copy], [Kind::Known]) => Some(*copy),
+            ([copy], [Kind::Bytes | Kind::Known]) => Some(*copy),
             _ => None,
         }
     }

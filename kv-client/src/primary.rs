@@ -258,9 +258,9 @@ impl Client {
                 self.update_blind(key, (hint.pos, hint.slot), (write, then), new)
                     .map(Step::Done)
             }
-            Sight::Found { copies, clock } => match copies.only_known() {
-                // One copy, known to be the lowest: `update` would only CAS
-                // it, so the block's WRITE goes with the CAS.
+            Sight::Found { copies, clock } => match copies.only_bytes() {
+                // One byte copy: `update` would only CAS it, so the block's
+                // WRITE goes with the CAS (and `then` after it).
                 Some(copy) if clock.in_time() => self
                     .update_blind(key, copy, (write, then), new)
                     .map(Step::Done),
