@@ -364,6 +364,13 @@ impl Client {
     }
 }
 
+/// A value as a GET returns it, on its own.
+pub(crate) fn value_bytes(local: &[u8], value: Value) -> Vec<u8> {
+    let mut out = Vec::new();
+    copy_out(local, value, &mut out);
+    out
+}
+
 /// A value as a GET returns it: a counter as its decimal text.
 pub(crate) fn copy_out(local: &[u8], value: Value, out: &mut Vec<u8>) {
     out.clear();

@@ -10,8 +10,9 @@ use smallvec::SmallVec;
 use crate::clock::OpClock;
 use crate::corrupt::CorruptSlot;
 use crate::geometry::Ask;
+use crate::get::value_bytes;
 use crate::hint::{Hint, Seen};
-use crate::index::{Copies, Value};
+use crate::index::Copies;
 use crate::locate::{Located, Need};
 use crate::{Client, Error, Result, Step};
 
@@ -185,11 +186,9 @@ impl Client {
     ) -> Step<Observed> {
         let (seen, value) = match located {
             Located::Found { copies, clock } => {
-                let value = match copies.value.as_ref().filter(|_| need == Need::Value) {
-                    Some(Value::Bytes(range)) => Some(self.conn.local()[range.clone()].to_vec()),
-                    Some(Value::Counter(n)) => Some(n.to_string().into_bytes()),
-                    None => None,
-                };
+                let value = (copies.value.clone())
+                    .filter(|_| need == Need::Value)
+                    .map(|value| value_bytes(self.conn.local(), value));
                 (Sight::Found { copies, clock }, value)
             }
             Located::Absent { clock } => {

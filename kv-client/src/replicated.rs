@@ -91,8 +91,9 @@
 //! the increment observes again. An increment that fails after setting
 //! the backups (a PUT made the key plain meanwhile) brings them back to
 //! the primary's value before it returns (`level`). What this leaves
-//! open: `level`'s sets of a present value are PUTs, which a stalled
-//! client could land after a later increment.
+//! open: `level`'s sets of a present value when it does not hold the
+//! lock (an increment's lapsed; a failover's levelling) are PUTs, which a
+//! stalled client could land after a later increment.
 
 use std::borrow::Cow;
 use std::time::{Duration, Instant};
@@ -229,6 +230,9 @@ impl Group<'_> {
         lock: &mut KeyLock,
     ) -> Result<Done> {
         let attempts = self.primary.options.max_attempts;
+        // The backups were found apart from an increment's observation in
+        // its last round.
+        let mut apart = false;
         for attempt in 0..attempts {
             // A PUT of a key the primary has not seen lately (no hint of
             // it, no GET just before), from a client whose such PUTs were
@@ -268,17 +272,18 @@ impl Group<'_> {
             crate::pause_point("replica-before-backups");
             match (change, value.as_deref()) {
                 (Change::Add(_), Some(sum)) => {
-                    let over = match observed.value.clone() {
-                        Some(value) => Expect::Holds(value),
-                        None => Expect::Absent,
-                    };
+                    let over = Expect::of(observed.value.clone());
                     match self.set_backups_locked(key, (&over, sum), lock, touched)? {
-                        Ran::Done => {}
+                        Ran::Done => apart = false,
                         Ran::Lapsed => continue,
                         // A backup holds something else than what the sum
-                        // was computed from: level, then observe again.
+                        // was computed from: a write in flight, which may
+                        // commit meanwhile (observed again), or left
+                        // there (levelled, if found apart again).
                         Ran::Apart => {
-                            self.level(key, lock)?;
+                            if std::mem::replace(&mut apart, true) {
+                                self.level(key, lock)?;
+                            }
                             continue;
                         }
                     }
@@ -433,7 +438,12 @@ impl Group<'_> {
         if crate::fault_armed("replica-first-backup-set") {
             return None;
         }
-        let puts = CopySets::begin(self.backups, key, Some(value), (First::ReadsOnly, None));
+        let puts = CopySets::begin(
+            self.backups,
+            key,
+            Some(value),
+            (First::ReadsOnly, &Expect::Any),
+        );
         if puts.failed.is_some() {
             // Left to the write's own sets, where the error counts.
             puts.abandon(self.backups, key, false);
@@ -500,14 +510,17 @@ impl Group<'_> {
             holds: &holds,
             over,
         };
-        let sets = CopySets::begin(self.backups, key, Some(sum), (First::ReadsOnly, Some(over)));
+        let sets = CopySets::begin(self.backups, key, Some(sum), (First::MayPublish, over));
         sets.run(self.backups, key, Some(sum), (false, Some(guard)))
     }
 
     /// After an increment failed having set the backups (the key became
-    /// something else than a counter meanwhile): brings the backups back
-    /// to what the primary holds. A value is committed again over itself,
-    /// a write ordered like any other. An absent key is removed from the
+    /// something else than a counter meanwhile), or found them apart from
+    /// the primary: brings the backups back to what the primary holds. A
+    /// value is committed again over itself, a write ordered like any
+    /// other; while the key's lock holds, its sets are guarded by it as an
+    /// increment's sums are (`set_backups_locked`), and otherwise plain
+    /// PUTs (see the top: what this leaves open). An absent key is removed from the
     /// backups, which counts only if the key's lock held from before the
     /// observation until the removals were done (no insert can fill the
     /// key meanwhile); otherwise the lock is taken again and it is redone.
@@ -521,7 +534,19 @@ impl Group<'_> {
                 let Some(value) = observed.value.clone() else {
                     return Err(Error::Internal("a present key observed no value".into()));
                 };
-                self.set_backups(key, Some(&value), &mut touched, None)?;
+                // Under the key's lock, set as a sum is: a set stalled
+                // past the lock cannot land over a later increment's sum.
+                if !held {
+                    self.set_backups(key, Some(&value), &mut touched, None)?;
+                } else if self.set_backups_locked(
+                    key,
+                    (&Expect::Any, &value),
+                    lock,
+                    &mut touched,
+                )? != Ran::Done
+                {
+                    continue;
+                }
                 if self.commit(key, Some(&value), &observed, lock)? == Commit::Done {
                     return Ok(());
                 }
@@ -665,7 +690,7 @@ impl UnseenPuts {
 /// or DELETE run a step at a time with a batch in flight on every copy at
 /// once (`stepped_put`).
 fn set_on_each(copies: &mut [Client], key: &[u8], value: Option<&[u8]>) -> Result<()> {
-    CopySets::begin(copies, key, value, (First::MayPublish, None))
+    CopySets::begin(copies, key, value, (First::MayPublish, &Expect::Any))
         .run(copies, key, value, (false, None))
         .map(drop)
 }
@@ -680,11 +705,7 @@ fn set_while(backup: &mut Client, key: &[u8], sum: &[u8], guard: &SumGuard) -> R
         if !(guard.holds)() {
             return Ok(Ran::Lapsed);
         }
-        let held = match observed.value.clone() {
-            Some(value) => Expect::Holds(value),
-            None => Expect::Absent,
-        };
-        if held != *guard.over {
+        if !guard.over.admits(&Expect::of(observed.value.clone())) {
             return Ok(Ran::Apart);
         }
         if backup.commit(key, Some(sum), &observed, &mut None)? == Commit::Done {
@@ -737,7 +758,7 @@ impl CopySets {
         copies: &mut [Client],
         key: &[u8],
         value: Option<&[u8]>,
-        (first, over): (First, Option<&Expect>),
+        (first, over): (First, &Expect),
     ) -> CopySets {
         let mut failed = None;
         let mut sets = SmallVec::new();
@@ -745,10 +766,9 @@ impl CopySets {
             sets.push(match failed {
                 Some(_) => CopySet::Over,
                 None => {
-                    let begun = match (value, over) {
-                        (Some(value), Some(over)) => copy.put_begin_over(key, value, over.clone()),
-                        (Some(value), None) => copy.put_begin(key, value, first),
-                        (None, _) => copy.delete_begin(key),
+                    let begun = match value {
+                        Some(value) => copy.put_begin(key, value, (first, over.clone())),
+                        None => copy.delete_begin(key),
                     };
                     CopySet::after(begun, &mut failed)
                 }

@@ -35,7 +35,8 @@
 //! `inserted`). What a PUT does in more steps (a damaged or sealed block,
 //! candidates that do not fit one batch, a resize, a full index, a read
 //! too old to act on too often) is left to the PUT itself
-//! ([`Progress::Serial`]): it starts over, which is safe since
+//! ([`Progress::Serial`]; an increment's sum, to `replicated::set_while`):
+//! it starts over, which is safe since
 //! every step of a PUT may be redone, and the block written here and
 //! never published is garbage the server reclaims.
 
@@ -45,7 +46,7 @@ use kv_common::transport::Verb;
 use smallvec::SmallVec;
 
 use crate::clock::OpClock;
-use crate::get::{copy_out, BlockRead, Sighting};
+use crate::get::{value_bytes, BlockRead, Sighting};
 use crate::hint::{Hint, Seen};
 use crate::index::{meets_resize, Copies, Kind, Scan, ScanMode, Value};
 use crate::locate::Located;
@@ -91,6 +92,18 @@ pub(crate) enum Expect {
     Holds(Vec<u8>),
 }
 
+impl Expect {
+    /// What a key observed as `value` (None: absent) holds.
+    pub fn of(value: Option<Vec<u8>>) -> Expect {
+        value.map_or(Expect::Absent, Expect::Holds)
+    }
+
+    /// Whether a key holding `held` is what this expects.
+    pub fn admits(&self, held: &Expect) -> bool {
+        matches!(self, Expect::Any) || self == held
+    }
+}
+
 /// The batch a PUT has in flight.
 enum Stage {
     /// The block's WRITE and the CAS of the sole hint's copy (as seen).
@@ -117,7 +130,8 @@ pub(crate) enum Progress {
     Going,
     /// Stored (or removed).
     Done,
-    /// Not done: do it as a plain PUT (or DELETE).
+    /// Not done: do it as a plain PUT (or DELETE; an increment's sum, as
+    /// `replicated::set_while`).
     Serial,
     /// Not done: the key does not hold what the PUT expected.
     Apart,
@@ -145,11 +159,12 @@ impl SteppedPut {
     }
 
     /// How far it reads the key's blocks: whole when it must compare a
-    /// copy's value with what it expects.
+    /// copy's value with what it expects (that a copy is there, its head
+    /// tells).
     fn extent(&self) -> BlockRead {
         match self.expect {
-            Expect::Any => BlockRead::Head,
-            Expect::Absent | Expect::Holds(_) => BlockRead::Whole,
+            Expect::Any | Expect::Absent => BlockRead::Head,
+            Expect::Holds(_) => BlockRead::Whole,
         }
     }
 
@@ -174,32 +189,20 @@ impl SteppedPut {
 }
 
 impl Client {
-    /// Starts a PUT of `value` (within the value limit) under `key`: the
-    /// block's WRITE, in a batch with its sole hint's CAS (if `first`
-    /// allows) or the READs of the key's windows.
+    /// Starts a PUT of `value` (within the value limit) under `key`, over
+    /// what `expect` says the key holds: the block's WRITE, in a batch with
+    /// its sole hint's CAS (if `first` allows, and it expects nothing: a
+    /// hint does not say what its block holds) or the READs of the key's
+    /// windows.
     pub(crate) fn put_begin(
         &mut self,
         key: &[u8],
         value: &[u8],
-        first: First,
+        begin: (First, Expect),
     ) -> Result<SteppedPut> {
         self.before_steps()?;
         let (kh, new, write) = self.new_block(key, value)?;
-        self.step_begin(key, (kh, new, Some(write)), (first, Expect::Any))
-    }
-
-    /// Starts a PUT of `value` under `key` over what `expect` says the key
-    /// holds: the block's WRITE and the READs of the key's windows (never
-    /// a blind CAS: a hint does not say what its block holds).
-    pub(crate) fn put_begin_over(
-        &mut self,
-        key: &[u8],
-        value: &[u8],
-        expect: Expect,
-    ) -> Result<SteppedPut> {
-        self.before_steps()?;
-        let (kh, new, write) = self.new_block(key, value)?;
-        self.step_begin(key, (kh, new, Some(write)), (First::ReadsOnly, expect))
+        self.step_begin(key, (kh, new, Some(write)), begin)
     }
 
     /// Starts a DELETE of `key`: its sole hint's CAS, or the READs of its
@@ -237,9 +240,9 @@ impl Client {
             rereads: 0,
             backoff: Backoff::new(),
         };
-        let blind = match first {
-            First::MayPublish => self.blind_hint(key),
-            First::ReadsOnly => None,
+        let blind = match (first, &put.expect) {
+            (First::MayPublish, Expect::Any) => self.blind_hint(key),
+            _ => None,
         };
         let stage = match blind {
             Some(hint) => {
@@ -345,9 +348,11 @@ impl Client {
     /// read it whole), of the hinted block's head.
     fn start_locate(&mut self, key: &[u8], put: &SteppedPut, first: Option<Verb>) -> Result<Stage> {
         let kh = &put.kh;
+        // A sole hint goes blind (`step_begin`), unless the PUT must see
+        // what its block holds.
         let hinted = self
             .hint_to_read(key)
-            .filter(|h| !h.is_counter() && !h.is_sole())
+            .filter(|h| !h.is_counter() && (!h.is_sole() || put.expect != Expect::Any))
             .and_then(|hint| {
                 let (at, block) = self.hinted_block(key, kh, (hint, put.extent()))?;
                 Some((hint, at, block))
@@ -497,11 +502,8 @@ impl Client {
             (Expect::Absent, located) => matches!(located, Located::Absent { .. }),
             (Expect::Holds(_), Located::Absent { .. }) => false,
             (Expect::Holds(value), Located::Found { copies, .. }) => {
-                let mut held = Vec::new();
-                if let Some(found) = copies.value.clone() {
-                    copy_out(self.conn.local(), found, &mut held);
-                }
-                copies.value.is_some() && held == *value
+                let held = copies.value.clone();
+                held.is_some_and(|held| value_bytes(self.conn.local(), held) == *value)
             }
         }
     }
