@@ -489,6 +489,32 @@ fn killed_kv_at(url: &str, step: &str, args: &[&str]) {
     );
 }
 
+/// `kv --server URL ARGS...` started with the hooks `env` sets
+/// (`ONEKV_CLIENT_PAUSE`, `ONEKV_CLIENT_FAULT`), and its stderr's lines.
+fn paused_kv(url: &str, args: &[&str], env: &[(&str, &str)]) -> (std::process::Child, StderrLines) {
+    let mut child = Command::new(workspace_bin("kv"))
+        .args(["--server", url])
+        .args(args)
+        .envs(env.iter().copied())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run kv");
+    let stderr = child.stderr.take().expect("its stderr");
+    (
+        child,
+        std::io::BufRead::lines(std::io::BufReader::new(stderr)),
+    )
+}
+
+type StderrLines = std::io::Lines<std::io::BufReader<std::process::ChildStderr>>;
+
+/// Waits until `kv` says it sleeps at pause point `at`.
+fn pausing(lines: &mut StderrLines, at: &str) {
+    let line = format!("pausing at {at}");
+    let seen = lines.find(|l| l.as_ref().is_ok_and(|l| l.contains(&line)));
+    assert!(seen.is_some(), "kv never paused at {at}");
+}
+
 #[test]
 fn a_writer_killed_between_its_copies_leaves_them_to_the_keys_next_write() {
     let (_etcd, url, _dir, _members) = start("killed");
@@ -827,16 +853,12 @@ fn a_put_stalled_after_reading_its_backups_early_leaves_every_copy_alike() {
         })
         .expect("a filler");
     kv.put(&filler, "filler").expect("put the filler");
-    let mut child = Command::new(workspace_bin("kv"))
-        .args(["--server", &url, "put", &key, "stalled"])
-        .env("ONEKV_CLIENT_PAUSE", "replica-backups-begun:200")
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("run kv");
-    let stderr = child.stderr.take().expect("its stderr");
-    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(stderr));
-    let paused = lines.find(|l| l.as_ref().is_ok_and(|l| l.contains("pausing at")));
-    assert!(paused.is_some(), "kv put never reached its pause");
+    let (mut child, mut lines) = paused_kv(
+        &url,
+        &["put", &key, "stalled"],
+        &[("ONEKV_CLIENT_PAUSE", "replica-backups-begun:200")],
+    );
+    pausing(&mut lines, "replica-backups-begun");
     // While it sleeps, having read the filler where the key would go.
     assert!(kv.delete(&filler).expect("delete the filler"));
     kv.put(&key, "first").expect("put");
@@ -1658,30 +1680,17 @@ fn stalled_increment(url: &str, key: &str, pause: &str) {
     let mut kv = ClusterClient::connect(url).expect("connect");
     kv.incr(key, 1).expect("incr");
     let mut groups = copies(url);
-    let mut child = Command::new(workspace_bin("kv"))
-        .args(["--server", url, "incr", key, "1"])
-        .env(
-            "ONEKV_CLIENT_PAUSE",
-            format!("{pause}:1500,replica-backups-set:1000"),
-        )
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("run kv");
-    let stderr = child.stderr.take().expect("its stderr");
-    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(stderr));
-    let mut pausing = |at: &str| {
-        let line = format!("pausing at {at}");
-        let seen = lines.find(|l| l.as_ref().is_ok_and(|l| l.contains(&line)));
-        assert!(seen.is_some(), "kv incr never paused at {at}");
-    };
-    pausing(pause);
+    let pauses = format!("{pause}:1500,replica-backups-set:1000");
+    let (mut child, mut lines) =
+        paused_kv(url, &["incr", key, "1"], &[("ONEKV_CLIENT_PAUSE", &pauses)]);
+    pausing(&mut lines, pause);
     // While it sleeps holding the lock: these wait a whole life of it (1 s
     // of its 1.5 s pause), take it over, and are done before it wakes.
     let mut other = ClusterClient::connect(url).expect("connect");
     for _ in 0..FAST {
         other.incr(key, 1).expect("incr");
     }
-    pausing("replica-backups-set");
+    pausing(&mut lines, "replica-backups-set");
     // Its backups set, before its commit: none holds less than the primary
     // (an older sum set over the three increments would).
     let values: Vec<i64> = values_of(&mut groups, &kv, key)
@@ -1724,20 +1733,15 @@ fn an_increment_never_sets_its_sum_over_a_put_that_passed_it() {
     let mut groups = copies(&url);
     // The pause is half the lock's life (20 deadlines, 1 s by default):
     // the increment wakes holding it, with its margin to spare.
-    let mut child = Command::new(workspace_bin("kv"))
-        .args(["--server", &url, "incr", &key, "5"])
-        .env("ONEKV_CLIENT_PAUSE", "replica-before-backups:500")
-        .env("ONEKV_CLIENT_FAULT", "replica-backups-set")
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("run kv");
-    let stderr = child.stderr.take().expect("its stderr");
-    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(stderr));
-    let paused = lines.find(|l| {
-        l.as_ref()
-            .is_ok_and(|l| l.contains("pausing at replica-before-backups"))
-    });
-    assert!(paused.is_some(), "kv incr never reached its pause");
+    let (mut child, mut lines) = paused_kv(
+        &url,
+        &["incr", &key, "5"],
+        &[
+            ("ONEKV_CLIENT_PAUSE", "replica-before-backups:500"),
+            ("ONEKV_CLIENT_FAULT", "replica-backups-set"),
+        ],
+    );
+    pausing(&mut lines, "replica-before-backups");
     kv.put(&key, "replaced").expect("put");
     let rest: Vec<String> = lines.map_while(std::result::Result::ok).collect();
     child.wait().expect("wait for kv");
