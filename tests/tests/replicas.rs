@@ -694,6 +694,29 @@ fn an_insert_takes_its_lock_in_its_observation_and_lets_it_go_in_its_commit() {
         increment_waits + 2 <= increment,
         "an increment at R=3 waited {increment_waits} times for {increment} round trips"
     );
+    // A warm increment (the key's slots remembered on every copy): at the
+    // primary, the observation (the lock's CAS with the windows, then the
+    // value) and the commit (the block's WRITE, the CAS and the release in
+    // one batch); at each backup, its windows with its hinted block, then
+    // its CAS: 7 round trips, 5 waits (9 and 7 when the commit's WRITE,
+    // CAS and release went in batches of their own).
+    let warm = key_of(&kv, 0, "hotcount");
+    for _ in 0..3 {
+        kv.incr(&warm, 1).expect("increment");
+    }
+    let (warm_trips, warm_waits) = (0..5)
+        .map(|_| {
+            let at = kv.verb_stats();
+            kv.incr(&warm, 1).expect("increment");
+            let used = kv.verb_stats().since(&at);
+            (used.round_trips, used.waits)
+        })
+        .min()
+        .expect("five increments");
+    assert!(
+        warm_trips <= 7 && warm_waits <= 5,
+        "a warm increment at R=3 took {warm_trips} round trips, {warm_waits} waits"
+    );
     let mut groups = copies(&url);
     for key in &written {
         let value = assert_alike(&mut groups, &kv, key);
