@@ -183,7 +183,7 @@ impl Group<'_> {
     fn level_copies(&mut self, key: &[u8]) -> Result<()> {
         crate::check_key(key)?;
         let mut lock = KeyLock::default();
-        let done = self.level(key, &mut lock);
+        let done = self.level(key, &mut lock, false);
         self.release(key, &mut lock);
         done
     }
@@ -199,7 +199,7 @@ impl Group<'_> {
         let mut unapplied = false;
         if let (Err(e), Change::Add(_), true) = (&done, change, touched) {
             // The backups may hold a sum the primary will never have.
-            match self.level(key, &mut lock) {
+            match self.level(key, &mut lock, true) {
                 // No commit of it succeeded (the key stopped being a
                 // counter, or the sum its range).
                 Ok(()) => {
@@ -282,7 +282,7 @@ impl Group<'_> {
                         // there (levelled, if found apart again).
                         Ran::Apart => {
                             if std::mem::replace(&mut apart, true) {
-                                self.level(key, lock)?;
+                                self.level(key, lock, true)?;
                             }
                             continue;
                         }
@@ -309,6 +309,9 @@ impl Group<'_> {
                     Change::Put(_) | Change::Add(_) => Done::Stored(number),
                 });
             }
+            // An increment's sums are on the backups, and the primary will
+            // not have them: observing again cannot bring them together.
+            apart |= matches!(change, Change::Add(_));
         }
         Err(Error::Contended(attempts))
     }
@@ -492,7 +495,12 @@ impl Group<'_> {
     /// acts on a read of the backup's value that found what the sum was
     /// computed from, `over` (no blind CAS from a hint, which does not say
     /// what its block holds); a backup holding anything else ends the sets
-    /// `Apart`. `Lapsed` when the lock lapsed first.
+    /// `Apart`. `Lapsed` when the lock lapsed first. With `over` any value
+    /// (`level`'s sets), a backup's sole hint may be CASed blind as its
+    /// PUT begins, which may go out later than a deadline after the check
+    /// (a block's lease may ask the server): it lands only if the slot
+    /// still holds what this client last saw there, and any later write's
+    /// set on that backup replaces that.
     fn set_backups_locked(
         &mut self,
         key: &[u8],
@@ -518,16 +526,23 @@ impl Group<'_> {
     /// something else than a counter meanwhile), or found them apart from
     /// the primary: brings the backups back to what the primary holds. A
     /// value is committed again over itself, a write ordered like any
-    /// other; while the key's lock holds, its sets are guarded by it as an
-    /// increment's sums are (`set_backups_locked`), and otherwise plain
-    /// PUTs (see the top: what this leaves open). An absent key is removed from the
+    /// other. `under_lock` (an increment's): each pass holds the key's
+    /// lock, taken again if it lapsed or a failed commit let it go, and
+    /// its sets are guarded by it as the sums are (`set_backups_locked`);
+    /// otherwise (a failover's levelling, `level_copies`) a present value
+    /// is set by plain PUTs (see the top: what this leaves open). An absent key is removed from the
     /// backups, which counts only if the key's lock held from before the
     /// observation until the removals were done (no insert can fill the
     /// key meanwhile); otherwise the lock is taken again and it is redone.
-    fn level(&mut self, key: &[u8], lock: &mut KeyLock) -> Result<()> {
+    fn level(&mut self, key: &[u8], lock: &mut KeyLock, under_lock: bool) -> Result<()> {
         let mut touched = true;
         let attempts = self.primary.options.max_attempts;
         for _ in 0..attempts {
+            // A commit that failed let the lock go too (the release rides
+            // in its batch).
+            if under_lock && !lock.holds(self.primary) {
+                self.relock(key, lock)?;
+            }
             let held = lock.holds(self.primary);
             let observed = self.primary.observe(key, Need::Value, false)?;
             if !observed.is_absent() {
