@@ -87,13 +87,14 @@
 //! `Group::set_backups_locked`). And only over the value the sum was
 //! computed from (`SumGuard`): PUTs and DELETEs of a present key take no
 //! lock, so one may set a backup and commit while an increment holds it;
-//! a backup found holding anything else is levelled with the primary and
-//! the increment observes again. An increment that fails after setting
-//! the backups (a PUT made the key plain meanwhile) brings them back to
-//! the primary's value before it returns (`level`). What this leaves
-//! open: `level`'s sets of a present value when it does not hold the
-//! lock (an increment's lapsed; a failover's levelling) are PUTs, which a
-//! stalled client could land after a later increment.
+//! an increment that finds a backup holding anything else observes again
+//! (such a write may have committed), and if it finds one apart again,
+//! levels the backups with the primary first. An increment that fails
+//! after setting the backups (a PUT made the key plain meanwhile) brings
+//! them back to the primary's value before it returns (`level`, under the
+//! key's lock). What this leaves open: a failover's levelling
+//! (`level_copies`, without the lock) sets a present value by PUTs,
+//! which a stalled client could land after a later increment.
 
 use std::borrow::Cow;
 use std::time::{Duration, Instant};
@@ -530,10 +531,11 @@ impl Group<'_> {
     /// lock, taken again if it lapsed or a failed commit let it go, and
     /// its sets are guarded by it as the sums are (`set_backups_locked`);
     /// otherwise (a failover's levelling, `level_copies`) a present value
-    /// is set by plain PUTs (see the top: what this leaves open). An absent key is removed from the
-    /// backups, which counts only if the key's lock held from before the
-    /// observation until the removals were done (no insert can fill the
-    /// key meanwhile); otherwise the lock is taken again and it is redone.
+    /// is set by plain PUTs (see the top: what this leaves open). An
+    /// absent key is removed from the backups, which counts only if the
+    /// key's lock held from before the observation until the removals were
+    /// done (no insert can fill the key meanwhile); otherwise the lock is
+    /// taken again and it is redone.
     fn level(&mut self, key: &[u8], lock: &mut KeyLock, under_lock: bool) -> Result<()> {
         let mut touched = true;
         let attempts = self.primary.options.max_attempts;
@@ -730,9 +732,9 @@ fn set_while(backup: &mut Client, key: &[u8], sum: &[u8], guard: &SumGuard) -> R
     Err(Error::Contended(attempts))
 }
 
-/// An increment's sums: each CAS posted only while `holds` (the key's lock
-/// does), and only over a copy holding `over`, the value the sum was
-/// computed from. A PUT or DELETE of the key does not take the lock: one
+/// An increment's sums (and its levelling's sets, `over` any value): each
+/// CAS posted only while `holds` (the key's lock does), and only over a
+/// copy holding `over`, the value the sum was computed from. A PUT or DELETE of the key does not take the lock: one
 /// that set a backup before the increment read it, and commits at the
 /// primary after the increment observed it there, would otherwise have
 /// its value replaced by a sum the primary never gets if the increment's

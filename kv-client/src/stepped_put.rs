@@ -21,7 +21,7 @@
 //!
 //! A PUT may be begun *over* a value ([`Expect`]): it then replaces only a
 //! copy that holds that value (or, expecting none, only an absent key),
-//! reading the key's blocks whole to tell, and otherwise stops
+//! reading the key's blocks whole to compare a value, and otherwise stops
 //! ([`Progress::Apart`]). A replicated increment sets its sums so (see
 //! `replicated`).
 //!
@@ -345,7 +345,8 @@ impl Client {
 
     /// Starts the READs of the key's windows, after `first`, and, as
     /// `locate` does with a hint to read (not a counter's, whose writers
-    /// read it whole), of the hinted block's head.
+    /// read it whole), of the hinted block's head (whole, for a PUT over a
+    /// value).
     fn start_locate(&mut self, key: &[u8], put: &SteppedPut, first: Option<Verb>) -> Result<Stage> {
         let kh = &put.kh;
         // A sole hint goes blind (`step_begin`), unless the PUT must see
