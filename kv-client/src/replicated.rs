@@ -540,8 +540,8 @@ impl Group<'_> {
         let mut touched = true;
         let attempts = self.primary.options.max_attempts;
         for _ in 0..attempts {
-            // A commit that failed let the lock go too (the release rides
-            // in its batch).
+            // A commit that failed may have let the lock go too (the
+            // release rides in its batch when it wrote one known copy).
             if under_lock && !lock.holds(self.primary) {
                 self.relock(key, lock)?;
             }
