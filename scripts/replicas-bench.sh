@@ -11,6 +11,10 @@
 #   scripts/replicas-bench.sh [RECORDS] [OPERATIONS] [ROUNDS]
 #                                      (default 100000 2000000 3)
 #
+# THREADS sets the client threads (default 2); BENCH_ARGS adds kv-bench
+# options to every run, e.g. BENCH_ARGS="--slot-cache-entries 16384" to
+# see what slot hints that reach every key change.
+#
 # Needs etcd (Debian: etcd-server) and release builds of kv-server,
 # kv-bench and kv (cargo build --release --bins).
 set -euo pipefail
@@ -21,6 +25,7 @@ operations=${2:-2000000}
 rounds=${3:-3}
 threads=${THREADS:-2}
 bin=${BIN_DIR:-target/release}
+read -ra bench_args <<<"${BENCH_ARGS:-}"
 need_etcd_and "$bin" kv-server kv-bench kv
 
 port=${ETCD_PORT:-23894}
@@ -43,7 +48,7 @@ one_run() {
     "$bin/kv" --server "$url" stats --shard 0 >/dev/null 2>&1 && break
     sleep 0.2
   done
-  local common=(--server "$url" -p "recordcount=$records" --threads "$threads")
+  local common=(--server "$url" -p "recordcount=$records" --threads "$threads" "${bench_args[@]}")
   "$bin/kv-bench" load --workload benches/workloads/workloada "${common[@]}" >"$work/out" 2>&1 ||
     { cat "$work/out" >&2; return 1; }
   awk -v r="$r" -F', ' '
