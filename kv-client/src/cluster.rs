@@ -51,6 +51,9 @@ pub struct ClusterClient {
     /// A connection to each backup of a replicated shard, once written
     /// (all of them, or none).
     backups: Vec<Vec<Client>>,
+    /// Verbs of the connections dropped so far (a shard that moved or
+    /// failed over), still counted: `verb_stats` only grows.
+    retired_stats: VerbStats,
 }
 
 /// A shard's pairs of a `put_many`.
@@ -158,6 +161,7 @@ impl ClusterClient {
             read_at: Instant::now(),
             shards,
             backups,
+            retired_stats: VerbStats::default(),
         })
     }
 
@@ -708,9 +712,12 @@ impl ClusterClient {
         Ok(())
     }
 
-    /// Verbs posted so far over every shard's connection.
+    /// Verbs posted so far over every shard's connection, those since
+    /// dropped included (as [`Client::verb_stats`] counts a replaced
+    /// connection's): it only grows, so that `since` measures an
+    /// operation that met a failover too.
     pub fn verb_stats(&self) -> VerbStats {
-        let mut total = VerbStats::default();
+        let mut total = self.retired_stats;
         for client in self
             .shards
             .iter()
@@ -720,6 +727,21 @@ impl ClusterClient {
             total.add(&client.verb_stats());
         }
         total
+    }
+
+    /// Drops `shard`'s connection to its primary, its verbs still counted.
+    fn drop_primary(&mut self, shard: u32) {
+        if let Some(client) = self.shards[shard as usize].take() {
+            self.retired_stats.add(&client.verb_stats());
+        }
+    }
+
+    /// Drops `shard`'s connections to its backups, their verbs still
+    /// counted.
+    fn drop_backups(&mut self, shard: u32) {
+        for client in self.backups[shard as usize].drain(..) {
+            self.retired_stats.add(&client.verb_stats());
+        }
     }
 
     /// Runs `op` on the connection to `key`'s shard (see [`Self::on`]).
@@ -753,8 +775,8 @@ impl ClusterClient {
             // Most likely a copy's server went (or restarted under a new
             // group): the next write connects afresh, and waits for the
             // map if it must, rather than failing the same way at once.
-            self.shards[shard as usize] = None;
-            self.backups[shard as usize].clear();
+            self.drop_primary(shard);
+            self.drop_backups(shard);
         }
         done
     }
@@ -843,8 +865,8 @@ impl ClusterClient {
                 // A version mismatch, a lasting refusal: the same anywhere.
                 Err(e) => return Err(e),
             };
-            self.shards[shard as usize] = None;
-            self.backups[shard as usize].clear();
+            self.drop_primary(shard);
+            self.drop_backups(shard);
             let moving = self.is_moving(shard);
             // A shard that just moved may still be starting at its new
             // owner: its connection is tried again meanwhile.
@@ -948,10 +970,10 @@ impl ClusterClient {
             // away connections made under the old one.
             let new_group = group_epoch(&self.state, shard) != group_epoch(&state, shard);
             if new_group || server(&self.state, shard) != server(&state, shard) {
-                self.shards[shard as usize] = None;
+                self.drop_primary(shard);
             }
             if new_group || backup_servers(&self.state, shard) != backup_servers(&state, shard) {
-                self.backups[shard as usize].clear();
+                self.drop_backups(shard);
             }
             let owner = |s: &ClusterState| {
                 s.shard_map()
