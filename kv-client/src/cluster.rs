@@ -837,7 +837,8 @@ impl ClusterClient {
         mut attempt: impl FnMut(&mut Self) -> Result<T>,
     ) -> Result<T> {
         self.follow();
-        let started = Instant::now();
+        // On the client's clock: a system call's worth per operation less.
+        let started = crate::clock::now();
         let mut reread = false;
         let mut asked_owner = false;
         // A refusal is tried again for MOVE_SETTLE from the first.
@@ -874,7 +875,7 @@ impl ClusterClient {
                 refused_until.is_some_and(|t| Instant::now() < t) || self.just_moved(shard);
             // A copy of a replicated shard that cannot be reached may be
             // failed over (once its lease expires): waited for.
-            let failing_over = self.replicas() > 1 && started.elapsed() < FAILOVER_WAIT;
+            let failing_over = self.replicas() > 1 && crate::clock::since(started) < FAILOVER_WAIT;
             let giving_up = !moving && !settling && !failing_over && reread;
             // The owner's map is asked for first when its host turned the
             // connection away (it answered: asking costs no connect
@@ -889,7 +890,7 @@ impl ClusterClient {
                     other => self.unavailable(shard, &other.to_string()),
                 });
             }
-            if started.elapsed() > MOVE_WAIT {
+            if crate::clock::since(started) > MOVE_WAIT {
                 return Err(self.unavailable(shard, "moving for longer than the client waits"));
             }
             if moving || settling {
