@@ -12,8 +12,9 @@
 #                                      (default 100000 2000000 3)
 #
 # THREADS sets the client threads (default 2); BENCH_ARGS adds kv-bench
-# options to every run, e.g. BENCH_ARGS="--slot-cache-entries 16384" to
-# see what slot hints that reach every key change.
+# options to every run, split at spaces (so no value may hold one): e.g.
+# BENCH_ARGS="--slot-cache-entries 16384", slot hints for every key of a
+# 10 k-record run.
 #
 # Needs etcd (Debian: etcd-server) and release builds of kv-server,
 # kv-bench and kv (cargo build --release --bins).

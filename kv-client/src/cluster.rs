@@ -744,6 +744,13 @@ impl ClusterClient {
         }
     }
 
+    /// Drops every connection to `shard`'s copies, their verbs still
+    /// counted.
+    fn drop_group(&mut self, shard: u32) {
+        self.drop_primary(shard);
+        self.drop_backups(shard);
+    }
+
     /// Runs `op` on the connection to `key`'s shard (see [`Self::on`]).
     fn on_shard<T>(&mut self, key: &[u8], op: impl FnMut(&mut Client) -> Result<T>) -> Result<T> {
         crate::check_key(key)?;
@@ -775,8 +782,7 @@ impl ClusterClient {
             // Most likely a copy's server went (or restarted under a new
             // group): the next write connects afresh, and waits for the
             // map if it must, rather than failing the same way at once.
-            self.drop_primary(shard);
-            self.drop_backups(shard);
+            self.drop_group(shard);
         }
         done
     }
@@ -837,7 +843,8 @@ impl ClusterClient {
         mut attempt: impl FnMut(&mut Self) -> Result<T>,
     ) -> Result<T> {
         self.follow();
-        // On the client's clock: a system call's worth per operation less.
+        // On the client's clock (the TSC): a clock_gettime per operation
+        // less.
         let started = crate::clock::now();
         let mut reread = false;
         let mut asked_owner = false;
@@ -866,8 +873,7 @@ impl ClusterClient {
                 // A version mismatch, a lasting refusal: the same anywhere.
                 Err(e) => return Err(e),
             };
-            self.drop_primary(shard);
-            self.drop_backups(shard);
+            self.drop_group(shard);
             let moving = self.is_moving(shard);
             // A shard that just moved may still be starting at its new
             // owner: its connection is tried again meanwhile.

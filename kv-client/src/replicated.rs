@@ -541,7 +541,8 @@ impl Group<'_> {
         let attempts = self.primary.options.max_attempts;
         for _ in 0..attempts {
             // A commit that failed may have let the lock go too (the
-            // release rides in its batch when it wrote one known copy).
+            // release rides in its batch when that was a single CAS: one
+            // known copy, or an insert).
             if under_lock && !lock.holds(self.primary) {
                 self.relock(key, lock)?;
             }

@@ -966,14 +966,13 @@ fn a_failover_keeps_the_other_backup_and_levels_it_before_it_may_be_promoted() {
     });
     assert_eq!(kv.get(&k).expect("get").as_deref(), Some(&b"new"[..]));
     // The client dropped its connections to the old group, and still
-    // counts their verbs: what an operation over the failover used is
-    // measured by `since` (which underflowed when the total shrank).
+    // counts their verbs: `since` measures what an operation over the
+    // failover used (it underflowed when the total shrank).
     let used = kv.verb_stats();
     assert!(
         used.round_trips > counted.round_trips && used.waits >= counted.waits,
         "verb counts went back over a failover: {counted:?} then {used:?}"
     );
-    assert!(used.since(&counted).round_trips >= 1);
     restored(&url, 3);
     let map = cluster_state(&url).shard_map().expect("a map").clone();
     assert_eq!(map.owner(0), Some(last.as_str()), "{map:?}");
