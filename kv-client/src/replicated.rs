@@ -90,9 +90,10 @@
 //! an increment that finds a backup holding anything else observes again
 //! (such a write may have committed), and if it finds one apart again,
 //! levels the backups with the primary first. An increment that fails
-//! after setting the backups (a PUT made the key plain meanwhile) brings
-//! them back to the primary's value before it returns (`level`, under the
-//! key's lock). What this leaves open: a failover's levelling
+//! after setting the backups (a PUT made the key plain meanwhile, or every
+//! commit lost its race) brings them back to the primary's value before it
+//! returns (`level`, under the key's lock), and is then known not to have
+//! taken effect. What this leaves open: a failover's levelling
 //! (`level_copies`, without the lock) sets a present value by PUTs,
 //! which a stalled client could land after a later increment.
 
@@ -202,9 +203,14 @@ impl Group<'_> {
             // The backups may hold a sum the primary will never have.
             match self.level(key, &mut lock, true) {
                 // No commit of it succeeded (the key stopped being a
-                // counter, or the sum its range).
+                // counter, the sum left its range, or every commit's CAS
+                // lost a race), and its sums, all set and waited for
+                // under the lock, are gone from every backup.
                 Ok(()) => {
-                    unapplied = matches!(e, Error::NotACounter | Error::CounterOverflow(_));
+                    unapplied = matches!(
+                        e,
+                        Error::NotACounter | Error::CounterOverflow(_) | Error::Contended(_)
+                    );
                 }
                 Err(why) => {
                     done = Err(Error::OutcomeUnknown(format!(

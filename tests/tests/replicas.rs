@@ -1789,3 +1789,39 @@ fn an_increment_never_sets_its_sum_over_a_put_that_passed_it() {
         rest.join("\n")
     );
 }
+
+/// An increment that runs out of attempts after setting its sums on the
+/// backups (`kv --max-attempts 1 incr`, paused once they are set, while a
+/// PUT of the key passes it: its commit then loses) levels the backups
+/// with the primary before it gives up. It is then known not to have taken
+/// effect, and says it gave up under contention, not that its outcome is
+/// unknown.
+#[test]
+fn an_increment_out_of_attempts_after_setting_its_sums_is_known_not_applied() {
+    let (_etcd, url, _dir, _members) = start("gave-up");
+    let mut kv = ClusterClient::connect(&url).expect("connect");
+    let key = key_of(&kv, 0, "gave-up");
+    kv.incr(&key, 1).expect("incr");
+    let mut groups = copies(&url);
+    let (mut child, mut lines) = paused_kv(
+        &url,
+        &["--max-attempts", "1", "incr", &key, "5"],
+        &[("ONEKV_CLIENT_PAUSE", "replica-backups-set:500")],
+    );
+    pausing(&mut lines, "replica-backups-set");
+    kv.put(&key, "40").expect("put");
+    let rest: Vec<String> = lines.map_while(std::result::Result::ok).collect();
+    let status = child.wait().expect("wait for kv");
+    let said = rest.join("\n");
+    assert_eq!(status.code(), Some(2), "kv incr: {said}");
+    assert!(
+        said.contains("gave up after 1 attempts under contention")
+            && !said.contains("may or may not"),
+        "kv incr: {said}"
+    );
+    assert_eq!(
+        assert_alike(&mut groups, &kv, &key).as_deref(),
+        Some(&b"40"[..]),
+        "kv incr: {said}"
+    );
+}

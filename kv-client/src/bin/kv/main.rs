@@ -43,6 +43,11 @@ struct Args {
     /// At the prompt, print values as they are instead of quoted.
     #[arg(long)]
     raw: bool,
+    /// How many races against other writers of its key a command may lose
+    /// before it gives up ("gave up after N attempts under contention").
+    #[arg(long, default_value_t = ClientOptions::default().max_attempts,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    max_attempts: u32,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -122,7 +127,7 @@ fn main() -> ExitCode {
 }
 
 fn run(args: Args) -> Result<ExitCode, String> {
-    let mut options = ClientOptions::default();
+    let mut options = ClientOptions::default().with_max_attempts(args.max_attempts);
     if let Some(path) = &args.secret_file {
         options = options.with_secret(kv_common::secret::read_secret_file(path)?);
     }
