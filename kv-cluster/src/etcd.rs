@@ -47,6 +47,11 @@ impl Keys {
     pub fn coordinator(&self) -> String {
         format!("{}coordinator", self.prefix)
     }
+    /// Where member `id` made regions for its copies (no lease: it
+    /// outlives the member's absences; see `Etcd::regions_made_at`).
+    pub fn regions_made(&self, id: &str) -> String {
+        format!("{}regions/{id}", self.prefix)
+    }
 
     /// What the record at `key` is, decoded from `value`.
     pub(crate) fn record(&self, key: &[u8], value: &[u8]) -> Result<Record, ClusterError> {
@@ -331,6 +336,37 @@ impl Etcd {
         })
     }
 
+    /// The `--listen` address at which member `id` made a region for a
+    /// copy the map gave it (not one a move brought), if it ever did: a
+    /// server of that name that later finds such a region missing lost
+    /// its data (started elsewhere, or its /dev/shm emptied) and must not
+    /// serve an empty one in its place.
+    pub async fn regions_made_at(&mut self, id: &str) -> Result<Option<String>, ClusterError> {
+        let reply = self
+            .client
+            .get(self.keys.regions_made(id), None)
+            .await
+            .map_err(self.error())?;
+        Ok(reply
+            .kvs()
+            .first()
+            .map(|kv| String::from_utf8_lossy(kv.value()).into_owned()))
+    }
+
+    /// Records that member `id` makes regions at `listen` (see
+    /// `regions_made_at`).
+    pub async fn record_regions_made(
+        &mut self,
+        id: &str,
+        listen: &str,
+    ) -> Result<(), ClusterError> {
+        self.client
+            .put(self.keys.regions_made(id), listen, None)
+            .await
+            .map_err(self.error())?;
+        Ok(())
+    }
+
     /// Puts a member's record on its lease, unless a record of that id
     /// exists: another server of the same name, or this one's previous
     /// incarnation, whose lease has not run out yet.
@@ -398,6 +434,15 @@ impl BlockingEtcd {
     ) -> Result<bool, ClusterError> {
         self.runtime
             .block_on(self.etcd.publish_map(map, based_on, None))
+    }
+
+    pub fn regions_made_at(&mut self, id: &str) -> Result<Option<String>, ClusterError> {
+        self.runtime.block_on(self.etcd.regions_made_at(id))
+    }
+
+    pub fn record_regions_made(&mut self, id: &str, listen: &str) -> Result<(), ClusterError> {
+        self.runtime
+            .block_on(self.etcd.record_regions_made(id, listen))
     }
 
     pub fn url(&self) -> &ClusterUrl {

@@ -134,6 +134,14 @@ struct ServeArgs {
     /// whose lease expired fail over within about this long.
     #[arg(long, default_value_t = 3, requires = "cluster")]
     lease_ttl: u64,
+    /// Serve a copy the map gives this member from an empty region when
+    /// its region is missing although the member made its regions before
+    /// (recorded in etcd): its keys are then gone. Without it such a
+    /// server stops, saying where the member made its regions, rather than
+    /// serve "not found" for every key the copy held (a server started
+    /// with another --listen, or after a reboot emptied /dev/shm).
+    #[arg(long, requires = "cluster")]
+    recreate_missing_regions: bool,
 }
 
 #[derive(Subcommand)]
@@ -340,7 +348,8 @@ fn serve(args: ServeArgs) -> Result<(), String> {
                 .member_name
                 .unwrap_or_else(|| config.address.to_string());
             let ttl = Duration::from_secs(args.lease_ttl.max(1));
-            let host = ShardHost::new(config, name, url.clone()).map_err(|e| e.to_string())?;
+            let host = ShardHost::new(config, name, url.clone(), args.recreate_missing_regions)
+                .map_err(|e| e.to_string())?;
             if let Some(at) = host.metrics_address() {
                 tracing::info!("metrics of every shard served here at http://{at}/metrics");
             }

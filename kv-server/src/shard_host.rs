@@ -51,6 +51,7 @@ use kv_common::Address;
 
 use crate::control::Shared;
 use crate::level::{self, Levelling};
+use crate::regions_made::{Refusal, RegionsMade};
 use crate::shard_move::{self, Outgoing};
 use crate::{region_path, MetricsEndpoint, Server, ServerConfig, ServerError};
 
@@ -171,6 +172,11 @@ pub struct ShardHost {
     levelling: Option<LevelRun>,
     levelled: Option<Levelling>,
     level_retry: BTreeMap<u32, (Instant, Duration)>,
+    /// Where this member made its copies' regions, checked before one is
+    /// made from nothing (None: unchecked, in this module's tests).
+    regions: Option<RegionsMade>,
+    /// A copy whose region is lost: the daemon ends (see `failure`).
+    lost: Option<String>,
 }
 
 impl ShardHost {
@@ -184,7 +190,10 @@ impl ShardHost {
         template: ServerConfig,
         member: String,
         url: ClusterUrl,
+        recreate_missing: bool,
     ) -> Result<ShardHost, ServerError> {
+        let listen = template.address.to_string();
+        let regions = RegionsMade::new(url.clone(), &member, &listen, recreate_missing);
         let shown: Arc<Mutex<ShardServers>> = Arc::default();
         let metrics = match template.metrics_listen {
             Some(at) => {
@@ -220,6 +229,8 @@ impl ShardHost {
             levelling: None,
             levelled: None,
             level_retry: BTreeMap::new(),
+            regions: Some(regions),
+            lost: None,
         })
     }
 
@@ -582,6 +593,9 @@ impl ShardHost {
 
     fn start(&mut self, shard: u32, asks: Asks, epoch: u64) {
         let secret = asks.secret.clone();
+        if secret.is_none() && !self.vouch_for_region(shard) {
+            return;
+        }
         let started = self.config_of(shard).and_then(|mut config| {
             prepare_region(&region_path(&config)?, secret.as_deref())?;
             config.group_epoch = asks.group_epoch;
@@ -607,14 +621,41 @@ impl ShardHost {
                 self.serving.insert(shard, Served { server, asks });
                 self.failing.remove(&shard);
             }
-            Err(e) => {
-                let why = e.to_string();
-                if self.failing.get(&shard) == Some(&why) {
-                    tracing::debug!(shard, "still cannot serve: {why}");
-                } else {
-                    tracing::error!(shard, "cannot serve (tried again each second): {why}");
-                    self.failing.insert(shard, why);
-                }
+            Err(e) => self.cannot_serve(shard, e.to_string()),
+        }
+    }
+
+    /// Logs why shard `shard` cannot start, once while the reason stays.
+    fn cannot_serve(&mut self, shard: u32, why: String) {
+        if self.failing.get(&shard) == Some(&why) {
+            tracing::debug!(shard, "still cannot serve: {why}");
+        } else {
+            tracing::error!(shard, "cannot serve (tried again each second): {why}");
+            self.failing.insert(shard, why);
+        }
+    }
+
+    /// Whether shard `shard`'s copy, given by the map rather than brought
+    /// by a move, may start from its region (see `regions_made`): a lost
+    /// region ends the daemon; an unanswered check is tried again.
+    fn vouch_for_region(&mut self, shard: u32) -> bool {
+        let path = self
+            .config_of(shard)
+            .and_then(|config| region_path(&config));
+        let (Some(regions), Ok(path)) = (self.regions.as_mut(), path) else {
+            return true;
+        };
+        match regions.vouch(shard, &path) {
+            Ok(()) => true,
+            Err(Refusal::Lost(why)) => {
+                tracing::error!(shard, "{why}");
+                self.lost.get_or_insert(why);
+                false
+            }
+            Err(Refusal::Unchecked(why)) => {
+                let why = format!("cannot tell from etcd whether its region was made: {why}");
+                self.cannot_serve(shard, why);
+                false
             }
         }
     }
@@ -779,8 +820,12 @@ impl ShardHost {
         self.show_served();
     }
 
-    /// The first shard server that failed, and why.
+    /// A copy whose region is lost, or the first shard server that
+    /// failed, and why.
     pub fn failure(&self) -> Option<String> {
+        if let Some(why) = &self.lost {
+            return Some(why.clone());
+        }
         self.serving.iter().find_map(|(shard, s)| {
             s.server
                 .failure()
@@ -1024,6 +1069,15 @@ fn finish_move(
 mod tests {
     use super::*;
 
+    impl ShardHost {
+        /// A host of member m0 that has no etcd to check its regions with.
+        fn unchecked(template: ServerConfig, url: ClusterUrl) -> ShardHost {
+            let mut host = ShardHost::new(template, "m0".into(), url, false).expect("a host");
+            host.regions = None;
+            host
+        }
+    }
+
     fn scrape(at: std::net::SocketAddr) -> String {
         use std::io::{Read, Write};
         let mut http = std::net::TcpStream::connect(at).expect("the metrics endpoint");
@@ -1076,7 +1130,7 @@ mod tests {
         let template = ServerConfig::new(Address::parse(&listen).expect("an address"));
         let url = ClusterUrl::parse("etcd://127.0.0.1:1/nowhere").expect("a url");
         tracing::subscriber::with_default(subscriber, || {
-            let mut host = ShardHost::new(template, "m0".into(), url).expect("a host");
+            let mut host = ShardHost::unchecked(template, url);
             for _ in 0..3 {
                 host.follow(&map(None), || true);
             }
@@ -1101,7 +1155,7 @@ mod tests {
         let listen =
             Address::parse(&format!("shm://{}/m0", dir.path().display())).expect("an address");
         let url = ClusterUrl::parse("etcd://127.0.0.1:1/nowhere").expect("a url");
-        let mut host = ShardHost::new(ServerConfig::new(listen), "m0".into(), url).expect("a host");
+        let mut host = ShardHost::unchecked(ServerConfig::new(listen), url);
         host.replicated = true;
         let handover = ShardMove {
             shard: 1,
@@ -1142,7 +1196,7 @@ mod tests {
         let mut template = ServerConfig::new(listen);
         template.metrics_listen = Some(([127, 0, 0, 1], 0).into());
         let url = ClusterUrl::parse("etcd://127.0.0.1:1/nowhere").expect("a url");
-        let mut host = ShardHost::new(template, "m0".into(), url).expect("a host");
+        let mut host = ShardHost::unchecked(template, url);
         let at = host.metrics_address().expect("metrics");
         host.follow(&map(None), || true);
         let shown = |reply: &str| reply.matches("onekv_clients_connected{shard=").count();

@@ -128,6 +128,45 @@ fn keys_spread_over_three_servers_and_a_dead_one_fails_only_its_shards() {
     }
 }
 
+/// A server started under a member's name without the member's regions
+/// (here: at another --listen, as a typo or another host would start it)
+/// stops, saying where the member made them, rather than serve its shards
+/// from empty regions, which would answer "not found" for every key they
+/// held; the member started where its regions are serves them all again.
+/// With --recreate-missing-regions the operator accepts the loss, and the
+/// shards are served empty.
+#[test]
+fn a_member_started_without_its_regions_does_not_serve_its_shards_empty() {
+    let etcd = EtcdServer::start();
+    let url = etcd.url("lost");
+    let (dir, elsewhere) = (region_dir(), region_dir());
+    create_cluster(&url, 2, 1);
+    let m0 = start_member(&url, dir.path(), "m0", &[]);
+    let mut kv = load(&url);
+    m0.kill_9();
+    // It joins once m0's lease has run out, and finds no region.
+    let stray = start_member(&url, elsewhere.path(), "m0", &[]);
+    let (status, log) = stray.wait_exit(Duration::from_secs(60));
+    assert!(
+        !status.success() && log.contains("is missing") && log.contains("made its regions at"),
+        "{log}"
+    );
+    match kv.get(key(0)) {
+        Err(Error::ShardUnavailable { .. }) => {}
+        other => panic!("{}: {other:?}", key(0)),
+    }
+    let m0 = start_member(&url, dir.path(), "m0", &[]);
+    eventually("m0's keys back", Duration::from_secs(60), || {
+        (0..KEYS).all(|i| kv.get(key(i)).ok().flatten() == Some(format!("v{i}").into_bytes()))
+    });
+    m0.kill_9();
+    let recreate = ["--recreate-missing-regions"];
+    let _stray = start_member(&url, elsewhere.path(), "m0", &recreate);
+    eventually("m0's shards served empty", Duration::from_secs(60), || {
+        (0..KEYS).all(|i| matches!(kv.get(key(i)), Ok(None)))
+    });
+}
+
 /// A member's one metrics endpoint shows each shard it serves, labelled.
 fn metrics_by_shard(at: std::net::SocketAddr, shards: &[u32]) {
     use std::io::{Read, Write};
