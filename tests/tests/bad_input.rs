@@ -215,6 +215,22 @@ fn a_second_server_on_the_same_region_is_refused() {
     kv.put(b"first", b"server").unwrap();
 }
 
+/// A file at the control socket's path is not a stale socket: the server
+/// refuses to start, saying so, and leaves the file as it was.
+#[test]
+fn a_file_where_the_control_socket_goes_is_refused_untouched() {
+    let dir = onekv_tests::region_dir();
+    let region = dir.path().join("z");
+    let socket = Address::shm_socket(&region);
+    std::fs::write(&socket, b"important data").unwrap();
+    let config = ServerConfig::new(Address::Shm { region });
+    match Server::start(config) {
+        Err(e) => assert!(e.to_string().contains("is not a socket"), "{e}"),
+        Ok(_) => panic!("a server started over {}", socket.display()),
+    }
+    assert_eq!(std::fs::read(&socket).unwrap(), b"important data");
+}
+
 #[test]
 fn the_region_file_is_private_locked_and_allocated_up_front() {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};

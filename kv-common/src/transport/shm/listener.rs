@@ -23,10 +23,22 @@ pub struct ShmListener {
 
 impl ShmListener {
     /// Binds the control socket beside the region file. A stale socket left
-    /// by a dead server is replaced; a live one is refused.
+    /// by a dead server is replaced; a live one is refused, and so is
+    /// anything else at that path (a file someone keeps there is not ours
+    /// to remove).
     pub fn bind(region_path: &Path) -> Result<Self, TransportError> {
+        use std::os::unix::fs::FileTypeExt;
         let socket = Address::shm_socket(region_path);
-        if socket.exists() {
+        if let Ok(found) = std::fs::symlink_metadata(&socket) {
+            if !found.file_type().is_socket() {
+                return Err(TransportError::Io(std::io::Error::new(
+                    std::io::ErrorKind::AlreadyExists,
+                    format!(
+                        "{} (the control socket's path) exists and is not a socket:                          move it away or serve another region",
+                        socket.display()
+                    ),
+                )));
+            }
             if UnixStream::connect(&socket).is_ok() {
                 return Err(TransportError::Io(std::io::Error::new(
                     std::io::ErrorKind::AddrInUse,
