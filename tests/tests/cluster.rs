@@ -297,8 +297,8 @@ fn the_kv_tool_works_on_the_cluster(url: &str, counter: &str) {
         (out.status.code(), text(&out.stdout), text(&out.stderr))
     };
     assert_eq!(kv(&["put", "from-the-tool", "hello"]).0, Some(0));
-    assert_eq!(kv(&["get", "from-the-tool"]).1, "hello\n");
-    assert_eq!(kv(&["get", "user7"]).1, "v7\n");
+    assert_eq!(kv(&["get", "from-the-tool"]).1, "hello");
+    assert_eq!(kv(&["get", "user7"]).1, "v7");
     assert_eq!(kv(&["incr", counter, "5"]).1, "5\n");
     let (code, status, _) = kv(&["cluster"]);
     assert_eq!(code, Some(0));

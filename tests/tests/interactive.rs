@@ -66,12 +66,13 @@ fn the_prompt_stores_reads_and_quotes_like_redis_cli() {
         WaitStatus::Exited(_, 0)
     ));
 
-    // What the prompt stored is what the one-shot command line reads.
+    // What the prompt stored is what the one-shot command line reads, byte
+    // for byte off a terminal.
     let out = Command::new(workspace_bin("kv"))
         .args(["--server", &t.address, "get", "bin"])
         .output()
         .expect("kv get");
-    assert_eq!(out.stdout, b"\x00\xff\ttab\"q\n");
+    assert_eq!(out.stdout, b"\x00\xff\ttab\"q");
 }
 
 #[test]

@@ -2,7 +2,7 @@
 //! per run or at an interactive prompt (`repl`).
 
 use std::ffi::OsString;
-use std::io::{Read, Write};
+use std::io::{IsTerminal, Read, Write};
 use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -66,7 +66,8 @@ enum Command {
         #[arg(long, conflicts_with = "value")]
         value_file: Option<PathBuf>,
     },
-    /// Print the value of KEY; exits with status 1 if there is none.
+    /// Print the value of KEY (as it is stored: a newline follows it only
+    /// on a terminal); exits with status 1 if there is none.
     Get {
         #[arg(allow_hyphen_values = true)]
         key: OsString,
@@ -78,8 +79,10 @@ enum Command {
     },
     /// Add N (default 1, may be negative) to the counter KEY, creating it at
     /// 0 first, and print its new value. Fails if KEY holds a value `put`
-    /// stored, or if the result would lie beyond ±2^61 (the counter is then
-    /// unchanged); `get` prints a counter in decimal.
+    /// stored (in a cluster with --replicas, a counter is its decimal text,
+    /// so a number `put` there counts on from it), or if the result would
+    /// lie beyond ±2^61 (the counter is then unchanged); `get` prints a
+    /// counter in decimal.
     Incr {
         #[arg(allow_hyphen_values = true)]
         key: OsString,
@@ -148,9 +151,15 @@ fn run(args: Args) -> Result<ExitCode, String> {
                     eprintln!("kv: key not found: {}", missing.unwrap_or_default());
                     ExitCode::from(1)
                 }
-                Outcome::Value(Some(value)) => {
-                    print_out(|out| out.write_all(&value).and_then(|_| out.write_all(b"\n")))?
-                }
+                // Byte for byte into a file or a pipe (`kv get photo >
+                // photo.jpg`); a line of its own on a terminal.
+                Outcome::Value(Some(value)) => print_out(|out| {
+                    out.write_all(&value)?;
+                    match std::io::stdout().is_terminal() {
+                        true => out.write_all(b"\n"),
+                        false => Ok(()),
+                    }
+                })?,
                 Outcome::Counter(n) => print_out(|out| writeln!(out, "{n}"))?,
                 Outcome::Report(lines) => {
                     print_out(|out| lines.iter().try_for_each(|l| writeln!(out, "{l}")))?
@@ -198,15 +207,13 @@ fn execute(kv: &mut Store, command: Command) -> Result<Outcome, String> {
         } => {
             let value = match (value, value_file) {
                 (Some(v), _) => v.into_encoded_bytes(),
-                (None, Some(path)) => std::fs::read(&path)
-                    .map_err(|e| format!("cannot read {}: {e}", path.display()))?,
-                (None, None) => {
-                    let mut v = Vec::new();
-                    std::io::stdin()
-                        .read_to_end(&mut v)
-                        .map_err(|e| format!("reading the value from standard input: {e}"))?;
-                    v
+                (None, Some(path)) => {
+                    let what = path.display().to_string();
+                    let file = std::fs::File::open(&path)
+                        .map_err(|e| format!("cannot read {what}: {e}"))?;
+                    read_value(file, &what)?
                 }
+                (None, None) => read_value(std::io::stdin(), "standard input")?,
             };
             kv.put(key.as_bytes(), &value).map_err(e)?;
             Outcome::Stored
@@ -226,6 +233,24 @@ fn execute(kv: &mut Store, command: Command) -> Result<Outcome, String> {
             )])
         }
     })
+}
+
+/// A value from `source`, read no further than one byte past the largest
+/// value a server takes: an endless source (/dev/zero, a pipe that never
+/// closes) fails at the limit rather than fill the memory.
+fn read_value(source: impl Read, what: &str) -> Result<Vec<u8>, String> {
+    let limit = kv_common::layout::MAX_VALUE;
+    let mut value = Vec::new();
+    source
+        .take(limit as u64 + 1)
+        .read_to_end(&mut value)
+        .map_err(|e| format!("cannot read {what}: {e}"))?;
+    if value.len() > limit {
+        return Err(format!(
+            "the value in {what} is larger than the {limit}-byte limit"
+        ));
+    }
+    Ok(value)
 }
 
 fn stats(kv: &mut Client) -> Result<Vec<String>, String> {
