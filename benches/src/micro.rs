@@ -205,6 +205,10 @@ fn check(args: &MicroArgs) -> Result<(), String> {
             "--keys, --key-size, --warm-keys, --batch and --threads must be positive".into(),
         );
     }
+    let most = crate::workload::MAX_THREADS;
+    if args.threads.iter().any(|&t| t > most) {
+        return Err(format!("--threads: at most {most}"));
+    }
     if let Some(unknown) = args
         .ops
         .iter()

@@ -83,6 +83,9 @@ const KNOWN: &[&str] = &[
 
 /// Largest `batchsize`.
 const MAX_BATCH: usize = 4096;
+/// Most worker threads a run starts: each holds a connection of its own
+/// (a server admits at most 4095 clients), and far more fail to start.
+pub const MAX_THREADS: usize = 1024;
 
 struct Reader<'a>(&'a Properties);
 
@@ -256,8 +259,8 @@ impl Workload {
         if self.fieldlength == 0 {
             return Err("fieldlength: must be at least 1".into());
         }
-        if self.threadcount == 0 {
-            return Err("threadcount: must be at least 1".into());
+        if !(1..=MAX_THREADS).contains(&self.threadcount) {
+            return Err(format!("threadcount: must be from 1 to {MAX_THREADS}"));
         }
         if !(1..=MAX_BATCH).contains(&self.batchsize) {
             return Err(format!("batchsize: must be from 1 to {MAX_BATCH}"));
@@ -432,6 +435,7 @@ mod tests {
             ),
             ("recordcount=10\nzipfianconstant=1.2", "zipfianconstant"),
             ("recordcount=10\nthreadcount=0", "threadcount"),
+            ("recordcount=10\nthreadcount=100000", "from 1 to 1024"),
             ("recordcount=10\nfieldcount=0", "fieldcount"),
             ("recordcount=10\ntarget=-3", "target"),
             ("recordcount=10\ninsertstart=20", "insertstart"),

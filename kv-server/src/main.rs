@@ -117,7 +117,7 @@ struct ServeArgs {
     /// This server's name in the cluster (default: its --listen address).
     /// The map names shard owners by it: a restarted server must keep it to
     /// serve its shards again.
-    #[arg(long, requires = "cluster")]
+    #[arg(long, requires = "cluster", value_parser = clap::builder::NonEmptyStringValueParser::new())]
     member_name: Option<String>,
     /// This server's failure domain (a rack, a host, a data centre): in a
     /// cluster with --replicas, no two copies of a shard go to servers of
@@ -132,7 +132,8 @@ struct ServeArgs {
     /// serving its copies (they may be failed over once the lease
     /// expires) until etcd says the lease lives. The copies of a server
     /// whose lease expired fail over within about this long.
-    #[arg(long, default_value_t = 3, requires = "cluster")]
+    #[arg(long, default_value_t = 3, requires = "cluster",
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
     lease_ttl: u64,
     /// Serve a copy the map gives this member from an empty region when
     /// its region is missing although the member made its regions before
@@ -347,7 +348,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             let name = args
                 .member_name
                 .unwrap_or_else(|| config.address.to_string());
-            let ttl = Duration::from_secs(args.lease_ttl.max(1));
+            let ttl = Duration::from_secs(args.lease_ttl);
             let host = ShardHost::new(config, name, url.clone(), args.recreate_missing_regions)
                 .map_err(|e| e.to_string())?;
             if let Some(at) = host.metrics_address() {

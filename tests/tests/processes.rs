@@ -107,6 +107,34 @@ fn daemon_and_cli() {
     assert_eq!(stdout(&kv(&region, &["get", "greeting"])), "hello world");
 }
 
+/// Settings no member could run with are refused before anything starts,
+/// naming the flag.
+#[test]
+fn impossible_member_settings_are_refused_naming_the_flag() {
+    let dir = region_dir();
+    let listen = format!("shm://{}", dir.path().join("m").display());
+    for (flag, value) in [
+        ("--member-name", ""),
+        ("--lease-ttl", "0"),
+        ("--lease-ttl", "99999999999999"),
+    ] {
+        let out = Command::new(workspace_bin("kv-server"))
+            .args([
+                "--listen",
+                &listen,
+                "--cluster",
+                "etcd://127.0.0.1:1/x",
+                flag,
+                value,
+            ])
+            .output()
+            .expect("run kv-server");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flag} {value:?}: {stderr}");
+        assert!(stderr.contains(flag), "{flag} {value:?}: {stderr}");
+    }
+}
+
 #[test]
 fn secret_file_is_enforced() {
     let dir = region_dir();
