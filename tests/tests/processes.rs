@@ -61,25 +61,6 @@ fn daemon_and_cli() {
     assert!(String::from_utf8_lossy(&plain.stderr).contains("not a counter"));
     assert!(kv(&region, &["del", "hits"]).status.success());
 
-    // A value goes in from a file and comes out into one byte for byte (no
-    // newline added off a terminal); an endless source stops at the limit.
-    let photo: Vec<u8> = (0..70_000u32).map(|i| (i % 251) as u8).collect();
-    let file = dir.path().join("photo");
-    std::fs::write(&file, &photo).unwrap();
-    let file_arg = file.to_string_lossy().into_owned();
-    assert!(kv(&region, &["put", "photo", "--value-file", &file_arg])
-        .status
-        .success());
-    assert_eq!(kv(&region, &["get", "photo"]).stdout, photo);
-    assert!(kv(&region, &["del", "photo"]).status.success());
-    let endless = kv(&region, &["put", "zeros", "--value-file", "/dev/zero"]);
-    assert_eq!(endless.status.code(), Some(2));
-    assert!(
-        String::from_utf8_lossy(&endless.stderr).contains("larger than the 1048576-byte limit"),
-        "{}",
-        String::from_utf8_lossy(&endless.stderr)
-    );
-
     // live_slots is as of the server's last index scan, which follows each
     // departing client shortly.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
