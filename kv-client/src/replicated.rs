@@ -43,7 +43,8 @@
 //! backups again, or, if its client died, until the key's next committed
 //! write. Such a value is of a write still in flight, or whose outcome its
 //! caller could not learn: every failure after a backup was touched is
-//! [`Error::OutcomeUnknown`]. So a backup holds, for every key, the last
+//! [`Error::OutcomeUnknown`] (but an increment's, once its backups are
+//! levelled, see below). So a backup holds, for every key, the last
 //! committed write or one in flight after it, never an older one: what a
 //! failover needs, since a backup promoted holds every acknowledged write
 //! (reads go to the primary, which has nothing the backups lack). Two
@@ -90,10 +91,10 @@
 //! an increment that finds a backup holding anything else observes again
 //! (such a write may have committed), and if it finds one apart again,
 //! levels the backups with the primary first. An increment that fails
-//! after setting the backups (a PUT made the key plain meanwhile, or every
-//! commit lost its race) brings them back to the primary's value before it
-//! returns (`level`, under the key's lock), and is then known not to have
-//! taken effect. What this leaves open: a failover's levelling
+//! after setting the backups brings them back to the primary's value
+//! before it returns (`level`, under the key's lock); if no commit of it
+//! took effect (a PUT made the key plain meanwhile, or every commit lost
+//! its race) it is then known not to have taken effect. What this leaves open: a failover's levelling
 //! (`level_copies`, without the lock) sets a present value by PUTs,
 //! which a stalled client could land after a later increment.
 
@@ -196,21 +197,23 @@ impl Group<'_> {
         crate::check_key(key)?;
         let mut touched = false;
         let mut lock = KeyLock::default();
-        let mut done = self.rounds(key, change, &mut touched, &mut lock);
+        let ran = self.rounds(key, change, &mut touched, &mut lock);
+        // Every commit lost its race (not an error out of one).
+        let ran_out = matches!(ran, Ok(None));
+        let attempts = self.primary.options.max_attempts;
+        let mut done = ran.and_then(|done| done.ok_or(Error::Contended(attempts)));
         // Known not to have taken effect, the copies being level again.
         let mut unapplied = false;
         if let (Err(e), Change::Add(_), true) = (&done, change, touched) {
             // The backups may hold a sum the primary will never have.
             match self.level(key, &mut lock, true) {
                 // No commit of it succeeded (the key stopped being a
-                // counter, the sum left its range, or every commit's CAS
-                // lost a race), and its sums, all set and waited for
-                // under the lock, are gone from every backup.
+                // counter, the sum left its range, or every commit lost
+                // its race), and its sums, all set and waited for under
+                // the lock, are gone from every backup.
                 Ok(()) => {
-                    unapplied = matches!(
-                        e,
-                        Error::NotACounter | Error::CounterOverflow(_) | Error::Contended(_)
-                    );
+                    unapplied =
+                        ran_out || matches!(e, Error::NotACounter | Error::CounterOverflow(_));
                 }
                 Err(why) => {
                     done = Err(Error::OutcomeUnknown(format!(
@@ -229,13 +232,15 @@ impl Group<'_> {
         })
     }
 
+    /// The write, attempt after attempt: None when every attempt lost its
+    /// race (no commit took effect).
     fn rounds(
         &mut self,
         key: &[u8],
         change: Change,
         touched: &mut bool,
         lock: &mut KeyLock,
-    ) -> Result<Done> {
+    ) -> Result<Option<Done>> {
         let attempts = self.primary.options.max_attempts;
         // The backups were found apart from an increment's observation in
         // its last round.
@@ -262,7 +267,7 @@ impl Group<'_> {
                 self.primary.unseen_puts.found(absent);
             }
             if absent && matches!(change, Change::Delete) {
-                return Ok(Done::Deleted(false));
+                return Ok(Some(Done::Deleted(false)));
             }
             let locks = absent || matches!(change, Change::Add(_));
             let (value, number) = match change {
@@ -311,16 +316,16 @@ impl Group<'_> {
                 continue;
             }
             if self.commit(key, value.as_deref(), &observed, lock)? == Commit::Done {
-                return Ok(match change {
+                return Ok(Some(match change {
                     Change::Delete => Done::Deleted(true),
                     Change::Put(_) | Change::Add(_) => Done::Stored(number),
-                });
+                }));
             }
             // An increment's sums are on the backups, and the primary will
             // not have them: observing again cannot bring them together.
             apart |= matches!(change, Change::Add(_));
         }
-        Err(Error::Contended(attempts))
+        Ok(None)
     }
 }
 

@@ -47,10 +47,10 @@ impl Keys {
     pub fn coordinator(&self) -> String {
         format!("{}coordinator", self.prefix)
     }
-    /// Where member `id` made regions for its copies (no lease: it
-    /// outlives the member's absences; see `Etcd::regions_made_at`).
-    pub fn regions_made(&self, id: &str) -> String {
-        format!("{}regions/{id}", self.prefix)
+    /// Where member `id` made the region of its copy of `shard` (no lease:
+    /// it outlives the member's absences; see `Etcd::region_made_at`).
+    pub fn region_made(&self, id: &str, shard: u32) -> String {
+        format!("{}regions/{id}/{shard}", self.prefix)
     }
 
     /// What the record at `key` is, decoded from `value`.
@@ -336,15 +336,19 @@ impl Etcd {
         })
     }
 
-    /// The `--listen` address at which member `id` made a region for a
-    /// copy the map gave it (not one a move brought), if it ever did: a
-    /// server of that name that later finds such a region missing lost
-    /// its data (started elsewhere, or its /dev/shm emptied) and must not
-    /// serve an empty one in its place.
-    pub async fn regions_made_at(&mut self, id: &str) -> Result<Option<String>, ClusterError> {
+    /// The `--listen` address of the server of member `id` that made the
+    /// region of its copy of `shard`, if one did: a server of that name
+    /// that later finds the region missing lost its data (it was started
+    /// elsewhere, or its /dev/shm emptied) and must not serve an empty one
+    /// in its place.
+    pub async fn region_made_at(
+        &mut self,
+        id: &str,
+        shard: u32,
+    ) -> Result<Option<String>, ClusterError> {
         let reply = self
             .client
-            .get(self.keys.regions_made(id), None)
+            .get(self.keys.region_made(id, shard), None)
             .await
             .map_err(self.error())?;
         Ok(reply
@@ -353,15 +357,16 @@ impl Etcd {
             .map(|kv| String::from_utf8_lossy(kv.value()).into_owned()))
     }
 
-    /// Records that member `id` makes regions at `listen` (see
-    /// `regions_made_at`).
-    pub async fn record_regions_made(
+    /// Records that member `id`'s server at `listen` made the region of
+    /// its copy of `shard` (see `region_made_at`).
+    pub async fn record_region_made(
         &mut self,
         id: &str,
+        shard: u32,
         listen: &str,
     ) -> Result<(), ClusterError> {
         self.client
-            .put(self.keys.regions_made(id), listen, None)
+            .put(self.keys.region_made(id, shard), listen, None)
             .await
             .map_err(self.error())?;
         Ok(())
@@ -436,13 +441,18 @@ impl BlockingEtcd {
             .block_on(self.etcd.publish_map(map, based_on, None))
     }
 
-    pub fn regions_made_at(&mut self, id: &str) -> Result<Option<String>, ClusterError> {
-        self.runtime.block_on(self.etcd.regions_made_at(id))
+    pub fn region_made_at(&mut self, id: &str, shard: u32) -> Result<Option<String>, ClusterError> {
+        self.runtime.block_on(self.etcd.region_made_at(id, shard))
     }
 
-    pub fn record_regions_made(&mut self, id: &str, listen: &str) -> Result<(), ClusterError> {
+    pub fn record_region_made(
+        &mut self,
+        id: &str,
+        shard: u32,
+        listen: &str,
+    ) -> Result<(), ClusterError> {
         self.runtime
-            .block_on(self.etcd.record_regions_made(id, listen))
+            .block_on(self.etcd.record_region_made(id, shard, listen))
     }
 
     pub fn url(&self) -> &ClusterUrl {

@@ -34,7 +34,7 @@ mod level;
 mod metrics;
 mod reclaim;
 pub mod region;
-mod regions_made;
+pub mod regions_made;
 mod registry;
 pub mod shard_host;
 pub mod shard_move;

@@ -12,6 +12,7 @@ use kv_common::size::parse_size;
 use kv_common::Address;
 use kv_server::directory::Directory;
 use kv_server::region::CheckMode;
+use kv_server::regions_made::MissingRegions;
 use kv_server::shard_host::ShardHost;
 use kv_server::{Server, ServerConfig};
 
@@ -135,12 +136,14 @@ struct ServeArgs {
     #[arg(long, default_value_t = 3, requires = "cluster",
           value_parser = clap::value_parser!(u64).range(1..=3600))]
     lease_ttl: u64,
-    /// Serve a copy the map gives this member from an empty region when
-    /// its region is missing although the member made its regions before
-    /// (recorded in etcd): its keys are then gone. Without it such a
-    /// server stops, saying where the member made its regions, rather than
-    /// serve "not found" for every key the copy held (a server started
-    /// with another --listen, or after a reboot emptied /dev/shm).
+    /// Serve a shard from an empty region when its region is missing
+    /// although this member made it (etcd records that): its keys are then
+    /// gone. Without it such a server stops, saying where the region was
+    /// made, rather than serve "not found" for every key the shard held (a
+    /// server started with another --listen, or after a reboot emptied
+    /// /dev/shm). Not in a cluster with --replicas, where the server stops
+    /// all the same: started again once its copies have failed over (a
+    /// lease TTL), it gets fresh ones from the other servers.
     #[arg(long, requires = "cluster")]
     recreate_missing_regions: bool,
 }
@@ -349,8 +352,12 @@ fn serve(args: ServeArgs) -> Result<(), String> {
                 .member_name
                 .unwrap_or_else(|| config.address.to_string());
             let ttl = Duration::from_secs(args.lease_ttl);
-            let host = ShardHost::new(config, name, url.clone(), args.recreate_missing_regions)
-                .map_err(|e| e.to_string())?;
+            let missing = match args.recreate_missing_regions {
+                true => MissingRegions::Recreate,
+                false => MissingRegions::Refuse,
+            };
+            let host =
+                ShardHost::new(config, name, url.clone(), missing).map_err(|e| e.to_string())?;
             if let Some(at) = host.metrics_address() {
                 tracing::info!("metrics of every shard served here at http://{at}/metrics");
             }

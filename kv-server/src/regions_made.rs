@@ -1,28 +1,46 @@
-//! Where a cluster member made the regions of its copies, recorded in etcd
-//! (`kv_cluster::etcd::Keys::regions_made`, with no lease: it outlives the
+//! Which regions a cluster member has made, recorded in etcd per copy
+//! (`kv_cluster::etcd::Keys::region_made`, with no lease: it outlives the
 //! member's absences), so that a server of its name never serves an empty
-//! region in place of one the member made before and that is not there
-//! now: a server started with another `--listen` (a typo, another host)
-//! or after a reboot emptied /dev/shm. Serving one would answer "not
-//! found" for every key the copy held, and in a cluster of several copies
-//! pass an empty copy off as a level one.
+//! region in place of one the member made and that is not there now: a
+//! server started with another `--listen` (a typo, another host) or after
+//! a reboot emptied /dev/shm. Serving one would answer "not found" for
+//! every key the copy held.
 //!
-//! A copy's region is made without a move only for the first map's deal;
-//! every later copy comes by a move (whose target starts from nothing, see
-//! `shard_host::prepare_region`) or is one the member already held. So a
-//! member whose record existed before this process made any region has no
-//! copy to make from nothing: a missing region is a lost one.
+//! A copy's region is recorded once its server has started on it (made
+//! or opened, by the map's deal or by a move), so a record always means a
+//! region that existed: a server stopped before it made one (its first
+//! start failed) is not refused later. What this leaves open: a copy
+//! whose record could not be written (etcd unreachable at its first
+//! start) and whose region is then lost.
+//!
+//! In a cluster of several copies an empty region must never be served in
+//! a lost one's place, even when the operator accepts the loss: the map
+//! would count it level with the others, and a failover could promote it,
+//! or a levelling copy its emptiness over them. Such a server stops, and
+//! started again once its copies have failed over (a lease TTL), it
+//! rejoins empty and is given fresh copies by the others.
 
+use std::collections::BTreeSet;
 use std::path::Path;
 
 use kv_cluster::etcd::BlockingEtcd;
 use kv_cluster::ClusterUrl;
 
+/// What a member does about a copy's region it made and cannot find.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MissingRegions {
+    /// Stop, saying where the region was made.
+    Refuse,
+    /// Serve the copy empty (`--recreate-missing-regions`), in a cluster
+    /// of one copy per shard; refused with replicas all the same.
+    Recreate,
+}
+
 /// Why a copy may not start.
 pub enum Refusal {
     /// Its region is lost: serving an empty one would lose its keys.
     Lost(String),
-    /// etcd did not say whether the member made regions before.
+    /// etcd did not say whether the member made the region.
     Unchecked(String),
 }
 
@@ -30,89 +48,94 @@ pub struct RegionsMade {
     url: ClusterUrl,
     member: String,
     listen: String,
-    /// `--recreate-missing-regions`: the operator accepts the loss.
-    recreate_missing: bool,
-    /// The record as this process first read it, before it wrote one.
-    before: Option<Option<String>>,
-    /// Whether the record names this server's `listen`.
-    recorded: bool,
+    missing: MissingRegions,
+    /// The shards whose records this process wrote.
+    recorded: BTreeSet<u32>,
     etcd: Option<BlockingEtcd>,
 }
 
 impl RegionsMade {
-    pub fn new(url: ClusterUrl, member: &str, listen: &str, recreate_missing: bool) -> Self {
+    pub fn new(url: ClusterUrl, member: &str, listen: &str, missing: MissingRegions) -> Self {
         RegionsMade {
             url,
             member: member.to_string(),
             listen: listen.to_string(),
-            recreate_missing,
-            before: None,
-            recorded: false,
+            missing,
+            recorded: BTreeSet::new(),
             etcd: None,
         }
     }
 
     /// Before shard `shard`'s copy, one the map gave this member (not a
-    /// move's), starts from its region at `path`: refused if the region
-    /// is missing though the member made its regions before; else the
-    /// member's regions are recorded as made at this server's address
-    /// before any is made.
-    pub fn vouch(&mut self, shard: u32, path: &Path) -> Result<(), Refusal> {
-        let before = match &self.before {
-            Some(before) => before.clone(),
-            None => {
-                let member = self.member.clone();
-                let read = self.etcd()?.regions_made_at(&member);
-                let before = read.map_err(|e| Refusal::Unchecked(e.to_string()))?;
-                self.before = Some(before.clone());
-                before
-            }
+    /// move's), starts from its region at `path`: refused if the region is
+    /// missing though the member made it.
+    pub fn check(&mut self, shard: u32, path: &Path, replicated: bool) -> Result<(), Refusal> {
+        if path.exists() {
+            return Ok(());
+        }
+        let member = self.member.clone();
+        let made_at = (self.etcd()).and_then(|etcd| {
+            etcd.region_made_at(&member, shard)
+                .map_err(|e| e.to_string())
+        });
+        let Some(at) = made_at.map_err(Refusal::Unchecked)? else {
+            return Ok(());
         };
-        if let (false, Some(at)) = (path.exists(), &before) {
-            if !self.recreate_missing {
-                return Err(Refusal::Lost(self.lost(shard, path, at)));
-            }
+        if self.missing == MissingRegions::Recreate && !replicated {
             tracing::warn!(
                 shard,
                 "serving an empty region in place of the missing {} (--recreate-missing-regions): \
                  what this copy held is gone",
                 path.display()
             );
+            return Ok(());
         }
-        if !self.recorded {
-            if before.as_deref() != Some(self.listen.as_str()) {
-                let (member, listen) = (self.member.clone(), self.listen.clone());
-                let written = self.etcd()?.record_regions_made(&member, &listen);
-                written.map_err(|e| Refusal::Unchecked(e.to_string()))?;
-            }
-            self.recorded = true;
+        Err(Refusal::Lost(self.lost(shard, path, &at, replicated)))
+    }
+
+    /// Records that shard `shard`'s copy has its region here, now that its
+    /// server started on it (once per process).
+    pub fn record(&mut self, shard: u32) -> Result<(), String> {
+        if self.recorded.contains(&shard) {
+            return Ok(());
         }
+        let (member, listen) = (self.member.clone(), self.listen.clone());
+        (self.etcd()?)
+            .record_region_made(&member, shard, &listen)
+            .map_err(|e| e.to_string())?;
+        self.recorded.insert(shard);
         Ok(())
     }
 
-    fn lost(&self, shard: u32, path: &Path, at: &str) -> String {
+    fn lost(&self, shard: u32, path: &Path, at: &str, replicated: bool) -> String {
         let whence = match at == self.listen {
-            true => "here before (was /dev/shm emptied, by a reboot?)".to_string(),
-            false => format!("at {at} before (this server listens at {})", self.listen),
+            true => "here (was /dev/shm emptied, by a reboot?)".to_string(),
+            false => format!("at {at} (this server listens at {})", self.listen),
+        };
+        let remedy = match replicated {
+            true => {
+                "Start the server where its regions are; or, if they are gone for good, \
+                     start it again once the cluster has failed its copies over (a lease TTL \
+                     after it stopped): it rejoins empty and is given fresh copies"
+            }
+            false => {
+                "Start the server where its regions are; or, if they are gone for good, \
+                      with --recreate-missing-regions to serve its copies empty"
+            }
         };
         format!(
-            "shard {shard}'s region {} is missing, though member {} made its regions {whence}; \
-             an empty one served in its place would lose every key the copy held. Start the \
-             server where its regions are, or, if they are gone for good, with \
-             --recreate-missing-regions to serve its copies empty",
+            "shard {shard}'s region {} is missing, though member {} made it {whence}: an empty \
+             one served in its place would lose every key the copy held. {remedy}",
             path.display(),
             self.member
         )
     }
 
-    fn etcd(&mut self) -> Result<&mut BlockingEtcd, Refusal> {
-        if self.etcd.is_none() {
-            let etcd =
-                BlockingEtcd::connect(&self.url).map_err(|e| Refusal::Unchecked(e.to_string()))?;
-            self.etcd = Some(etcd);
-        }
-        self.etcd
-            .as_mut()
-            .ok_or_else(|| Refusal::Unchecked("no etcd connection".into()))
+    fn etcd(&mut self) -> Result<&mut BlockingEtcd, String> {
+        let etcd = match self.etcd.take() {
+            Some(etcd) => etcd,
+            None => BlockingEtcd::connect(&self.url).map_err(|e| e.to_string())?,
+        };
+        Ok(self.etcd.insert(etcd))
     }
 }

@@ -51,7 +51,7 @@ use kv_common::Address;
 
 use crate::control::Shared;
 use crate::level::{self, Levelling};
-use crate::regions_made::{Refusal, RegionsMade};
+use crate::regions_made::{MissingRegions, Refusal, RegionsMade};
 use crate::shard_move::{self, Outgoing};
 use crate::{region_path, MetricsEndpoint, Server, ServerConfig, ServerError};
 
@@ -172,8 +172,9 @@ pub struct ShardHost {
     levelling: Option<LevelRun>,
     levelled: Option<Levelling>,
     level_retry: BTreeMap<u32, (Instant, Duration)>,
-    /// Where this member made its copies' regions, checked before one is
-    /// made from nothing (None: unchecked, in this module's tests).
+    /// Which regions this member made, checked before one is made from
+    /// nothing (None: unchecked, in this module's tests, which have no
+    /// etcd).
     regions: Option<RegionsMade>,
     /// A copy whose region is lost: the daemon ends (see `failure`).
     lost: Option<String>,
@@ -190,10 +191,10 @@ impl ShardHost {
         template: ServerConfig,
         member: String,
         url: ClusterUrl,
-        recreate_missing: bool,
+        missing: MissingRegions,
     ) -> Result<ShardHost, ServerError> {
         let listen = template.address.to_string();
-        let regions = RegionsMade::new(url.clone(), &member, &listen, recreate_missing);
+        let regions = RegionsMade::new(url.clone(), &member, &listen, missing);
         let shown: Arc<Mutex<ShardServers>> = Arc::default();
         let metrics = match template.metrics_listen {
             Some(at) => {
@@ -612,6 +613,12 @@ impl ShardHost {
         });
         match started {
             Ok(server) => {
+                if let Some(Err(why)) = self.regions.as_mut().map(|r| r.record(shard)) {
+                    tracing::warn!(
+                        shard,
+                        "cannot record in etcd that its region is made: {why}"
+                    );
+                }
                 let role = if secret.is_some() {
                     "receiving"
                 } else {
@@ -645,7 +652,7 @@ impl ShardHost {
         let (Some(regions), Ok(path)) = (self.regions.as_mut(), path) else {
             return true;
         };
-        match regions.vouch(shard, &path) {
+        match regions.check(shard, &path, self.replicated) {
             Ok(()) => true,
             Err(Refusal::Lost(why)) => {
                 tracing::error!(shard, "{why}");
@@ -1072,7 +1079,8 @@ mod tests {
     impl ShardHost {
         /// A host of member m0 that has no etcd to check its regions with.
         fn unchecked(template: ServerConfig, url: ClusterUrl) -> ShardHost {
-            let mut host = ShardHost::new(template, "m0".into(), url, false).expect("a host");
+            let mut host =
+                ShardHost::new(template, "m0".into(), url, MissingRegions::Refuse).expect("a host");
             host.regions = None;
             host
         }

@@ -148,7 +148,7 @@ fn a_member_started_without_its_regions_does_not_serve_its_shards_empty() {
     let stray = start_member(&url, elsewhere.path(), "m0", &[]);
     let (status, log) = stray.wait_exit(Duration::from_secs(60));
     assert!(
-        !status.success() && log.contains("is missing") && log.contains("made its regions at"),
+        !status.success() && log.contains("is missing") && log.contains("made it at"),
         "{log}"
     );
     match kv.get(key(0)) {

@@ -1806,7 +1806,7 @@ fn an_increment_out_of_attempts_after_setting_its_sums_is_known_not_applied() {
     let (mut child, mut lines) = paused_kv(
         &url,
         &["--max-attempts", "1", "incr", &key, "5"],
-        &[("ONEKV_CLIENT_PAUSE", "replica-backups-set:500")],
+        &[("ONEKV_CLIENT_PAUSE", "replica-backups-set:1000")],
     );
     pausing(&mut lines, "replica-backups-set");
     kv.put(&key, "40").expect("put");
