@@ -18,12 +18,14 @@ use crate::ClusterError;
 #[derive(Clone, Debug)]
 pub struct Keys {
     prefix: String,
+    name: String,
 }
 
 impl Keys {
     pub fn new(name: &str) -> Keys {
         Keys {
             prefix: format!("/onekv/{name}/"),
+            name: name.to_string(),
         }
     }
     pub fn prefix(&self) -> &str {
@@ -49,8 +51,11 @@ impl Keys {
     }
     /// Where member `id` made the region of its copy of `shard` (no lease:
     /// it outlives the member's absences; see `Etcd::region_made_at`).
+    /// Outside the cluster's prefix, which members and the coordinator
+    /// read whole and watch: a member's key per copy would be read with
+    /// the map at every change, and each one written would wake them all.
     pub fn region_made(&self, id: &str, shard: u32) -> String {
-        format!("{}regions/{id}/{shard}", self.prefix)
+        format!("/onekv-regions/{}/{id}/{shard}", self.name)
     }
 
     /// What the record at `key` is, decoded from `value`.

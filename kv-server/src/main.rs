@@ -141,9 +141,10 @@ struct ServeArgs {
     /// gone. Without it such a server stops, saying where the region was
     /// made, rather than serve "not found" for every key the shard held (a
     /// server started with another --listen, or after a reboot emptied
-    /// /dev/shm). Not in a cluster with --replicas, where the server stops
-    /// all the same: started again once its copies have failed over (a
-    /// lease TTL), it gets fresh ones from the other servers.
+    /// /dev/shm). With --replicas, only when no other server holds the
+    /// shard's data (an empty copy passes for a level one): otherwise
+    /// start the server again once its copies have failed over (a lease
+    /// TTL), and it gets fresh ones from the other servers.
     #[arg(long, requires = "cluster")]
     recreate_missing_regions: bool,
 }

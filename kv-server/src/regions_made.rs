@@ -13,12 +13,14 @@
 //! whose record could not be written (etcd unreachable at its first
 //! start) and whose region is then lost.
 //!
-//! In a cluster of several copies an empty region must never be served in
-//! a lost one's place, even when the operator accepts the loss: the map
-//! would count it level with the others, and a failover could promote it,
-//! or a levelling copy its emptiness over them. Such a server stops, and
-//! started again once its copies have failed over (a lease TTL), it
-//! rejoins empty and is given fresh copies by the others.
+//! In a cluster of several copies an empty region served in a lost one's
+//! place passes for a copy level with the others: a failover could promote
+//! it, or a levelling copy its emptiness over them. So there the server
+//! stops, and started again once its copies have failed over (a lease
+//! TTL), it rejoins empty and is given fresh copies by the others. Only
+//! when no other copy holds the shard's data (every server lost its
+//! regions, or none is left that may be promoted) does the operator
+//! accept the loss, as with one copy (`--recreate-missing-regions`).
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -31,8 +33,7 @@ use kv_cluster::ClusterUrl;
 pub enum MissingRegions {
     /// Stop, saying where the region was made.
     Refuse,
-    /// Serve the copy empty (`--recreate-missing-regions`), in a cluster
-    /// of one copy per shard; refused with replicas all the same.
+    /// Serve the copy empty (`--recreate-missing-regions`).
     Recreate,
 }
 
@@ -81,7 +82,7 @@ impl RegionsMade {
         let Some(at) = made_at.map_err(Refusal::Unchecked)? else {
             return Ok(());
         };
-        if self.missing == MissingRegions::Recreate && !replicated {
+        if self.missing == MissingRegions::Recreate {
             tracing::warn!(
                 shard,
                 "serving an empty region in place of the missing {} (--recreate-missing-regions): \
@@ -115,8 +116,10 @@ impl RegionsMade {
         let remedy = match replicated {
             true => {
                 "Start the server where its regions are; or, if they are gone for good, \
-                     start it again once the cluster has failed its copies over (a lease TTL \
-                     after it stopped): it rejoins empty and is given fresh copies"
+                 start it again once the cluster has failed its copies over (a lease TTL \
+                 after it stopped): it rejoins empty and is given fresh copies. Only if no \
+                 other server holds the shard's data, --recreate-missing-regions serves it \
+                 empty"
             }
             false => {
                 "Start the server where its regions are; or, if they are gone for good, \
