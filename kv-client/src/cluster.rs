@@ -121,6 +121,10 @@ const MOVE_SETTLE: Duration = Duration::from_secs(10);
 /// reach to be failed over: the member's lease TTL (3 s by default), the
 /// coordinator's turn, and the copies' restart under the new group epoch.
 const FAILOVER_WAIT: Duration = Duration::from_secs(20);
+/// How long a connect to a replicated shard's copy waits for its answer: a
+/// live server on a busy host answers well within it; a frozen one may be
+/// being failed over, and the map is read again meanwhile.
+const COPY_CONNECT_WAIT: Duration = Duration::from_secs(2);
 
 impl ClusterClient {
     /// Reads the cluster at `url` with default options: from etcd
@@ -1013,7 +1017,9 @@ impl ClusterClient {
     /// so that a cluster client keeps as many hints as a single one and no
     /// more (more would cost cache misses over shm; see
     /// [`crate::SlotCacheEntries`]).
-    /// It presents the group epoch the map gives `shard`.
+    /// It presents the group epoch the map gives `shard`, and at a
+    /// replicated shard waits for a connect's answer no more than
+    /// `COPY_CONNECT_WAIT`.
     fn shard_options(&self, address: &str, shard: u32) -> ClientOptions {
         let total = self
             .options
@@ -1026,6 +1032,9 @@ impl ClusterClient {
         let per_shard = total.div_ceil(self.shards.len().max(1));
         let mut options = self.options.clone().with_slot_cache_entries(per_shard);
         options.group_epoch = group_epoch(&self.state, shard);
+        if self.replicas() > 1 {
+            options.connect_timeout = Some(COPY_CONNECT_WAIT);
+        }
         options
     }
 

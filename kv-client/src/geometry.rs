@@ -52,7 +52,7 @@ impl Client {
                 },
                 Ask::Geometry => Request::Geometry,
             };
-            let info = match self.conn.call(&request)? {
+            let info = match self.call(&request)? {
                 Response::Geometry(info) => info,
                 other => return Err(unexpected(other)),
             };
@@ -107,7 +107,7 @@ impl Client {
         {
             w.reported = Some(now);
             let epoch = self.info.geometry.epoch;
-            match self.conn.call(&Request::StrayFrozen { epoch })? {
+            match self.call(&Request::StrayFrozen { epoch })? {
                 Response::Geometry(info) if info.geometry.epoch != epoch => self.adopt(info)?,
                 Response::Geometry(_) => {}
                 other => return Err(unexpected(other)),

@@ -41,7 +41,7 @@ impl Client {
         let size = class_size(class);
         let give_up = Instant::now() + SPACE_WAIT;
         loop {
-            match self.conn.call(&Request::Lease { min_len: size })? {
+            match self.call(&Request::Lease { min_len: size })? {
                 Response::Leased {
                     extents,
                     write_keys,
@@ -121,7 +121,7 @@ impl Client {
         for s in &spent {
             self.conn.forget_writes(s.extent);
         }
-        match self.conn.call(&Request::GiveBack { spent, unlinked })? {
+        match self.call(&Request::GiveBack { spent, unlinked })? {
             Response::GivenBack => Ok(()),
             other => Err(unexpected(other)),
         }
@@ -154,7 +154,7 @@ impl Client {
     }
 
     fn send_reports(&mut self, blocks: Vec<Unlinked>) -> Result<()> {
-        match self.conn.call(&Request::Unlinked { blocks })? {
+        match self.call(&Request::Unlinked { blocks })? {
             Response::Noted { more } => {
                 if !more {
                     self.reports_held_back = REPORTS_HELD_BACK;

@@ -172,6 +172,11 @@ pub struct ClientOptions {
     /// by its own, see kv-cluster's `ShardMap::group_epochs`); 0 for a
     /// single server.
     pub group_epoch: u64,
+    /// How long the connect waits for the server's reply, when less than
+    /// `reply_timeout`: a `ClusterClient` bounds it at a replicated shard's
+    /// copies, so that a reconnect to a frozen server (one whose lease may
+    /// be expiring) gives up in time to follow the map to the new primary.
+    pub(crate) connect_timeout: Option<Duration>,
     /// Test hook (feature `test-hooks`): see
     /// [`ClientOptions::with_pause_after_index_read`].
     #[cfg(feature = "test-hooks")]
@@ -190,6 +195,7 @@ impl Default for ClientOptions {
             slot_cache_entries: None,
             reply_timeout: transport::DEFAULT_REPLY_TIMEOUT,
             group_epoch: 0,
+            connect_timeout: None,
             #[cfg(feature = "test-hooks")]
             pause_after_index_read: None,
             #[cfg(feature = "test-hooks")]
@@ -476,7 +482,7 @@ impl Client {
     ///
     /// Only [those of every call](Client#errors-of-every-call).
     pub fn server_stats(&mut self) -> Result<ServerStats> {
-        match self.conn.call(&Request::Stats)? {
+        match self.call(&Request::Stats)? {
             Response::Stats(s) => Ok(s),
             other => Err(unexpected(other)),
         }
@@ -502,7 +508,7 @@ impl Client {
             let mut all: Option<KeysPage> = None;
             let mut from = 0;
             loop {
-                let page = match self.conn.call(&Request::Keys { from, seed })? {
+                let page = match self.call(&Request::Keys { from, seed })? {
                     Response::Keys(page) => page,
                     other => return Err(unexpected(other)),
                 };
@@ -1085,6 +1091,27 @@ impl Client {
         Ok(())
     }
 
+    /// Sends a control request and waits for its reply. At a copy of a
+    /// replicated shard the wait ends with the read lease (at least
+    /// `MIN_RENEWAL_WAIT`): a server that does not answer by then may be
+    /// frozen and failed over, and the caller, finding the connection
+    /// lost, reconnects and follows the map, rather than wait out the
+    /// reply timeout.
+    pub(crate) fn call(&mut self, request: &Request) -> Result<Response> {
+        let Some(lease) = self.read_lease else {
+            return Ok(self.conn.call(request)?);
+        };
+        let wait = lease
+            .renewal_wait(clock::raw())
+            .min(self.options.reply_timeout);
+        Ok(call_within(
+            self.conn.as_mut(),
+            request,
+            wait,
+            self.options.reply_timeout,
+        )?)
+    }
+
     /// Renews the read lease on a copy of a replicated shard once it is
     /// due (see `read_lease`); nothing to do elsewhere. Called before every
     /// attempt that reads.
@@ -1097,14 +1124,7 @@ impl Client {
             return Ok(());
         }
         // A frozen server never answers: the wait ends with the lease.
-        let wait = lease.renewal_wait(sent).min(self.options.reply_timeout);
-        self.conn.set_reply_timeout(wait)?;
-        let answer = self.conn.call(&Request::ReadLease);
-        // The call's own failure (a lost connection) is the one to report.
-        let restored = self.conn.set_reply_timeout(self.options.reply_timeout);
-        let answer = answer?;
-        restored?;
-        match answer {
+        match self.call(&Request::ReadLease)? {
             Response::ReadLease { valid_us } => {
                 let lease = ReadLease::granted(sent, valid_us);
                 self.read_lease = Some(lease);
@@ -1195,11 +1215,13 @@ fn open(address: &Address, options: &ClientOptions) -> Result<Opened> {
     let mut conn = transport::connect(address, &options.connect_options())?;
     let secret = options.secret.clone().unwrap_or_default();
     let sent = clock::raw();
-    let info = match conn.call(&Request::Connect {
+    let connect = Request::Connect {
         protocol_version: PROTOCOL_VERSION,
         secret,
         group: options.group_epoch,
-    })? {
+    };
+    let wait = options.connect_timeout.unwrap_or(options.reply_timeout);
+    let info = match call_within(conn.as_mut(), &connect, wait, options.reply_timeout)? {
         Response::Connected(info) => info,
         Response::Error { kind, message } => return Err(Error::from_server(kind, message)),
         other => return Err(unexpected(other)),
@@ -1212,6 +1234,26 @@ fn open(address: &Address, options: &ClientOptions) -> Result<Opened> {
         .read_lease_us
         .map(|valid_us| ReadLease::granted(sent, valid_us));
     Ok((conn, info, layout, read_lease))
+}
+
+/// Calls `request` waiting at most `wait` for the reply, then sets the
+/// connection's reply timeout back to `usual`.
+fn call_within(
+    conn: &mut dyn Connection,
+    request: &Request,
+    wait: Duration,
+    usual: Duration,
+) -> std::result::Result<Response, TransportError> {
+    if wait >= usual {
+        return conn.call(request);
+    }
+    conn.set_reply_timeout(wait)?;
+    let answer = conn.call(request);
+    // The call's own failure (a lost connection) is the one to report.
+    let restored = conn.set_reply_timeout(usual);
+    let answer = answer?;
+    restored?;
+    Ok(answer)
 }
 
 /// The time bounds of a connection: its server's operation deadline, and

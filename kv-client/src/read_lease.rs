@@ -30,7 +30,10 @@
 //! A client renews halfway through its lease, so a live copy never makes a
 //! reader wait; a renewal not answered by the end of the lease (at least
 //! `MIN_RENEWAL_WAIT`) fails as a lost connection: the caller reconnects,
-//! and a cluster client follows the map to the new primary.
+//! and a cluster client follows the map to the new primary. Every other
+//! control call at a copy (a chunk lease, a geometry) waits no longer
+//! either (`Client::call`): a writer busy at a frozen primary would
+//! otherwise wait out the reply timeout (10 s) after its failover.
 
 use std::time::Duration;
 

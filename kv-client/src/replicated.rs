@@ -94,9 +94,10 @@
 //! after setting the backups brings them back to the primary's value
 //! before it returns (`level`, under the key's lock); if no commit of it
 //! took effect (a PUT made the key plain meanwhile, or every commit lost
-//! its race) it is then known not to have taken effect. What this leaves open: a failover's levelling
-//! (`level_copies`, without the lock) sets a present value by PUTs,
-//! which a stalled client could land after a later increment.
+//! its race) it is then known not to have taken effect. What this leaves
+//! open: a failover's levelling (`level_copies`, without the lock) sets a
+//! present value by PUTs, which a stalled client could land after a later
+//! increment.
 
 use std::borrow::Cow;
 use std::time::{Duration, Instant};

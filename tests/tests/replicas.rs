@@ -1593,6 +1593,67 @@ fn a_frozen_primary_is_fenced_and_drops_its_copies_when_it_wakes() {
     assert_eq!(kv.get(&key).expect("get").as_deref(), Some(&b"after"[..]));
 }
 
+/// A client busy at a primary when it freezes (SIGSTOP) follows the
+/// failover without waiting out its reply timeout (a minute here): no call
+/// to a copy waits for longer than the copy's lease could last, nor a
+/// connect to one for more than a moment, so it goes back to the map and
+/// finds the new primary within seconds of the failover.
+#[test]
+fn a_client_busy_at_a_frozen_primary_follows_its_failover() {
+    let (_etcd, url, _dir, members) = start("busyfrozen");
+    let victim = cluster_state(&url)
+        .shard_map()
+        .and_then(|m| m.owner(1))
+        .expect("an owner")
+        .to_string();
+    let stop = AtomicBool::new(false);
+    let last_done = Mutex::new(Instant::now());
+    let daemon = &members[member_index(&victim)];
+    let stalled = std::thread::scope(|s| {
+        let writer = s.spawn(|| {
+            let options = ClientOptions::default().with_reply_timeout(Duration::from_secs(60));
+            let mut kv = or_abort(ClusterClient::connect_with(&url, options), "connect");
+            let key = key_of(&kv, 1, "busy");
+            let mut longest = Duration::ZERO;
+            for i in 0u64.. {
+                if stop.load(Ordering::SeqCst) {
+                    break;
+                }
+                let started = Instant::now();
+                // One may fail through the failover (its outcome unknown,
+                // the shard unavailable for a while): it is timed all the same.
+                let done = kv.put(&key, i.to_le_bytes()).and_then(|()| kv.get(&key));
+                longest = longest.max(started.elapsed());
+                if done.is_ok() {
+                    *last_done.lock().expect("lock") = Instant::now();
+                }
+            }
+            longest
+        });
+        std::thread::sleep(Duration::from_millis(500));
+        daemon.signal(libc::SIGSTOP);
+        eventually("shard 1 failed over", Duration::from_secs(60), || {
+            cluster_state(&url)
+                .shard_map()
+                .is_some_and(|m| m.owner(1) != Some(victim.as_str()))
+        });
+        let failed_over = Instant::now();
+        eventually("the writer goes on", Duration::from_secs(90), || {
+            *last_done.lock().expect("lock") > failed_over
+        });
+        stop.store(true, Ordering::SeqCst);
+        writer.join().expect("the writer")
+    });
+    daemon.signal(libc::SIGCONT);
+    eprintln!("the longest operation took {stalled:?}");
+    // The longest operation spans the freeze: the lease (¾ of the 2 s TTL)
+    // and the failover, and a few reconnects; not the reply timeout.
+    assert!(
+        stalled < Duration::from_secs(30),
+        "an operation waited {stalled:?} on the frozen primary"
+    );
+}
+
 /// Puts `key` = "value" through the cluster at `url` and reads it back
 /// from the primary's copy directly: the map, the primary's id, and that
 /// client of its copy.

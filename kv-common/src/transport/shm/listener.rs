@@ -34,7 +34,8 @@ impl ShmListener {
                 return Err(TransportError::Io(std::io::Error::new(
                     std::io::ErrorKind::AlreadyExists,
                     format!(
-                        "{} (the control socket's path) exists and is not a socket:                          move it away or serve another region",
+                        "{} (the control socket's path) exists and is not a socket: \
+                         move it away or serve another region",
                         socket.display()
                     ),
                 )));
