@@ -83,8 +83,9 @@ struct ServeArgs {
     #[arg(long)]
     secret_file: Option<PathBuf>,
     /// Longest a client operation may take before it retries, in
-    /// milliseconds; freed space is reused after four times this.
-    #[arg(long, default_value_t = 50)]
+    /// milliseconds (1 to 60000); freed space is reused after four times
+    /// this.
+    #[arg(long, default_value_t = 50, value_parser = op_deadline_ms())]
     op_deadline_ms: u64,
     /// Most clients connected at once (at most 4095); more are refused with
     /// a clear error. Open control connections are capped at twice this,
@@ -200,10 +201,10 @@ enum ClusterCommand {
         /// --initial-members.
         #[arg(long, default_value_t = 1)]
         replicas: u32,
-        /// The --op-deadline-ms every member must run (a server started
-        /// with another is refused). Unset: the first member to join sets
-        /// it with its own.
-        #[arg(long)]
+        /// The --op-deadline-ms every member must run (1 to 60000; a
+        /// server started with another is refused). Unset: the first
+        /// member to join sets it with its own.
+        #[arg(long, value_parser = op_deadline_ms())]
         op_deadline_ms: Option<u64>,
     },
     /// Print the cluster's members and which shards each serves.
@@ -211,6 +212,12 @@ enum ClusterCommand {
         #[arg(value_parser = ClusterUrl::parse)]
         url: ClusterUrl,
     },
+}
+
+/// An operation deadline a cluster can live with: its grace period (four
+/// of them) and every wait built on it stay within minutes.
+fn op_deadline_ms() -> clap::builder::RangedU64ValueParser {
+    clap::value_parser!(u64).range(1..=60_000)
 }
 
 fn main() -> ExitCode {

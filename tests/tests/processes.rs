@@ -98,6 +98,8 @@ fn impossible_member_settings_are_refused_naming_the_flag() {
         ("--member-name", ""),
         ("--lease-ttl", "0"),
         ("--lease-ttl", "99999999999999"),
+        ("--op-deadline-ms", "0"),
+        ("--op-deadline-ms", "18446744073709551615"),
     ] {
         let out = Command::new(workspace_bin("kv-server"))
             .args([
@@ -114,6 +116,14 @@ fn impossible_member_settings_are_refused_naming_the_flag() {
         assert_eq!(out.status.code(), Some(2), "{flag} {value:?}: {stderr}");
         assert!(stderr.contains(flag), "{flag} {value:?}: {stderr}");
     }
+    let out = Command::new(workspace_bin("kv-server"))
+        .args(["cluster", "create", "etcd://127.0.0.1:1/x", "--shards", "2"])
+        .args(["--op-deadline-ms", "18446744073709551615"])
+        .output()
+        .expect("run kv-server");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("--op-deadline-ms"), "{stderr}");
 }
 
 #[test]
