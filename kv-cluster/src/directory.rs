@@ -229,6 +229,7 @@ fn view(
                 // Only the members know it.
                 secret: String::new(),
                 replaces: None,
+                leads: false,
             })
         }),
     });
@@ -306,6 +307,7 @@ mod tests {
                         to: ids[0].clone(),
                         secret: "members only".into(),
                         replaces: None,
+                        leads: false,
                     }),
                 },
                 77,

@@ -122,6 +122,7 @@ pub fn next_map_avoiding(
         to: (*fewest).clone(),
         secret: new_secret(),
         replaces: None,
+        leads: false,
     });
     Some(next)
 }
@@ -244,6 +245,7 @@ fn copy_where_needed(
         .restore()
         .or_else(|| copies.drain())
         .or_else(|| copies.balance())?;
+    let leads = replaces.is_none() && copies.lead_goes_with(shard, to);
     let mut next = map.clone();
     next.epoch += 1;
     next.moving = Some(ShardMove {
@@ -251,6 +253,7 @@ fn copy_where_needed(
         to: to.to_string(),
         secret: new_secret(),
         replaces: replaces.map(str::to_string),
+        leads,
     });
     Some(next)
 }
@@ -337,6 +340,18 @@ impl<'a> Copies<'a> {
             .filter(|id| self.takes(id) && !self.group(shard).any(|g| g == *id))
             .filter(|id| !held_back(id) && !zones.contains(&self.zone_of(id)))
             .min_by_key(|id| (self.copies(id), *id))
+    }
+
+    /// Whether a copy of `shard` restoring its replica count at `to` takes
+    /// the lead: when the shard's primary leads two more than `to`. A
+    /// failover gives a dead member's leads to the others, and the member
+    /// that comes back (or a new one) gets its copies back this way; else,
+    /// with as many members as copies (every member holds every shard),
+    /// no later move could spread the leads again.
+    fn lead_goes_with(&self, shard: u32, to: &str) -> bool {
+        self.map
+            .owner(shard)
+            .is_some_and(|owner| self.leads(owner) > self.leads(to) + 1)
     }
 
     /// Step 1: the shard with fewest copies, if short.
@@ -605,6 +620,7 @@ mod tests {
                 to: "b".into(),
                 secret: "s".into(),
                 replaces: None,
+                leads: false,
             }),
         };
         assert_eq!(
@@ -788,10 +804,10 @@ mod tests {
 
     /// What the source of a replicated cluster's copy publishes once it
     /// is done (kv-server's `shard_host`): the target joins the group, or
-    /// takes over from the primary it replaces.
+    /// takes over from the primary it replaces, or takes the lead.
     fn copied(map: &ShardMap) -> ShardMap {
         let m = map.moving.clone().expect("a copy under way");
-        let copy = !m.hands_over(map.owner(m.shard));
+        let copy = !m.takes_lead(map.owner(m.shard));
         map.ended_move(&m, true, copy)
     }
 
@@ -869,10 +885,57 @@ mod tests {
             now = copied(&next);
         }
         now.check_groups(3).unwrap();
+        // d holds every shard, and took the lead of those b and c led
+        // beyond their share (a's, which its failover gave them) with it:
+        // the old owner stays, the last backup.
         for shard in 0..6 {
             assert_eq!(now.backups(shard).len(), 2);
-            assert_eq!(now.backups(shard).last().map(String::as_str), Some("d"));
-            assert_eq!(now.owner(shard), after_a.owner(shard), "no owner changes");
+            let kept = now.owner(shard) == after_a.owner(shard);
+            let last = now.backups(shard).last().map(String::as_str);
+            match kept {
+                true => assert_eq!(last, Some("d")),
+                false => {
+                    assert_eq!(now.owner(shard), Some("d"));
+                    assert_eq!(last, after_a.owner(shard));
+                }
+            }
+        }
+        for m in ["b", "c", "d"] {
+            assert_eq!(now.shards_of(m).count(), 2, "{m} leads its share: {now:?}");
+        }
+    }
+
+    /// As many members as copies: each holds every shard, so no copy can
+    /// carry a lead elsewhere. The leads a failover gave away come back to
+    /// the member that returns, with its copies.
+    #[test]
+    fn a_member_back_after_a_failover_takes_its_share_of_lead_with_its_copies() {
+        let c = ClusterConfig {
+            shards: 4,
+            initial_members: 3,
+            replicas: 3,
+        };
+        let all = live(&["a", "b", "c"]);
+        let mut now = next_map(&c, None, &all, &[], secret).unwrap();
+        // One member dies, then another once the first is back.
+        for gone in ["a", "b"] {
+            let rest: Vec<_> = all.iter().filter(|(id, _)| id != gone).cloned().collect();
+            now = levelled(&next_map(&c, Some(&now), &rest, &[], secret).unwrap());
+            assert_eq!(now.shards_of(gone).count(), 0);
+            let mut moves = 0;
+            while let Some(next) = next_map(&c, Some(&now), &all, &[], secret) {
+                let m = next.moving.as_ref().expect("a copy");
+                assert_eq!((m.to.as_str(), m.replaces.as_deref()), (gone, None));
+                now = levelled(&copied(&next));
+                moves += 1;
+            }
+            assert_eq!(moves, 4, "every shard's copy restored, one at a time");
+            now.check_groups(3).unwrap();
+            for m in ["a", "b", "c"] {
+                let leads = now.shards_of(m).count();
+                assert!((1..=2).contains(&leads), "after {gone}: {m}: {now:?}");
+                assert_eq!(now.copies_of(m).count(), 4);
+            }
         }
     }
 

@@ -134,7 +134,9 @@ pub struct ShardMap {
 /// target as its last backup, under a new group epoch (a copy restoring
 /// the replica count, or replacing a draining member's backup), or, when
 /// the copy replaces the owner itself, stops serving it and publishes the
-/// target as the primary of the same backups, under a new group epoch.
+/// target as the primary of the same backups, under a new group epoch; or,
+/// when the copy takes the lead (`leads`), stops serving it likewise and
+/// publishes the target as the primary, itself its last backup.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ShardMove {
     pub shard: u32,
@@ -146,6 +148,14 @@ pub struct ShardMove {
     /// copy (a draining member's), which leaves the group as it joins.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replaces: Option<String>,
+    /// A copy restoring a replicated shard's replica count that takes the
+    /// lead from the owner, which stays in the group as a backup: how the
+    /// lead comes back to a member that lost it in a failover, where every
+    /// member already holds a copy of every shard (no copy can go
+    /// elsewhere with it). A source of an older version adds the copy as a
+    /// backup instead.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub leads: bool,
 }
 
 impl ShardMove {
@@ -153,6 +163,13 @@ impl ShardMove {
     /// (which stops serving before the last pass, as a plain move's does).
     pub fn hands_over(&self, owner: Option<&str>) -> bool {
         self.replaces.is_some() && self.replaces.as_deref() == owner
+    }
+
+    /// Whether the source stops serving before the last pass and the
+    /// target ends as the primary: a handover, or a copy that takes the
+    /// lead.
+    pub fn takes_lead(&self, owner: Option<&str>) -> bool {
+        self.leads || self.hands_over(owner)
     }
 }
 
@@ -179,8 +196,10 @@ impl ShardMap {
     /// group's last backup under a new group epoch (the copy it replaces,
     /// if any, leaving the group), or, when it replaces the owner (a
     /// handover), as the primary of the same backups under a new group
-    /// epoch; else the source keeps the shard. Published by the source
-    /// (kv-server's `shard_host`, which argues the handover).
+    /// epoch, or, when it takes the lead, as the primary of the same
+    /// backups and the old owner, last, under a new group epoch; else the
+    /// source keeps the shard. Published by the source (kv-server's
+    /// `shard_host`, which argues the handover).
     pub fn ended_move(&self, m: &ShardMove, copied: bool, copy: bool) -> ShardMap {
         let mut next = self.clone();
         next.epoch += 1;
@@ -197,8 +216,13 @@ impl ShardMap {
             next.forget_unlevelled_outside_groups();
             new_group(&mut next);
         } else if copied {
-            if m.hands_over(self.owner(m.shard)) {
+            let owner = self.owner(m.shard);
+            if m.takes_lead(owner) {
                 new_group(&mut next);
+            }
+            if m.leads && !m.hands_over(owner) {
+                next.backups.resize(next.owners.len(), Vec::new());
+                next.backups[shard].extend(owner.map(str::to_string));
             }
             next.owners[shard] = Some(m.to.clone());
         }
@@ -397,6 +421,9 @@ pub fn shard_address(listen: &Address, shard: u32) -> Result<Address, String> {
 fn describe_move(config: &ClusterConfig, map: &ShardMap, m: &ShardMove) -> String {
     match (config.replicas > 1, m.replaces.as_deref()) {
         (false, _) => "moving".to_string(),
+        (true, None) if m.leads => {
+            "copying (restoring its replica count, to lead: the owner stays a backup)".to_string()
+        }
         (true, None) => "copying (restoring its replica count)".to_string(),
         (true, Some(r)) if m.hands_over(map.owner(m.shard)) => {
             format!("copying (to lead in place of {r})")
@@ -583,6 +610,7 @@ mod tests {
                 to: "d".into(),
                 secret: "00".into(),
                 replaces: replaces.map(str::to_string),
+                leads: false,
             }),
             ..map.clone()
         };

@@ -534,7 +534,7 @@ impl Member {
     fn leave_serving(&mut self) {
         self.joined = false;
         self.directory.show(None);
-        self.host.stop_all();
+        self.host.leave();
     }
 }
 

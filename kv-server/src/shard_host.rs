@@ -498,7 +498,11 @@ impl ShardHost {
             let Some(old) = before.and_then(|b| b.owner(shard)) else {
                 continue;
             };
-            if map.owner(shard) == Some(old) {
+            // Still in the group: it gave its lead to a copy that took it,
+            // its server stopped before that was published (its clients'
+            // keys revoked), and it serves again as a backup, whose keys
+            // must stay.
+            if map.owner(shard) == Some(old) || map.backups(shard).iter().any(|b| b == old) {
                 continue;
             }
             let listen = self.listens.get(old).and_then(|l| Address::parse(l).ok());
@@ -550,9 +554,10 @@ impl ShardHost {
                 // two maps may arrive as one) restarts under it first.
                 // A handover sent, whose end this map does not show yet,
                 // stays out as a plain move does: its region is the
-                // target's now, and gone from here.
+                // target's now, and gone from here (or, when the copy took
+                // the lead, this member's backup under the group to come).
                 let handed_over =
-                    self.sent.as_ref() == Some(m) && m.hands_over(Some(self.member.as_str()));
+                    self.sent.as_ref() == Some(m) && m.takes_lead(Some(self.member.as_str()));
                 let ready = !self.replicated
                     || handed_over
                     || self.inherited.as_ref() == Some(m)
@@ -681,8 +686,9 @@ impl ShardHost {
         let flags = Arc::new(MoveFlags::default());
         flags.proceed.store(true, Ordering::SeqCst);
         // A replicated cluster's copy keeps its source serving, unless it
-        // replaces the source itself (a draining primary hands over).
-        let copy = self.replicated && !m.hands_over(Some(&self.member));
+        // replaces the source itself (a draining primary hands over) or
+        // takes its lead.
+        let copy = self.replicated && !m.takes_lead(Some(&self.member));
         let (url, target) = (self.url.clone(), m.clone());
         let (in_thread, told) = (server.clone(), flags.clone());
         let thread = std::thread::Builder::new()
@@ -755,7 +761,10 @@ impl ShardHost {
             match s.thread.join() {
                 Ok(Some(group_epoch)) => {
                     self.sent = Some(s.m.clone());
-                    if s.copy {
+                    // Served here again only under the group that ended
+                    // the copy: as its primary, or, when the copy took the
+                    // lead, its last backup.
+                    if s.copy || s.m.leads {
                         self.floors.insert(s.m.shard, group_epoch);
                     }
                 }
@@ -825,6 +834,17 @@ impl ShardHost {
             }
         }
         self.show_served();
+    }
+
+    /// Stops everything and forgets the map, for a member out of the
+    /// cluster (its lease lost): it serves again only by a map read after
+    /// it joined again. The last map it saw may be long gone (a failover
+    /// dropped its copies meanwhile), and serving by it even for a moment
+    /// would serve copies that miss writes, at the address a copy
+    /// restoring them to this member is then sent to.
+    pub fn leave(&mut self) {
+        self.stop_all();
+        self.map = None;
     }
 
     /// A copy whose region is lost, or the first shard server that
@@ -946,6 +966,16 @@ fn move_shard(
                 tracing::info!(shard = m.shard, group_epoch, "copied to {}", m.to);
                 return Some(group_epoch);
             }
+            Ok((true, group_epoch)) if m.leads => {
+                // The region stays: this member's copy, a backup now.
+                tracing::info!(
+                    shard = m.shard,
+                    group_epoch,
+                    "copied to {}, which leads",
+                    m.to
+                );
+                return Some(group_epoch);
+            }
             Ok((true, group_epoch)) => {
                 tracing::info!(shard = m.shard, "moved to {}", m.to);
                 // Nobody reads it here any more: its clients were revoked.
@@ -977,7 +1007,8 @@ fn move_shard(
 struct MovingShard<'a> {
     server: &'a Mutex<Option<Server>>,
     flags: &'a MoveFlags,
-    /// A replicated cluster's copy: the server goes on serving.
+    /// A replicated cluster's copy that leaves the lead where it is: the
+    /// server goes on serving.
     copy: bool,
 }
 
@@ -1154,6 +1185,27 @@ mod tests {
         }
     }
 
+    /// A member out of the cluster (its lease lost) serves nothing by the
+    /// last map it saw, however long it polls, until it follows a new one.
+    #[test]
+    fn a_host_that_left_serves_nothing_until_it_follows_a_map_again() {
+        let dir = tempfile::tempdir().expect("a directory");
+        let listen =
+            Address::parse(&format!("shm://{}/m0", dir.path().display())).expect("an address");
+        let url = ClusterUrl::parse("etcd://127.0.0.1:1/nowhere").expect("a url");
+        let mut host = ShardHost::unchecked(ServerConfig::new(listen), url);
+        host.follow(&map(None), || true);
+        assert_eq!(host.serving.len(), 2);
+        host.leave();
+        assert!(host.serving.is_empty());
+        host.retry_at = None;
+        host.poll(|| true);
+        assert!(host.serving.is_empty(), "served by the map it saw before");
+        host.follow(&map(None), || true);
+        assert_eq!(host.serving.len(), 2);
+        host.stop_all();
+    }
+
     /// A replicated shard handed over (its move sent) is not served again
     /// while the map followed still shows the handover: it would start
     /// from an empty region, under the old group.
@@ -1170,6 +1222,7 @@ mod tests {
             to: "m2".into(),
             secret: "00".into(),
             replaces: Some("m0".into()),
+            leads: false,
         };
         let mut before = map(None);
         before.backups = vec![vec!["m1".into()], vec!["m1".into()]];
@@ -1215,6 +1268,7 @@ mod tests {
             to: "m1".into(),
             secret: "00".into(),
             replaces: None,
+            leads: false,
         };
         host.follow(&map(Some(moving)), || true);
         assert!(host.sending.is_some(), "the move is under way");

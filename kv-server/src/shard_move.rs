@@ -95,6 +95,7 @@ pub trait Source {
 pub fn send(out: &Outgoing, to: &Address, source: &mut dyn Source) -> Result<Copied, String> {
     let started = Instant::now();
     let mut copier = Copier::new(connect(out, to)?);
+    fresh(&mut copier.target, out.shard, to)?;
     // Sized as the source before the keys come: no doubling under way
     // while they do.
     let buckets = region::bucket_count(&out.region).map_err(|e| e.to_string())?;
@@ -380,6 +381,23 @@ impl Copier {
 
 /// Keys put per batch.
 const BATCH: usize = 64;
+
+/// Checks that the region the copier reached holds no key: the fresh one
+/// the target makes for the move. A server at the target's address that
+/// admits the copier without knowing the move (no secret is configured,
+/// and it serves a copy under no group yet) serves an old region, whose
+/// keys the copy would mix with the shard's and which its member deletes
+/// once it sees the move.
+fn fresh(target: &mut Client, shard: u32, to: &Address) -> Result<(), String> {
+    let listed = target.key_digests(0).map_err(|e| e.to_string())?;
+    match listed.keys.len() as u64 + listed.damaged {
+        0 => Ok(()),
+        held => Err(format!(
+            "the server at {to} already holds keys ({held}) for shard {shard}: not the \
+             fresh region a move makes (an old copy served there)"
+        )),
+    }
+}
 
 fn connect(out: &Outgoing, to: &Address) -> Result<Client, String> {
     let options = ClientOptions::default().with_secret(out.secret.clone());

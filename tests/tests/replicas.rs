@@ -10,8 +10,10 @@
 //! copy count is restored (through a second kill, and the kill of a
 //! copy's source), histories stay linearizable across the kill, a frozen
 //! one is fenced and serves no read past its read lease, and an etcd
-//! outage pauses the copies. Online: a member that joins takes its share
-//! of copies and leads, and one told to stop has each copy replaced
+//! outage pauses the copies, and a client busy at a frozen primary
+//! follows its failover in seconds. Online: a member that joins takes its
+//! share of copies and leads, one back after a failover takes its share
+//! of leads with its copies, and one told to stop has each copy replaced
 //! (its leads handed over) before it leaves, no shard a copy short.
 
 use std::collections::BTreeMap;
@@ -1198,6 +1200,70 @@ fn killed_primaries_fail_over_and_their_copies_are_restored_with_every_acknowled
     assert!(reads > 0);
 
     assert_eq!(kv.get(&probe).expect("get").as_deref(), Some(&b"after"[..]));
+    assert_each_acknowledged_write_kept(&mut kv, &known);
+    assert_copies_alike(&url, &mut kv, WRITERS);
+}
+
+/// Three servers, each holding every shard (as many servers as copies):
+/// one that led is killed (`kill -9`) under load, its leads fail over to
+/// the other two, and started again it gets its copies back, taking its
+/// share of the leads with them (no copy could carry a lead elsewhere:
+/// every server holds every shard). Every acknowledged write is kept, no
+/// read goes back, and the copies end alike.
+#[test]
+fn a_server_back_after_a_failover_takes_its_share_of_the_leads_again() {
+    let etcd = EtcdServer::start();
+    let url = etcd.url("leadsback");
+    let dir = region_dir();
+    create_cluster_with(&url, SHARDS, 3, &["--replicas", "3"]);
+    let mut members: BTreeMap<String, Daemon> = ["m0", "m1", "m2"]
+        .into_iter()
+        .map(|m| (m.to_string(), start_member(&url, dir.path(), m, &[])))
+        .collect();
+    let warm = || -> Result<(), Error> {
+        let mut kv = ClusterClient::connect(&url)?;
+        (0..SHARDS * 8).try_for_each(|i| kv.put(format!("warm{i}"), b"w"))
+    };
+    eventually_ok("every copy served", Duration::from_secs(120), warm, || {
+        cluster_status(&url)
+    });
+    let leads = |id: &str| {
+        let state = cluster_state(&url);
+        state.shard_map().map_or(0, |m| m.shards_of(id).count())
+    };
+    let victim = cluster_state(&url)
+        .shard_map()
+        .and_then(|m| m.owner(0))
+        .expect("an owner")
+        .to_string();
+
+    const WRITERS: usize = 2;
+    let stop = AtomicBool::new(false);
+    let (known, reads) = std::thread::scope(|s| {
+        let (writers, reader) = load(s, &url, WRITERS, &stop);
+        std::thread::sleep(Duration::from_millis(500));
+        members.remove(&victim).expect("the victim").kill_9();
+        eventually("its leads failed over", Duration::from_secs(60), || {
+            cluster_state(&url).member(&victim).is_none() && leads(&victim) == 0
+        });
+        members.insert(victim.clone(), start_member(&url, dir.path(), &victim, &[]));
+        restored(&url, 3);
+        std::thread::sleep(Duration::from_millis(500));
+        stop.store(true, Ordering::SeqCst);
+        let known: Vec<Known> = writers
+            .into_iter()
+            .map(|w| w.join().expect("writer"))
+            .collect();
+        (known, reader.join().expect("reader"))
+    });
+    let map = cluster_state(&url).shard_map().expect("a map").clone();
+    for m in ["m0", "m1", "m2"] {
+        // Four shards over three: each leads one or two.
+        let led = map.shards_of(m).count();
+        assert!((1..=2).contains(&led), "{m} leads {led}: {map:?}");
+    }
+    assert!(reads > 0);
+    let mut kv = ClusterClient::connect(&url).expect("connect");
     assert_each_acknowledged_write_kept(&mut kv, &known);
     assert_copies_alike(&url, &mut kv, WRITERS);
 }

@@ -325,3 +325,34 @@ fn a_move_called_off_leaves_the_source_serving() {
         Some(&b"here"[..])
     );
 }
+
+/// A server at the target's address that admits the copier without
+/// knowing the move (it asks no secret) and holds keys is an old copy
+/// served there, not the fresh region a move makes: nothing is sent into
+/// it, and the source goes on serving.
+#[test]
+fn a_target_that_holds_keys_is_not_sent_into() {
+    let source = TestServer::start(|_| {});
+    let stale = TestServer::start(|_| {});
+    let mut kv = or_abort(Client::connect(&source.address), "connect");
+    or_abort(kv.put(b"stays", b"here"), "put");
+    let mut old = or_abort(Client::connect(&stale.address), "connect to the old copy");
+    or_abort(old.put(b"old", b"copy"), "put");
+    let outgoing = Outgoing {
+        shard: 0,
+        secret: SECRET.to_vec(),
+        region: source.region_path(),
+        grace: test_config(&source.region_path()).grace(),
+    };
+    let to = or_abort(kv_common::Address::parse(&stale.address), "address");
+    let mut moving = CalledOff::default();
+    let copied = shard_move::send(&outgoing, &to, &mut moving);
+    let why = copied.err().unwrap_or_default();
+    assert!(why.contains("already holds keys (1)"), "{why}");
+    assert!(!moving.frozen && !moving.stopped);
+    assert_eq!(or_abort(old.get(b"stays"), "get"), None, "sent into it");
+    assert_eq!(
+        or_abort(old.get(b"old"), "get").as_deref(),
+        Some(&b"copy"[..])
+    );
+}
