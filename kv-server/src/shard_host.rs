@@ -158,6 +158,10 @@ pub struct ShardHost {
     lease: Option<kv_cluster::member::LeaseDeadline>,
     /// When to follow it again if this member is behind it (see `poll`).
     retry_at: Option<Instant>,
+    /// Out of the cluster (`leave`): the last map is kept (a drain still
+    /// counts what it gives this member) but not served by until a map
+    /// read after joining again is followed.
+    out: bool,
     /// Why each shard that cannot start failed last: logged once, not at
     /// every retry.
     failing: BTreeMap<u32, String>,
@@ -224,6 +228,7 @@ impl ShardHost {
             replicated: false,
             lease: None,
             retry_at: None,
+            out: false,
             failing: BTreeMap::new(),
             metrics,
             shown,
@@ -297,6 +302,7 @@ impl ShardHost {
     /// the next map. Starting stops as soon as `held` says the lease may
     /// be lost.
     pub fn follow(&mut self, map: &ShardMap, held: impl Fn() -> bool) {
+        self.out = false;
         let before = self.map.replace(map.clone());
         if before.is_none() {
             self.inherited.clone_from(&map.moving);
@@ -682,6 +688,18 @@ impl ShardHost {
             Ok(o) => o,
             Err(e) => return tracing::error!(shard = m.shard, "cannot move: {e}"),
         };
+        // A levelling of a shard whose lead goes with the move is called
+        // off before the move can end: were the lead to come back here
+        // later (a failover to this member, the old primary kept), the
+        // map would look as the levelling began, and its result, from
+        // another group, could still be published.
+        if let Some(run) = self
+            .levelling
+            .as_ref()
+            .filter(|r| r.what.shard == m.shard && m.takes_lead(Some(&self.member)))
+        {
+            run.quit.store(true, Ordering::SeqCst);
+        }
         let server = Arc::new(Mutex::new(self.serving.remove(&m.shard).map(|s| s.server)));
         let flags = Arc::new(MoveFlags::default());
         flags.proceed.store(true, Ordering::SeqCst);
@@ -791,7 +809,7 @@ impl ShardHost {
             self.map = Some(map);
         }
         let retry = self.retry_at.is_none_or(|t| Instant::now() >= t);
-        if done || (retry && held() && self.behind()) {
+        if !self.out && (done || (retry && held() && self.behind())) {
             match self.map.clone() {
                 Some(map) => self.follow(&map, held),
                 None => self.show_served(),
@@ -836,15 +854,15 @@ impl ShardHost {
         self.show_served();
     }
 
-    /// Stops everything and forgets the map, for a member out of the
-    /// cluster (its lease lost): it serves again only by a map read after
-    /// it joined again. The last map it saw may be long gone (a failover
+    /// Stops everything, for a member out of the cluster (its lease
+    /// lost): it serves again only by a map read after it joined again
+    /// (`follow`). The last map it saw may be long gone (a failover
     /// dropped its copies meanwhile), and serving by it even for a moment
     /// would serve copies that miss writes, at the address a copy
     /// restoring them to this member is then sent to.
     pub fn leave(&mut self) {
         self.stop_all();
-        self.map = None;
+        self.out = true;
     }
 
     /// A copy whose region is lost, or the first shard server that
@@ -1198,6 +1216,8 @@ mod tests {
         assert_eq!(host.serving.len(), 2);
         host.leave();
         assert!(host.serving.is_empty());
+        // A drain under way still counts the shards the map gives it.
+        assert!(!host.is_empty());
         host.retry_at = None;
         host.poll(|| true);
         assert!(host.serving.is_empty(), "served by the map it saw before");
