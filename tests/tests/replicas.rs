@@ -1079,6 +1079,21 @@ fn load<'s>(
     (writing, s.spawn(move || own_reader(url, writers, stop)))
 }
 
+/// Stops the load [`load`] started: what its writers know, and how many
+/// reads its reader checked.
+fn end_load(
+    stop: &AtomicBool,
+    writers: Vec<std::thread::ScopedJoinHandle<'_, Known>>,
+    reader: std::thread::ScopedJoinHandle<'_, usize>,
+) -> (Vec<Known>, usize) {
+    stop.store(true, Ordering::SeqCst);
+    let known = writers
+        .into_iter()
+        .map(|w| w.join().expect("writer"))
+        .collect();
+    (known, reader.join().expect("reader"))
+}
+
 /// Reads writer `t`'s keys until `stop`: a key's number never goes down
 /// (each key has one writer, whose numbers grow), across the failover too.
 fn own_reader(url: &str, writers: usize, stop: &AtomicBool) -> usize {
@@ -1189,12 +1204,7 @@ fn killed_primaries_fail_over_and_their_copies_are_restored_with_every_acknowled
         // Left: the one that came back and one other, in two zones.
         restored(&url, 2);
         std::thread::sleep(Duration::from_millis(500));
-        stop.store(true, Ordering::SeqCst);
-        let known: Vec<Known> = writers
-            .into_iter()
-            .map(|w| w.join().expect("writer"))
-            .collect();
-        (known, reader.join().expect("reader"))
+        end_load(&stop, writers, reader)
     });
     eprintln!("{reads} reads never went back");
     assert!(reads > 0);
@@ -1249,12 +1259,7 @@ fn a_server_back_after_a_failover_takes_its_share_of_the_leads_again() {
         members.insert(victim.clone(), start_member(&url, dir.path(), &victim, &[]));
         restored(&url, 3);
         std::thread::sleep(Duration::from_millis(500));
-        stop.store(true, Ordering::SeqCst);
-        let known: Vec<Known> = writers
-            .into_iter()
-            .map(|w| w.join().expect("writer"))
-            .collect();
-        (known, reader.join().expect("reader"))
+        end_load(&stop, writers, reader)
     });
     let map = cluster_state(&url).shard_map().expect("a map").clone();
     for m in ["m0", "m1", "m2"] {
@@ -1382,13 +1387,8 @@ fn members_join_and_drain_a_replicated_cluster_online_without_a_failover() {
         join_until_balanced(&url, dir.path(), &mut members);
         drain_a_leader(&url, dir.path(), &mut members);
         std::thread::sleep(Duration::from_millis(300));
-        stop.store(true, Ordering::SeqCst);
         watched.store(true, Ordering::SeqCst);
-        let known: Vec<Known> = writers
-            .into_iter()
-            .map(|w| w.join().expect("writer"))
-            .collect();
-        let reads = reader.join().expect("reader");
+        let (known, reads) = end_load(&stop, writers, reader);
         (known, reads, watcher.join().expect("watcher"))
     });
     assert_eq!(fewest, 3, "a shard had fewer copies meanwhile");
