@@ -1092,18 +1092,21 @@ impl Client {
     }
 
     /// Sends a control request and waits for its reply. At a copy of a
-    /// replicated shard the wait ends with the read lease (at least
-    /// `MIN_RENEWAL_WAIT`): a server that does not answer by then may be
-    /// frozen and failed over, and the caller, finding the connection
+    /// replicated shard the wait ends with the read lease for its renewal
+    /// (at least `MIN_RENEWAL_WAIT`), and for any other call at most
+    /// `COPY_CALL_WAIT` past it: a server that does not answer by then may
+    /// be frozen and failed over, and the caller, finding the connection
     /// lost, reconnects and follows the map, rather than wait out the
     /// reply timeout.
     pub(crate) fn call(&mut self, request: &Request) -> Result<Response> {
         let Some(lease) = self.read_lease else {
             return Ok(self.conn.call(request)?);
         };
-        let wait = lease
-            .renewal_wait(clock::raw())
-            .min(self.options.reply_timeout);
+        let mut wait = lease.renewal_wait(clock::raw());
+        if !matches!(request, Request::ReadLease) {
+            wait = wait.max(read_lease::COPY_CALL_WAIT);
+        }
+        let wait = wait.min(self.options.reply_timeout);
         Ok(call_within(
             self.conn.as_mut(),
             request,

@@ -31,9 +31,10 @@
 //! reader wait; a renewal not answered by the end of the lease (at least
 //! `MIN_RENEWAL_WAIT`) fails as a lost connection: the caller reconnects,
 //! and a cluster client follows the map to the new primary. Every other
-//! control call at a copy (a chunk lease, a geometry) waits no longer
-//! either (`Client::call`): a writer busy at a frozen primary would
-//! otherwise wait out the reply timeout (10 s) after its failover.
+//! control call at a copy (a chunk lease, a report) waits at most
+//! `COPY_CALL_WAIT` (`Client::call`), and a cluster client's connect to a
+//! copy less (`COPY_CONNECT_WAIT`): a writer busy at a frozen primary
+//! would otherwise wait out the reply timeout (10 s) after its failover.
 
 use std::time::Duration;
 
@@ -42,6 +43,14 @@ use crate::clock;
 /// How long a renewal may wait for its answer even when the lease has
 /// (nearly) run out: a live server on a busy host answers well within it.
 pub(crate) const MIN_RENEWAL_WAIT: Duration = Duration::from_secs(1);
+
+/// How long any other control call at a copy waits for its answer, when
+/// the lease would end sooner: a chunk lease cut short on a live server
+/// slow under load can leave a write's outcome unknown (a backup set
+/// before it), so such calls get more than a renewal does; but well short
+/// of the reply timeout, so that a writer busy at a frozen primary
+/// follows its failover.
+pub(crate) const COPY_CALL_WAIT: Duration = Duration::from_secs(5);
 
 /// A lease, in raw readings of the client's clock.
 #[derive(Debug, Clone, Copy)]

@@ -1660,10 +1660,11 @@ fn a_frozen_primary_is_fenced_and_drops_its_copies_when_it_wakes() {
 }
 
 /// A client busy at a primary when it freezes (SIGSTOP) follows the
-/// failover without waiting out its reply timeout (a minute here): no call
-/// to a copy waits for longer than the copy's lease could last, nor a
-/// connect to one for more than a moment, so it goes back to the map and
-/// finds the new primary within seconds of the failover.
+/// failover without waiting out its reply timeout (a minute here): a
+/// control call at the frozen server (a report, a chunk lease, its read
+/// lease's renewal) gives up within seconds, and its reconnect there after
+/// a moment, so it goes back to the map and finds the new primary within
+/// seconds of the failover.
 #[test]
 fn a_client_busy_at_a_frozen_primary_follows_its_failover() {
     let (_etcd, url, _dir, members) = start("busyfrozen");
