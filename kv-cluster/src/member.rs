@@ -651,7 +651,7 @@ async fn coordinate(
             }
         };
         let map = state.shard_map();
-        failed.notice(map);
+        failed.notice(&state);
         let (live, draining, held_back) =
             (state.live_zones(), state.draining_ids(), failed.pairs());
         let members = Members {
@@ -677,7 +677,10 @@ async fn coordinate(
 
 /// Moves that ended with the shard still at its source alone (the copy
 /// failed: a target too small, say), held back for a while so that a move that
-/// cannot succeed does not stop its shard over and over.
+/// cannot succeed does not stop its shard over and over. Not one dropped
+/// because its source or target left: the copy did not fail, and the
+/// member that comes back (or the shard's next primary) is sent one at
+/// once.
 #[derive(Default)]
 struct FailedMoves {
     /// The move in the map last read.
@@ -690,7 +693,9 @@ struct FailedMoves {
 const FAILED_MOVE_PAUSE: Duration = Duration::from_secs(30);
 
 impl FailedMoves {
-    fn notice(&mut self, map: Option<&ShardMap>) {
+    fn notice(&mut self, state: &ClusterState) {
+        let map = state.shard_map();
+        let live = |id: &str| state.member(id).is_some();
         let now = Instant::now();
         self.held.retain(|(_, until)| *until > now);
         let current = map.and_then(|m| m.moving.clone());
@@ -699,7 +704,9 @@ impl FailedMoves {
             // A replicated cluster's copy that succeeded leaves the owner
             // too, with the target among the backups.
             let joined = map.backups(m.shard).contains(&m.to);
-            if ended && !joined && map.owner(m.shard).map(str::to_string) == source {
+            let both_live = live(&m.to) && source.as_deref().is_some_and(live);
+            let kept = map.owner(m.shard).map(str::to_string) == source;
+            if ended && !joined && kept && both_live {
                 self.held.push(((m.shard, m.to), now + FAILED_MOVE_PAUSE));
             }
         }
@@ -726,6 +733,65 @@ impl FailedMoves {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{ClusterConfig, MemberRecord, ShardMap, ShardMove};
+
+    /// Members `ids`, and a map of one shard owned by "a", copying to "b"
+    /// when `moving`.
+    fn cluster(ids: &[&str], moving: bool) -> ClusterState {
+        let record = |id: &&str| MemberRecord {
+            id: id.to_string(),
+            listen: format!("shm:///dev/shm/{id}"),
+            incarnation: 1,
+            draining: false,
+            zone: None,
+            replaces_copies: true,
+        };
+        let map = ShardMap {
+            epoch: 1,
+            owners: vec![Some("a".into())],
+            backups: vec![vec!["c".into()]],
+            moving: moving.then(|| ShardMove {
+                shard: 0,
+                to: "b".into(),
+                secret: "00".into(),
+                replaces: None,
+                leads: false,
+            }),
+            group_epochs: Vec::new(),
+            unlevelled: Vec::new(),
+        };
+        ClusterState {
+            config: ClusterConfig {
+                shards: 1,
+                initial_members: 3,
+                replicas: 3,
+            },
+            members: ids.iter().map(record).collect(),
+            map: Some((map, 1)),
+            revision: 1,
+        }
+    }
+
+    /// A copy that failed with its source and target live is held back;
+    /// one dropped because either left is not: the member that comes back
+    /// is sent its copy at once.
+    #[test]
+    fn only_a_copy_that_failed_between_live_members_is_held_back() {
+        for (left, held) in [
+            (&["a", "b", "c"][..], true),
+            (&["a", "c"], false),
+            (&["b", "c"], false),
+        ] {
+            let mut failed = FailedMoves::default();
+            failed.notice(&cluster(&["a", "b", "c"], true));
+            failed.notice(&cluster(left, false));
+            assert_eq!(
+                failed.pairs() == [(0, "b".to_string())],
+                held,
+                "live: {left:?}"
+            );
+        }
+    }
 
     #[test]
     fn a_pinned_deadline_passes_for_good_once_its_lease_is_lost() {

@@ -94,7 +94,7 @@ pub trait Source {
 /// this copy writes it).
 pub fn send(out: &Outgoing, to: &Address, source: &mut dyn Source) -> Result<Copied, String> {
     let started = Instant::now();
-    let mut copier = Copier::new(connect(out, to)?);
+    let mut copier = Copier::new(connect(out, to, source)?);
     fresh(&mut copier.target, out.shard, to)?;
     // Sized as the source before the keys come: no doubling under way
     // while they do.
@@ -399,7 +399,10 @@ fn fresh(target: &mut Client, shard: u32, to: &Address) -> Result<(), String> {
     }
 }
 
-fn connect(out: &Outgoing, to: &Address) -> Result<Client, String> {
+/// Connects to the target's fresh region, waiting for it to be served for
+/// up to `TARGET_WAIT`, and no longer once the move is called off (its
+/// target left, say: the member that comes back is sent a new one).
+fn connect(out: &Outgoing, to: &Address, source: &dyn Source) -> Result<Client, String> {
     let options = ClientOptions::default().with_secret(out.secret.clone());
     let deadline = Instant::now() + TARGET_WAIT;
     loop {
@@ -408,6 +411,7 @@ fn connect(out: &Outgoing, to: &Address) -> Result<Client, String> {
             Err(e) if Instant::now() > deadline => {
                 return Err(format!("the target {to} of shard {}: {e}", out.shard))
             }
+            Err(_) if !source.go_on() => return Err(CALLED_OFF.into()),
             Err(_) => std::thread::sleep(Duration::from_millis(50)),
         }
     }

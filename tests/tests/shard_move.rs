@@ -356,3 +356,27 @@ fn a_target_that_holds_keys_is_not_sent_into() {
         Some(&b"copy"[..])
     );
 }
+
+/// A copy whose target does not serve yet waits for it only while the
+/// move stands: called off (its target left, say), it gives up at once,
+/// not after the wait for a target (30 s), so that the member that comes
+/// back is sent a new copy.
+#[test]
+fn a_copy_waiting_for_its_target_gives_up_once_called_off() {
+    let source = TestServer::start(|_| {});
+    let dir = onekv_tests::region_dir();
+    let nobody = format!("shm://{}", dir.path().join("gone").display());
+    let outgoing = Outgoing {
+        shard: 0,
+        secret: SECRET.to_vec(),
+        region: source.region_path(),
+        grace: test_config(&source.region_path()).grace(),
+    };
+    let to = or_abort(kv_common::Address::parse(&nobody), "address");
+    let mut moving = CalledOff::default();
+    let why = shard_move::send(&outgoing, &to, &mut moving)
+        .err()
+        .unwrap_or_default();
+    assert!(why.contains("called off"), "{why}");
+    assert!(!moving.frozen && !moving.stopped);
+}
