@@ -214,12 +214,17 @@ fn a_client_killed_before_reporting_leaks_nothing_once_gone() {
     let mut bystander = Client::connect(&address).unwrap();
     bystander.put(b"bystander", b"here").unwrap();
     for round in 0..3 {
+        let connects = server.stats().connects;
         let mut child = Command::new(workspace_bin("kv-churn"))
             .args([&address, &format!("k{round}"), "40"])
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(Stdio::piped())
             .spawn()
             .expect("start kv-churn");
+        // On a loaded machine the process may take a while to start.
+        eventually("the churner connected", Duration::from_secs(60), || {
+            server.stats().connects > connects
+        });
         // The bystander writes the churner's keys meanwhile, into its own
         // lease: the churner unlinks blocks there, and then dies.
         for i in 0..2000 {
@@ -228,6 +233,14 @@ fn a_client_killed_before_reporting_leaks_nothing_once_gone() {
                 .unwrap();
         }
         std::thread::sleep(Duration::from_millis(100));
+        // Its departure must come after the scans counted here.
+        if let Ok(Some(status)) = child.try_wait() {
+            let mut why = String::new();
+            if let Some(mut stderr) = child.stderr.take() {
+                let _ = std::io::Read::read_to_string(&mut stderr, &mut why);
+            }
+            panic!("kv-churn ended before it was killed ({status}): {why}");
+        }
         let scans = server.stats().index_scans;
         child.kill().unwrap();
         child.wait().unwrap();
