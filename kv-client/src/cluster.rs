@@ -121,6 +121,9 @@ const MOVE_SETTLE: Duration = Duration::from_secs(10);
 /// reach to be failed over: the member's lease TTL (3 s by default), the
 /// coordinator's turn, and the copies' restart under the new group epoch.
 const FAILOVER_WAIT: Duration = Duration::from_secs(20);
+/// How many times a write to a replicated shard cut off before its commit
+/// is run again (see `ClusterClient::on_group`).
+const RESUMES: usize = 3;
 /// How long a connect to a replicated shard's copy waits for its answer: a
 /// live server on a busy host answers well within it; a frozen one may be
 /// being failed over, and the map is read again meanwhile.
@@ -774,6 +777,24 @@ impl ClusterClient {
     /// Runs `op` on `key`'s replicated shard: its primary and backups, each
     /// connected when first written; retried as [`Self::on`] retries, which
     /// a write does only while no copy has it (see `replicated`).
+    ///
+    /// A write cut off after it set some backups but before it posted its
+    /// commit (a copy's server went, or the group changed: a copy added or
+    /// dropped) is run again, up to `RESUMES` times, while the shard's
+    /// lead holds: the same owner, leading since the same map epoch (the
+    /// map's `lead_epochs`, stamped wherever a map is published). Why that
+    /// is sound: readers read the primary alone, so the cut write's value
+    /// can reach a reader only by its commit, which it never posted, or by
+    /// a backup promoted in a failover, which changes the lead. While the
+    /// lead holds, the write is still in flight as far as anyone can tell,
+    /// and a second run is one more of its rounds: its sets on the backups
+    /// follow the observation, and overwrite the cut run's (see
+    /// `replicated`). The lead is checked before every run on the map the
+    /// run routes by; one that changed since (or was never known) ends the
+    /// write as an unknown outcome, as does any error of a second run. A
+    /// promotion after that check is of a primary that stopped serving (a
+    /// failover takes a member whose lease ran out, which stops its
+    /// copies), so the run's commit cannot succeed after it.
     fn on_group<T>(
         &mut self,
         key: &[u8],
@@ -781,14 +802,56 @@ impl ClusterClient {
     ) -> Result<T> {
         crate::check_key(key)?;
         let shard = self.shard_of(key);
-        let done = self.retrying(shard, |this| op(&mut this.group(shard)?));
-        if let Err(Error::OutcomeUnknown(_)) = &done {
-            // Most likely a copy's server went (or restarted under a new
-            // group): the next write connects afresh, and waits for the
-            // map if it must, rather than failing the same way at once.
-            self.drop_group(shard);
+        // The lead the write was cut under, once it was.
+        let mut cut_under: Option<Lead> = None;
+        for resume in 0..=RESUMES {
+            let mut cut = None;
+            let done = self.retrying(shard, |this| {
+                cut = None;
+                let lead = Lead::of(&this.state, shard);
+                if cut_under.as_ref().is_some_and(|l| *l != lead) {
+                    return Err(Error::OutcomeUnknown(
+                        "the write reached some copies of its shard before it was cut off, \
+                         and the shard's primary changed before it could be written again"
+                            .into(),
+                    ));
+                }
+                let mut group = this.group(shard)?;
+                let done = op(&mut group);
+                cut = group.cut_before_commit.then_some(lead);
+                done
+            });
+            let Err(e) = done else {
+                return done;
+            };
+            if let Error::OutcomeUnknown(_) = &e {
+                // Most likely a copy's server went (or restarted under a
+                // new group): the next write connects afresh, and waits
+                // for the map if it must, rather than failing the same way
+                // at once.
+                self.drop_group(shard);
+            }
+            let resumable = cut.filter(|lead| {
+                matches!(e, Error::OutcomeUnknown(_))
+                    && lead.is_known()
+                    && cut_under.as_ref().is_none_or(|under| under == lead)
+            });
+            match (resumable, &cut_under) {
+                (Some(lead), _) if resume < RESUMES => cut_under = Some(lead),
+                // A second run that failed otherwise: the first may still
+                // surface.
+                (_, Some(_)) if !matches!(e, Error::OutcomeUnknown(_)) => {
+                    return Err(Error::OutcomeUnknown(format!(
+                        "the write reached some copies of its shard before it was cut off, \
+                         and failed when written again: {e}"
+                    )))
+                }
+                _ => return Err(e),
+            }
         }
-        done
+        Err(Error::Internal(
+            "a write's runs ended without an outcome".into(),
+        ))
     }
 
     /// Copies of each shard the cluster keeps.
@@ -828,10 +891,7 @@ impl ClusterClient {
             self.backups[slot] = backups;
         }
         let primary = self.shards[slot].as_mut().ok_or_else(gone)?;
-        Ok(Group {
-            primary,
-            backups: &mut self.backups[slot],
-        })
+        Ok(Group::new(primary, &mut self.backups[slot]))
     }
 
     /// Runs `attempt` on `shard`'s connections. When the shard's server
@@ -1094,6 +1154,27 @@ fn backup_servers(state: &ClusterState, shard: u32) -> Vec<Option<(&str, i64)>> 
 }
 
 /// The group epoch `state`'s map gives `shard`'s copies.
+/// Who leads a shard, and since when (see `ShardMap::lead_epochs`).
+#[derive(Clone, PartialEq, Eq)]
+struct Lead {
+    owner: Option<String>,
+    since: u64,
+}
+
+impl Lead {
+    fn of(state: &ClusterState, shard: u32) -> Lead {
+        let map = state.shard_map();
+        Lead {
+            owner: map.and_then(|m| m.owner(shard)).map(str::to_string),
+            since: map.map_or(0, |m| m.lead_epoch(shard)),
+        }
+    }
+
+    fn is_known(&self) -> bool {
+        self.owner.is_some() && self.since != 0
+    }
+}
+
 fn group_epoch(state: &ClusterState, shard: u32) -> u64 {
     state.shard_map().map_or(0, |m| m.group_epoch(shard))
 }

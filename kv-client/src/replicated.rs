@@ -122,6 +122,26 @@ const LOCK_WAIT: Duration = Duration::from_micros(200);
 pub(crate) struct Group<'c> {
     pub primary: &'c mut Client,
     pub backups: &'c mut [Client],
+    /// The write under way has posted a commit at the primary (or a
+    /// levelling's commit over the primary's own value).
+    pub commit_posted: bool,
+    /// The last write failed as [`Error::OutcomeUnknown`] because a copy
+    /// was cut off (its connection lost or refused: its server went, or
+    /// the group changed) after some backup was set but before any commit
+    /// was posted: no reader can have seen its value, which only a backup
+    /// promoted by a failover could show (see kv-client's `cluster`).
+    pub cut_before_commit: bool,
+}
+
+impl<'c> Group<'c> {
+    pub fn new(primary: &'c mut Client, backups: &'c mut [Client]) -> Self {
+        Group {
+            primary,
+            backups,
+            commit_posted: false,
+            cut_before_commit: false,
+        }
+    }
 }
 
 /// What a write does to its key.
@@ -154,7 +174,7 @@ enum Done {
 ///
 /// As a write to the shard: the first error of a copy.
 pub fn level_copies(primary: &mut Client, backups: &mut [Client], key: &[u8]) -> Result<()> {
-    Group { primary, backups }.level_copies(key)
+    Group::new(primary, backups).level_copies(key)
 }
 
 impl Group<'_> {
@@ -198,11 +218,18 @@ impl Group<'_> {
         crate::check_key(key)?;
         let mut touched = false;
         let mut lock = KeyLock::default();
+        self.commit_posted = false;
+        self.cut_before_commit = false;
         let ran = self.rounds(key, change, &mut touched, &mut lock);
         // Every commit lost its race (not an error out of one).
         let ran_out = matches!(ran, Ok(None));
         let attempts = self.primary.options.max_attempts;
         let mut done = ran.and_then(|done| done.ok_or(Error::Contended(attempts)));
+        self.cut_before_commit = touched
+            && !self.commit_posted
+            && done.as_ref().is_err_and(|e| {
+                matches!(e, Error::Unreachable(_) | Error::Refused(_)) || e.is_connection_lost()
+            });
         // Known not to have taken effect, the copies being level again.
         let mut unapplied = false;
         if let (Err(e), Change::Add(_), true) = (&done, change, touched) {
@@ -610,6 +637,7 @@ impl Group<'_> {
         lock: &mut KeyLock,
     ) -> Result<Commit> {
         let word = insert_lock_index(key);
+        self.commit_posted = true;
         let releasing = lock.releasing(self.primary.reconnects());
         let mut then = releasing.map(|r| self.primary.insert_lock_release(word, r));
         let committed = self.primary.commit(key, value, observed, &mut then);

@@ -222,6 +222,9 @@ fn view(
         // A client writes every backup alike: which are level is the
         // members' concern.
         unlevelled: Vec::new(),
+        // Not on the page: such a client does not write again a write cut
+        // before its commit (kv-client's `cluster`).
+        lead_epochs: Vec::new(),
         moving: head.moving.and_then(|(shard, to)| {
             Some(ShardMove {
                 shard,
@@ -290,6 +293,7 @@ mod tests {
                     // Some shards failed over, at various epochs.
                     group_epochs: (0..u64::from(shards)).map(|s| (s % 5) * 2).collect(),
                     unlevelled: Vec::new(),
+                    lead_epochs: Vec::new(),
                     epoch: 9,
                     owners: (0..shards)
                         .map(|s| (s % 7 != 3).then(|| ids[s as usize % members].clone()))

@@ -231,19 +231,22 @@ impl Etcd {
             .map_err(self.error())
     }
 
-    /// Writes `map` if the map is still as last read (`based_on`: its
-    /// revision, or none when there was no map) and, for a coordinator,
-    /// while `leader` (its election key) still exists. False when either
-    /// changed: someone else's change won.
+    /// Writes `map` if the map is still as last read (`based_on`: that map
+    /// and its revision, or none when there was no map) and, for a
+    /// coordinator, while `leader` (its election key) still exists. False
+    /// when either changed: someone else's change won. Every map goes out
+    /// through here, stamped with its leads (`ShardMap::stamp_leads`).
     pub async fn publish_map(
         &mut self,
         map: &ShardMap,
-        based_on: Option<i64>,
+        based_on: Option<(&ShardMap, i64)>,
         leader: Option<&[u8]>,
     ) -> Result<bool, ClusterError> {
         let key = self.keys.map();
+        let mut map = map.clone();
+        map.stamp_leads(based_on.map(|(before, _)| before));
         let mut checks = vec![match based_on {
-            Some(revision) => Compare::mod_revision(key.clone(), CompareOp::Equal, revision),
+            Some((_, revision)) => Compare::mod_revision(key.clone(), CompareOp::Equal, revision),
             None => Compare::create_revision(key.clone(), CompareOp::Equal, 0),
         }];
         if let Some(leader) = leader {
@@ -251,7 +254,7 @@ impl Etcd {
         }
         let txn = Txn::new()
             .when(checks)
-            .and_then([TxnOp::put(key, encode(map), None)]);
+            .and_then([TxnOp::put(key, encode(&map), None)]);
         let reply = self.client.txn(txn).await.map_err(self.error())?;
         Ok(reply.succeeded())
     }
@@ -440,7 +443,7 @@ impl BlockingEtcd {
     pub fn publish_map(
         &mut self,
         map: &ShardMap,
-        based_on: Option<i64>,
+        based_on: Option<(&ShardMap, i64)>,
     ) -> Result<bool, ClusterError> {
         self.runtime
             .block_on(self.etcd.publish_map(map, based_on, None))

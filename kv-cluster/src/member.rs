@@ -661,7 +661,7 @@ async fn coordinate(
         };
         let next = next_map_avoiding(&state.config, map, &members, random_secret);
         if let Some(next) = next.filter(|n| !failed.holds_back(n) && state.can_send(n)) {
-            let based_on = state.map.as_ref().map(|(_, r)| *r);
+            let based_on = state.map.as_ref().map(|(m, r)| (m, *r));
             match etcd.publish_map(&next, based_on, Some(&leader)).await {
                 Ok(true) => tracing::info!(epoch = next.epoch, "published the shard map"),
                 Ok(false) => tracing::info!("the shard map changed meanwhile"),
@@ -759,6 +759,7 @@ mod tests {
             }),
             group_epochs: Vec::new(),
             unlevelled: Vec::new(),
+            lead_epochs: Vec::new(),
         };
         ClusterState {
             config: ClusterConfig {

@@ -436,6 +436,7 @@ fn first_map(config: &ClusterConfig, members: &[(String, Option<String>)]) -> Op
         moving: None,
         group_epochs: Vec::new(),
         unlevelled: Vec::new(),
+        lead_epochs: Vec::new(),
     })
 }
 
@@ -559,6 +560,7 @@ mod tests {
         let map = ShardMap {
             group_epochs: Vec::new(),
             unlevelled: Vec::new(),
+            lead_epochs: Vec::new(),
             epoch: 7,
             owners: vec![Some("gone".into()), None, Some("a".into()), None],
             backups: Vec::new(),
@@ -615,6 +617,7 @@ mod tests {
             backups: Vec::new(),
             group_epochs: Vec::new(),
             unlevelled: Vec::new(),
+            lead_epochs: Vec::new(),
             moving: Some(ShardMove {
                 shard: 1,
                 to: "b".into(),

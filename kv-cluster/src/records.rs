@@ -124,6 +124,15 @@ pub struct ShardMap {
     /// the primary's member has brought them level (kv-server's `level`).
     #[serde(default, skip_serializing_if = "no_backups")]
     pub unlevelled: Vec<Vec<String>>,
+    /// `lead_epochs[shard]`: the map epoch from which the shard's owner
+    /// has led it without a break (0, or absent: not known, as after a
+    /// member of an older version published the map). Set where the map is
+    /// published (`stamp_leads`), so that no change of owner escapes it: a
+    /// client whose write to a replicated shard was cut before its commit
+    /// may write again only while the lead it wrote under still holds
+    /// (kv-client's `cluster`, which argues why).
+    #[serde(default, skip_serializing_if = "never_failed_over")]
+    pub lead_epochs: Vec<u64>,
 }
 
 /// A shard on its way from its owner to another member (see `shard_move`
@@ -290,6 +299,26 @@ impl ShardMap {
         next.unlevelled[shard as usize].retain(|m| !members.contains(m));
         next.forget_unlevelled_outside_groups();
         Some(next)
+    }
+
+    /// Since when `shard`'s owner has led it (see `lead_epochs`): 0 when
+    /// not known.
+    pub fn lead_epoch(&self, shard: u32) -> u64 {
+        self.lead_epochs.get(shard as usize).copied().unwrap_or(0)
+    }
+
+    /// Stamps each shard whose owner differs from `before`'s (the map this
+    /// one replaces; none for the first) with this map's epoch; the others
+    /// keep `before`'s stamp, unknown (0) included.
+    pub fn stamp_leads(&mut self, before: Option<&ShardMap>) {
+        let stamps = (0..self.owners.len() as u32)
+            .map(|shard| match before {
+                Some(b) if b.owner(shard) == self.owner(shard) => b.lead_epoch(shard),
+                _ if self.owner(shard).is_some() => self.epoch,
+                _ => 0,
+            })
+            .collect();
+        self.lead_epochs = stamps;
     }
 
     /// The epoch of `shard`'s group: what its copies ask of a client at
@@ -588,6 +617,7 @@ mod tests {
         let map = ShardMap {
             group_epochs: Vec::new(),
             unlevelled: Vec::new(),
+            lead_epochs: Vec::new(),
             epoch: 4,
             owners: vec![Some("a".into()), Some("b".into())],
             backups: vec![vec!["c".into()], vec!["c".into()]],
@@ -620,11 +650,43 @@ mod tests {
         assert!(state.can_send(&map), "no move");
     }
 
+    /// A lead is stamped with the epoch of the map that gave it, and keeps
+    /// its stamp while its owner stays, an unknown one (0: the map came
+    /// from a member of an older version) included.
+    #[test]
+    fn a_lead_is_stamped_when_its_owner_changes_and_keeps_its_stamp_after() {
+        let map = |epoch, owners: [&str; 3]| ShardMap {
+            group_epochs: Vec::new(),
+            unlevelled: Vec::new(),
+            lead_epochs: Vec::new(),
+            epoch,
+            owners: owners
+                .iter()
+                .map(|o| (!o.is_empty()).then(|| o.to_string()))
+                .collect(),
+            backups: Vec::new(),
+            moving: None,
+        };
+        let mut first = map(1, ["a", "b", ""]);
+        first.stamp_leads(None);
+        assert_eq!(first.lead_epochs, [1, 1, 0]);
+        let mut next = map(2, ["a", "c", "c"]);
+        next.stamp_leads(Some(&first));
+        assert_eq!(next.lead_epochs, [1, 2, 2]);
+        // Republished by an older member: the stamps are gone.
+        let older = decode::<ShardMap>("map", &encode(&map(3, ["a", "c", "c"]))).unwrap();
+        let mut after = map(4, ["a", "c", "b"]);
+        after.stamp_leads(Some(&older));
+        assert_eq!(after.lead_epochs, [0, 0, 4]);
+        assert_eq!(after.lead_epoch(7), 0);
+    }
+
     #[test]
     fn records_round_trip_and_damage_is_named() {
         let map = ShardMap {
             group_epochs: Vec::new(),
             unlevelled: Vec::new(),
+            lead_epochs: Vec::new(),
             epoch: 4,
             owners: vec![Some("a".into()), None],
             backups: Vec::new(),

@@ -219,7 +219,7 @@ fn publish(
             return Ok(false);
         };
         if etcd
-            .publish_map(&next, Some(revision))
+            .publish_map(&next, Some((&map, revision)))
             .map_err(|e| e.to_string())?
         {
             return Ok(true);

@@ -1112,7 +1112,7 @@ fn finish_move(
         }
         let next = map.ended_move(m, copied, copy);
         if etcd
-            .publish_map(&next, Some(revision))
+            .publish_map(&next, Some((&map, revision)))
             .map_err(|e| e.to_string())?
         {
             return Ok((copied, next.group_epoch(m.shard)));
@@ -1149,6 +1149,7 @@ mod tests {
         ShardMap {
             group_epochs: Vec::new(),
             unlevelled: Vec::new(),
+            lead_epochs: Vec::new(),
             epoch: 1 + u64::from(moving.is_some()),
             owners: vec![Some("m0".into()), Some("m0".into())],
             backups: Vec::new(),

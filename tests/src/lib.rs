@@ -333,8 +333,7 @@ impl Daemon {
     /// Sends `signal` (SIGSTOP, SIGCONT) to the daemon.
     pub fn signal(&self, signal: i32) {
         if let Some(child) = &self.child {
-            // SAFETY: kill(2) on our own child's pid.
-            unsafe { libc::kill(child.id() as i32, signal) };
+            signal_child(child, signal);
         }
     }
 
@@ -544,4 +543,11 @@ pub fn threads_named(prefix: &str) -> usize {
         .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
         .filter(|name| name.starts_with(prefix))
         .count()
+}
+
+/// Sends `signal` (SIGSTOP, SIGCONT) to `child`, a process this test
+/// started.
+pub fn signal_child(child: &std::process::Child, signal: i32) {
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe { libc::kill(child.id() as i32, signal) };
 }

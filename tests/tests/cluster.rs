@@ -580,6 +580,7 @@ fn a_client_asks_the_owner_that_dropped_a_shard_where_it_went() {
             ShardMap {
                 group_epochs: Vec::new(),
                 unlevelled: Vec::new(),
+                lead_epochs: Vec::new(),
                 epoch: revision as u64,
                 owners: vec![Some(owner.into())],
                 backups: Vec::new(),
@@ -700,6 +701,7 @@ fn of_two_coordinators_publishing_against_one_map_exactly_one_wins() {
     let map = |owner: &str, epoch| ShardMap {
         group_epochs: Vec::new(),
         unlevelled: Vec::new(),
+        lead_epochs: Vec::new(),
         epoch,
         owners: vec![Some(owner.to_string()); 4],
         backups: Vec::new(),
@@ -721,14 +723,17 @@ fn of_two_coordinators_publishing_against_one_map_exactly_one_wins() {
     let state = a.state().expect("state");
     let (current, revision) = state.map.clone().expect("a map");
     let next = [
-        a.publish_map(&map("a", current.epoch + 1), Some(revision)),
-        b.publish_map(&map("b", current.epoch + 1), Some(revision)),
+        a.publish_map(&map("a", current.epoch + 1), Some((&current, revision))),
+        b.publish_map(&map("b", current.epoch + 1), Some((&current, revision))),
     ];
     let won: Vec<bool> = next.into_iter().map(|r| r.expect("etcd answers")).collect();
     assert_eq!(won.iter().filter(|w| **w).count(), 1, "{won:?}");
     let winner = if won[0] { "a" } else { "b" };
     let after = b.state().expect("state").map.expect("a map").0;
-    assert_eq!(after, map(winner, current.epoch + 1));
+    // Published with each shard's lead stamped against the map it replaced.
+    let mut expected = map(winner, current.epoch + 1);
+    expected.stamp_leads(Some(&current));
+    assert_eq!(after, expected);
 }
 
 #[test]
@@ -740,6 +745,7 @@ fn a_map_follower_reads_the_state_whole_after_etcd_compacts_what_it_would_watch(
     let map = |epoch| ShardMap {
         group_epochs: Vec::new(),
         unlevelled: Vec::new(),
+        lead_epochs: Vec::new(),
         epoch,
         owners: vec![Some(format!("m{epoch}")); 4],
         backups: Vec::new(),
@@ -752,7 +758,7 @@ fn a_map_follower_reads_the_state_whole_after_etcd_compacts_what_it_would_watch(
     let mut revision = old.map.as_ref().expect("a map").1;
     for epoch in [2, 3] {
         assert!(writer
-            .publish_map(&map(epoch), Some(revision))
+            .publish_map(&map(epoch), Some((&map(epoch - 1), revision)))
             .expect("etcd answers"));
         revision = writer.state().expect("state").map.expect("a map").1;
     }
@@ -768,7 +774,7 @@ fn a_map_follower_reads_the_state_whole_after_etcd_compacts_what_it_would_watch(
     assert_eq!(epoch_of(next()), 3);
     // Then followed change by change, as the watch reports them.
     assert!(writer
-        .publish_map(&map(4), Some(revision))
+        .publish_map(&map(4), Some((&map(3), revision)))
         .expect("etcd answers"));
     let fourth = next();
     let whole = writer.state().expect("state");

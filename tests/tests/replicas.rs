@@ -1953,3 +1953,57 @@ fn an_increment_out_of_attempts_after_setting_its_sums_is_known_not_applied() {
         "kv incr: {said}"
     );
 }
+
+/// A write cut off after it observed the primary and before its commit, by
+/// a change of its group that keeps the lead: one of the shard's backups
+/// killed, and a copy added in its place under a new group epoch, which
+/// every copy then admits alone. The write (`kv put`, stopped by SIGSTOP
+/// before it sets its backups, let go once the copy is added) finds its
+/// copies turned away; nothing it did can have reached a reader, so it is
+/// run again under the new group and succeeds, where it used to end as an
+/// unknown outcome.
+#[test]
+fn a_write_cut_off_by_a_copy_added_under_the_same_lead_is_run_again() {
+    let (_etcd, url, _dir, members) = start("cut");
+    let mut members = by_name(members);
+    let before = cluster_state(&url).shard_map().expect("a map").clone();
+    // A backup whose zone has another member to take its copies.
+    let (shard, victim) = (0..SHARDS)
+        .find_map(|s| {
+            let zone_a = |b: &&String| ["m0", "m3"].contains(&b.as_str());
+            before
+                .backups(s)
+                .iter()
+                .find(zone_a)
+                .map(|b| (s, b.clone()))
+        })
+        .expect("a shard backed up in zone a");
+    let mut kv = ClusterClient::connect(&url).expect("connect");
+    let key = key_of(&kv, shard, "cut");
+    kv.put(&key, "before").expect("put");
+    let (mut child, mut lines) = paused_kv(
+        &url,
+        &["put", &key, "after"],
+        &[("ONEKV_CLIENT_PAUSE", "replica-before-backups:300")],
+    );
+    pausing(&mut lines, "replica-before-backups");
+    onekv_tests::signal_child(&child, libc::SIGSTOP);
+    members.remove(&victim).expect("the victim").kill_9();
+    eventually("a copy added in its place", Duration::from_secs(60), || {
+        let state = cluster_state(&url);
+        let map = state.shard_map().expect("a map");
+        map.copies_of(&victim).count() == 0 && map.group_epoch(shard) > before.epoch
+    });
+    restored(&url, 3);
+    let after = cluster_state(&url).shard_map().expect("a map").clone();
+    assert_eq!(after.owner(shard), before.owner(shard), "{after:?}");
+    assert!(after.group_epoch(shard) > before.epoch, "{after:?}");
+    onekv_tests::signal_child(&child, libc::SIGCONT);
+    let rest: Vec<String> = lines.map_while(std::result::Result::ok).collect();
+    let status = child.wait().expect("wait for kv");
+    assert!(status.success(), "kv put: {}", rest.join("\n"));
+    assert_eq!(
+        assert_alike(&mut copies(&url), &kv, &key).as_deref(),
+        Some(&b"after"[..])
+    );
+}
