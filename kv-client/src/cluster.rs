@@ -778,23 +778,25 @@ impl ClusterClient {
     /// connected when first written; retried as [`Self::on`] retries, which
     /// a write does only while no copy has it (see `replicated`).
     ///
-    /// A write cut off after it set some backups but before it posted its
-    /// commit (a copy's server went, or the group changed: a copy added or
-    /// dropped) is run again, up to `RESUMES` times, while the shard's
-    /// lead holds: the same owner, leading since the same map epoch (the
-    /// map's `lead_epochs`, stamped wherever a map is published). Why that
-    /// is sound: readers read the primary alone, so the cut write's value
-    /// can reach a reader only by its commit, which it never posted, or by
-    /// a backup promoted in a failover, which changes the lead. While the
-    /// lead holds, the write is still in flight as far as anyone can tell,
-    /// and a second run is one more of its rounds: its sets on the backups
-    /// follow the observation, and overwrite the cut run's (see
-    /// `replicated`). The lead is checked before every run on the map the
-    /// run routes by; one that changed since (or was never known) ends the
-    /// write as an unknown outcome, as does any error of a second run. A
-    /// promotion after that check is of a primary that stopped serving (a
-    /// failover takes a member whose lease ran out, which stops its
-    /// copies), so the run's commit cannot succeed after it.
+    /// A write cut off after it may have set some backups but before it
+    /// posted its commit (a copy's server went, or the group changed: a
+    /// copy added or dropped) is run again, up to `RESUMES` times, while
+    /// the shard's lead holds: the same owner, leading since the same map
+    /// epoch (the map's `lead_epochs`, stamped wherever a map is
+    /// published). Why that is sound: readers read the primary alone, so
+    /// the cut write's value can reach a reader only by its commit, which
+    /// it never posted, or by a backup promoted in a failover, which
+    /// changes the lead. While the lead holds, the write is still in
+    /// flight as far as anyone can tell, and a second run is one more of
+    /// its rounds: it observes afresh, and its sets on the backups follow
+    /// that observation (see `replicated`). The lead is checked before
+    /// every run on the map the run routes by; one that changed since (or
+    /// was never known) ends the write as an unknown outcome, as does any
+    /// error of a second run. A failover after that check is the same race
+    /// as for any write: the promoted backup, under its new group epoch,
+    /// turns the run's sets away (or holds the value already, if one got
+    /// in first), and the run commits only after every backup took its
+    /// set.
     fn on_group<T>(
         &mut self,
         key: &[u8],
@@ -1153,7 +1155,6 @@ fn backup_servers(state: &ClusterState, shard: u32) -> Vec<Option<(&str, i64)>> 
         .collect()
 }
 
-/// The group epoch `state`'s map gives `shard`'s copies.
 /// Who leads a shard, and since when (see `ShardMap::lead_epochs`).
 #[derive(Clone, PartialEq, Eq)]
 struct Lead {
@@ -1175,6 +1176,7 @@ impl Lead {
     }
 }
 
+/// The group epoch `state`'s map gives `shard`'s copies.
 fn group_epoch(state: &ClusterState, shard: u32) -> u64 {
     state.shard_map().map_or(0, |m| m.group_epoch(shard))
 }

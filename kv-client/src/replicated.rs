@@ -127,9 +127,10 @@ pub(crate) struct Group<'c> {
     pub commit_posted: bool,
     /// The last write failed as [`Error::OutcomeUnknown`] because a copy
     /// was cut off (its connection lost or refused: its server went, or
-    /// the group changed) after some backup was set but before any commit
-    /// was posted: no reader can have seen its value, which only a backup
-    /// promoted by a failover could show (see kv-client's `cluster`).
+    /// the group changed) once some backup may have been set, but before
+    /// any commit was posted: no reader can have seen its value, which
+    /// only a backup promoted by a failover could show (see
+    /// `ClusterClient::on_group`).
     pub cut_before_commit: bool,
 }
 

@@ -116,7 +116,7 @@ pub struct ShardMap {
     /// last changed by a failover (0, or absent: never). Every copy admits
     /// only clients that route by it, so a writer that still knows the
     /// old primary cannot touch the copies once they serve the new one.
-    #[serde(default, skip_serializing_if = "never_failed_over")]
+    #[serde(default, skip_serializing_if = "all_zero")]
     pub group_epochs: Vec<u64>,
     /// `unlevelled[shard]`: backups a failover kept beside the backup it
     /// promoted that may still differ from it on keys whose writers were
@@ -131,7 +131,7 @@ pub struct ShardMap {
     /// client whose write to a replicated shard was cut before its commit
     /// may write again only while the lead it wrote under still holds
     /// (kv-client's `cluster`, which argues why).
-    #[serde(default, skip_serializing_if = "never_failed_over")]
+    #[serde(default, skip_serializing_if = "all_zero")]
     pub lead_epochs: Vec<u64>,
 }
 
@@ -186,7 +186,8 @@ fn no_backups(backups: &[Vec<String>]) -> bool {
     backups.iter().all(Vec::is_empty)
 }
 
-fn never_failed_over(epochs: &[u64]) -> bool {
+/// Epochs that say nothing: no shard failed over, or no lead is known.
+fn all_zero(epochs: &[u64]) -> bool {
     epochs.iter().all(|&e| e == 0)
 }
 
@@ -673,8 +674,14 @@ mod tests {
         let mut next = map(2, ["a", "c", "c"]);
         next.stamp_leads(Some(&first));
         assert_eq!(next.lead_epochs, [1, 2, 2]);
-        // Republished by an older member: the stamps are gone.
-        let older = decode::<ShardMap>("map", &encode(&map(3, ["a", "c", "c"]))).unwrap();
+        assert_eq!(decode::<ShardMap>("map", &encode(&next)).unwrap(), next);
+        // Republished by an older member, which knows no stamps: gone.
+        let mut older = next.clone();
+        older.epoch = 3;
+        let older = String::from_utf8(encode(&older)).unwrap();
+        let older = older.replace(r#","lead_epochs":[1,2,2]"#, "");
+        let older = decode::<ShardMap>("map", older.as_bytes()).unwrap();
+        assert!(older.lead_epochs.is_empty(), "{older:?}");
         let mut after = map(4, ["a", "c", "b"]);
         after.stamp_leads(Some(&older));
         assert_eq!(after.lead_epochs, [0, 0, 4]);
