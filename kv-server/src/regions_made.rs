@@ -11,7 +11,9 @@
 //! region that existed: a server stopped before it made one (its first
 //! start failed) is not refused later. What this leaves open: a copy
 //! whose record could not be written (etcd unreachable at its first
-//! start) and whose region is then lost.
+//! start, and still at each try since) and whose region is then lost. A
+//! record that could not be written is tried again every `RECORD_RETRY`
+//! while the copy is served here (`record_pending`).
 //!
 //! In a cluster of several copies an empty region served in a lost one's
 //! place passes for a copy level with the others: a failover could promote
@@ -24,6 +26,8 @@
 
 use std::collections::BTreeSet;
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use kv_cluster::etcd::BlockingEtcd;
 use kv_cluster::ClusterUrl;
@@ -45,6 +49,10 @@ pub enum Refusal {
     Unchecked(String),
 }
 
+/// How often the records that could not be written are tried again: an
+/// etcd that does not answer holds up the member's loop for its timeout.
+const RECORD_RETRY: Duration = Duration::from_secs(5);
+
 pub struct RegionsMade {
     url: ClusterUrl,
     member: String,
@@ -52,6 +60,10 @@ pub struct RegionsMade {
     missing: MissingRegions,
     /// The shards whose records this process wrote.
     recorded: BTreeSet<u32>,
+    /// The shards whose copies started here but whose records could not
+    /// be written yet, and when to try again.
+    pending: BTreeSet<u32>,
+    next_try: Option<Instant>,
     etcd: Option<BlockingEtcd>,
 }
 
@@ -63,6 +75,8 @@ impl RegionsMade {
             listen: listen.to_string(),
             missing,
             recorded: BTreeSet::new(),
+            pending: BTreeSet::new(),
+            next_try: None,
             etcd: None,
         }
     }
@@ -95,10 +109,39 @@ impl RegionsMade {
     }
 
     /// Records that shard `shard`'s copy has its region here, now that its
-    /// server started on it (once per process).
+    /// server started on it (once per process). One that fails is tried
+    /// again by `record_pending`.
     pub fn record(&mut self, shard: u32) -> Result<(), String> {
         if self.recorded.contains(&shard) {
             return Ok(());
+        }
+        self.write_record(shard).inspect_err(|_| {
+            self.pending.insert(shard);
+            self.next_try = Some(Instant::now() + RECORD_RETRY);
+        })
+    }
+
+    /// Tries again, at most once per `RECORD_RETRY`, to write the records
+    /// that failed, of the copies still served here (`served`): a region
+    /// lost later without its record would be served empty.
+    pub fn record_pending(&mut self, served: impl Fn(u32) -> bool) -> Result<(), String> {
+        self.pending.retain(|&shard| served(shard));
+        if self.pending.is_empty() || self.next_try.is_some_and(|t| Instant::now() < t) {
+            return Ok(());
+        }
+        while let Some(&shard) = self.pending.first() {
+            if let Err(why) = self.write_record(shard) {
+                self.next_try = Some(Instant::now() + RECORD_RETRY);
+                return Err(why);
+            }
+            self.pending.remove(&shard);
+        }
+        Ok(())
+    }
+
+    fn write_record(&mut self, shard: u32) -> Result<(), String> {
+        if record_fault() {
+            return Err("ONEKV_REGION_RECORD_FAULT: a record not written".into());
         }
         let (member, listen) = (self.member.clone(), self.listen.clone());
         (self.etcd()?)
@@ -141,4 +184,16 @@ impl RegionsMade {
         };
         Ok(self.etcd.insert(etcd))
     }
+}
+
+/// Test hook: the first N writes of a record (`ONEKV_REGION_RECORD_FAULT=N`)
+/// fail, as when etcd does not answer.
+fn record_fault() -> bool {
+    static LEFT: std::sync::OnceLock<AtomicU64> = std::sync::OnceLock::new();
+    let left = LEFT.get_or_init(|| {
+        let n = std::env::var("ONEKV_REGION_RECORD_FAULT").ok();
+        AtomicU64::new(n.and_then(|n| n.parse().ok()).unwrap_or(0))
+    });
+    left.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+        .is_ok()
 }

@@ -765,7 +765,8 @@ impl ShardHost {
     /// its shard (the lease held, the map still showing it); takes in a
     /// move that ended; and follows the last map again when a move ended,
     /// or, at most once per `RETRY_EVERY`, when it asks for something not
-    /// under way here.
+    /// under way here; and writes the region records that failed (see
+    /// `RegionsMade::record_pending`).
     pub fn poll(&mut self, held: impl Fn() -> bool) {
         if let Some(s) = &self.sending {
             let shown = self.map.as_ref().and_then(|m| m.moving.as_ref()) == Some(&s.m);
@@ -813,6 +814,12 @@ impl ShardHost {
             match self.map.clone() {
                 Some(map) => self.follow(&map, held),
                 None => self.show_served(),
+            }
+        }
+        if let Some(regions) = self.regions.as_mut() {
+            let serving = &self.serving;
+            if let Err(why) = regions.record_pending(|shard| serving.contains_key(&shard)) {
+                tracing::warn!("cannot record in etcd that a region is made (tried again): {why}");
             }
         }
     }

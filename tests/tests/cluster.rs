@@ -18,7 +18,7 @@ use kv_server::directory::Directory;
 use kv_server::Server;
 use onekv_tests::cluster::{
     cluster_status, create_cluster, create_cluster_with, member_address, members_url, start_member,
-    EtcdServer,
+    start_member_with_env, EtcdServer,
 };
 use onekv_tests::{eventually, region_dir, workspace_bin};
 
@@ -165,6 +165,36 @@ fn a_member_started_without_its_regions_does_not_serve_its_shards_empty() {
     eventually("m0's shards served empty", Duration::from_secs(60), || {
         (0..KEYS).all(|i| matches!(kv.get(key(i)), Ok(None)))
     });
+}
+
+/// A copy whose region's record could not be written when its server
+/// started (etcd did not answer: `ONEKV_REGION_RECORD_FAULT` fails the
+/// first two writes, one per shard) has it written later, while it is
+/// served, so that a server started without the region still refuses to
+/// serve it empty.
+#[test]
+fn a_region_whose_record_failed_is_recorded_later_and_never_served_empty() {
+    let etcd = EtcdServer::start();
+    let url = etcd.url("unrecorded");
+    let (dir, elsewhere) = (region_dir(), region_dir());
+    create_cluster(&url, 2, 1);
+    let fault = [("ONEKV_REGION_RECORD_FAULT", "2")];
+    let m0 = start_member_with_env(&url, dir.path(), "m0", &[], &fault);
+    let mut kv = load(&url);
+    let mut etcd_client =
+        BlockingEtcd::connect(&ClusterUrl::parse(&url).expect("url")).expect("etcd");
+    eventually("both regions recorded", Duration::from_secs(60), || {
+        (0..2).all(|shard| matches!(etcd_client.region_made_at("m0", shard), Ok(Some(_))))
+    });
+    m0.kill_9();
+    let stray = start_member(&url, elsewhere.path(), "m0", &[]);
+    let (status, log) = stray.wait_exit(Duration::from_secs(60));
+    assert!(!status.success() && log.contains("is missing"), "{log}");
+    assert!(
+        matches!(kv.get(key(0)), Err(Error::ShardUnavailable { .. })),
+        "{}",
+        key(0)
+    );
 }
 
 /// A member's one metrics endpoint shows each shard it serves, labelled.
