@@ -27,6 +27,7 @@
 use std::collections::BTreeSet;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use kv_cluster::etcd::BlockingEtcd;
@@ -49,8 +50,10 @@ pub enum Refusal {
     Unchecked(String),
 }
 
-/// How often the records that could not be written are tried again: an
-/// etcd that does not answer holds up the member's loop for its timeout.
+/// The shards a retry recorded, and how it ended.
+type Retried = (Vec<u32>, Result<(), String>);
+
+/// How often the records that could not be written are tried again.
 const RECORD_RETRY: Duration = Duration::from_secs(5);
 
 pub struct RegionsMade {
@@ -64,6 +67,11 @@ pub struct RegionsMade {
     /// be written yet, and when to try again.
     pending: BTreeSet<u32>,
     next_try: Option<Instant>,
+    /// A try of the pending records under way, on a thread of its own: a
+    /// call to an etcd that does not answer waits out its timeouts, and
+    /// the member's loop must go on meanwhile (to stop its copies in time
+    /// when its lease goes unconfirmed). What it wrote, and how it ended.
+    retry: Option<JoinHandle<Retried>>,
     etcd: Option<BlockingEtcd>,
 }
 
@@ -77,6 +85,7 @@ impl RegionsMade {
             recorded: BTreeSet::new(),
             pending: BTreeSet::new(),
             next_try: None,
+            retry: None,
             etcd: None,
         }
     }
@@ -121,32 +130,52 @@ impl RegionsMade {
         })
     }
 
-    /// Tries again, at most once per `RECORD_RETRY`, to write the records
-    /// that failed, of the copies still served here (`served`): a region
-    /// lost later without its record would be served empty.
+    /// Tries again, at most once per `RECORD_RETRY` and on a thread of its
+    /// own, to write the records that failed, of the copies still served
+    /// here (`served`): a region lost later without its record would be
+    /// served empty. Err: why the last try failed, once it ended.
     pub fn record_pending(&mut self, served: impl Fn(u32) -> bool) -> Result<(), String> {
+        if let Some(ended) = self.retry.take_if(|r| r.is_finished()) {
+            let (written, done) = ended
+                .join()
+                .unwrap_or_else(|_| (Vec::new(), Err("its thread panicked".into())));
+            for shard in written {
+                self.pending.remove(&shard);
+                self.recorded.insert(shard);
+            }
+            done?;
+        }
         self.pending.retain(|&shard| served(shard));
-        if self.pending.is_empty() || self.next_try.is_some_and(|t| Instant::now() < t) {
+        let due = self.next_try.is_none_or(|t| Instant::now() >= t);
+        if self.retry.is_some() || self.pending.is_empty() || !due {
             return Ok(());
         }
-        while let Some(&shard) = self.pending.first() {
-            if let Err(why) = self.write_record(shard) {
-                self.next_try = Some(Instant::now() + RECORD_RETRY);
-                return Err(why);
-            }
-            self.pending.remove(&shard);
-        }
+        self.next_try = Some(Instant::now() + RECORD_RETRY);
+        let (url, member, listen) = (self.url.clone(), self.member.clone(), self.listen.clone());
+        let shards: Vec<u32> = self.pending.iter().copied().collect();
+        let retry = std::thread::Builder::new()
+            .name("kv-region-record".into())
+            .spawn(move || {
+                let mut written = Vec::new();
+                let done = BlockingEtcd::connect(&url)
+                    .map_err(|e| e.to_string())
+                    .and_then(|mut etcd| {
+                        shards.iter().try_for_each(|&shard| {
+                            write_record(&mut etcd, (&member, shard, &listen))?;
+                            written.push(shard);
+                            Ok(())
+                        })
+                    });
+                (written, done)
+            })
+            .map_err(|e| format!("cannot start a thread: {e}"))?;
+        self.retry = Some(retry);
         Ok(())
     }
 
     fn write_record(&mut self, shard: u32) -> Result<(), String> {
-        if record_fault() {
-            return Err("ONEKV_REGION_RECORD_FAULT: a record not written".into());
-        }
         let (member, listen) = (self.member.clone(), self.listen.clone());
-        (self.etcd()?)
-            .record_region_made(&member, shard, &listen)
-            .map_err(|e| e.to_string())?;
+        write_record(self.etcd()?, (&member, shard, &listen))?;
         self.recorded.insert(shard);
         Ok(())
     }
@@ -184,6 +213,18 @@ impl RegionsMade {
         };
         Ok(self.etcd.insert(etcd))
     }
+}
+
+/// Records in etcd that `member` made shard `shard`'s region at `listen`.
+fn write_record(
+    etcd: &mut BlockingEtcd,
+    (member, shard, listen): (&str, u32, &str),
+) -> Result<(), String> {
+    if record_fault() {
+        return Err("ONEKV_REGION_RECORD_FAULT: a record not written".into());
+    }
+    etcd.record_region_made(member, shard, listen)
+        .map_err(|e| e.to_string())
 }
 
 /// Test hook: the first N writes of a record (`ONEKV_REGION_RECORD_FAULT=N`)
