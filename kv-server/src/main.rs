@@ -380,7 +380,8 @@ fn serve(args: ServeArgs) -> Result<(), String> {
 /// shards move to the other servers, or, in a cluster of several copies,
 /// each of its copies is replaced by a fresh one elsewhere, its primaries
 /// handed over; then it leaves); a second, a copy here that no other
-/// server can take, or a drain longer than DRAIN_LIMIT leaves at once.
+/// server can take, etcd silent for a lease's length, or a drain longer
+/// than DRAIN_LIMIT leaves at once.
 fn serve_shards(
     host: ShardHost,
     url: ClusterUrl,
@@ -408,32 +409,15 @@ fn serve_shards(
         joined: false,
         placeable: false,
     };
-    let mut signals = 0;
-    let mut drain_started = Instant::now();
+    let mut stopping = Stopping::default();
     loop {
         if stop.try_recv().is_ok() {
-            signals += 1;
-            drain_started = Instant::now();
-            tracing::info!("draining: the shards here move to the other servers first (a second signal leaves at once)");
+            stopping.signalled();
         }
-        let stuck = !member.placeable;
-        let drained = member.host.is_empty() || (stuck && !member.host.keeps_copies());
-        // A copy replacing one here goes to a server outside its group and
-        // its zones: with none, waiting out the drain limit helps nobody.
-        if signals == 1 && !drained && stuck {
-            tracing::warn!("leaving without a drain: no other server can take this server's copies (too few servers, or none outside a copy's zones); they fail over to the others, one copy fewer each");
+        if stopping.leaves_now(&member, ttl) {
             break;
         }
-        if signals >= 2 || (signals == 1 && drained) {
-            break;
-        }
-        if signals == 1 && drain_started.elapsed() > DRAIN_LIMIT {
-            tracing::warn!(
-                "leaving before the drain finished: it took longer than {DRAIN_LIMIT:?}"
-            );
-            break;
-        }
-        if signals == 1 {
+        if stopping.draining() {
             member.membership.drain();
         }
         member.tend()?;
@@ -453,6 +437,71 @@ fn serve_shards(
 
 /// Longest a stop signal waits for the shards here to move away.
 const DRAIN_LIMIT: Duration = Duration::from_secs(300);
+
+/// The stop signals a member has had, and how its drain is going.
+#[derive(Default)]
+struct Stopping {
+    signals: u32,
+    drain_started: Option<Instant>,
+    /// Since when, in the drain, etcd has not confirmed the lease.
+    etcd_silent_since: Option<Instant>,
+}
+
+impl Stopping {
+    fn signalled(&mut self) {
+        self.signals += 1;
+        if self.signals == 1 {
+            self.drain_started = Some(Instant::now());
+            tracing::info!("draining: the shards here move to the other servers first (a second signal leaves at once)");
+        }
+    }
+
+    fn draining(&self) -> bool {
+        self.signals == 1
+    }
+
+    /// Whether the member leaves now (saying why when it cuts a drain
+    /// short): drained, a second signal, or a drain that cannot finish.
+    fn leaves_now(&mut self, member: &Member, ttl: Duration) -> bool {
+        let Some(started) = self.drain_started else {
+            return false;
+        };
+        if self.signals >= 2 {
+            return true;
+        }
+        let stuck = !member.placeable;
+        if member.host.is_empty() || (stuck && !member.host.keeps_copies()) {
+            return true;
+        }
+        // A copy replacing one here goes to a server outside its group and
+        // its zones: with none, waiting out the drain limit helps nobody.
+        if stuck {
+            tracing::warn!("leaving without a drain: no other server can take this server's copies (too few servers, or none outside a copy's zones); they fail over to the others, one copy fewer each");
+            return true;
+        }
+        // Nothing moves without etcd: past a lease's length of silence
+        // (an etcd restart takes less) the drain would wait out its limit
+        // for an outage, and an operator's stop would hang with it.
+        self.etcd_silent_since = match member.membership.holds_lease() {
+            true => None,
+            false => self.etcd_silent_since.or(Some(Instant::now())),
+        };
+        if self
+            .etcd_silent_since
+            .is_some_and(|since| since.elapsed() > ttl)
+        {
+            tracing::warn!("leaving without a drain: etcd has not confirmed this server's lease for {ttl:?}, and no shard moves without it; once etcd answers, the shards here fail over to their other copies, or (without copies) wait for this server to return");
+            return true;
+        }
+        if started.elapsed() > DRAIN_LIMIT {
+            tracing::warn!(
+                "leaving before the drain finished: it took longer than {DRAIN_LIMIT:?}"
+            );
+            return true;
+        }
+        false
+    }
+}
 
 /// A member's shards and membership, as the daemon runs them.
 struct Member {

@@ -581,6 +581,41 @@ fn while_etcd_is_down_the_data_path_carries_on_and_membership_waits() {
     assert!(!log.contains("serving nothing until joined again"), "{log}");
 }
 
+/// A stop signal while etcd is down: a drain cannot move anything, so
+/// once etcd has been silent for about a lease's length the server leaves
+/// without one, rather than wait out the drain limit (five minutes) with
+/// the operator's stop. Its shards stay its own, and are served again,
+/// every key kept, when it returns.
+#[test]
+fn a_server_told_to_stop_while_etcd_is_down_leaves_without_a_drain() {
+    let mut etcd = EtcdServer::start();
+    let url = etcd.url("stop-in-outage");
+    let dir = region_dir();
+    create_cluster(&url, 4, 2);
+    let _m0 = start_member(&url, dir.path(), "m0", &[]);
+    let m1 = start_member(&url, dir.path(), "m1", &[]);
+    drop(load(&url));
+
+    etcd.kill();
+    m1.signal(libc::SIGTERM);
+    let (status, log) = m1.wait_exit(Duration::from_secs(60));
+    assert!(status.success(), "{log}");
+    assert!(log.contains("draining"), "{log}");
+    assert!(log.contains("etcd has not confirmed"), "{log}");
+
+    etcd.start_again();
+    let _m1 = start_member(&url, dir.path(), "m1", &[]);
+    eventually("every key read back", Duration::from_secs(60), || {
+        let Ok(mut kv) = ClusterClient::connect(&url) else {
+            return false;
+        };
+        (0..KEYS).all(|i| {
+            kv.get(key(i))
+                .is_ok_and(|v| v.as_deref() == Some(format!("v{i}").as_bytes()))
+        })
+    });
+}
+
 /// A member behind the others (its watch made again after an etcd outage,
 /// say) does not hide a move: when the shard's old owner no longer serves
 /// it, the client asks that owner, whose view shows where it went, and
