@@ -887,7 +887,7 @@ impl ClusterClient {
                 let address = self.address_at(shard, name)?;
                 backups.push(Client::connect_with(
                     &address,
-                    self.shard_options(&address, shard),
+                    self.shard_options(&address, shard, name),
                 )?);
             }
             self.backups[slot] = backups;
@@ -1066,7 +1066,9 @@ impl ClusterClient {
         let slot = shard as usize;
         if self.shards[slot].is_none() {
             let address = self.address_of(shard)?;
-            let client = Client::connect_with(&address, self.shard_options(&address, shard))?;
+            let owner = self.owner(shard).unwrap_or_default();
+            let client =
+                Client::connect_with(&address, self.shard_options(&address, shard, owner))?;
             self.shards[slot] = Some(client);
         }
         self.shards[slot]
@@ -1080,9 +1082,10 @@ impl ClusterClient {
     /// more (more would cost cache misses over shm; see
     /// [`crate::SlotCacheEntries`]).
     /// It presents the group epoch the map gives `shard`, and at a
-    /// replicated shard waits for a connect's answer no more than
-    /// `COPY_CONNECT_WAIT`.
-    fn shard_options(&self, address: &str, shard: u32) -> ClientOptions {
+    /// replicated shard's copy (at `member`) waits for a connect's answer
+    /// no more than `COPY_CONNECT_WAIT`, and is cut off once a map drops
+    /// the copy from the group.
+    fn shard_options(&self, address: &str, shard: u32, member: &str) -> ClientOptions {
         let total = self
             .options
             .slot_cache_entries
@@ -1096,6 +1099,7 @@ impl ClusterClient {
         options.group_epoch = group_epoch(&self.state, shard);
         if self.replicas() > 1 {
             options.connect_timeout = Some(COPY_CONNECT_WAIT);
+            options.cutoff = Some(self.watch.board().cutoff_for(shard, member));
         }
         options
     }

@@ -27,6 +27,7 @@
 //! [`Geometry`], [`VerbStats`], [`ServerStats`], [`TransportError`]; the
 //! `examples/` folder holds complete programs.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use kv_common::layout::counter_sealed;
@@ -177,6 +178,10 @@ pub struct ClientOptions {
     /// copies, so that a reconnect to a frozen server (one whose lease may
     /// be expiring) gives up in time to follow the map to the new primary.
     pub(crate) connect_timeout: Option<Duration>,
+    /// Cuts this client's connections off from another thread: a
+    /// `ClusterClient`'s map follower does, at a replicated shard's copy
+    /// once a map drops it from the shard's group.
+    pub(crate) cutoff: Option<Arc<transport::Cutoff>>,
     /// Test hook (feature `test-hooks`): see
     /// [`ClientOptions::with_pause_after_index_read`].
     #[cfg(feature = "test-hooks")]
@@ -196,6 +201,7 @@ impl Default for ClientOptions {
             reply_timeout: transport::DEFAULT_REPLY_TIMEOUT,
             group_epoch: 0,
             connect_timeout: None,
+            cutoff: None,
             #[cfg(feature = "test-hooks")]
             pause_after_index_read: None,
             #[cfg(feature = "test-hooks")]
@@ -1215,7 +1221,13 @@ type Opened = (
 /// Connects, presents the secret, and attaches the region with a local
 /// buffer laid out for its geometry.
 fn open(address: &Address, options: &ClientOptions) -> Result<Opened> {
+    if let Some(e) = options.cutoff.as_ref().and_then(|c| c.error()) {
+        return Err(e.into());
+    }
     let mut conn = transport::connect(address, &options.connect_options())?;
+    if let Some(cutoff) = &options.cutoff {
+        conn.cut_by(cutoff.clone());
+    }
     let secret = options.secret.clone().unwrap_or_default();
     let sent = clock::raw();
     let connect = Request::Connect {

@@ -18,9 +18,10 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use kv_cluster::directory::{self, MemberView};
+use kv_cluster::records::ShardMap;
 use kv_cluster::{ClusterSource, ClusterState};
 use kv_common::protocol::{Request, Response, PROTOCOL_VERSION};
-use kv_common::transport::{self, ConnectOptions};
+use kv_common::transport::{self, ConnectOptions, Cutoff};
 use kv_common::Address;
 
 use crate::{unexpected, Error, Result};
@@ -121,6 +122,36 @@ pub(crate) struct Board {
     revision: AtomicI64,
     /// The state, and when it came.
     newest: Mutex<Option<(ClusterState, Instant)>>,
+    /// The clients' connections to copies of replicated shards, cut off
+    /// when a newer state drops their copy from its group.
+    copies: Mutex<Vec<CopyWatched>>,
+}
+
+/// A client's connection to member `member`'s copy of `shard`.
+struct CopyWatched {
+    shard: u32,
+    member: String,
+    /// Gone with the client.
+    cutoff: Weak<Cutoff>,
+}
+
+impl CopyWatched {
+    /// Cuts the connection off if `map` holds no such copy; whether it is
+    /// still to be watched.
+    fn cut_if_dropped(&self, map: &ShardMap) -> bool {
+        let Some(cutoff) = self.cutoff.upgrade() else {
+            return false;
+        };
+        let held = map.owner(self.shard) == Some(self.member.as_str())
+            || map.backups(self.shard).contains(&self.member);
+        if !held {
+            cutoff.cut(format!(
+                "{} holds no copy of shard {} in map epoch {}",
+                self.member, self.shard, map.epoch
+            ));
+        }
+        held
+    }
 }
 
 impl Board {
@@ -134,7 +165,40 @@ impl Board {
         {
             *newest = Some((state.clone(), Instant::now()));
             self.revision.store(state.revision, Ordering::Release);
+            drop(newest);
+            self.cut_dropped(state);
         }
+    }
+
+    /// A cutoff for a client's connections to `member`'s copy of `shard`,
+    /// cut once a state this board is offered drops that copy from the
+    /// shard's group: a writer waiting for that copy (frozen, say, and
+    /// failed over) then follows the map, rather than wait out its call.
+    pub(crate) fn cutoff_for(&self, shard: u32, member: &str) -> Arc<Cutoff> {
+        let cutoff = Arc::new(Cutoff::default());
+        let watched = CopyWatched {
+            shard,
+            member: member.to_string(),
+            cutoff: Arc::downgrade(&cutoff),
+        };
+        // Held while the newest state is looked at: a state offered
+        // meanwhile cuts after this, finding the copy watched.
+        let mut copies = self.copies.lock().unwrap_or_else(|e| e.into_inner());
+        copies.retain(|c| c.cutoff.strong_count() > 0);
+        let newest = self.newest.lock().unwrap_or_else(|e| e.into_inner());
+        match newest.as_ref().and_then(|(s, _)| s.shard_map()) {
+            Some(map) if !watched.cut_if_dropped(map) => {}
+            _ => copies.push(watched),
+        }
+        cutoff
+    }
+
+    fn cut_dropped(&self, state: &ClusterState) {
+        let Some(map) = state.shard_map() else {
+            return;
+        };
+        let mut copies = self.copies.lock().unwrap_or_else(|e| e.into_inner());
+        copies.retain(|c| c.cut_if_dropped(map));
     }
 
     /// The newest state and when it came, if it is newer than `revision`.
@@ -398,5 +462,52 @@ mod tests {
         assert_eq!(first.strong_count(), 0, "the follower outlived its clients");
         let again = MapWatch::start("cluster+shm:///a", &source, &state).expect("a watch");
         assert!(!Arc::ptr_eq(&again.following, &other.following));
+    }
+
+    /// A one-shard state of revision `revision` whose map gives the shard
+    /// `owner` and `backups`.
+    fn grouped(revision: i64, owner: &str, backups: &[&str]) -> ClusterState {
+        let (_, mut state) = nowhere();
+        state.revision = revision;
+        let map = ShardMap {
+            epoch: revision as u64,
+            owners: vec![Some(owner.to_string())],
+            backups: vec![backups.iter().map(|b| b.to_string()).collect()],
+            moving: None,
+            group_epochs: Vec::new(),
+            unlevelled: Vec::new(),
+            lead_epochs: Vec::new(),
+        };
+        state.map = Some((map, revision));
+        state
+    }
+
+    /// A state that drops a copy from its group cuts the connections to
+    /// it, and only those; one that has dropped it already when the
+    /// connection is made cuts it at once.
+    #[test]
+    fn a_map_that_drops_a_copy_cuts_the_connections_to_it() {
+        let board = Board::default();
+        board.offer(&grouped(1, "m0", &["m1", "m2"]));
+        let (primary, backup, kept) = (
+            board.cutoff_for(0, "m0"),
+            board.cutoff_for(0, "m1"),
+            board.cutoff_for(0, "m2"),
+        );
+        // m1 replaced by m3; then m0 failed over to m2.
+        board.offer(&grouped(2, "m0", &["m2", "m3"]));
+        assert!(backup.error().is_some_and(|e| e.to_string().contains("m1")));
+        assert!(primary.error().is_none() && kept.error().is_none());
+        board.offer(&grouped(3, "m2", &["m3"]));
+        assert!(primary.error().is_some() && kept.error().is_none());
+        assert!(board.cutoff_for(0, "m1").error().is_some());
+        // An older state offered late changes nothing.
+        let late = board.cutoff_for(0, "m3");
+        board.offer(&grouped(2, "m0", &["m1"]));
+        assert!(late.error().is_none());
+        // Connections gone are forgotten.
+        drop((primary, backup, kept, late));
+        board.offer(&grouped(4, "m2", &[]));
+        assert!(board.copies.lock().expect("copies").is_empty());
     }
 }

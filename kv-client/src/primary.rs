@@ -215,11 +215,39 @@ impl Client {
         observed: &Observed,
         then: &mut Option<Verb>,
     ) -> Result<Commit> {
+        let block = match value {
+            Some(value) if observed.epoch == self.info.geometry.epoch => {
+                Some(self.block_for(key, value)?)
+            }
+            _ => None,
+        };
+        self.commit_made(key, block, observed, then)
+    }
+
+    /// The block of `key` and `value`, written to this client's buffer for
+    /// [`Self::commit_made`]: its slot, and its WRITE. Taking it may cost
+    /// control calls (a lease given back, another taken), which fail
+    /// before anything is published; publishing never calls.
+    pub(crate) fn block_for(&mut self, key: &[u8], value: &[u8]) -> Result<(Slot, Verb)> {
+        let (_, new, write) = self.new_block(key, value)?;
+        Ok((new, write))
+    }
+
+    /// As [`Self::commit`], with the value's block made (None: removes the
+    /// key). The buffer holds the block still: no other verb came between.
+    pub(crate) fn commit_made(
+        &mut self,
+        key: &[u8],
+        block: Option<(Slot, Verb)>,
+        observed: &Observed,
+        then: &mut Option<Verb>,
+    ) -> Result<Commit> {
+        // Leasing the block may have taught this client a new geometry.
         if observed.epoch != self.info.geometry.epoch {
             return Ok(Commit::Changed);
         }
-        let step = match value {
-            Some(value) => self.commit_value(key, value, observed, then)?,
+        let step = match block {
+            Some(block) => self.commit_value(key, block, observed, then)?,
             None => Step::Done(self.commit_removal(key, observed)?),
         };
         Ok(match step {
@@ -240,15 +268,10 @@ impl Client {
     fn commit_value(
         &mut self,
         key: &[u8],
-        value: &[u8],
+        (new, write): (Slot, Verb),
         observed: &Observed,
         then: &mut Option<Verb>,
     ) -> Result<Step<bool>> {
-        let (_, new, write) = self.new_block(key, value)?;
-        // Leasing may have taught this client a new geometry.
-        if observed.epoch != self.info.geometry.epoch {
-            return Ok(Step::Done(false));
-        }
         match &observed.seen {
             Sight::Hinted(hint) => {
                 if !hint.allows_blind_cas(&self.timing) {

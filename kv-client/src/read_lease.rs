@@ -35,6 +35,10 @@
 //! `COPY_CALL_WAIT` (`Client::call`), and a cluster client's connect to a
 //! copy less (`COPY_CONNECT_WAIT`): a writer busy at a frozen primary
 //! would otherwise wait out the reply timeout (10 s) after its failover.
+//! Sooner still, a cluster client's map follower cuts off every
+//! connection to a copy once a map drops it from its group (`Board`,
+//! `transport::Cutoff`): a writer waiting on a frozen backup goes on as
+//! soon as the map has replaced it.
 
 use std::time::Duration;
 

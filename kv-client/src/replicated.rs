@@ -638,10 +638,16 @@ impl Group<'_> {
         lock: &mut KeyLock,
     ) -> Result<Commit> {
         let word = insert_lock_index(key);
+        // A control call in taking the block that fails leaves nothing
+        // published: the write is cut before its commit.
+        let block = match value {
+            Some(value) => Some(self.primary.block_for(key, value)?),
+            None => None,
+        };
         self.commit_posted = true;
         let releasing = lock.releasing(self.primary.reconnects());
         let mut then = releasing.map(|r| self.primary.insert_lock_release(word, r));
-        let committed = self.primary.commit(key, value, observed, &mut then);
+        let committed = self.primary.commit_made(key, block, observed, &mut then);
         // After an error the hold is kept, to be let go by a CAS of its own
         // (which fails, harmlessly, if this one went).
         if let (Some(release), None, Ok(_)) = (releasing, then, &committed) {

@@ -1954,6 +1954,28 @@ fn an_increment_out_of_attempts_after_setting_its_sums_is_known_not_applied() {
     );
 }
 
+/// A write cut off by a copy added under the same lead, stopped at `at`.
+fn cut_under_the_same_lead(name: &str, at: &str) {
+    let (_etcd, url, _dir, members) = start(name);
+    let map = cluster_state(&url).shard_map().expect("a map").clone();
+    // A backup whose zone has another member to take its copies.
+    let (shard, victim) = (0..SHARDS)
+        .find_map(|s| {
+            let zone_a = |b: &&String| ["m0", "m3"].contains(&b.as_str());
+            map.backups(s).iter().find(zone_a).map(|b| (s, b.clone()))
+        })
+        .expect("a shard backed up in zone a");
+    let mut members = by_name(members);
+    let (said, kv, key) = cut_put(&url, &mut members, shard, (&victim, at));
+    assert!(said.is_ok(), "kv put: {}", said.unwrap_err());
+    let after = cluster_state(&url).shard_map().expect("a map").clone();
+    assert_eq!(after.owner(shard), map.owner(shard), "{after:?}");
+    assert_eq!(
+        assert_alike(&mut copies(&url), &kv, &key).as_deref(),
+        Some(&b"after"[..])
+    );
+}
+
 /// A write cut off after it observed the primary and before its commit, by
 /// a change of its group that keeps the lead: one of the shard's backups
 /// killed, and a copy added in its place under a new group epoch, which
@@ -1964,24 +1986,16 @@ fn an_increment_out_of_attempts_after_setting_its_sums_is_known_not_applied() {
 /// unknown outcome.
 #[test]
 fn a_write_cut_off_by_a_copy_added_under_the_same_lead_is_run_again() {
-    let (_etcd, url, _dir, members) = start("cut");
-    let map = cluster_state(&url).shard_map().expect("a map").clone();
-    // A backup whose zone has another member to take its copies.
-    let (shard, victim) = (0..SHARDS)
-        .find_map(|s| {
-            let zone_a = |b: &&String| ["m0", "m3"].contains(&b.as_str());
-            map.backups(s).iter().find(zone_a).map(|b| (s, b.clone()))
-        })
-        .expect("a shard backed up in zone a");
-    let mut members = by_name(members);
-    let (said, kv, key) = cut_put(&url, &mut members, shard, &victim);
-    assert!(said.is_ok(), "kv put: {}", said.unwrap_err());
-    let after = cluster_state(&url).shard_map().expect("a map").clone();
-    assert_eq!(after.owner(shard), map.owner(shard), "{after:?}");
-    assert_eq!(
-        assert_alike(&mut copies(&url), &kv, &key).as_deref(),
-        Some(&b"after"[..])
-    );
+    cut_under_the_same_lead("cut", "replica-before-backups");
+}
+
+/// The same, stopped once its backups are set: the primary, which starts
+/// its copy again under the new group, turns the write away as it takes
+/// the block it would commit (a control call, before anything is
+/// published there), which is a cut before the commit too.
+#[test]
+fn a_write_cut_off_after_its_backups_are_set_is_run_again() {
+    cut_under_the_same_lead("cut-set", "replica-backups-set");
 }
 
 /// The same write cut off by a failover of its primary: a backup the cut
@@ -2000,7 +2014,7 @@ fn a_write_cut_off_by_a_failover_stays_an_unknown_outcome() {
         })
         .expect("a shard led in zone a");
     let mut members = by_name(members);
-    let (said, kv, key) = cut_put(&url, &mut members, shard, owner);
+    let (said, kv, key) = cut_put(&url, &mut members, shard, (owner, "replica-before-backups"));
     let said = said.expect_err("kv put succeeded after a failover");
     assert!(said.contains("may or may not"), "kv put: {said}");
     let value = assert_alike(&mut copies(&url), &kv, &key);
@@ -2011,15 +2025,15 @@ fn a_write_cut_off_by_a_failover_stays_an_unknown_outcome() {
 }
 
 /// Runs `kv put KEY after` on a key of `shard` (which holds `before`),
-/// stopped (SIGSTOP) after it observed the primary and before it sets its
-/// backups, while `victim` is killed and the cluster restores every group
-/// to three copies; then lets it go. Its outcome (what it said on stderr
-/// when it failed), a client, and the key.
+/// stopped (SIGSTOP) at pause point `at` (after it observed the primary,
+/// before its commit), while `victim` is killed and the cluster restores
+/// every group to three copies; then lets it go. Its outcome (what it said
+/// on stderr when it failed), a client, and the key.
 fn cut_put(
     url: &str,
     members: &mut BTreeMap<String, Daemon>,
     shard: u32,
-    victim: &str,
+    (victim, at): (&str, &str),
 ) -> (Result<(), String>, ClusterClient, String) {
     let before = cluster_state(url).shard_map().expect("a map").clone();
     let mut kv = ClusterClient::connect(url).expect("connect");
@@ -2028,9 +2042,9 @@ fn cut_put(
     let (mut child, mut lines) = paused_kv(
         url,
         &["put", &key, "after"],
-        &[("ONEKV_CLIENT_PAUSE", "replica-before-backups:300")],
+        &[("ONEKV_CLIENT_PAUSE", &format!("{at}:300"))],
     );
-    pausing(&mut lines, "replica-before-backups");
+    pausing(&mut lines, at);
     onekv_tests::signal_child(&child, libc::SIGSTOP);
     members.remove(victim).expect("the victim").kill_9();
     eventually(

@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use super::cutoff::Cutoff;
 use super::error::TransportError;
 use super::verb::{ReadOrder, Verb, VerbStats};
 use crate::mapping::SharedRegion;
@@ -38,6 +39,9 @@ pub trait Connection: Send {
         Ok(())
     }
     fn stats(&self) -> &VerbStats;
+    /// Fails every control call once `cutoff` is cut, the one waiting then
+    /// included (see [`Cutoff`]).
+    fn cut_by(&mut self, cutoff: Arc<Cutoff>);
     /// The server granted writes into `extent` (a lease) under `key`: the
     /// WRITEs that land in it carry that key from now on. Backends whose
     /// writes need no key of their own ignore it.
@@ -120,6 +124,8 @@ impl Connection for Closed {
         };
         &NONE
     }
+
+    fn cut_by(&mut self, _cutoff: Arc<Cutoff>) {}
 }
 
 /// The server's end of one client's control channel. It is driven by one

@@ -5,11 +5,13 @@
 //!
 //! Layers, each importing only those above it: [`verb`] and [`error`] (the
 //! model), [`check`] (the rules both backends apply to a batch),
-//! [`connection`] (the traits a backend implements), [`framing`], the
+//! [`connection`] (the traits a backend implements) and [`cutoff`] (a
+//! client's connections cut off from another thread), [`framing`], the
 //! backends [`shm`] and `rdma`, and [`dial`] (a backend by address).
 
 pub mod check;
 pub mod connection;
+pub mod cutoff;
 pub mod dial;
 pub mod error;
 pub mod framing;
@@ -23,6 +25,7 @@ pub use connection::{
     Closed, ConnectOptions, Connection, ControlListener, ControlPeer, Fenced, Received,
     DEFAULT_REPLY_TIMEOUT,
 };
+pub use cutoff::Cutoff;
 pub use dial::{bind, connect};
 pub use error::TransportError;
 pub use framing::{read_frame, write_frame, FrameReader};

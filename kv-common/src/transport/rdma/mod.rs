@@ -42,6 +42,7 @@ use super::check;
 use super::connection::{
     ConnectOptions, Connection, ControlListener, ControlPeer, Fenced, Received,
 };
+use super::cutoff::Cutoff;
 use super::error::TransportError;
 use super::framing::{read_frame, write_frame, FrameReader};
 use super::gid::{self, GidEntry};
@@ -366,6 +367,7 @@ pub struct RdmaConnection {
     /// How long a control message may take to be sent (a completion).
     send_timeout: Duration,
     read_order: ReadOrder,
+    cutoff: Option<Arc<Cutoff>>,
 }
 
 impl RdmaConnection {
@@ -404,6 +406,7 @@ impl RdmaConnection {
             // to the options' restores the connection as made.
             send_timeout: COMPLETION_TIMEOUT.min(options.reply_timeout),
             read_order: options.read_order,
+            cutoff: None,
         })
     }
 
@@ -466,6 +469,9 @@ impl Connection for RdmaConnection {
                 return self.channel.fail(TransportError::Disconnected(
                     "no reply from the server".into(),
                 ));
+            }
+            if let Some(e) = self.cutoff.as_ref().and_then(|c| c.error()) {
+                return self.channel.fail(e);
             }
             std::thread::yield_now();
         }
@@ -541,6 +547,10 @@ impl Connection for RdmaConnection {
 
     fn stats(&self) -> &VerbStats {
         &self.stats
+    }
+
+    fn cut_by(&mut self, cutoff: Arc<Cutoff>) {
+        self.cutoff = Some(cutoff);
     }
 
     fn allow_writes(&mut self, extent: Extent, key: u32) {

@@ -39,6 +39,7 @@ use std::time::Duration;
 pub use listener::{ShmListener, ShmPeer};
 
 use super::connection::{ConnectOptions, Connection};
+use super::cutoff::Cutoff;
 use super::error::TransportError;
 use super::framing::frame_call;
 use super::verb::{ReadOrder, Verb, VerbStats};
@@ -59,6 +60,7 @@ pub struct ShmConnection {
     broken: Option<String>,
     reply_timeout: Duration,
     read_order: ReadOrder,
+    cutoff: Option<Arc<Cutoff>>,
 }
 
 impl ShmConnection {
@@ -85,7 +87,16 @@ impl ShmConnection {
             broken: None,
             reply_timeout,
             read_order: options.read_order,
+            cutoff: None,
         })
+    }
+}
+
+impl Drop for ShmConnection {
+    fn drop(&mut self) {
+        if let Some(cutoff) = &self.cutoff {
+            cutoff.forget_socket();
+        }
     }
 }
 
@@ -94,7 +105,17 @@ impl Connection for ShmConnection {
         if let Some(why) = &self.broken {
             return Err(TransportError::Disconnected(why.clone()));
         }
-        match frame_call(&mut self.stream, request) {
+        let cut = || self.cutoff.as_ref().and_then(|c| c.error());
+        if let Some(e) = cut() {
+            return Err(e);
+        }
+        let answer = frame_call(&mut self.stream, request);
+        // A cut shuts the socket down under the call: say so.
+        let answer = match (answer, cut()) {
+            (Err(_), Some(e)) => Err(e),
+            (answer, _) => answer,
+        };
+        match answer {
             Ok(reply) => Ok(reply),
             Err(TransportError::Io(e)) => {
                 // A reset, a closed socket or a reply that never came: this
@@ -160,6 +181,11 @@ impl Connection for ShmConnection {
 
     fn stats(&self) -> &VerbStats {
         &self.stats
+    }
+
+    fn cut_by(&mut self, cutoff: Arc<Cutoff>) {
+        cutoff.watch_socket(&self.stream);
+        self.cutoff = Some(cutoff);
     }
 
     fn batches_cost_round_trips(&self) -> bool {
