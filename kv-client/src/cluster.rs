@@ -1099,7 +1099,8 @@ impl ClusterClient {
         options.group_epoch = group_epoch(&self.state, shard);
         if self.replicas() > 1 {
             options.connect_timeout = Some(COPY_CONNECT_WAIT);
-            options.cutoff = Some(self.watch.board().cutoff_for(shard, member));
+            let routed_by = self.state.revision;
+            options.cutoff = Some(self.watch.board().cutoff_for(shard, member, routed_by));
         }
         options
     }

@@ -18,7 +18,6 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use kv_cluster::directory::{self, MemberView};
-use kv_cluster::records::ShardMap;
 use kv_cluster::{ClusterSource, ClusterState};
 use kv_common::protocol::{Request, Response, PROTOCOL_VERSION};
 use kv_common::transport::{self, ConnectOptions, Cutoff};
@@ -131,16 +130,26 @@ pub(crate) struct Board {
 struct CopyWatched {
     shard: u32,
     member: String,
+    /// The revision of the state the client routed by when it connected:
+    /// only a newer one may drop the copy (a client that read the map
+    /// itself can be ahead of the board).
+    routed_by: i64,
     /// Gone with the client.
     cutoff: Weak<Cutoff>,
 }
 
 impl CopyWatched {
-    /// Cuts the connection off if `map` holds no such copy; whether it is
-    /// still to be watched.
-    fn cut_if_dropped(&self, map: &ShardMap) -> bool {
+    /// Cuts the connection off if `state`, newer than the one it was made
+    /// by, holds no such copy; whether it is still to be watched.
+    fn cut_if_dropped(&self, state: &ClusterState) -> bool {
         let Some(cutoff) = self.cutoff.upgrade() else {
             return false;
+        };
+        let Some(map) = state
+            .shard_map()
+            .filter(|_| state.revision > self.routed_by)
+        else {
+            return true;
         };
         let held = map.owner(self.shard) == Some(self.member.as_str())
             || map.backups(self.shard).contains(&self.member);
@@ -171,14 +180,16 @@ impl Board {
     }
 
     /// A cutoff for a client's connections to `member`'s copy of `shard`,
-    /// cut once a state this board is offered drops that copy from the
-    /// shard's group: a writer waiting for that copy (frozen, say, and
-    /// failed over) then follows the map, rather than wait out its call.
-    pub(crate) fn cutoff_for(&self, shard: u32, member: &str) -> Arc<Cutoff> {
+    /// made routing by the state of revision `routed_by`: cut once a newer
+    /// state this board has or is offered drops that copy from the shard's
+    /// group. A writer waiting for that copy (frozen, say, and failed
+    /// over) then follows the map, rather than wait out its call.
+    pub(crate) fn cutoff_for(&self, shard: u32, member: &str, routed_by: i64) -> Arc<Cutoff> {
         let cutoff = Arc::new(Cutoff::default());
         let watched = CopyWatched {
             shard,
             member: member.to_string(),
+            routed_by,
             cutoff: Arc::downgrade(&cutoff),
         };
         // Held while the newest state is looked at: a state offered
@@ -186,19 +197,18 @@ impl Board {
         let mut copies = self.copies.lock().unwrap_or_else(|e| e.into_inner());
         copies.retain(|c| c.cutoff.strong_count() > 0);
         let newest = self.newest.lock().unwrap_or_else(|e| e.into_inner());
-        match newest.as_ref().and_then(|(s, _)| s.shard_map()) {
-            Some(map) if !watched.cut_if_dropped(map) => {}
-            _ => copies.push(watched),
+        if newest
+            .as_ref()
+            .is_none_or(|(s, _)| watched.cut_if_dropped(s))
+        {
+            copies.push(watched);
         }
         cutoff
     }
 
     fn cut_dropped(&self, state: &ClusterState) {
-        let Some(map) = state.shard_map() else {
-            return;
-        };
         let mut copies = self.copies.lock().unwrap_or_else(|e| e.into_inner());
-        copies.retain(|c| c.cut_if_dropped(map));
+        copies.retain(|c| c.cut_if_dropped(state));
     }
 
     /// The newest state and when it came, if it is newer than `revision`.
@@ -428,6 +438,7 @@ fn ask(member: &Address, options: &ConnectOptions) -> Result<MemberView> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kv_cluster::records::ShardMap;
     use kv_cluster::ClusterConfig;
 
     fn nowhere() -> (MapSource, ClusterState) {
@@ -490,9 +501,9 @@ mod tests {
         let board = Board::default();
         board.offer(&grouped(1, "m0", &["m1", "m2"]));
         let (primary, backup, kept) = (
-            board.cutoff_for(0, "m0"),
-            board.cutoff_for(0, "m1"),
-            board.cutoff_for(0, "m2"),
+            board.cutoff_for(0, "m0", 1),
+            board.cutoff_for(0, "m1", 1),
+            board.cutoff_for(0, "m2", 1),
         );
         // m1 replaced by m3; then m0 failed over to m2.
         board.offer(&grouped(2, "m0", &["m2", "m3"]));
@@ -500,14 +511,22 @@ mod tests {
         assert!(primary.error().is_none() && kept.error().is_none());
         board.offer(&grouped(3, "m2", &["m3"]));
         assert!(primary.error().is_some() && kept.error().is_none());
-        assert!(board.cutoff_for(0, "m1").error().is_some());
+        assert!(board.cutoff_for(0, "m1", 1).error().is_some());
         // An older state offered late changes nothing.
-        let late = board.cutoff_for(0, "m3");
+        let late = board.cutoff_for(0, "m3", 3);
         board.offer(&grouped(2, "m0", &["m1"]));
         assert!(late.error().is_none());
+        // Nor does one older than the state the client routed by (read
+        // by itself, ahead of the board): m4 was added at revision 5.
+        let ahead = board.cutoff_for(0, "m4", 5);
+        assert!(ahead.error().is_none());
+        board.offer(&grouped(4, "m2", &["m3"]));
+        assert!(ahead.error().is_none());
+        board.offer(&grouped(6, "m2", &["m3"]));
+        assert!(ahead.error().is_some());
         // Connections gone are forgotten.
-        drop((primary, backup, kept, late));
-        board.offer(&grouped(4, "m2", &[]));
+        drop((primary, backup, kept, late, ahead));
+        board.offer(&grouped(7, "m2", &[]));
         assert!(board.copies.lock().expect("copies").is_empty());
     }
 }

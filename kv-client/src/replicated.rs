@@ -123,7 +123,8 @@ pub(crate) struct Group<'c> {
     pub primary: &'c mut Client,
     pub backups: &'c mut [Client],
     /// The write under way has posted a commit at the primary (or a
-    /// levelling's commit over the primary's own value).
+    /// levelling's commit over the primary's own value) not known to have
+    /// lost its race: one that may have taken effect.
     pub commit_posted: bool,
     /// The last write failed as [`Error::OutcomeUnknown`] because a copy
     /// was cut off (its connection lost or refused: its server went, or
@@ -252,10 +253,16 @@ impl Group<'_> {
             }
         }
         self.release(key, &mut lock);
+        // A group left with no backup sets none: its commit alone may
+        // have taken effect.
+        let posted = self.commit_posted;
         done.map_err(|e| match e {
             Error::OutcomeUnknown(_) => e,
             e if touched && !unapplied => Error::OutcomeUnknown(format!(
                 "the write reached some copies of its shard before it failed: {e}"
+            )),
+            e if posted && !unapplied => Error::OutcomeUnknown(format!(
+                "the write's commit may have taken effect before it failed: {e}"
             )),
             e => e,
         })
@@ -648,6 +655,11 @@ impl Group<'_> {
         let releasing = lock.releasing(self.primary.reconnects());
         let mut then = releasing.map(|r| self.primary.insert_lock_release(word, r));
         let committed = self.primary.commit_made(key, block, observed, &mut then);
+        // A commit that lost its race took no effect: a cut in a later
+        // round is still a cut before the write's commit.
+        if matches!(committed, Ok(Commit::Changed)) {
+            self.commit_posted = false;
+        }
         // After an error the hold is kept, to be let go by a CAS of its own
         // (which fails, harmlessly, if this one went).
         if let (Some(release), None, Ok(_)) = (releasing, then, &committed) {

@@ -380,8 +380,8 @@ fn serve(args: ServeArgs) -> Result<(), String> {
 /// shards move to the other servers, or, in a cluster of several copies,
 /// each of its copies is replaced by a fresh one elsewhere, its primaries
 /// handed over; then it leaves); a second, a copy here that no other
-/// server can take, etcd silent for a lease's length, or a drain longer
-/// than DRAIN_LIMIT leaves at once.
+/// server can take, etcd silent past ETCD_SILENCE_LIMIT, or a drain
+/// longer than DRAIN_LIMIT leaves at once.
 fn serve_shards(
     host: ShardHost,
     url: ClusterUrl,
@@ -437,6 +437,9 @@ fn serve_shards(
 
 /// Longest a stop signal waits for the shards here to move away.
 const DRAIN_LIMIT: Duration = Duration::from_secs(300);
+/// Longest a drain waits for an etcd that does not answer (three lease
+/// TTLs if longer).
+const ETCD_SILENCE_LIMIT: Duration = Duration::from_secs(10);
 
 /// The stop signals a member has had, and how its drain is going.
 #[derive(Default)]
@@ -479,18 +482,19 @@ impl Stopping {
             tracing::warn!("leaving without a drain: no other server can take this server's copies (too few servers, or none outside a copy's zones); they fail over to the others, one copy fewer each");
             return true;
         }
-        // Nothing moves without etcd: past a lease's length of silence
-        // (an etcd restart takes less) the drain would wait out its limit
-        // for an outage, and an operator's stop would hang with it.
+        // Nothing moves without etcd: through an outage the drain would
+        // wait out its limit, and an operator's stop hang with it. A
+        // restart or an election of etcd's takes less than this.
+        let patience = (ttl * 3).max(ETCD_SILENCE_LIMIT);
         self.etcd_silent_since = match member.membership.holds_lease() {
             true => None,
             false => self.etcd_silent_since.or(Some(Instant::now())),
         };
         if self
             .etcd_silent_since
-            .is_some_and(|since| since.elapsed() > ttl)
+            .is_some_and(|since| since.elapsed() > patience)
         {
-            tracing::warn!("leaving without a drain: etcd has not confirmed this server's lease for {ttl:?}, and no shard moves without it; once etcd answers, the shards here fail over to their other copies, or (without copies) wait for this server to return");
+            tracing::warn!("leaving without a drain: etcd has not confirmed this server's lease for {patience:?}, and no shard moves without it; once etcd answers, the shards here fail over to their other copies, or (without copies) wait for this server to return");
             return true;
         }
         if started.elapsed() > DRAIN_LIMIT {

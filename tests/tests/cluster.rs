@@ -582,10 +582,10 @@ fn while_etcd_is_down_the_data_path_carries_on_and_membership_waits() {
 }
 
 /// A stop signal while etcd is down: a drain cannot move anything, so
-/// once etcd has been silent for about a lease's length the server leaves
-/// without one, rather than wait out the drain limit (five minutes) with
-/// the operator's stop. Its shards stay its own, and are served again,
-/// every key kept, when it returns.
+/// once etcd has been silent for 10 s (three lease TTLs if longer), the
+/// server leaves without one, rather than wait out the drain limit (five
+/// minutes) with the operator's stop. Its shards stay its own, and are
+/// served again, every key kept, when it returns.
 #[test]
 fn a_server_told_to_stop_while_etcd_is_down_leaves_without_a_drain() {
     let mut etcd = EtcdServer::start();
