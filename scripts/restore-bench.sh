@@ -10,6 +10,10 @@
 # shard's writers waited as long) and kv-bench's per-second throughput
 # and errors.
 #
+# With FREEZE_BACKUP=S, a backup is frozen (SIGSTOP) for S seconds instead
+# of the primary's kill, then let go: the shard's writers wait for it until
+# the map drops it (its lease expires) and a copy on d takes its place.
+#
 #   scripts/restore-bench.sh [RECORDS]      (default 1000000)
 #
 # Needs etcd (Debian: etcd-server) and release builds of kv-server and
@@ -44,9 +48,18 @@ sleep 2
   -p maxexecutiontime=60 --threads 2 --status-interval 1 >"$work/run.log" 2>&1 &
 bench=$!
 sleep 10
-primary=$("$bin/kv-server" cluster status "$url" | awk '/shards \[0\]/ {print $2}')
-echo "--- killing the primary, $primary, 10 s into the run, at $(date +%T.%N)"
-kill -9 "${member_pid[$primary]}"
+if [ -n "${FREEZE_BACKUP:-}" ]; then
+  backup=$("$bin/kv-server" cluster status "$url" | awk '/backups of \[0\]/ {print $2; exit}')
+  echo "--- freezing backup $backup 10 s into the run, at $(date +%T.%N)"
+  kill -STOP "${member_pid[$backup]}"
+  sleep "$FREEZE_BACKUP"
+  echo "--- letting it go at $(date +%T.%N)"
+  kill -CONT "${member_pid[$backup]}"
+else
+  primary=$("$bin/kv-server" cluster status "$url" | awk '/shards \[0\]/ {print $2}')
+  echo "--- killing the primary, $primary, 10 s into the run, at $(date +%T.%N)"
+  kill -9 "${member_pid[$primary]}"
+fi
 wait "$bench" || true
 echo "--- the failover, the levelling and the copy (the members' logs)"
 grep -hE "copied to|a new group|levell|failed" "$work"/[abcd].log | sed 's/\x1b\[[0-9;]*m//g' | sort
