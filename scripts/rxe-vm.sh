@@ -188,9 +188,16 @@ for t in /tests/*; do
   fi
   # A suite that aborted leaves its servers and etcd running; they would
   # load the slow VM (or hold a cluster's ports) under the next suite.
-  left=$(pgrep -l 'kv-server|etcd' | tr '\n' ' ')
+  # (Debian's busybox has no pgrep or pkill: read /proc.)
+  left=""
+  for c in /proc/[0-9]*/comm; do
+    case "$(cat $c 2>/dev/null)" in
+      kv-server|etcd) d=${c%/comm}; left="$left ${d#/proc/}:$(cat $c)";;
+    esac
+  done
   if [ -n "$left" ]; then
-    echo "RXE-LEFTOVER: suite $name left $left"; pkill -9 'kv-server|etcd'; sleep 1
+    echo "RXE-LEFTOVER: suite $name left$left"
+    for e in $left; do kill -9 ${e%%:*} 2>/dev/null; done; sleep 1
   fi
 done
 
