@@ -62,7 +62,9 @@
 //!
 //! **Lost connections.** Once an atomic that may take effect has been
 //! posted, a lost connection ends the call with `Error::OutcomeUnknown`
-//! rather than redoing it, which could apply it twice.
+//! rather than redoing it, which could apply it twice. An increment's
+//! batch turned away whole (its connection's key no longer registered,
+//! `TransportError::TurnedAway`) ran nothing, and is redone.
 //!
 //! **Why a late atomic changes no live data.** An atomic is posted only
 //! within the operation deadline of the read that saw the slot link the
@@ -357,7 +359,12 @@ impl Client {
             Some(read) => self.conn.post(&[verb, read]),
             None => self.conn.post(&[verb]),
         }
-        .map_err(|e| outcome_unknown(e.into()))?;
+        .map_err(|e| match e.ran_nothing() {
+            // Turned away whole: the atomic did not run, and the call
+            // can be redone on a new connection.
+            true => e.into(),
+            false => outcome_unknown(e.into()),
+        })?;
         let found = read_u64(self.conn.local(), self.layout.cas);
         if counter_sealed(found) {
             if let Atomic::FetchAdd(delta) = atomic {

@@ -169,4 +169,10 @@ impl Error {
     pub(crate) fn is_connection_lost(&self) -> bool {
         matches!(self, Error::Transport(t) if t.is_connection_lost())
     }
+
+    /// True when the batch that failed ran none of its verbs (see
+    /// [`TransportError::ran_nothing`]).
+    pub(crate) fn ran_nothing(&self) -> bool {
+        matches!(self, Error::Transport(t) if t.ran_nothing())
+    }
 }

@@ -1323,6 +1323,28 @@ pub(crate) fn pause_point(step: &str) {
             std::thread::sleep(*pause);
         }
     }
+    #[cfg(feature = "test-hooks")]
+    if let Some(act) = STEP_ACTION.with(|a| a.borrow_mut().take_if(|(at, _)| *at == step)) {
+        (act.1)();
+    }
+}
+
+/// What a test does when its thread reaches a pause point.
+#[cfg(feature = "test-hooks")]
+type StepAction = Option<(&'static str, Box<dyn FnOnce()>)>;
+
+#[cfg(feature = "test-hooks")]
+thread_local! {
+    static STEP_ACTION: std::cell::RefCell<StepAction> = const { std::cell::RefCell::new(None) };
+}
+
+/// Test hook (feature `test-hooks`): runs `act` the first time this thread
+/// reaches pause point `step` (see `pause_point`), as a server or another
+/// process acting at that moment would; in the test's own process, with
+/// no timing to race (a pause stops the clock of no operation deadline).
+#[cfg(feature = "test-hooks")]
+pub fn on_step_in_this_thread(step: &'static str, act: impl FnOnce() + 'static) {
+    STEP_ACTION.with(|a| *a.borrow_mut() = Some((step, Box::new(act))));
 }
 
 fn unexpected(r: Response) -> Error {

@@ -651,14 +651,21 @@ impl Group<'_> {
             Some(value) => Some(self.primary.block_for(key, value)?),
             None => None,
         };
+        crate::pause_point("replica-commit-ready");
         self.commit_posted = true;
         let releasing = lock.releasing(self.primary.reconnects());
         let mut then = releasing.map(|r| self.primary.insert_lock_release(word, r));
+        let atomics = self.primary.verb_stats().atomics;
         let committed = self.primary.commit_made(key, block, observed, &mut then);
-        // A commit that lost its race took no effect: a cut in a later
-        // round is still a cut before the write's commit.
-        if matches!(committed, Ok(Commit::Changed)) {
-            self.commit_posted = false;
+        // A commit that lost its race took no effect, nor did one turned
+        // away before any of its atomics ran (the primary started its copy
+        // again under a new group): a cut in a later round, or this one,
+        // is still a cut before the write's commit.
+        let ran_none = |e: &Error| e.ran_nothing() && self.primary.verb_stats().atomics == atomics;
+        match &committed {
+            Ok(Commit::Changed) => self.commit_posted = false,
+            Err(e) if ran_none(e) => self.commit_posted = false,
+            _ => {}
         }
         // After an error the hold is kept, to be let go by a CAS of its own
         // (which fails, harmlessly, if this one went).

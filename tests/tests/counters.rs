@@ -11,6 +11,8 @@ use std::sync::{Barrier, Mutex};
 use std::time::{Duration, Instant};
 
 use kv_client::{Client, ClientOptions, Error, COUNTER_MAX};
+use kv_common::Address;
+use kv_server::{Server, ServerConfig};
 use onekv_tests::{
     aggressive_reuse, or_abort, parse_tagged, tagged_value, workspace_bin, xorshift, TestServer,
 };
@@ -350,6 +352,38 @@ fn a_late_increment_never_lands_on_reused_space() {
             round += 1;
         }
     });
+}
+
+/// An increment whose batch the server turns away whole (the client's key
+/// revoked, as a server that restarts its region does) ran nothing: the
+/// client connects again and applies it once, where it used to end with
+/// an unknown outcome. Over shm, where every batch checks its key first
+/// and a key can be revoked under a live server (over rdma the device
+/// refuses the first work request of such a batch the same way).
+#[test]
+fn an_increment_turned_away_whole_is_applied_once_on_a_new_connection() {
+    let dir = onekv_tests::region_dir();
+    let region = dir.path().join("region");
+    let mut config = ServerConfig::new(Address::Shm {
+        region: region.clone(),
+    });
+    config.region_file = Some(region.clone());
+    config.memory = 16 << 20;
+    let address = config.address.to_string();
+    let _server = Server::start(config).expect("server starts");
+    let mut kv = or_abort(Client::connect(&address), "connect");
+    // Two increments: the second finds the counter hinted, and the next
+    // is a blind FETCH-AND-ADD, the batch turned away below.
+    assert_eq!(kv.incr("n", 1).expect("incr"), 1);
+    assert_eq!(kv.incr("n", 1).expect("incr"), 2);
+    for round in 0..3 {
+        kv_server::region::revoke_keys(&region).expect("revoke the keys");
+        let reconnects = kv.reconnects();
+        let now = kv.incr("n", 1).expect("an increment turned away whole");
+        assert_eq!(now, 3 + round);
+        assert_eq!(kv.reconnects(), reconnects + 1);
+    }
+    assert_eq!(kv.get_counter("n").expect("get"), Some(5));
 }
 
 #[test]

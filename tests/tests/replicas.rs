@@ -1998,6 +1998,51 @@ fn a_write_cut_off_after_its_backups_are_set_is_run_again() {
     cut_under_the_same_lead("cut-set", "replica-backups-set");
 }
 
+/// A write whose commit the primary turns away whole, before any of its
+/// verbs ran: the keys of the primary's region revoked as the write is
+/// about to post its commit, its block taken and its backups set, as a
+/// primary that starts its copy again under a new group does (a copy
+/// added takes longer than an operation deadline, so a write stopped
+/// there finds its observation out of time instead). Nothing of it was
+/// published, so it is run again on new connections and succeeds, where
+/// it used to end as an unknown outcome. The revocation is made in the
+/// test's process, at the client's step; over shm, where a region's keys
+/// are words of its file (the suite's rdma run leaves this test out).
+#[test]
+fn a_commit_turned_away_whole_is_run_again() {
+    let (_etcd, url, _dir, _members) = start("turned");
+    let state = cluster_state(&url);
+    let shard = 0;
+    let owner = state
+        .shard_map()
+        .and_then(|m| m.owner(shard))
+        .expect("a primary");
+    let mut kv = ClusterClient::connect(&url).expect("connect");
+    let key = key_of(&kv, shard, "turned");
+    kv.put(&key, "before").expect("put");
+    let at = copy_address(&state, owner, shard).expect("the primary's address");
+    let region = match kv_common::Address::parse(&at) {
+        Ok(kv_common::Address::Shm { region }) => region,
+        other => panic!("the members serve over shm, not {other:?}"),
+    };
+    let revoked = std::sync::Arc::new(AtomicBool::new(false));
+    let said = revoked.clone();
+    kv_client::on_step_in_this_thread("replica-commit-ready", move || {
+        kv_server::region::revoke_keys(&region).expect("revoke the primary's keys");
+        said.store(true, Ordering::SeqCst);
+    });
+    kv.put(&key, "after")
+        .expect("a put whose commit was turned away");
+    assert!(
+        revoked.load(Ordering::SeqCst),
+        "the put never reached its commit"
+    );
+    assert_eq!(
+        assert_alike(&mut copies(&url), &kv, &key).as_deref(),
+        Some(&b"after"[..])
+    );
+}
+
 /// The same write cut off by a failover of its primary: a backup the cut
 /// run may have set is promoted, so the write is not run again, and ends
 /// as an unknown outcome.

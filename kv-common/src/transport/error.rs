@@ -16,6 +16,13 @@ pub enum TransportError {
     /// What a NIC reports as a remote access error: bad rkey or out of range.
     #[error("remote access error: {0}")]
     RemoteAccess(String),
+    /// A batch refused whole, before any of its verbs ran: the
+    /// connection's access key is no longer registered (the server
+    /// restarted, shut down or cut this client off), or the batch's first
+    /// work request met a remote access error. A lost connection that is
+    /// known to have changed nothing.
+    #[error("turned away before any verb ran: {0}")]
+    TurnedAway(String),
     #[error("local buffer access error: {0}")]
     LocalAccess(String),
     #[error("no region attached to this connection yet")]
@@ -35,8 +42,16 @@ impl TransportError {
     pub fn is_connection_lost(&self) -> bool {
         matches!(
             self,
-            TransportError::Disconnected(_) | TransportError::RemoteAccess(_)
+            TransportError::Disconnected(_)
+                | TransportError::RemoteAccess(_)
+                | TransportError::TurnedAway(_)
         )
+    }
+
+    /// Whether the batch that failed is known to have run none of its
+    /// verbs: an atomic in it did not take effect.
+    pub fn ran_nothing(&self) -> bool {
+        matches!(self, TransportError::TurnedAway(_))
     }
 }
 

@@ -160,7 +160,13 @@ fn source_gid(device: &Device, local: IpAddr, o: &Overrides) -> Result<Gid, Tran
 
 fn completion_error(c: &Completion) -> TransportError {
     let text = c.status_text();
-    if c.is_remote_access_error() {
+    // The first work request of a batch refused: the queue pair went to
+    // error there, in order, so none of the batch ran (the rest flushed).
+    if c.is_remote_access_error() && c.wr_id == 0 {
+        TransportError::TurnedAway(format!(
+            "{text} (bad rkey or range: the server re-registered its region)"
+        ))
+    } else if c.is_remote_access_error() {
         TransportError::RemoteAccess(format!(
             "{text} (bad rkey or range: the server re-registered its region)"
         ))
@@ -172,6 +178,15 @@ fn completion_error(c: &Completion) -> TransportError {
         TransportError::Disconnected(format!("{text}: the queue pair is in error"))
     } else {
         TransportError::Io(std::io::Error::other(format!("work completion: {text}")))
+    }
+}
+
+/// `e`, of a batch some verbs of which ran before it: no longer one that
+/// ran nothing.
+fn after_verbs_ran(e: TransportError) -> TransportError {
+    match e {
+        TransportError::TurnedAway(why) => TransportError::RemoteAccess(why),
+        e => e,
     }
 }
 
@@ -272,6 +287,7 @@ impl Channel {
             e,
             TransportError::Disconnected(_)
                 | TransportError::RemoteAccess(_)
+                | TransportError::TurnedAway(_)
                 | TransportError::Io(_)
         ) {
             self.broken = Some(e.to_string());
@@ -507,9 +523,15 @@ impl Connection for RdmaConnection {
         check::batch_len(verbs)?;
         // One doorbell per part (the whole batch but in the paused test
         // order); an RC queue pair executes in posting order.
+        let mut first = true;
         check::run_batch(self.read_order, verbs, |part| {
             let wrs = self.wrs(part)?;
-            self.channel.run(&wrs, COMPLETION_TIMEOUT)
+            let ran = self.channel.run(&wrs, COMPLETION_TIMEOUT);
+            // A later part's first work request is not the batch's.
+            match std::mem::replace(&mut first, false) {
+                true => ran,
+                false => ran.map_err(after_verbs_ran),
+            }
         })?;
         let local = self.local.as_ref().map_or(&[][..], Mr::bytes);
         self.stats.record_batch(verbs, local);

@@ -126,6 +126,25 @@ impl Setup {
         self.try_op(qp, op)
     }
 
+    /// Posts `ops` on `qp` as one batch (work request `i` for `ops[i]`,
+    /// each on its own 8 bytes of the local buffer): their completions, in
+    /// the order the device gave them.
+    fn batch(&mut self, qp: &Qp, ops: Vec<Op>) -> Vec<Completion> {
+        let wrs: Vec<SendWr> = ops
+            .into_iter()
+            .enumerate()
+            .map(|(i, op)| SendWr {
+                wr_id: i as u64,
+                op,
+                local_addr: self.local.addr() + 8 * i as u64,
+                len: 8,
+                lkey: self.local.lkey(),
+            })
+            .collect();
+        qp.post_send(&wrs).expect("posted");
+        wrs.iter().map(|_| completion(&qp.send_cq)).collect()
+    }
+
     fn word(&self, offset: u64) -> u64 {
         self.region.load(offset).expect("in the region")
     }
@@ -323,4 +342,43 @@ fn what_a_window_costs() {
          (register {SPAN} bytes, allocate, bind, invalidate, free) {lease_us:.1} us \
          (mean of {ROUNDS})"
     );
+}
+
+/// A batch whose first work request is refused runs none of the rest (the
+/// queue pair goes to error there, in order, and flushes them), and one
+/// refused further on ran those before it: what lets a client redo a
+/// batch turned away at its first verb (`TransportError::TurnedAway`)
+/// and not one refused later.
+#[test]
+#[ignore = "needs an RDMA device: run by scripts/rxe-vm.sh"]
+fn a_batch_refused_at_its_first_request_runs_none_of_it() {
+    let mut s = setup();
+    let (base, rkey) = (s.read_atomic.addr(), s.read_atomic.rkey());
+    // A WRITE under the key that takes none, and a CAS that would land.
+    let refused = || Op::Write {
+        remote_addr: base + 16,
+        rkey,
+    };
+    let cas = |at: u64| Op::Cas {
+        remote_addr: base + at,
+        rkey,
+        expect: 0,
+        swap: 7,
+    };
+    let (_server, client) = s.pair();
+    let done = s.batch(&client, vec![refused(), cas(8)]);
+    assert!(
+        done[0].is_remote_access_error() && done[0].wr_id == 0,
+        "{done:?}"
+    );
+    assert!(done[1].is_flushed(), "{done:?}");
+    assert_eq!(s.word(8), 0, "a CAS after the refused request ran");
+    assert!(super::completion_error(&done[0]).ran_nothing());
+
+    let (_server, client) = s.pair();
+    let done = s.batch(&client, vec![cas(24), refused(), cas(32)]);
+    let bad = done.iter().find(|c| !c.ok()).expect("a refusal");
+    assert!(bad.is_remote_access_error() && bad.wr_id == 1, "{done:?}");
+    assert_eq!((s.word(24), s.word(32)), (7, 0));
+    assert!(!super::completion_error(bad).ran_nothing());
 }

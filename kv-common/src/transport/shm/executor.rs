@@ -52,7 +52,7 @@ pub(super) fn execute(
     // server cut off, or one of an earlier registration, is refused.
     let key = region.span_within(key_word(remote.key_slot)?, 8, u64::MAX);
     if key.is_none_or(|word| word[0].load(Ordering::Acquire) != remote.rkey as u64) {
-        return Err(TransportError::RemoteAccess(format!(
+        return Err(TransportError::TurnedAway(format!(
             "rkey {:#x} is not registered (the server restarted, shut down or cut this client off)",
             remote.rkey
         )));
@@ -181,6 +181,34 @@ mod tests {
     }
 
     #[test]
+    fn a_batch_under_a_revoked_key_is_turned_away_having_run_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let r = region(&dir);
+        let remote = registered(&r);
+        let word = 40_960u64;
+        r.store(word, 5).unwrap();
+        // As the server revokes a client's key: its word zeroed.
+        r.store(key_word(0).unwrap(), 0).unwrap();
+        let mut local = vec![0u64; 4];
+        let verbs = [
+            Verb::Write {
+                remote: word + 8,
+                local: 0,
+                len: 8,
+            },
+            Verb::Cas {
+                remote: word,
+                local: 8,
+                expect: 5,
+                swap: 6,
+            },
+        ];
+        let e = execute(&r, &remote, ReadOrder::Posted, &mut local, &verbs).unwrap_err();
+        assert!(e.ran_nothing() && e.is_connection_lost(), "{e}");
+        assert_eq!(r.load(word).unwrap(), 5);
+    }
+
+    #[test]
     fn a_batch_stops_at_the_verb_out_of_range_having_run_those_before_it() {
         let dir = tempfile::tempdir().unwrap();
         let r = region(&dir);
@@ -203,7 +231,10 @@ mod tests {
             len: 16,
         };
         let e = execute(&r, &remote, ReadOrder::Posted, &mut local, &verbs).unwrap_err();
-        assert!(matches!(e, TransportError::RemoteAccess(_)), "{e}");
+        assert!(
+            matches!(e, TransportError::RemoteAccess(_)) && !e.ran_nothing(),
+            "{e}"
+        );
         for i in 0..count {
             let want = u64::from(i < bad as u64);
             assert_eq!(r.load(data + 8 * i).unwrap(), want, "verb {i}");
