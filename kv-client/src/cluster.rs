@@ -954,7 +954,7 @@ impl ClusterClient {
             // timeout), and once before giving up when it cut one (a
             // member that lags may not show the move the owner began; a
             // dead host costs its timeout only on the way to an error).
-            let answered = turned_away(&error) || error.is_connection_lost();
+            let answered = nothing_listens(&error) || error.is_connection_lost();
             let last_chance = giving_up && answered && !asked_owner;
             if giving_up && !last_chance {
                 return Err(match error {
@@ -972,7 +972,7 @@ impl ClusterClient {
                 // to etcd: the map is read at most once per REREAD_EVERY.
                 std::thread::sleep(REREAD_EVERY.saturating_sub(self.read_at.elapsed()));
             }
-            let ask_owner = turned_away(&error) || last_chance;
+            let ask_owner = nothing_listens(&error) || last_chance;
             asked_owner |= ask_owner;
             // A connection to etcd broken by its restart fails once: tried
             // again for a moment, not for the whole wait.
@@ -1136,7 +1136,7 @@ impl ClusterClient {
 /// the shard there (the member dropped it, or died on a live host). A host
 /// that did not answer is not asked again for the map at once: that would
 /// cost a second connect timeout.
-fn turned_away(error: &Error) -> bool {
+fn nothing_listens(error: &Error) -> bool {
     use std::io::ErrorKind::{ConnectionRefused, NotFound};
     matches!(
         error,

@@ -355,6 +355,7 @@ impl Client {
         read: Option<Verb>,
     ) -> Result<Landed> {
         let verb = atomic.verb(word, self.layout.cas);
+        crate::pause_point("counter-atomic");
         match read {
             Some(read) => self.conn.post(&[verb, read]),
             None => self.conn.post(&[verb]),

@@ -862,7 +862,9 @@ impl Client {
     ///
     /// [`Error::NotACounter`], [`Error::CounterOverflow`] as above;
     /// [`Error::OutcomeUnknown`] when the connection was lost after the
-    /// atomic was posted (read the counter to find out);
+    /// atomic was posted (read the counter to find out; one whose batch
+    /// the server turned away whole, having run none of it, is made again
+    /// on a new connection);
     /// [`Error::RegionFull`] or [`Error::IndexFull`] when a new counter finds
     /// no room; the key errors of [`Client::get`].
     pub fn incr(&mut self, key: impl AsRef<[u8]>, delta: i64) -> Result<i64> {
@@ -915,7 +917,8 @@ impl Client {
     ///
     /// [`Error::NotACounter`], [`Error::CounterOverflow`];
     /// [`Error::OutcomeUnknown`] when the connection was lost after the CAS
-    /// was posted; the key errors of [`Client::get`].
+    /// was posted (not when the server turned its batch away whole); the
+    /// key errors of [`Client::get`].
     pub fn compare_and_set(
         &mut self,
         key: impl AsRef<[u8]>,
@@ -1341,7 +1344,8 @@ thread_local! {
 /// Test hook (feature `test-hooks`): runs `act` the first time this thread
 /// reaches pause point `step` (see `pause_point`), as a server or another
 /// process acting at that moment would; in the test's own process, with
-/// no timing to race (a pause stops the clock of no operation deadline).
+/// no timing to race (unlike `ONEKV_CLIENT_PAUSE`'s sleep, during which
+/// the operation's deadline runs out).
 #[cfg(feature = "test-hooks")]
 pub fn on_step_in_this_thread(step: &'static str, act: impl FnOnce() + 'static) {
     STEP_ACTION.with(|a| *a.borrow_mut() = Some((step, Box::new(act))));

@@ -660,7 +660,11 @@ impl Group<'_> {
         // A commit that lost its race took no effect, nor did one turned
         // away before any of its atomics ran (the primary started its copy
         // again under a new group): a cut in a later round, or this one,
-        // is still a cut before the write's commit.
+        // is still a cut before the write's commit. A commit may be several
+        // batches (an insert and its duplicate check), and only the last
+        // was turned away: an earlier one's atomics, counted as it
+        // completed, say it may have taken effect (every error in
+        // `commit_made` ends it, so no batch of it after a failed one ran).
         let ran_none = |e: &Error| e.ran_nothing() && self.primary.verb_stats().atomics == atomics;
         match &committed {
             Ok(Commit::Changed) => self.commit_posted = false,

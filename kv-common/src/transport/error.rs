@@ -18,9 +18,11 @@ pub enum TransportError {
     RemoteAccess(String),
     /// A batch refused whole, before any of its verbs ran: the
     /// connection's access key is no longer registered (the server
-    /// restarted, shut down or cut this client off), or the batch's first
-    /// work request met a remote access error. A lost connection that is
-    /// known to have changed nothing.
+    /// restarted, shut down or cut this client off; shm checks it before
+    /// a batch's first verb), or the batch's first work request, not a
+    /// READ (which the device may run again after later ones), met a
+    /// remote access error. A lost connection known to have changed
+    /// nothing.
     #[error("turned away before any verb ran: {0}")]
     TurnedAway(String),
     #[error("local buffer access error: {0}")]

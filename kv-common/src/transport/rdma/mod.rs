@@ -160,13 +160,7 @@ fn source_gid(device: &Device, local: IpAddr, o: &Overrides) -> Result<Gid, Tran
 
 fn completion_error(c: &Completion) -> TransportError {
     let text = c.status_text();
-    // The first work request of a batch refused: the queue pair went to
-    // error there, in order, so none of the batch ran (the rest flushed).
-    if c.is_remote_access_error() && c.wr_id == 0 {
-        TransportError::TurnedAway(format!(
-            "{text} (bad rkey or range: the server re-registered its region)"
-        ))
-    } else if c.is_remote_access_error() {
+    if c.is_remote_access_error() {
         TransportError::RemoteAccess(format!(
             "{text} (bad rkey or range: the server re-registered its region)"
         ))
@@ -181,11 +175,29 @@ fn completion_error(c: &Completion) -> TransportError {
     }
 }
 
-/// `e`, of a batch some verbs of which ran before it: no longer one that
-/// ran nothing.
-fn after_verbs_ran(e: TransportError) -> TransportError {
+/// The error of a batch's failed completion `c` (work request `i` posts
+/// verb `i`). A remote access error at its first work request is a
+/// refusal of the whole batch: the queue pair went to error there, in
+/// order, so none of it ran and the rest was flushed (`window_tests`).
+fn batch_error(c: &Completion) -> TransportError {
+    match completion_error(c) {
+        TransportError::RemoteAccess(why) if c.wr_id == 0 => TransportError::TurnedAway(why),
+        e => e,
+    }
+}
+
+/// `e`, the error of a batch (or of a part of one) whose first verb is
+/// `first`, as known to have run nothing only where it is: not after
+/// earlier parts ran (`ran_before`), nor when the first verb is a READ,
+/// which a lost response has the device run again, later verbs having
+/// run the first time, and a replayed READ is checked against the
+/// registration again.
+fn refusal_of(e: TransportError, first: Option<&Verb>, ran_before: bool) -> TransportError {
+    let replayable = matches!(first, Some(Verb::Read { .. }));
     match e {
-        TransportError::TurnedAway(why) => TransportError::RemoteAccess(why),
+        TransportError::TurnedAway(why) if ran_before || replayable => {
+            TransportError::RemoteAccess(why)
+        }
         e => e,
     }
 }
@@ -325,7 +337,7 @@ impl Channel {
             }
         }
         if let Some(bad) = done.iter().find(|c| !c.ok()) {
-            let e = completion_error(bad);
+            let e = batch_error(bad);
             return self.fail(e);
         }
         Ok(())
@@ -426,6 +438,14 @@ impl RdmaConnection {
         })
     }
 
+    /// Fails (and breaks the channel) once this connection's cutoff is cut.
+    fn check_cutoff(&mut self) -> Result<(), TransportError> {
+        match self.cutoff.as_ref().and_then(|c| c.error()) {
+            Some(e) => self.channel.fail(e),
+            None => Ok(()),
+        }
+    }
+
     /// The work requests for verbs of a checked batch, each verb's ranges
     /// checked against the registration and the local buffer.
     fn wrs(&self, verbs: &[Verb]) -> Result<Vec<SendWr>, TransportError> {
@@ -474,6 +494,9 @@ impl RdmaConnection {
 impl Connection for RdmaConnection {
     fn call(&mut self, request: &Request) -> Result<Response, TransportError> {
         self.finish()?;
+        // A connection already cut asks nothing more (as shm's, whose
+        // socket is shut down): no lease for a client that will not use it.
+        self.check_cutoff()?;
         let bytes = protocol::encode(request)?;
         self.channel.send(&bytes, self.send_timeout)?;
         let deadline = Instant::now() + self.reply_timeout;
@@ -486,9 +509,7 @@ impl Connection for RdmaConnection {
                     "no reply from the server".into(),
                 ));
             }
-            if let Some(e) = self.cutoff.as_ref().and_then(|c| c.error()) {
-                return self.channel.fail(e);
-            }
+            self.check_cutoff()?;
             std::thread::yield_now();
         }
     }
@@ -523,15 +544,13 @@ impl Connection for RdmaConnection {
         check::batch_len(verbs)?;
         // One doorbell per part (the whole batch but in the paused test
         // order); an RC queue pair executes in posting order.
-        let mut first = true;
+        let mut ran_before = false;
         check::run_batch(self.read_order, verbs, |part| {
             let wrs = self.wrs(part)?;
             let ran = self.channel.run(&wrs, COMPLETION_TIMEOUT);
-            // A later part's first work request is not the batch's.
-            match std::mem::replace(&mut first, false) {
-                true => ran,
-                false => ran.map_err(after_verbs_ran),
-            }
+            let ran = ran.map_err(|e| refusal_of(e, part.first(), ran_before));
+            ran_before = true;
+            ran
         })?;
         let local = self.local.as_ref().map_or(&[][..], Mr::bytes);
         self.stats.record_batch(verbs, local);
@@ -557,7 +576,8 @@ impl Connection for RdmaConnection {
         }
         let waited = self
             .channel
-            .wait_for(self.started.len(), COMPLETION_TIMEOUT);
+            .wait_for(self.started.len(), COMPLETION_TIMEOUT)
+            .map_err(|e| refusal_of(e, self.started.first(), false));
         if waited.is_ok() {
             let local = self.local.as_ref().map_or(&[][..], Mr::bytes);
             self.stats.record_batch(&self.started, local);

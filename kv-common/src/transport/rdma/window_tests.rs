@@ -373,12 +373,12 @@ fn a_batch_refused_at_its_first_request_runs_none_of_it() {
     );
     assert!(done[1].is_flushed(), "{done:?}");
     assert_eq!(s.word(8), 0, "a CAS after the refused request ran");
-    assert!(super::completion_error(&done[0]).ran_nothing());
+    assert!(super::batch_error(&done[0]).ran_nothing());
 
     let (_server, client) = s.pair();
     let done = s.batch(&client, vec![cas(24), refused(), cas(32)]);
     let bad = done.iter().find(|c| !c.ok()).expect("a refusal");
     assert!(bad.is_remote_access_error() && bad.wr_id == 1, "{done:?}");
     assert_eq!((s.word(24), s.word(32)), (7, 0));
-    assert!(!super::completion_error(bad).ran_nothing());
+    assert!(!super::batch_error(bad).ran_nothing());
 }
