@@ -19,12 +19,21 @@ use onekv_tests::Daemon;
 const KEYS: usize = 20;
 const UPTIME: Duration = Duration::from_millis(1500);
 
-/// What the incrementing threads saw, summed.
-#[derive(Default)]
+/// What the incrementing threads saw, per counter.
 struct Seen {
     acked: Vec<i64>,
     unknown: Vec<i64>,
     other: u64,
+}
+
+impl Seen {
+    fn new() -> Seen {
+        Seen {
+            acked: vec![0; KEYS],
+            unknown: vec![0; KEYS],
+            other: 0,
+        }
+    }
 }
 
 fn main() {
@@ -46,11 +55,7 @@ fn main() {
         onekv_tests::or_abort(kv.incr(format!("c{k}"), 0), "create a counter");
     }
     let stop = AtomicBool::new(false);
-    let seen = Mutex::new(Seen {
-        acked: vec![0; KEYS],
-        unknown: vec![0; KEYS],
-        other: 0,
-    });
+    let seen = Mutex::new(Seen::new());
     let began = Instant::now();
     // The daemon is handed back by the scope that restarts it, and stops
     // when the count is over.
@@ -91,11 +96,7 @@ fn main() {
 /// Increments random counters until `stop`, adding what it saw to `seen`.
 fn increment(url: &str, thread: u64, stop: &AtomicBool, seen: &Mutex<Seen>) {
     let mut kv = onekv_tests::or_abort(Client::connect(url), "connect");
-    let mut mine = Seen {
-        acked: vec![0; KEYS],
-        unknown: vec![0; KEYS],
-        other: 0,
-    };
+    let mut mine = Seen::new();
     let mut rng = 0x9e37_79b9_7f4a_7c15u64 ^ thread;
     while !stop.load(Ordering::Relaxed) {
         let k = (onekv_tests::xorshift(&mut rng) % KEYS as u64) as usize;

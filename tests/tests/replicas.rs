@@ -2025,18 +2025,15 @@ fn a_commit_turned_away_whole_is_run_again() {
         Ok(kv_common::Address::Shm { region }) => region,
         other => panic!("the members serve over shm, not {other:?}"),
     };
-    let revoked = std::sync::Arc::new(AtomicBool::new(false));
+    let revoked = std::rc::Rc::new(std::cell::Cell::new(false));
     let said = revoked.clone();
     kv_client::on_step_in_this_thread("replica-commit-ready", move || {
         kv_server::region::revoke_keys(&region).expect("revoke the primary's keys");
-        said.store(true, Ordering::SeqCst);
+        said.set(true);
     });
     kv.put(&key, "after")
         .expect("a put whose commit was turned away");
-    assert!(
-        revoked.load(Ordering::SeqCst),
-        "the put never reached its commit"
-    );
+    assert!(revoked.get(), "the put never reached its commit");
     assert_eq!(
         assert_alike(&mut copies(&url), &kv, &key).as_deref(),
         Some(&b"after"[..])
