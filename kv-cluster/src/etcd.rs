@@ -2,6 +2,7 @@
 //! the writes that change them (each a transaction that checks what it
 //! builds on). Only the v3 API that etcd 3.4 serves is used.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use etcd_client::{
@@ -50,12 +51,17 @@ impl Keys {
         format!("{}coordinator", self.prefix)
     }
     /// Where member `id` made the region of its copy of `shard` (no lease:
-    /// it outlives the member's absences; see `Etcd::region_made_at`).
+    /// it outlives the member's absences; see `Etcd::regions_made_by`).
     /// Outside the cluster's prefix, which members and the coordinator
     /// read whole and watch: a member's key per copy would be read with
     /// the map at every change, and each one written would wake them all.
     pub fn region_made(&self, id: &str, shard: u32) -> String {
-        format!("/onekv-regions/{}/{id}/{shard}", self.name)
+        format!("{}{shard}", self.regions_made_by(id))
+    }
+
+    /// The prefix of member `id`'s `region_made` keys.
+    pub fn regions_made_by(&self, id: &str) -> String {
+        format!("/onekv-regions/{}/{id}/", self.name)
     }
 
     /// What the record at `key` is, decoded from `value`.
@@ -344,29 +350,36 @@ impl Etcd {
         })
     }
 
-    /// The `--listen` address of the server of member `id` that made the
-    /// region of its copy of `shard`, if one did: a server of that name
-    /// that later finds the region missing lost its data (it was started
-    /// elsewhere, or its /dev/shm emptied) and must not serve an empty one
-    /// in its place.
-    pub async fn region_made_at(
+    /// Where the servers of member `id` made the regions of its copies,
+    /// by shard: the `--listen` address of the one that made each. A
+    /// server of that name that later finds a region missing lost its data
+    /// (it was started elsewhere, or its /dev/shm emptied) and must not
+    /// serve an empty one in its place. One read for every shard: a member
+    /// starting its copies asks once, not once per copy.
+    pub async fn regions_made_by(
         &mut self,
         id: &str,
-        shard: u32,
-    ) -> Result<Option<String>, ClusterError> {
+    ) -> Result<BTreeMap<u32, String>, ClusterError> {
+        let prefix = self.keys.regions_made_by(id);
         let reply = self
             .client
-            .get(self.keys.region_made(id, shard), None)
+            .get(prefix.clone(), Some(GetOptions::new().with_prefix()))
             .await
             .map_err(self.error())?;
+        // A key that names no shard is none of this version's.
         Ok(reply
             .kvs()
-            .first()
-            .map(|kv| String::from_utf8_lossy(kv.value()).into_owned()))
+            .iter()
+            .filter_map(|kv| {
+                let shard = kv.key().strip_prefix(prefix.as_bytes())?;
+                let shard = std::str::from_utf8(shard).ok()?.parse().ok()?;
+                Some((shard, String::from_utf8_lossy(kv.value()).into_owned()))
+            })
+            .collect())
     }
 
     /// Records that member `id`'s server at `listen` made the region of
-    /// its copy of `shard` (see `region_made_at`).
+    /// its copy of `shard` (see `regions_made_by`).
     pub async fn record_region_made(
         &mut self,
         id: &str,
@@ -449,8 +462,8 @@ impl BlockingEtcd {
             .block_on(self.etcd.publish_map(map, based_on, None))
     }
 
-    pub fn region_made_at(&mut self, id: &str, shard: u32) -> Result<Option<String>, ClusterError> {
-        self.runtime.block_on(self.etcd.region_made_at(id, shard))
+    pub fn regions_made_by(&mut self, id: &str) -> Result<BTreeMap<u32, String>, ClusterError> {
+        self.runtime.block_on(self.etcd.regions_made_by(id))
     }
 
     pub fn record_region_made(

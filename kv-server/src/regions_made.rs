@@ -11,9 +11,16 @@
 //! region that existed: a server stopped before it made one (its first
 //! start failed) is not refused later. What this leaves open: a copy
 //! whose record could not be written (etcd unreachable at its first
-//! start, and still at each try since) and whose region is then lost. A
-//! record that could not be written is tried again every `RECORD_RETRY`
-//! while the copy is served here (`record_pending`).
+//! start, and still at each try since) and whose region is then lost by
+//! another process of the member (this one knows what it made). A record
+//! that could not be written is tried again every `RECORD_RETRY` while the
+//! copy is served here (`record_pending`).
+//!
+//! The member's loop calls etcd here only to read its records, once for
+//! every copy and once per process when etcd answers (`check`); records
+//! are written on a thread of their own. An etcd that does not answer
+//! costs a call its timeout, and the loop must go on meanwhile: to stop
+//! its copies in time when its lease goes unconfirmed.
 //!
 //! In a cluster of several copies an empty region served in a lost one's
 //! place passes for a copy level with the others: a failover could promote
@@ -24,7 +31,7 @@
 //! regions, or none is left that may be promoted) does the operator
 //! accept the loss, as with one copy (`--recreate-missing-regions`).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread::JoinHandle;
@@ -53,7 +60,8 @@ pub enum Refusal {
 /// The shards a retry recorded, and how it ended.
 type Retried = (Vec<u32>, Result<(), String>);
 
-/// How often the records that could not be written are tried again.
+/// How often the records that could not be written, or read, are tried
+/// again.
 const RECORD_RETRY: Duration = Duration::from_secs(5);
 
 pub struct RegionsMade {
@@ -61,18 +69,21 @@ pub struct RegionsMade {
     member: String,
     listen: String,
     missing: MissingRegions,
+    /// The member's records as etcd held them when this process first
+    /// needed them, by shard (where each region was made); None until
+    /// then. Later ones are this process's own: `recorded`, `pending`.
+    found: Option<BTreeMap<u32, String>>,
+    /// Why they could not be read, until when they are not asked again.
+    unread: Option<(String, Instant)>,
     /// The shards whose records this process wrote.
     recorded: BTreeSet<u32>,
-    /// The shards whose copies started here but whose records could not
-    /// be written yet, and when to try again.
+    /// The shards whose copies started here but whose records are not
+    /// written yet, and when to try again after a try that failed.
     pending: BTreeSet<u32>,
     next_try: Option<Instant>,
-    /// A try of the pending records under way, on a thread of its own: a
-    /// call to an etcd that does not answer waits out its timeouts, and
-    /// the member's loop must go on meanwhile (to stop its copies in time
-    /// when its lease goes unconfirmed). What it wrote, and how it ended.
+    /// A write of the pending records under way, on a thread of its own
+    /// (see the module's doc): what it wrote, and how it ended.
     retry: Option<JoinHandle<Retried>>,
-    etcd: Option<BlockingEtcd>,
 }
 
 impl RegionsMade {
@@ -82,11 +93,12 @@ impl RegionsMade {
             member: member.to_string(),
             listen: listen.to_string(),
             missing,
+            found: None,
+            unread: None,
             recorded: BTreeSet::new(),
             pending: BTreeSet::new(),
             next_try: None,
             retry: None,
-            etcd: None,
         }
     }
 
@@ -97,12 +109,7 @@ impl RegionsMade {
         if path.exists() {
             return Ok(());
         }
-        let member = self.member.clone();
-        let made_at = (self.etcd()).and_then(|etcd| {
-            etcd.region_made_at(&member, shard)
-                .map_err(|e| e.to_string())
-        });
-        let Some(at) = made_at.map_err(Refusal::Unchecked)? else {
+        let Some(at) = self.made_at(shard).map_err(Refusal::Unchecked)? else {
             return Ok(());
         };
         if self.missing == MissingRegions::Recreate {
@@ -117,23 +124,53 @@ impl RegionsMade {
         Err(Refusal::Lost(self.lost(shard, path, &at, replicated)))
     }
 
-    /// Records that shard `shard`'s copy has its region here, now that its
-    /// server started on it (once per process). One that fails is tried
-    /// again by `record_pending`.
-    pub fn record(&mut self, shard: u32) -> Result<(), String> {
-        if self.recorded.contains(&shard) {
-            return Ok(());
+    /// Where the member made shard `shard`'s region, if it did: made by
+    /// this process, or recorded before it. The records are read once, and
+    /// not asked for again for `RECORD_RETRY` after a read that failed (a
+    /// map of many copies would otherwise wait out etcd's timeout for
+    /// each).
+    fn made_at(&mut self, shard: u32) -> Result<Option<String>, String> {
+        if self.recorded.contains(&shard) || self.pending.contains(&shard) {
+            return Ok(Some(self.listen.clone()));
         }
-        self.write_record(shard).inspect_err(|_| {
-            self.pending.insert(shard);
-            self.next_try = Some(Instant::now() + RECORD_RETRY);
-        })
+        if let Some(found) = &self.found {
+            return Ok(found.get(&shard).cloned());
+        }
+        if let Some((why, until)) = &self.unread {
+            if Instant::now() < *until {
+                return Err(format!("{why} (asked again within {RECORD_RETRY:?})"));
+            }
+        }
+        let member = self.member.clone();
+        let read = BlockingEtcd::connect(&self.url)
+            .and_then(|mut etcd| etcd.regions_made_by(&member))
+            .map_err(|e| e.to_string());
+        match read {
+            Ok(found) => {
+                self.unread = None;
+                Ok(self.found.insert(found).get(&shard).cloned())
+            }
+            Err(why) => {
+                self.unread = Some((why.clone(), Instant::now() + RECORD_RETRY));
+                Err(why)
+            }
+        }
     }
 
-    /// Tries again, at most once per `RECORD_RETRY` and on a thread of its
-    /// own, to write the records that failed, of the copies still served
-    /// here (`served`): a region lost later without its record would be
-    /// served empty. Err: why the last try failed, once it ended.
+    /// Records that shard `shard`'s copy has its region here, now that its
+    /// server started on it (once per process), by `record_pending`'s
+    /// next turn.
+    pub fn record(&mut self, shard: u32) {
+        if !self.recorded.contains(&shard) && self.pending.insert(shard) {
+            self.next_try = None;
+        }
+    }
+
+    /// Writes, on a thread of its own, the records of the copies still
+    /// served here (`served`) that are not written yet; after a try that
+    /// failed, at most once per `RECORD_RETRY`: a region lost later
+    /// without its record would be served empty by another process of
+    /// the member. Err: why the last try failed, once it ended.
     pub fn record_pending(&mut self, served: impl Fn(u32) -> bool) -> Result<(), String> {
         if let Some(ended) = self.retry.take_if(|r| r.is_finished()) {
             let (written, done) = ended
@@ -143,14 +180,16 @@ impl RegionsMade {
                 self.pending.remove(&shard);
                 self.recorded.insert(shard);
             }
-            done?;
+            if let Err(why) = done {
+                self.next_try = Some(Instant::now() + RECORD_RETRY);
+                return Err(why);
+            }
         }
         self.pending.retain(|&shard| served(shard));
         let due = self.next_try.is_none_or(|t| Instant::now() >= t);
         if self.retry.is_some() || self.pending.is_empty() || !due {
             return Ok(());
         }
-        self.next_try = Some(Instant::now() + RECORD_RETRY);
         let (url, member, listen) = (self.url.clone(), self.member.clone(), self.listen.clone());
         let shards: Vec<u32> = self.pending.iter().copied().collect();
         let retry = std::thread::Builder::new()
@@ -170,13 +209,6 @@ impl RegionsMade {
             })
             .map_err(|e| format!("cannot start a thread: {e}"))?;
         self.retry = Some(retry);
-        Ok(())
-    }
-
-    fn write_record(&mut self, shard: u32) -> Result<(), String> {
-        let (member, listen) = (self.member.clone(), self.listen.clone());
-        write_record(self.etcd()?, (&member, shard, &listen))?;
-        self.recorded.insert(shard);
         Ok(())
     }
 
@@ -205,14 +237,6 @@ impl RegionsMade {
             self.member
         )
     }
-
-    fn etcd(&mut self) -> Result<&mut BlockingEtcd, String> {
-        let etcd = match self.etcd.take() {
-            Some(etcd) => etcd,
-            None => BlockingEtcd::connect(&self.url).map_err(|e| e.to_string())?,
-        };
-        Ok(self.etcd.insert(etcd))
-    }
 }
 
 /// Records in etcd that `member` made shard `shard`'s region at `listen`.
@@ -237,4 +261,83 @@ fn record_fault() -> bool {
     });
     left.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
         .is_ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+    use std::sync::atomic::AtomicUsize;
+    use std::sync::Arc;
+
+    /// An "etcd" that takes connections and never answers: how many
+    /// requests (HTTP/2 streams a client opened) it was sent.
+    fn silent_etcd() -> (ClusterUrl, Arc<AtomicUsize>) {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = listener.local_addr().expect("address").port();
+        let asked = Arc::new(AtomicUsize::new(0));
+        let counted = Arc::clone(&asked);
+        std::thread::spawn(move || {
+            for stream in listener.incoming().flatten() {
+                let counted = Arc::clone(&counted);
+                std::thread::spawn(move || count_requests(stream, &counted));
+            }
+        });
+        let url = ClusterUrl::parse(&format!("etcd://127.0.0.1:{port}/silent")).expect("url");
+        (url, asked)
+    }
+
+    /// Counts the HEADERS frames that open a stream, after the client's
+    /// preface (24 bytes): each frame is a 9-byte header (length, type,
+    /// flags, stream id) and its payload.
+    fn count_requests(mut stream: std::net::TcpStream, counted: &AtomicUsize) {
+        use std::io::Read;
+        let mut preface = [0u8; 24];
+        if stream.read_exact(&mut preface).is_err() {
+            return;
+        }
+        let mut opened = BTreeSet::new();
+        let mut header = [0u8; 9];
+        while stream.read_exact(&mut header).is_ok() {
+            let len = u32::from_be_bytes([0, header[0], header[1], header[2]]);
+            let id = u32::from_be_bytes([header[5], header[6], header[7], header[8]]) & !(1 << 31);
+            if header[3] == 1 && opened.insert(id) {
+                counted.fetch_add(1, Ordering::SeqCst);
+            }
+            let mut payload = vec![0u8; len as usize];
+            if stream.read_exact(&mut payload).is_err() {
+                return;
+            }
+        }
+    }
+
+    #[test]
+    fn a_silent_etcd_is_asked_once_for_every_missing_region() {
+        let (url, asked) = silent_etcd();
+        let mut made = RegionsMade::new(url, "m0", "shm:/x", MissingRegions::Refuse);
+        let dir = tempfile::tempdir().expect("dir");
+        for shard in 0..4 {
+            let path = dir.path().join(format!("shard-{shard}"));
+            let checked = made.check(shard, &path, true);
+            assert!(
+                matches!(checked, Err(Refusal::Unchecked(_))),
+                "shard {shard}"
+            );
+        }
+        assert_eq!(asked.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn a_region_made_here_is_known_without_asking_etcd() {
+        let (url, asked) = silent_etcd();
+        let mut made = RegionsMade::new(url, "m0", "shm:/x", MissingRegions::Refuse);
+        let dir = tempfile::tempdir().expect("dir");
+        made.record(3);
+        let checked = made.check(3, &dir.path().join("shard-3"), false);
+        let Err(Refusal::Lost(why)) = checked else {
+            panic!("a region this process made, missing, must be refused");
+        };
+        assert!(why.contains("shard 3") && why.contains("here"), "{why}");
+        assert_eq!(asked.load(Ordering::SeqCst), 0);
+    }
 }

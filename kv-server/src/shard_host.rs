@@ -624,11 +624,8 @@ impl ShardHost {
         });
         match started {
             Ok(server) => {
-                if let Some(Err(why)) = self.regions.as_mut().map(|r| r.record(shard)) {
-                    tracing::warn!(
-                        shard,
-                        "cannot record in etcd that its region is made: {why}"
-                    );
+                if let Some(regions) = self.regions.as_mut() {
+                    regions.record(shard);
                 }
                 let role = if secret.is_some() {
                     "receiving"
