@@ -54,10 +54,8 @@ pub fn run(args: CompareArgs) -> Result<(), String> {
         };
         eprintln!("{name}: load phase");
         let load = run_phase(&*store.factory, &w, Phase::Load, &options)?;
-        if let Some(e) = &load.first_error {
-            // A load stops at its first failed insert: a run on what it
-            // stored would read missing keys, cheaply, and look fast.
-            println!("{name}: left out: the load phase stopped at its first failed insert: {e}");
+        if let Some(why) = load.load_cut_short(w.insertcount) {
+            println!("{name}: left out: the load phase {why}");
             continue;
         }
         eprintln!("{name}: run phase");
@@ -115,7 +113,7 @@ fn open_target(name: &str, args: &CompareArgs, w: &Workload) -> Result<Option<Op
                 return Ok(None);
             }
         },
-        "lmdb" => match Lmdb::open((memory_for(w) * 2).next_multiple_of(1 << 20) as usize) {
+        "lmdb" => match Lmdb::open(lmdb_map_size(w)) {
             Ok(l) => (None, Box::new(l)),
             Err(e) => {
                 println!("skipping lmdb: {e}");
@@ -128,6 +126,16 @@ fn open_target(name: &str, args: &CompareArgs, w: &Workload) -> Result<Option<Op
         _server: server,
         factory,
     }))
+}
+
+/// LMDB's map (it cannot grow): twice what the data needs, in whole MiB,
+/// or as much as the address space holds (then LMDB refuses it).
+fn lmdb_map_size(w: &Workload) -> usize {
+    let bytes = memory_for(w)
+        .saturating_mul(2)
+        .checked_next_multiple_of(1 << 20)
+        .unwrap_or(u64::MAX);
+    usize::try_from(bytes).unwrap_or(usize::MAX)
 }
 
 /// Both phases of every target, to `--json`.

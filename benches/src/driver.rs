@@ -3,17 +3,18 @@
 //! stops at maxexecutiontime, and measures every operation.
 
 use std::collections::BTreeMap;
+use std::collections::BTreeSet;
 use std::io::IsTerminal;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 use kv_common::transport::VerbStats;
 
-use crate::generator::{write_key_name, Rng};
+use crate::generator::{write_key_name, KeyChooser, Rng};
 use crate::store::{Store, StoreFactory};
-use crate::workload::{build_record, replace_field, Workload};
+use crate::workload::{build_record, replace_field, FieldLengths, Workload};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum OpKind {
@@ -100,15 +101,38 @@ impl PhaseResult {
     pub fn throughput(&self) -> f64 {
         self.operations() as f64 / self.runtime.as_secs_f64().max(1e-9)
     }
+
+    /// Why a load phase left records out (its first failed insert, or
+    /// maxexecutiontime before `records` were stored): a run on what it
+    /// stored would read missing keys, cheaply, and look fast.
+    pub fn load_cut_short(&self, records: u64) -> Option<String> {
+        let stored = self.ops.get(&OpKind::Insert).map_or(0, |s| s.ok);
+        match &self.first_error {
+            Some(e) => Some(format!(
+                "stopped at its first failed insert, with {stored} of {records} records stored: {e}"
+            )),
+            None if stored < records => Some(format!(
+                "reached maxexecutiontime with {stored} of {records} records stored (it bounds \
+                 each phase: raise it, or lower recordcount)"
+            )),
+            None => None,
+        }
+    }
 }
 
 /// State the worker threads share.
 struct Shared {
     /// Next key number to insert.
     next_insert: AtomicU64,
-    /// Highest key number whose insert has completed (YCSB's acknowledged
-    /// counter, approximated by a maximum): reads never pick a key above it.
-    acked: AtomicU64,
+    /// Key number below which every insert has completed (YCSB's
+    /// acknowledged counter): reads never pick a key from here on.
+    acked_end: AtomicU64,
+    /// The inserts completed from `acked_end` on, waiting for those before
+    /// them.
+    acked_above: Mutex<BTreeSet<u64>>,
+    /// Workers still running: progress is watched until none is (one that
+    /// panicked or could not connect does not hold the phase open).
+    live: AtomicUsize,
     done: AtomicU64,
     stop: AtomicBool,
     /// Failed operations so far, and the first one's error (the phase's,
@@ -122,6 +146,44 @@ struct Shared {
 }
 
 impl Shared {
+    fn new(w: &Workload, phase: Phase) -> Shared {
+        let loaded_end = w.insertstart + w.insertcount;
+        Shared {
+            next_insert: AtomicU64::new(match phase {
+                Phase::Load => w.insertstart,
+                Phase::Run => loaded_end,
+            }),
+            acked_end: AtomicU64::new(loaded_end),
+            acked_above: Mutex::new(BTreeSet::new()),
+            live: AtomicUsize::new(w.threadcount),
+            done: AtomicU64::new(0),
+            stop: AtomicBool::new(false),
+            errors: AtomicU64::new(0),
+            first_error: OnceLock::new(),
+            stop_at_error: phase == Phase::Load,
+        }
+    }
+
+    /// The insert of key number `keynum` completed (or failed, as YCSB
+    /// counts it): `acked` moves past it once every insert before it has.
+    fn acknowledge(&self, keynum: u64) {
+        let mut above = self.acked_above.lock().unwrap_or_else(|p| p.into_inner());
+        let mut end = self.acked_end.load(Ordering::Relaxed);
+        // A load's keys lie below the end it starts from.
+        if keynum < end {
+            return;
+        }
+        if keynum > end {
+            above.insert(keynum);
+            return;
+        }
+        end += 1;
+        while above.remove(&end) {
+            end += 1;
+        }
+        self.acked_end.store(end, Ordering::Relaxed);
+    }
+
     /// `n` operations failed with `e`.
     fn failed(&self, e: &str, n: u64) {
         self.errors.fetch_add(n, Ordering::Relaxed);
@@ -164,22 +226,9 @@ pub fn run_phase(
 ) -> Result<PhaseResult, String> {
     let total = match phase {
         Phase::Load => w.insertcount,
-        Phase::Run => w.operationcount,
+        Phase::Run => w.run_operations(),
     };
-    let loaded_end = w.insertstart + w.insertcount;
-    let shared = Shared {
-        next_insert: AtomicU64::new(if phase == Phase::Load {
-            w.insertstart
-        } else {
-            loaded_end
-        }),
-        acked: AtomicU64::new(loaded_end.saturating_sub(1)),
-        done: AtomicU64::new(0),
-        stop: AtomicBool::new(false),
-        errors: AtomicU64::new(0),
-        first_error: OnceLock::new(),
-        stop_at_error: phase == Phase::Load,
-    };
+    let shared = Shared::new(w, phase);
     let threads = w.threadcount;
     // A run that starts while the load's index resize still migrates slots
     // would charge the load's work to the run.
@@ -191,12 +240,16 @@ pub fn run_phase(
         );
     }
     let cpu_before = store.server_cpu_us();
+    // Built before the clock starts (zeta over a million terms, for other
+    // constants than YCSB's), once: each worker takes a copy.
+    let generators = (w.key_chooser(), w.field_lengths());
     let run = PhaseRun {
         w,
         phase,
         total,
         threads,
         shared,
+        generators,
         start: Instant::now(),
     };
     let (results, mut timeline) = run_workers(store, &run, options);
@@ -228,7 +281,17 @@ struct PhaseRun<'a> {
     total: u64,
     threads: usize,
     shared: Shared,
+    generators: (KeyChooser, FieldLengths),
     start: Instant,
+}
+
+/// Counts a worker out of `Shared::live` when it ends, however it ends.
+struct LiveWorker<'a>(&'a AtomicUsize);
+
+impl Drop for LiveWorker<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// Runs the workers, each on its own handle and its share of the
@@ -245,8 +308,9 @@ fn run_workers(
             .map(|t| {
                 let share = total / threads as u64 + u64::from((t as u64) < total % threads as u64);
                 s.spawn(move || {
+                    let _live = LiveWorker(&run.shared.live);
                     let mut handle = store.open()?;
-                    let mut worker = Worker::new(run.w, t, options.seed);
+                    let mut worker = Worker::new(&run.generators, t, options.seed);
                     worker.run(&mut *handle, run, share);
                     Ok(worker)
                 })
@@ -295,12 +359,20 @@ fn report_progress(run: &PhaseRun, o: &RunOptions) -> Timeline {
     let mut timeline = vec![(0.0, 0)];
     let mut next_sample = start + TIMELINE_STEP;
     let bar = (o.progress_bar && !o.quiet).then(|| {
-        let bar = indicatif::ProgressBar::new(total);
-        bar.set_style(
-            indicatif::ProgressStyle::with_template(
+        // A run bounded by maxexecutiontime alone has no count to reach.
+        let (bar, template) = match total {
+            u64::MAX => (
+                indicatif::ProgressBar::no_length(),
+                "{prefix} [{elapsed_precise}] {pos} ops, {per_sec}",
+            ),
+            _ => (
+                indicatif::ProgressBar::new(total),
                 "{prefix} [{elapsed_precise}] {wide_bar} {pos}/{len} ops, {per_sec}, eta {eta}",
-            )
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            ),
+        };
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(template)
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
         );
         bar.set_prefix(if phase == Phase::Load { "load" } else { "run" });
         bar
@@ -309,7 +381,8 @@ fn report_progress(run: &PhaseRun, o: &RunOptions) -> Timeline {
     let mut error_shown = false;
     loop {
         let done = shared.done.load(Ordering::Relaxed);
-        if done >= total || shared.stop.load(Ordering::Relaxed) {
+        let ended = shared.live.load(Ordering::Relaxed) == 0;
+        if done >= total || ended || shared.stop.load(Ordering::Relaxed) {
             break;
         }
         if Instant::now() >= next_sample {
@@ -357,6 +430,23 @@ fn report_progress(run: &PhaseRun, o: &RunOptions) -> Timeline {
     timeline
 }
 
+/// Sleeps until `at` seconds after `start`, or until `stop` is set (checked
+/// every 50 ms): a throttled phase ends at maxexecutiontime too.
+fn wait_until(start: Instant, at: f64, stop: &AtomicBool) {
+    // Beyond any phase's time (a tiny target): until stopped.
+    let due = Duration::try_from_secs_f64(at)
+        .ok()
+        .and_then(|d| start.checked_add(d));
+    loop {
+        let now = Instant::now();
+        let left = due.map_or(Duration::MAX, |d| d.saturating_duration_since(now));
+        if left.is_zero() || stop.load(Ordering::Relaxed) {
+            return;
+        }
+        std::thread::sleep(left.min(Duration::from_millis(50)));
+    }
+}
+
 /// Operations a worker does between updates of the shared progress count.
 const PROGRESS_STEP: u64 = 64;
 
@@ -388,14 +478,14 @@ struct Worker {
 }
 
 impl Worker {
-    fn new(w: &Workload, thread: usize, seed: u64) -> Worker {
+    fn new((chooser, lengths): &(KeyChooser, FieldLengths), thread: usize, seed: u64) -> Worker {
         Worker {
             rng: Rng::new(
                 seed.wrapping_mul(0x100_0000_01b3)
                     .wrapping_add(thread as u64),
             ),
-            chooser: w.key_chooser(),
-            lengths: w.field_lengths(),
+            chooser: chooser.clone(),
+            lengths: lengths.clone(),
             ops: BTreeMap::new(),
             record: Vec::new(),
             read_buf: Vec::new(),
@@ -417,30 +507,18 @@ impl Worker {
         let mut i = 0;
         self.verbs_seen = store.verb_stats();
         while i < share {
+            if let Some(rate) = per_thread_rate {
+                wait_until(start, i as f64 / rate, &shared.stop);
+            }
             if shared.stop.load(Ordering::Relaxed) {
                 break;
             }
-            if let Some(rate) = per_thread_rate {
-                let due = start + Duration::from_secs_f64(i as f64 / rate);
-                let now = Instant::now();
-                if due > now {
-                    std::thread::sleep(due - now);
-                }
-            }
-            let kind = match phase {
-                Phase::Load => OpKind::Insert,
-                Phase::Run => self.choose_op(w),
-            };
-            let n = match kind {
-                OpKind::Read if w.batchsize > 1 => {
-                    let n = (w.batchsize as u64).min(share - i);
-                    self.read_batch(store, w, n as usize, shared);
-                    n
-                }
-                _ => {
-                    self.one(store, w, kind, shared);
+            let n = match phase {
+                Phase::Load => {
+                    self.one(store, w, OpKind::Insert, shared);
                     1
                 }
+                Phase::Run => self.next_operations(store, w, shared, share - i),
             };
             i += n;
             // Progress is shared by every thread: counted in steps, so the
@@ -453,6 +531,30 @@ impl Worker {
         }
         shared.done.fetch_add(unreported, Ordering::Relaxed);
         self.finished = Instant::now();
+    }
+
+    /// The run phase's next operation, or with batchsize > 1 its next
+    /// batchsize (at most `left`): each drawn from the mix, the reads among
+    /// them issued together as one batch, after the others. How many.
+    fn next_operations(
+        &mut self,
+        store: &mut dyn Store,
+        w: &Workload,
+        shared: &Shared,
+        left: u64,
+    ) -> u64 {
+        let n = (w.batchsize as u64).min(left);
+        let mut reads = 0;
+        for _ in 0..n {
+            match self.choose_op(w) {
+                OpKind::Read if w.batchsize > 1 => reads += 1,
+                kind => self.one(store, w, kind, shared),
+            }
+        }
+        if reads > 0 {
+            self.read_batch(store, w, reads, shared);
+        }
+        n
     }
 
     fn choose_op(&mut self, w: &Workload) -> OpKind {
@@ -471,21 +573,30 @@ impl Worker {
         OpKind::Read
     }
 
-    /// A key number that has been inserted (YCSB's nextKeynum).
-    fn existing_key(&mut self, shared: &Shared) -> u64 {
-        let acked = shared.acked.load(Ordering::Relaxed);
-        loop {
-            let k = self.chooser.next(acked, &mut self.rng);
-            if k <= acked {
-                return k;
+    /// A key number that has been inserted (YCSB's nextKeynum); None if
+    /// the phase is told to stop while drawing (a zipfian space sized for
+    /// many inserts may take long to hit one).
+    fn existing_key(&mut self, shared: &Shared) -> Option<u64> {
+        let latest = shared.acked_end.load(Ordering::Relaxed).saturating_sub(1);
+        for draw in 1u64.. {
+            let k = self.chooser.next(latest, &mut self.rng);
+            if k <= latest {
+                return Some(k);
+            }
+            if draw % 1024 == 0 && shared.stop.load(Ordering::Relaxed) {
+                break;
             }
         }
+        None
     }
 
     fn one(&mut self, store: &mut dyn Store, w: &Workload, kind: OpKind, shared: &Shared) {
         let keynum = match kind {
             OpKind::Insert => shared.next_insert.fetch_add(1, Ordering::Relaxed),
-            _ => self.existing_key(shared),
+            _ => match self.existing_key(shared) {
+                Some(k) => k,
+                None => return,
+            },
         };
         let mut key = std::mem::take(&mut self.key);
         write_key_name(keynum, w.insertorder, &mut key);
@@ -537,7 +648,7 @@ impl Worker {
             stats.verbs.add(&verbs);
         }
         if kind == OpKind::Insert {
-            shared.acked.fetch_max(keynum, Ordering::Relaxed);
+            shared.acknowledge(keynum);
         }
         self.key = key;
     }
@@ -550,7 +661,9 @@ impl Worker {
             self.batch_out.resize_with(n, Vec::new);
         }
         for k in 0..n {
-            let keynum = self.existing_key(shared);
+            let Some(keynum) = self.existing_key(shared) else {
+                return;
+            };
             write_key_name(keynum, w.insertorder, &mut self.batch_keys[k]);
         }
         let keys: Vec<&[u8]> = self.batch_keys[..n].iter().map(|k| k.as_bytes()).collect();
@@ -626,6 +739,141 @@ impl Worker {
 mod tests {
     use super::*;
     use crate::properties::Properties;
+    use std::collections::HashMap;
+    use std::sync::Arc;
+
+    fn workload(text: &str) -> Workload {
+        Workload::from_properties(&Properties::parse(text))
+            .expect("workload")
+            .0
+    }
+
+    /// Records in a map: the driver's own figures are what is tested.
+    #[derive(Clone, Default)]
+    struct MapStore(Arc<Mutex<HashMap<Vec<u8>, Vec<u8>>>>);
+
+    impl Store for MapStore {
+        fn read(&mut self, key: &[u8], out: &mut Vec<u8>) -> Result<bool, String> {
+            let map = self.0.lock().map_err(|e| e.to_string())?;
+            let Some(value) = map.get(key) else {
+                return Ok(false);
+            };
+            out.clone_from(value);
+            Ok(true)
+        }
+
+        fn write(&mut self, key: &[u8], value: &[u8]) -> Result<(), String> {
+            let mut map = self.0.lock().map_err(|e| e.to_string())?;
+            map.insert(key.to_vec(), value.to_vec());
+            Ok(())
+        }
+    }
+
+    impl StoreFactory for MapStore {
+        fn open(&self) -> Result<Box<dyn Store>, String> {
+            Ok(Box::new(self.clone()))
+        }
+    }
+
+    /// A store no thread can open.
+    struct Unreachable;
+
+    impl StoreFactory for Unreachable {
+        fn open(&self) -> Result<Box<dyn Store>, String> {
+            Err("unreachable".into())
+        }
+    }
+
+    fn quiet() -> RunOptions {
+        RunOptions {
+            seed: 7,
+            progress_bar: false,
+            status_interval: Duration::from_secs(3600),
+            quiet: true,
+        }
+    }
+
+    #[test]
+    fn a_batched_run_keeps_the_operation_mix() {
+        let w = workload(
+            "recordcount=100\noperationcount=20000\nreadproportion=0.5\nupdateproportion=0.5\n\
+             batchsize=10\nfieldcount=1\nfieldlength=10\n",
+        );
+        let store = MapStore::default();
+        run_phase(&store, &w, Phase::Load, &quiet()).expect("load");
+        let run = run_phase(&store, &w, Phase::Run, &quiet()).expect("run");
+        let reads = run.ops[&OpKind::Read].operations() as f64;
+        let updates = run.ops[&OpKind::Update].operations() as f64;
+        assert_eq!(reads + updates, 20000.0);
+        assert!(
+            (reads / 20000.0 - 0.5).abs() < 0.02,
+            "{reads} reads, {updates} updates"
+        );
+    }
+
+    #[test]
+    fn a_phase_whose_workers_cannot_start_ends_with_their_error() {
+        let w = workload("recordcount=100\nthreadcount=2\n");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(run_phase(&Unreachable, &w, Phase::Load, &quiet()).map(|_| ()));
+        });
+        let ended = rx.recv_timeout(Duration::from_secs(60));
+        assert_eq!(ended, Ok(Err("unreachable".to_string())));
+    }
+
+    #[test]
+    fn a_load_short_of_its_records_says_why() {
+        let w = workload("recordcount=10\n");
+        let mut result = run_phase(&MapStore::default(), &w, Phase::Load, &quiet()).expect("load");
+        assert_eq!(result.load_cut_short(10), None);
+        if let Some(inserts) = result.ops.get_mut(&OpKind::Insert) {
+            inserts.ok = 4;
+        }
+        let why = result.load_cut_short(10).expect("cut short");
+        assert!(why.contains("maxexecutiontime with 4 of 10"), "{why}");
+        result.first_error = Some("full".into());
+        let why = result.load_cut_short(10).expect("cut short");
+        assert!(
+            why.contains("first failed insert") && why.ends_with("full"),
+            "{why}"
+        );
+    }
+
+    #[test]
+    fn reads_pick_only_keys_every_insert_up_to_which_completed() {
+        let w = workload(
+            "recordcount=10\nreadproportion=0.5\nupdateproportion=0\ninsertproportion=0.5\n",
+        );
+        let shared = Shared::new(&w, Phase::Run);
+        shared.acknowledge(3);
+        assert_eq!(shared.acked_end.load(Ordering::Relaxed), 10);
+        shared.acknowledge(12);
+        assert_eq!(shared.acked_end.load(Ordering::Relaxed), 10);
+        shared.acknowledge(10);
+        assert_eq!(shared.acked_end.load(Ordering::Relaxed), 11);
+        shared.acknowledge(11);
+        assert_eq!(shared.acked_end.load(Ordering::Relaxed), 13);
+    }
+
+    #[test]
+    fn a_key_drawn_from_a_space_mostly_not_inserted_yet_gives_way_to_a_stop() {
+        let w = workload(
+            "recordcount=10\noperationcount=1000000000000\nreadproportion=0.5\n\
+             updateproportion=0\ninsertproportion=0.5\nrequestdistribution=zipfian\n",
+        );
+        let shared = Shared::new(&w, Phase::Run);
+        shared.stop.store(true, Ordering::Relaxed);
+        let mut worker = Worker::new(&(w.key_chooser(), w.field_lengths()), 0, 42);
+        assert_eq!(worker.existing_key(&shared), None);
+    }
+
+    #[test]
+    fn a_throttled_wait_ends_at_a_stop() {
+        let stop = AtomicBool::new(true);
+        wait_until(Instant::now(), 1e20, &stop);
+        wait_until(Instant::now(), f64::INFINITY, &stop);
+    }
 
     #[test]
     fn operation_mix_follows_the_proportions() {
@@ -633,7 +881,7 @@ mod tests {
             "recordcount=10\nreadproportion=0.5\nupdateproportion=0.3\ninsertproportion=0.1\nreadmodifywriteproportion=0.1\n",
         );
         let (w, _) = Workload::from_properties(&props).unwrap();
-        let mut worker = Worker::new(&w, 0, 42);
+        let mut worker = Worker::new(&(w.key_chooser(), w.field_lengths()), 0, 42);
         let mut counts: BTreeMap<OpKind, u32> = BTreeMap::new();
         let n = 200_000;
         for _ in 0..n {

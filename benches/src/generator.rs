@@ -187,7 +187,7 @@ impl ScrambledZipfian {
         ScrambledZipfian {
             gen,
             min,
-            itemcount: max - min + 1,
+            itemcount: (max - min).saturating_add(1),
         }
     }
 
@@ -235,8 +235,12 @@ pub enum KeyChooser {
         upper: u64,
     },
     Zipfian(ScrambledZipfian),
-    /// Zipfian distance back from the newest inserted key.
-    Latest(Zipfian),
+    /// Zipfian distance back from the newest inserted key, down to the
+    /// first key loaded (`lower`).
+    Latest {
+        lower: u64,
+        distance: Zipfian,
+    },
     Hotspot(Hotspot),
 }
 
@@ -246,7 +250,10 @@ impl KeyChooser {
         match self {
             KeyChooser::Uniform { lower, upper } => *lower + rng.below(*upper - *lower + 1),
             KeyChooser::Zipfian(z) => z.next(rng),
-            KeyChooser::Latest(z) => latest.saturating_sub(z.next_of(latest.max(1), rng)),
+            KeyChooser::Latest { lower, distance } => {
+                let span = latest.saturating_sub(*lower) + 1;
+                latest - distance.next_of(span, rng).min(span - 1)
+            }
             KeyChooser::Hotspot(h) => h.next(rng),
         }
     }
@@ -336,7 +343,10 @@ mod tests {
 
     #[test]
     fn latest_favours_recent_inserts() {
-        let mut chooser = KeyChooser::Latest(Zipfian::new(0, 999, ZIPFIAN_CONSTANT));
+        let mut chooser = KeyChooser::Latest {
+            lower: 0,
+            distance: Zipfian::new(0, 999, ZIPFIAN_CONSTANT),
+        };
         let mut rng = Rng::new(3);
         let latest = 999;
         let recent = (0..100_000)

@@ -1,8 +1,15 @@
 //! Java `.properties` files as YCSB reads them: `key=value` or `key: value`
-//! (or `key value`), `#` and `!` comments, backslash line continuations.
+//! (or `key value`), `#` and `!` comments, backslash line continuations,
+//! lines ended by `\n`, `\r\n` or `\r`, and text in UTF-8 or, as Java
+//! reads it, ISO-8859-1.
 
 use std::collections::BTreeMap;
+use std::io::Read;
 use std::path::Path;
+
+/// Largest workload file read: far beyond any real one, and a bound for a
+/// path that is no file of properties (`/dev/zero`).
+const MAX_FILE: u64 = 1 << 20;
 
 /// Properties in file order of last assignment; later ones win.
 #[derive(Debug, Default, Clone)]
@@ -14,6 +21,8 @@ impl Properties {
     pub fn parse(text: &str) -> Properties {
         let mut props = Properties::default();
         let mut pending = String::new();
+        let text = text.strip_prefix('\u{feff}').unwrap_or(text);
+        let text = text.replace("\r\n", "\n").replace('\r', "\n");
         for raw in text.lines() {
             let line = raw.trim_start();
             if pending.is_empty()
@@ -38,8 +47,24 @@ impl Properties {
     }
 
     pub fn load(path: &Path) -> Result<Properties, String> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| format!("cannot read workload file {}: {e}", path.display()))?;
+        let cannot =
+            |e: std::io::Error| format!("cannot read workload file {}: {e}", path.display());
+        let mut bytes = Vec::new();
+        std::fs::File::open(path)
+            .and_then(|f| f.take(MAX_FILE + 1).read_to_end(&mut bytes))
+            .map_err(cannot)?;
+        if bytes.len() as u64 > MAX_FILE {
+            return Err(format!(
+                "workload file {}: larger than {} KiB, not a file of properties",
+                path.display(),
+                MAX_FILE >> 10
+            ));
+        }
+        let text = match String::from_utf8(bytes) {
+            Ok(text) => text,
+            // Java's Properties.load reads ISO-8859-1: each byte a char.
+            Err(e) => e.into_bytes().iter().map(|&b| char::from(b)).collect(),
+        };
         Ok(Properties::parse(&text))
     }
 
@@ -105,5 +130,22 @@ mod tests {
         assert_eq!(p.get("new"), Some("x"));
         assert!(p.set_override("novalue").is_err());
         assert!(p.set_override("=1").is_err());
+    }
+
+    #[test]
+    fn any_line_ending_a_byte_order_mark_and_latin_1_read_as_java_reads_them() {
+        let p = Properties::parse("\u{feff}recordcount=1\roperationcount=2\r\nfieldcount=\\\r 3\n");
+        assert_eq!(p.get("recordcount"), Some("1"));
+        assert_eq!(p.get("operationcount"), Some("2"));
+        assert_eq!(p.get("fieldcount"), Some("3"));
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("latin1");
+        std::fs::write(&path, b"# caf\xe9\nrecordcount=7\n").expect("write");
+        assert_eq!(
+            Properties::load(&path).expect("load").get("recordcount"),
+            Some("7")
+        );
+        let err = Properties::load(Path::new("/dev/zero")).expect_err("/dev/zero");
+        assert!(err.contains("not a file of properties"), "{err}");
     }
 }

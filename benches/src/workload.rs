@@ -83,6 +83,15 @@ const KNOWN: &[&str] = &[
 
 /// Largest `batchsize`.
 const MAX_BATCH: usize = 4096;
+/// Largest record (fieldcount fields of fieldlength bytes): each is built
+/// whole in memory before it is written.
+const MAX_RECORD: u64 = 1 << 30;
+/// The Java workload classes this driver is (YCSB's, before and after its
+/// move to site.ycsb).
+const CORE_WORKLOAD: &[&str] = &[
+    "site.ycsb.workloads.CoreWorkload",
+    "com.yahoo.ycsb.workloads.CoreWorkload",
+];
 /// Most worker threads a run starts: each holds a connection of its own
 /// (a server admits at most 4095 clients), and far more fail to start.
 pub const MAX_THREADS: usize = 1024;
@@ -116,9 +125,10 @@ impl Reader<'_> {
     fn flag(&self, key: &str, default: bool) -> Result<bool, String> {
         match self.0.get(key) {
             None => Ok(default),
-            Some(v) => v
-                .parse()
-                .map_err(|_| format!("{key}: '{v}' is not true or false")),
+            // As Java's Boolean.parseBoolean, whatever the case.
+            Some(v) if v.eq_ignore_ascii_case("true") => Ok(true),
+            Some(v) if v.eq_ignore_ascii_case("false") => Ok(false),
+            Some(v) => Err(format!("{key}: '{v}' is not true or false")),
         }
     }
 
@@ -199,13 +209,31 @@ impl Workload {
                  range scans (YCSB workload E); set scanproportion=0"
             ));
         }
+        if let Some(class) = p.get("workload").filter(|c| !CORE_WORKLOAD.contains(c)) {
+            return Err(format!(
+                "workload: '{class}' is not YCSB's CoreWorkload, the only workload this driver runs"
+            ));
+        }
         let recordcount = r.count("recordcount", 0)?;
         let insertstart = r.count("insertstart", 0)?;
         let insertcount = match p.get("insertcount") {
             None => recordcount.checked_sub(insertstart).ok_or_else(|| {
                 format!("insertstart: {insertstart} is beyond recordcount {recordcount}")
             })?,
-            Some(_) => r.count("insertcount", 0)?,
+            // As YCSB: the records a load of this part inserts lie within
+            // recordcount, which the run's keys are drawn from.
+            Some(_) => {
+                let count = r.count("insertcount", 0)?;
+                match insertstart.checked_add(count) {
+                    Some(end) if end <= recordcount => count,
+                    _ => {
+                        return Err(format!(
+                            "insertstart + insertcount = {insertstart} + {count}: must not \
+                             exceed recordcount {recordcount}"
+                        ))
+                    }
+                }
+            }
         };
         // A record is one block, fetched whole by one READ, so reading one
         // field costs the same as reading all: the flag is only validated.
@@ -236,7 +264,10 @@ impl Workload {
             batchsize: r.count("batchsize", 1)? as usize,
             target: r.target()?,
         };
-        w.check(scan)?;
+        w.check(scan).map_err(|e| match e.contains("must be 1") {
+            true => with_default_mix(e, p),
+            false => e,
+        })?;
         Ok((w, warnings))
     }
 
@@ -259,41 +290,66 @@ impl Workload {
         if self.fieldlength == 0 {
             return Err("fieldlength: must be at least 1".into());
         }
+        let record = (self.fieldlength + 4).checked_mul(self.fieldcount);
+        if record.is_none_or(|bytes| bytes > MAX_RECORD) {
+            return Err(format!(
+                "fieldcount x fieldlength = {} x {}: a record may hold at most {} MiB",
+                self.fieldcount,
+                self.fieldlength,
+                MAX_RECORD >> 20
+            ));
+        }
         if !(1..=MAX_THREADS).contains(&self.threadcount) {
             return Err(format!("threadcount: must be from 1 to {MAX_THREADS}"));
         }
         if !(1..=MAX_BATCH).contains(&self.batchsize) {
             return Err(format!("batchsize: must be from 1 to {MAX_BATCH}"));
         }
-        if self.operationcount > 0
+        if self.run_operations() > 0
             && self.insertcount == 0
             && self.readproportion + self.updateproportion + self.readmodifywriteproportion > 0.0
         {
-            return Err(
-                "recordcount: must be at least 1 for a workload that reads or updates".into(),
-            );
+            return Err(format!(
+                "the load inserts no records (recordcount {}, insertcount {}), but the run reads \
+                 or updates them: load at least 1",
+                self.recordcount, self.insertcount
+            ));
         }
         Ok(())
+    }
+
+    /// Operations the run phase does: operationcount, or, when that is 0
+    /// and maxexecutiontime is set, as many as fit in it (as YCSB runs).
+    pub fn run_operations(&self) -> u64 {
+        match (self.operationcount, self.maxexecutiontime) {
+            (0, Some(_)) => u64::MAX,
+            (count, _) => count,
+        }
     }
 
     /// The run phase's key chooser (YCSB's CoreWorkload.init).
     pub fn key_chooser(&self) -> KeyChooser {
         let lower = self.insertstart;
         let upper = self.insertstart + self.insertcount.max(1) - 1;
+        let loaded_end = self.insertstart + self.insertcount;
         match self.requestdistribution {
             Distribution::Uniform => KeyChooser::Uniform { lower, upper },
             Distribution::Zipfian => {
+                // A float-to-integer cast saturates.
                 let expected_new =
                     (self.operationcount as f64 * self.insertproportion * 2.0) as u64;
                 KeyChooser::Zipfian(ScrambledZipfian::new(
                     lower,
-                    self.insertstart + self.insertcount + expected_new,
+                    loaded_end.saturating_add(expected_new),
                     self.zipfianconstant,
                 ))
             }
             Distribution::Latest => {
-                let last = (self.insertstart + self.insertcount).max(2);
-                KeyChooser::Latest(Zipfian::new(0, last - 1, self.zipfianconstant))
+                let span = self.insertcount.max(2);
+                KeyChooser::Latest {
+                    lower,
+                    distance: Zipfian::new(0, span - 1, self.zipfianconstant),
+                }
             }
             Distribution::Hotspot => KeyChooser::Hotspot(Hotspot::new(
                 lower,
@@ -310,6 +366,23 @@ impl Workload {
             max: self.fieldlength,
             zipf: Zipfian::new(1, self.fieldlength, ZIPFIAN_CONSTANT),
         }
+    }
+}
+
+/// `error` (proportions that do not sum to 1), saying which of the mix's
+/// defaults (YCSB's: reads 0.95, updates 0.05) it counted.
+fn with_default_mix(error: String, p: &Properties) -> String {
+    let defaults: Vec<&str> = [
+        ("readproportion", "readproportion=0.95"),
+        ("updateproportion", "updateproportion=0.05"),
+    ]
+    .into_iter()
+    .filter(|(key, _)| p.get(key).is_none())
+    .map(|(_, default)| default)
+    .collect();
+    match defaults.is_empty() {
+        true => error,
+        false => format!("{error} (counting the defaults {})", defaults.join(", ")),
     }
 }
 
@@ -407,7 +480,7 @@ mod tests {
         assert!(!w.writeallfields && w.insertorder == InsertOrder::Hashed);
         assert_eq!(w.insertcount, 10);
         let (_, warnings) = Workload::from_properties(&Properties::parse(
-            "recordcount=1\nmongodb.url=x\nworkload=y\n",
+            "recordcount=1\nmongodb.url=x\nworkload=com.yahoo.ycsb.workloads.CoreWorkload\n",
         ))
         .unwrap();
         assert_eq!(
@@ -440,10 +513,56 @@ mod tests {
             ("recordcount=10\ntarget=-3", "target"),
             ("recordcount=10\ninsertstart=20", "insertstart"),
             ("recordcount=10\nreadallfields=maybe", "readallfields"),
+            (
+                "recordcount=10\ninsertcount=11",
+                "must not exceed recordcount 10",
+            ),
+            (
+                "recordcount=10\ninsertstart=18446744073709551615\ninsertcount=1",
+                "must not exceed",
+            ),
+            (
+                "recordcount=10\noperationcount=5\ninsertcount=0",
+                "the load inserts no records",
+            ),
+            ("recordcount=10\nfieldlength=4294967297", "at most 1024 MiB"),
+            (
+                "recordcount=10\nfieldcount=18446744073709551615",
+                "at most 1024 MiB",
+            ),
+            (
+                "recordcount=10\nreadproportion=1",
+                "counting the defaults updateproportion=0.05",
+            ),
+            (
+                "recordcount=10\nworkload=site.ycsb.workloads.TimeSeriesWorkload",
+                "not YCSB's CoreWorkload",
+            ),
         ];
         for (text, needle) in cases {
             let err = workload(text).expect_err(text);
             assert!(err.contains(needle), "{text}: {err}");
+        }
+    }
+
+    #[test]
+    fn flags_take_any_case_and_a_run_without_a_count_lasts_its_time() {
+        let w = workload("recordcount=10\nwriteallfields=True\nreadallfields=FALSE\n").unwrap();
+        assert!(w.writeallfields);
+        assert_eq!(w.run_operations(), 0);
+        let w = workload("recordcount=10\nmaxexecutiontime=5\n").unwrap();
+        assert_eq!(w.run_operations(), u64::MAX);
+    }
+
+    #[test]
+    fn latest_keys_stay_within_the_loaded_part() {
+        let w =
+            workload("recordcount=2000\ninsertstart=1000\nrequestdistribution=latest\n").unwrap();
+        let mut chooser = w.key_chooser();
+        let mut rng = Rng::new(5);
+        for _ in 0..100_000 {
+            let k = chooser.next(1999, &mut rng);
+            assert!((1000..=1999).contains(&k), "{k}");
         }
     }
 

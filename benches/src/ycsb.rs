@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 
-use crate::driver::{run_phase, OpKind, Phase, RunOptions};
+use crate::driver::{run_phase, Phase, RunOptions};
 use crate::plot;
 use crate::properties::Properties;
 use crate::report;
@@ -114,9 +114,13 @@ impl WorkloadArgs {
 /// grace period and for the index (for stores that cannot grow, like LMDB's
 /// map).
 pub fn memory_for(w: &Workload) -> u64 {
-    let records = w.insertcount + (w.operationcount as f64 * w.insertproportion) as u64;
+    // Saturating: a workload too big for any memory is refused by its
+    // store, not by an overflow here.
+    let inserts = (w.operationcount as f64 * w.insertproportion) as u64;
+    let records = w.insertcount.saturating_add(inserts);
     let record = w.fieldcount * (w.fieldlength + 4) + 64 + 64;
-    (records * record * 3).max(64 << 20) + (64 << 20)
+    let bytes = records.saturating_mul(record).saturating_mul(3);
+    bytes.max(64 << 20).saturating_add(64 << 20)
 }
 
 /// Runs `phases` of the workload, in order, on onekv.
@@ -143,11 +147,11 @@ pub fn run(args: WorkloadArgs, phases: &[Phase]) -> Result<(), String> {
     for &phase in phases {
         let result = run_phase(&store, &w, phase, &options)?;
         report::print_ycsb(&mut out, &result).map_err(|e| e.to_string())?;
-        if let (Phase::Load, Some(e)) = (phase, &result.first_error) {
-            return Err(format!(
-                "the load phase stopped at its first failed insert, with {} records stored: {e}",
-                result.ops.get(&OpKind::Insert).map_or(0, |s| s.ok)
-            ));
+        if let Some(why) = (phase == Phase::Load)
+            .then(|| result.load_cut_short(w.insertcount))
+            .flatten()
+        {
+            return Err(format!("the load phase {why}"));
         }
         results.push(result);
     }
