@@ -16,11 +16,15 @@
 //! that could not be written is tried again every `RECORD_RETRY` while the
 //! copy is served here (`record_pending`).
 //!
-//! The member's loop calls etcd here only to read its records, once for
-//! every copy and once per process when etcd answers (`check`); records
-//! are written on a thread of their own. An etcd that does not answer
-//! costs a call its timeout, and the loop must go on meanwhile: to stop
-//! its copies in time when its lease goes unconfirmed.
+//! The member's loop never waits here for etcd: its records are read in
+//! one request, on a thread of their own, from the moment the member
+//! starts (so they are known when its first map comes) and again each
+//! time it joins the cluster anew (another server of its name may have
+//! made regions meanwhile); and they are written on a thread of their
+//! own. An etcd that does not answer costs a call its timeouts (seconds),
+//! and the loop must go on meanwhile: to stop its copies in time when its
+//! lease goes unconfirmed. A copy whose region is missing waits for the
+//! read (`Refusal::Asking`).
 //!
 //! In a cluster of several copies an empty region served in a lost one's
 //! place passes for a copy level with the others: a failover could promote
@@ -55,6 +59,21 @@ pub enum Refusal {
     Lost(String),
     /// etcd did not say whether the member made the region.
     Unchecked(String),
+    /// The member's records are being read: ask again in a moment.
+    Asking,
+}
+
+/// What a read of the member's records gives: where each region was made,
+/// by shard.
+type Read = Result<BTreeMap<u32, String>, String>;
+
+/// The member's records in etcd, as this process knows them.
+enum Found {
+    /// Being read, on a thread of its own.
+    Reading(JoinHandle<Read>),
+    Read(BTreeMap<u32, String>),
+    /// The read failed: why, and when to read again.
+    Failed(String, Instant),
 }
 
 /// The shards a retry recorded, and how it ended.
@@ -69,12 +88,9 @@ pub struct RegionsMade {
     member: String,
     listen: String,
     missing: MissingRegions,
-    /// The member's records as etcd held them when this process first
-    /// needed them, by shard (where each region was made); None until
-    /// then. Later ones are this process's own: `recorded`, `pending`.
-    found: Option<BTreeMap<u32, String>>,
-    /// Why they could not be read, until when they are not asked again.
-    unread: Option<(String, Instant)>,
+    /// The member's records as etcd held them when it last joined. Later
+    /// ones are this process's own: `recorded`, `pending`.
+    found: Found,
     /// The shards whose records this process wrote.
     recorded: BTreeSet<u32>,
     /// The shards whose copies started here but whose records are not
@@ -87,14 +103,15 @@ pub struct RegionsMade {
 }
 
 impl RegionsMade {
+    /// Starts reading the member's records.
     pub fn new(url: ClusterUrl, member: &str, listen: &str, missing: MissingRegions) -> Self {
+        let found = read_records(&url, member);
         RegionsMade {
             url,
             member: member.to_string(),
             listen: listen.to_string(),
             missing,
-            found: None,
-            unread: None,
+            found,
             recorded: BTreeSet::new(),
             pending: BTreeSet::new(),
             next_try: None,
@@ -109,7 +126,7 @@ impl RegionsMade {
         if path.exists() {
             return Ok(());
         }
-        let Some(at) = self.made_at(shard).map_err(Refusal::Unchecked)? else {
+        let Some(at) = self.made_at(shard)? else {
             return Ok(());
         };
         if self.missing == MissingRegions::Recreate {
@@ -125,36 +142,42 @@ impl RegionsMade {
     }
 
     /// Where the member made shard `shard`'s region, if it did: made by
-    /// this process, or recorded before it. The records are read once, and
-    /// not asked for again for `RECORD_RETRY` after a read that failed (a
-    /// map of many copies would otherwise wait out etcd's timeout for
-    /// each).
-    fn made_at(&mut self, shard: u32) -> Result<Option<String>, String> {
+    /// this process, or recorded before it last joined. A read that failed
+    /// is not tried again for `RECORD_RETRY` (a map of many copies would
+    /// otherwise wait out etcd's timeouts for each).
+    fn made_at(&mut self, shard: u32) -> Result<Option<String>, Refusal> {
         if self.recorded.contains(&shard) || self.pending.contains(&shard) {
             return Ok(Some(self.listen.clone()));
         }
-        if let Some(found) = &self.found {
-            return Ok(found.get(&shard).cloned());
-        }
-        if let Some((why, until)) = &self.unread {
-            if Instant::now() < *until {
-                return Err(format!("{why} (asked again within {RECORD_RETRY:?})"));
+        let ended = matches!(&self.found, Found::Reading(read) if read.is_finished());
+        if ended {
+            let unknown = Found::Failed(String::new(), Instant::now());
+            if let Found::Reading(read) = std::mem::replace(&mut self.found, unknown) {
+                self.found = match read.join() {
+                    Ok(Ok(found)) => Found::Read(found),
+                    Ok(Err(why)) => Found::Failed(why, Instant::now() + RECORD_RETRY),
+                    Err(_) => Found::Failed("its thread panicked".into(), Instant::now()),
+                };
             }
         }
-        let member = self.member.clone();
-        let read = BlockingEtcd::connect(&self.url)
-            .and_then(|mut etcd| etcd.regions_made_by(&member))
-            .map_err(|e| e.to_string());
-        match read {
-            Ok(found) => {
-                self.unread = None;
-                Ok(self.found.insert(found).get(&shard).cloned())
-            }
-            Err(why) => {
-                self.unread = Some((why.clone(), Instant::now() + RECORD_RETRY));
-                Err(why)
+        match &self.found {
+            Found::Read(found) => Ok(found.get(&shard).cloned()),
+            Found::Reading(_) => Err(Refusal::Asking),
+            Found::Failed(why, until) if Instant::now() < *until => Err(Refusal::Unchecked(
+                format!("{why} (asked again within {RECORD_RETRY:?})"),
+            )),
+            Found::Failed(..) => {
+                self.reread();
+                Err(Refusal::Asking)
             }
         }
+    }
+
+    /// Reads the member's records again, as it joins the cluster anew:
+    /// while it was out, another server of its name may have made
+    /// regions.
+    pub fn reread(&mut self) {
+        self.found = read_records(&self.url, &self.member);
     }
 
     /// Records that shard `shard`'s copy has its region here, now that its
@@ -212,6 +235,30 @@ impl RegionsMade {
         Ok(())
     }
 
+    /// Writes the records not written yet, of the copies `served`, as the
+    /// member stops: waiting at most `wait` for etcd. Its next server
+    /// relies on them should the regions be lost meanwhile.
+    pub fn flush(&mut self, served: impl Fn(u32) -> bool, wait: Duration) {
+        let deadline = Instant::now() + wait;
+        self.pending.retain(|&shard| served(shard));
+        loop {
+            // Each try at once, not after RECORD_RETRY.
+            self.next_try = None;
+            let tried = self.record_pending(|_| true);
+            if self.pending.is_empty() && self.retry.is_none() {
+                return;
+            }
+            if Instant::now() >= deadline {
+                let why = tried.err().unwrap_or_else(|| "etcd did not answer".into());
+                return tracing::warn!(
+                    shards = ?self.pending,
+                    "stopping without recording in etcd that these regions are made: {why}"
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     fn lost(&self, shard: u32, path: &Path, at: &str, replicated: bool) -> String {
         let whence = match at == self.listen {
             true => "here (was /dev/shm emptied, by a reboot?)".to_string(),
@@ -236,6 +283,22 @@ impl RegionsMade {
             path.display(),
             self.member
         )
+    }
+}
+
+/// Starts reading `member`'s records, on a thread of its own.
+fn read_records(url: &ClusterUrl, member: &str) -> Found {
+    let (url, member) = (url.clone(), member.to_string());
+    let read = std::thread::Builder::new()
+        .name("kv-region-read".into())
+        .spawn(move || {
+            BlockingEtcd::connect(&url)
+                .and_then(|mut etcd| etcd.regions_made_by(&member))
+                .map_err(|e| e.to_string())
+        });
+    match read {
+        Ok(read) => Found::Reading(read),
+        Err(e) => Found::Failed(format!("cannot start a thread: {e}"), Instant::now()),
     }
 }
 
@@ -311,25 +374,46 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_silent_etcd_is_asked_once_for_every_missing_region() {
-        let (url, asked) = silent_etcd();
-        let mut made = RegionsMade::new(url, "m0", "shm:/x", MissingRegions::Refuse);
+    /// Checks shards 0 to 3, whose regions are missing, until none is
+    /// waiting for the records any more: the last refusals.
+    fn check_until_answered(made: &mut RegionsMade) -> Vec<Result<(), Refusal>> {
         let dir = tempfile::tempdir().expect("dir");
-        for shard in 0..4 {
-            let path = dir.path().join(format!("shard-{shard}"));
-            let checked = made.check(shard, &path, true);
+        let started = Instant::now();
+        loop {
+            let checked: Vec<_> = (0..4)
+                .map(|shard| made.check(shard, &dir.path().join(format!("shard-{shard}")), true))
+                .collect();
+            if !checked.iter().any(|c| matches!(c, Err(Refusal::Asking))) {
+                return checked;
+            }
             assert!(
-                matches!(checked, Err(Refusal::Unchecked(_))),
-                "shard {shard}"
+                started.elapsed() < Duration::from_secs(60),
+                "never answered"
             );
+            std::thread::sleep(Duration::from_millis(20));
         }
-        assert_eq!(asked.load(Ordering::SeqCst), 1);
     }
 
     #[test]
-    fn a_region_made_here_is_known_without_asking_etcd() {
+    fn a_silent_etcd_is_asked_once_for_every_missing_region_and_waited_for_by_none() {
         let (url, asked) = silent_etcd();
+        let mut made = RegionsMade::new(url, "m0", "shm:/x", MissingRegions::Refuse);
+        let dir = tempfile::tempdir().expect("dir");
+        // The check does not wait for the read under way.
+        let first = made.check(0, &dir.path().join("shard-0"), true);
+        assert!(matches!(first, Err(Refusal::Asking)));
+        let last = check_until_answered(&mut made);
+        assert!(last.iter().all(|c| matches!(c, Err(Refusal::Unchecked(_)))));
+        assert_eq!(asked.load(Ordering::SeqCst), 1);
+        // Asked again, once, after a rejoin.
+        made.reread();
+        check_until_answered(&mut made);
+        assert_eq!(asked.load(Ordering::SeqCst), 2);
+    }
+
+    #[test]
+    fn a_region_made_here_is_known_without_waiting_for_etcd() {
+        let (url, _) = silent_etcd();
         let mut made = RegionsMade::new(url, "m0", "shm:/x", MissingRegions::Refuse);
         let dir = tempfile::tempdir().expect("dir");
         made.record(3);
@@ -338,6 +422,20 @@ mod tests {
             panic!("a region this process made, missing, must be refused");
         };
         assert!(why.contains("shard 3") && why.contains("here"), "{why}");
-        assert_eq!(asked.load(Ordering::SeqCst), 0);
+    }
+
+    #[test]
+    fn a_stopping_member_waits_a_bounded_time_for_its_records() {
+        let (url, _) = silent_etcd();
+        let mut made = RegionsMade::new(url, "m0", "shm:/x", MissingRegions::Refuse);
+        made.record(1);
+        made.record(2);
+        // Shard 2's copy is no longer served here: its record is not due.
+        made.flush(|shard| shard == 1, Duration::from_millis(300));
+        assert_eq!(made.pending, BTreeSet::from([1]));
+        assert!(
+            made.retry.is_some(),
+            "the write of shard 1's record is under way"
+        );
     }
 }

@@ -38,7 +38,7 @@
 //! kept beside it (`ShardMap::unlevelled`), one shard at a time, in a
 //! thread of its own (see `level`).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -77,6 +77,9 @@ type ShardServers = Vec<(u32, Weak<Shared>)>;
 
 /// Least time between two follows of one map by `poll`.
 const RETRY_EVERY: Duration = Duration::from_secs(1);
+/// Longest a stopping member waits for etcd to take the records of the
+/// regions it made (see `RegionsMade::flush`).
+const RECORD_FLUSH_WAIT: Duration = Duration::from_secs(3);
 
 /// What the member tells a move under way, and what it did.
 #[derive(Default)]
@@ -672,6 +675,12 @@ impl ShardHost {
                 self.cannot_serve(shard, why);
                 false
             }
+            Err(Refusal::Asking) => {
+                tracing::debug!(shard, "waiting for this member's region records from etcd");
+                // Tried again at the loop's next turn, not a second later.
+                self.retry_at = Some(Instant::now());
+                false
+            }
         }
     }
 
@@ -738,6 +747,9 @@ impl ShardHost {
     /// serves.
     fn serve_on(&mut self, shard: u32, server: &Mutex<Option<Server>>) {
         if let Some(server) = take(server) {
+            if let Some(regions) = self.regions.as_mut() {
+                regions.record(shard);
+            }
             let asks = Asks {
                 secret: None,
                 group_epoch: server.shared.group_epoch,
@@ -813,9 +825,9 @@ impl ShardHost {
                 None => self.show_served(),
             }
         }
+        let served = self.served_here();
         if let Some(regions) = self.regions.as_mut() {
-            let serving = &self.serving;
-            if let Err(why) = regions.record_pending(|shard| serving.contains_key(&shard)) {
+            if let Err(why) = regions.record_pending(|shard| served.contains(&shard)) {
                 tracing::warn!("cannot record in etcd that a region is made (tried again): {why}");
             }
         }
@@ -867,6 +879,9 @@ impl ShardHost {
     pub fn leave(&mut self) {
         self.stop_all();
         self.out = true;
+        if let Some(regions) = self.regions.as_mut() {
+            regions.reread();
+        }
     }
 
     /// A copy whose region is lost, or the first shard server that
@@ -888,6 +903,12 @@ impl ShardHost {
         self.replicated
     }
 
+    /// The shards whose servers run here, a shard being sent included.
+    fn served_here(&self) -> BTreeSet<u32> {
+        let sending = self.sending.as_ref().map(|s| s.m.shard);
+        self.serving.keys().copied().chain(sending).collect()
+    }
+
     /// Whether a shard's server runs here.
     pub fn serves_any(&self) -> bool {
         !self.serving.is_empty()
@@ -906,6 +927,10 @@ impl ShardHost {
 
 impl Drop for ShardHost {
     fn drop(&mut self) {
+        let served = self.served_here();
+        if let Some(regions) = self.regions.as_mut() {
+            regions.flush(|shard| served.contains(&shard), RECORD_FLUSH_WAIT);
+        }
         self.stop_all();
         if let Some(s) = self.sending.take() {
             s.flags.quit.store(true, Ordering::SeqCst);
