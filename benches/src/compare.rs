@@ -37,12 +37,12 @@ struct Row {
 pub fn run(args: CompareArgs) -> Result<(), String> {
     let w = args.workload.workload()?;
     println!(
-        "compare {}: {} records of {}x{} B, {} operations, {} threads, seed {}",
+        "compare {}: {} records of {}x{} B, {}, {} threads, seed {}",
         args.workload.workload_name(),
         w.recordcount,
         w.fieldcount,
         w.fieldlength,
-        w.operationcount,
+        w.describe_run(),
         w.threadcount,
         args.workload.seed
     );
@@ -53,7 +53,12 @@ pub fn run(args: CompareArgs) -> Result<(), String> {
             continue;
         };
         eprintln!("{name}: load phase");
-        let load = run_phase(&*store.factory, &w, Phase::Load, &options)?;
+        let load = run_phase(
+            &*store.factory,
+            &w.for_load_before_run(),
+            Phase::Load,
+            &options,
+        )?;
         if let Some(why) = load.load_cut_short(w.insertcount) {
             println!("{name}: left out: the load phase {why}");
             continue;
@@ -165,10 +170,10 @@ fn plot_runs(path: &Path, args: &CompareArgs, w: &Workload, rows: &[Row]) -> Res
         })
         .collect();
     let title = format!(
-        "YCSB {}: {} records, {} operations, threads {}",
+        "YCSB {}: {} records, {}, threads {}",
         args.workload.workload_name(),
         w.recordcount,
-        w.operationcount,
+        w.describe_run(),
         w.threadcount
     );
     plot::compare(path, &title, &series)

@@ -167,6 +167,10 @@ impl Shared {
     /// The insert of key number `keynum` completed (or failed, as YCSB
     /// counts it): `acked` moves past it once every insert before it has.
     fn acknowledge(&self, keynum: u64) {
+        // The end only grows: a key below it (a load's) stays below.
+        if keynum < self.acked_end.load(Ordering::Relaxed) {
+            return;
+        }
         let mut above = self.acked_above.lock().unwrap_or_else(|p| p.into_inner());
         let mut end = self.acked_end.load(Ordering::Relaxed);
         // A load's keys lie below the end it starts from.
@@ -309,7 +313,10 @@ fn run_workers(
                 let share = total / threads as u64 + u64::from((t as u64) < total % threads as u64);
                 s.spawn(move || {
                     let _live = LiveWorker(&run.shared.live);
-                    let mut handle = store.open()?;
+                    // One that cannot connect ends the phase: it fails.
+                    let mut handle = store.open().inspect_err(|_| {
+                        run.shared.stop.store(true, Ordering::Relaxed);
+                    })?;
                     let mut worker = Worker::new(&run.generators, t, options.seed);
                     worker.run(&mut *handle, run, share);
                     Ok(worker)

@@ -327,6 +327,37 @@ impl Workload {
         }
     }
 
+    /// The run phase's operations, said: a count, or for how long.
+    pub fn describe_run(&self) -> String {
+        match (self.run_operations(), self.maxexecutiontime) {
+            (u64::MAX, Some(t)) => format!("operations for {} s", t.as_secs()),
+            (count, _) => format!("{count} operations"),
+        }
+    }
+
+    /// Records the run phase inserts at most: for a run bounded by its
+    /// time alone, at its target rate, or at `FAST` operations per second
+    /// (beyond what one host's clients reach).
+    pub fn run_inserts(&self) -> u64 {
+        const FAST: f64 = 2e6;
+        let operations = match (self.run_operations(), self.maxexecutiontime) {
+            (u64::MAX, Some(t)) => self.target.unwrap_or(FAST) * t.as_secs_f64(),
+            (count, _) => count as f64,
+        };
+        // A float-to-integer cast saturates.
+        (operations * self.insertproportion) as u64
+    }
+
+    /// The workload of a load done before a run, in the same command:
+    /// maxexecutiontime bounds the run (a run on part of the records would
+    /// read missing keys).
+    pub fn for_load_before_run(&self) -> Workload {
+        Workload {
+            maxexecutiontime: None,
+            ..self.clone()
+        }
+    }
+
     /// The run phase's key chooser (YCSB's CoreWorkload.init).
     pub fn key_chooser(&self) -> KeyChooser {
         let lower = self.insertstart;
@@ -552,6 +583,13 @@ mod tests {
         assert_eq!(w.run_operations(), 0);
         let w = workload("recordcount=10\nmaxexecutiontime=5\n").unwrap();
         assert_eq!(w.run_operations(), u64::MAX);
+        assert_eq!(w.describe_run(), "operations for 5 s");
+        // What a store that cannot grow (LMDB's map) is sized for.
+        let inserting = "recordcount=10\nmaxexecutiontime=8\ninsertproportion=1\n\
+                         readproportion=0\nupdateproportion=0\n";
+        assert_eq!(workload(inserting).unwrap().run_inserts(), 16_000_000);
+        let throttled = format!("{inserting}target=100\n");
+        assert_eq!(workload(&throttled).unwrap().run_inserts(), 800);
     }
 
     #[test]

@@ -116,8 +116,7 @@ impl WorkloadArgs {
 pub fn memory_for(w: &Workload) -> u64 {
     // Saturating: a workload too big for any memory is refused by its
     // store, not by an overflow here.
-    let inserts = (w.operationcount as f64 * w.insertproportion) as u64;
-    let records = w.insertcount.saturating_add(inserts);
+    let records = w.insertcount.saturating_add(w.run_inserts());
     let record = w.fieldcount * (w.fieldlength + 4) + 64 + 64;
     let bytes = records.saturating_mul(record).saturating_mul(3);
     bytes.max(64 << 20).saturating_add(64 << 20)
@@ -133,19 +132,27 @@ pub fn run(args: WorkloadArgs, phases: &[Phase]) -> Result<(), String> {
         slot_cache_entries: args.slot_cache_entries,
     };
     println!(
-        "onekv {} on {}: {} records, {} operations, {} threads, seed {}",
+        "onekv {} on {}: {} records, {}, {} threads, seed {}",
         args.workload_name(),
         target.address,
         w.recordcount,
-        w.operationcount,
+        w.describe_run(),
         w.threadcount,
         args.seed
     );
     let options = RunOptions::for_terminal(args.seed, args.status_interval()?);
     let mut results = Vec::new();
     let mut out = std::io::stdout().lock();
+    let load = match phases.contains(&Phase::Run) {
+        true => w.for_load_before_run(),
+        false => w.clone(),
+    };
     for &phase in phases {
-        let result = run_phase(&store, &w, phase, &options)?;
+        let phase_w = match phase {
+            Phase::Load => &load,
+            Phase::Run => &w,
+        };
+        let result = run_phase(&store, phase_w, phase, &options)?;
         report::print_ycsb(&mut out, &result).map_err(|e| e.to_string())?;
         if let Some(why) = (phase == Phase::Load)
             .then(|| result.load_cut_short(w.insertcount))

@@ -278,6 +278,35 @@ fn maxexecutiontime_ends_the_run_phase() {
     assert!(started.elapsed() < std::time::Duration::from_secs(60));
 }
 
+#[test]
+fn a_run_bounded_by_its_time_alone_loads_every_record_first() {
+    // At 1000 inserts/s the load outlasts maxexecutiontime three times,
+    // and the run, without a count, lasts that long.
+    let out = bench(&[
+        "run",
+        "--workload",
+        "workloads/workloadc",
+        "-p",
+        "recordcount=3000",
+        "-p",
+        "operationcount=0",
+        "-p",
+        "target=1000",
+        "-p",
+        "maxexecutiontime=1",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    assert_eq!(field(&stdout, "[INSERT]", "Operations"), Some(3000.0));
+    let reads = field(&stdout, "[READ]", "Operations").unwrap_or(0.0);
+    assert!(reads > 0.0, "{stdout}");
+    assert_eq!(
+        field(&stdout, "[READ]", "Return=OK"),
+        Some(reads),
+        "{stdout}"
+    );
+}
+
 /// The texts of an SVG file, which must be well-formed XML with an `svg`
 /// root, and how many polylines (plotted series) it draws.
 fn svg_texts(path: &std::path::Path) -> (Vec<String>, usize) {
