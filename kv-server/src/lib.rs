@@ -239,7 +239,7 @@ impl Server {
             None => file_system_size(&path)?.max(config.memory),
         }
         .min(MAX_REGION);
-        let mut listener = transport::bind(&config.address)?;
+        let listener = transport::bind(&config.address)?;
         restrict_control_socket(&config)?;
         let opened = region::open_or_create(
             &path,
@@ -247,6 +247,23 @@ impl Server {
             region::file_mode(config.group_access),
             max_memory,
         )?;
+        let created = opened.created;
+        Server::serve(config, listener, opened, max_memory).inspect_err(|_| {
+            // A region this start made, left behind, would be taken for
+            // one that held data.
+            if created {
+                let _ = std::fs::remove_file(&path);
+            }
+        })
+    }
+
+    /// Serves the region just opened (the rest of `start`).
+    fn serve(
+        config: ServerConfig,
+        mut listener: Box<dyn ControlListener>,
+        opened: region::OpenedRegion,
+        max_memory: u64,
+    ) -> Result<Server, ServerError> {
         let geometry = opened.geometry;
         let region = Arc::new(opened.region);
         // Revokes every key of an earlier registration.
@@ -255,7 +272,6 @@ impl Server {
             settle_previous_server(&region, &geometry, config.grace())?;
         }
         let (pool, counters) = rebuild_heap(&region, &geometry)?;
-        log_serving(&config, opened.created, &geometry, &counters);
         let found = Found {
             geometry,
             limits: limits(&config, max_memory, &geometry, &region),
@@ -276,6 +292,7 @@ impl Server {
         };
         let poller = Arc::new(Poller::new().map_err(TransportError::Io)?);
         let threads = start_threads(&config, &shared, &listener, &poller)?;
+        log_serving(&config, opened.created, &geometry, &shared.counters);
         Ok(Server {
             shared,
             metrics,

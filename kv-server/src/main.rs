@@ -174,7 +174,7 @@ enum Command {
         repair: bool,
         /// The --op-deadline-ms of the server that last ran on the region:
         /// --repair waits four times this (at least a second) after revoking.
-        #[arg(long, default_value_t = 50)]
+        #[arg(long, default_value_t = 50, value_parser = op_deadline_ms())]
         op_deadline_ms: u64,
     },
 }

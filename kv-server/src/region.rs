@@ -56,6 +56,20 @@ pub fn open_or_create(
     mode: u32,
     max_len: u64,
 ) -> Result<OpenedRegion, ServerError> {
+    // A device, a pipe or a directory there is someone else's: a region
+    // is a plain file, and nothing else is touched (opened, emptied,
+    // removed) in its place.
+    let existed = match std::fs::metadata(path) {
+        Ok(m) if m.is_file() => true,
+        Ok(_) => {
+            return Err(region_error(
+                path,
+                "not a plain file, so not a region: refusing to touch it (pick another path)",
+            ))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
+        Err(e) => return Err(region_error(path, e)),
+    };
     let file = OpenOptions::new()
         .read(true)
         .write(true)
@@ -66,7 +80,7 @@ pub fn open_or_create(
     lock_exclusive(&file, path)?;
     let len = file.metadata().map_err(|e| region_error(path, e))?.len();
     if len == 0 || unfinished_create(&file) {
-        return create(file, path, geometry, mode, max_len);
+        return create(file, (path, existed), geometry, mode, max_len);
     }
     let region =
         SharedRegion::from_file(&file, path, max_len).map_err(|e| region_error(path, e))?;
@@ -147,9 +161,11 @@ fn unfinished_create(file: &File) -> bool {
     true
 }
 
+/// Makes the region in `file` at `path`, which `existed` before this
+/// start (empty, or an unfinished create).
 fn create(
     file: File,
-    path: &Path,
+    (path, existed): (&Path, bool),
     geometry: &Geometry,
     mode: u32,
     max_len: u64,
@@ -162,8 +178,12 @@ fn create(
     // here with a clear error, not later with SIGBUS in a client. Then
     // huge pages: nobody has the region yet, so they cost no copy.
     let refused = |reason: String| {
-        // Ours to remove: it was empty (or an unfinished create) and we hold its lock.
-        let _ = std::fs::remove_file(path);
+        // Ours to remove if this start made it; else left empty, as found
+        // (or as an unfinished create was): we hold its lock.
+        let _ = match existed {
+            false => std::fs::remove_file(path),
+            true => file.set_len(0),
+        };
         region_error(path, reason)
     };
     let cannot_allocate =
@@ -1069,6 +1089,23 @@ mod tests {
     /// A growth that died after lengthening the file and before allocating
     /// its pages leaves holes past the header's length; a restart cuts
     /// them off, so no client meets one later.
+    #[test]
+    fn a_pipe_at_the_path_is_left_alone() {
+        use std::os::unix::ffi::OsStrExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("fifo");
+        let name = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
+        // SAFETY: a NUL-terminated path that outlives the call.
+        assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o644) }, 0);
+        let g = Geometry::for_memory(4 << 20, None).unwrap();
+        let Err(e) = open_or_create(&path, &g, 0o600, 16 << 20) else {
+            panic!("a pipe taken for a region");
+        };
+        assert!(e.to_string().contains("not a plain file"), "{e}");
+        let kind = std::fs::metadata(&path).unwrap().file_type();
+        assert!(!kind.is_file(), "the pipe replaced");
+    }
+
     #[test]
     fn a_tail_left_by_a_growth_that_died_is_cut_off_at_open() {
         use std::os::unix::fs::MetadataExt;

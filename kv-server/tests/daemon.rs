@@ -91,3 +91,46 @@ fn check_reports_a_clean_region_and_refuses_other_files() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("onekv region"));
 }
+
+#[test]
+fn a_server_whose_control_socket_was_removed_still_stops() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("r");
+    let config = kv_server::ServerConfig {
+        memory: 4 << 20,
+        ..kv_server::ServerConfig::new(kv_common::Address::Shm {
+            region: path.clone(),
+        })
+    };
+    let server = kv_server::Server::start(config).unwrap();
+    std::fs::remove_file(kv_common::Address::shm_socket(&path)).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        drop(server);
+        let _ = tx.send(());
+    });
+    assert!(
+        rx.recv_timeout(std::time::Duration::from_secs(60)).is_ok(),
+        "the server never stopped"
+    );
+}
+
+#[test]
+fn a_start_that_fails_removes_only_the_region_it_made() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("r");
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let config = |metrics_listen| kv_server::ServerConfig {
+        memory: 4 << 20,
+        metrics_listen,
+        ..kv_server::ServerConfig::new(kv_common::Address::Shm {
+            region: path.clone(),
+        })
+    };
+    let busy = Some(taken.local_addr().unwrap());
+    assert!(kv_server::Server::start(config(busy)).is_err());
+    assert!(!path.exists(), "an empty region left behind");
+    drop(kv_server::Server::start(config(None)).unwrap());
+    assert!(kv_server::Server::start(config(busy)).is_err());
+    assert!(path.exists(), "a region that was there before removed");
+}

@@ -95,7 +95,11 @@ impl ControlListener for ShmListener {
     }
 
     fn wake(&self) {
-        let _ = UnixStream::connect(&self.socket);
+        // Not by a connect to the socket's path: someone may have removed
+        // it, and the accepting thread would then wait forever. A listening
+        // socket shut down fails its `accept` at once (Linux).
+        // SAFETY: shutdown(2) on a descriptor this listener owns.
+        unsafe { libc::shutdown(self.listener.as_raw_fd(), libc::SHUT_RDWR) };
     }
 }
 
