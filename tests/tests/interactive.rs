@@ -1,6 +1,7 @@
 //! The `kv` prompt driven through a pseudo-terminal, as a person at a
 //! terminal would use it: line editing on, values quoted and escaped the
-//! way redis-cli does, `--raw`, and the exit status at `quit`.
+//! way redis-cli does, `--raw`, and the exit status at `quit`; and with
+//! its input piped in, as a script drives it.
 
 use std::process::Command;
 use std::time::Duration;
@@ -91,4 +92,87 @@ fn raw_prints_values_as_they_are_and_end_of_input_exits_0() {
         p.get_process().wait().expect("kv's status"),
         WaitStatus::Exited(_, 0)
     ));
+}
+
+/// `kv` at the prompt with its input piped in: its exit status, once it
+/// exits (within a minute), and what it said on standard error.
+fn scripted(
+    t: &TestServer,
+    feed: impl FnOnce(std::process::ChildStdin) + Send + 'static,
+    read: impl FnOnce(std::process::ChildStdout),
+) -> (Option<i32>, String) {
+    use std::io::Read;
+    use std::process::Stdio;
+    let home = tempfile::tempdir().expect("home directory");
+    let mut child = Command::new(workspace_bin("kv"))
+        .arg("--server")
+        .arg(&t.address)
+        .env("HOME", home.path())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("kv starts");
+    let stdin = child.stdin.take().expect("stdin");
+    std::thread::spawn(move || feed(stdin));
+    read(child.stdout.take().expect("stdout"));
+    let started = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("kv's status") {
+            break status;
+        }
+        if started.elapsed() > Duration::from_secs(60) {
+            let _ = child.kill();
+            panic!("kv went on for a minute");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut stderr = String::new();
+    let _ = child
+        .stderr
+        .take()
+        .expect("stderr")
+        .read_to_string(&mut stderr);
+    assert!(
+        !home.path().join(".onekv_history").exists(),
+        "a scripted session kept in the history"
+    );
+    (status.code(), stderr)
+}
+
+#[test]
+fn a_scripted_session_ends_when_nobody_reads_its_answers() {
+    use std::io::{BufRead, Write};
+    let t = TestServer::start(|_| {});
+    let endless = |mut stdin: std::process::ChildStdin| {
+        while stdin.write_all(b"incr hits\n").is_ok() {}
+    };
+    let first_answer = |stdout: std::process::ChildStdout| {
+        let mut line = String::new();
+        std::io::BufReader::new(stdout)
+            .read_line(&mut line)
+            .expect("an answer");
+        assert_eq!(line, "(integer) 1\n");
+    };
+    let (code, stderr) = scripted(&t, endless, first_answer);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("writing an answer"), "{stderr}");
+}
+
+#[test]
+fn a_line_that_is_not_utf8_ends_a_scripted_session_with_an_error() {
+    use std::io::{Read, Write};
+    let t = TestServer::start(|_| {});
+    let lines = |mut stdin: std::process::ChildStdin| {
+        let _ = stdin.write_all(b"put a 1\nput nu \xff\xfe\nput b 2\n");
+    };
+    let mut answers = String::new();
+    let (code, stderr) = scripted(&t, lines, |mut stdout| {
+        let _ = stdout.read_to_string(&mut answers);
+    });
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("reading the prompt"), "{stderr}");
+    assert_eq!(answers, "OK\n");
+    let mut kv = kv_client::Client::connect(&t.address).expect("client");
+    assert_eq!(kv.get(b"b").expect("get"), None, "a line after it ran");
 }

@@ -28,7 +28,8 @@ use store::Store;
 ///
 /// Exit status: 0 on success, 1 when `get` or `del` finds no such key, 2 on
 /// errors (the prompt exits 0 at `quit` or end of input, 2 if it cannot
-/// connect).
+/// connect, if a line of its input is not UTF-8, or if its answers cannot
+/// be written: the lines after are not run).
 #[derive(Parser)]
 #[command(version, about, long_about)]
 struct Args {

@@ -2,10 +2,11 @@
 //! split as redis-cli splits them (see `quoting`), parsed as the command
 //! line's commands, and answered the way redis-cli answers: `OK`, `(nil)`,
 //! `(integer) 1`, `(error) ...`, values quoted unless `--raw`. History is
-//! kept in `~/.onekv_history`.
+//! kept in `~/.onekv_history` for sessions typed at a terminal (a script's
+//! lines may hold values nobody wants kept).
 
 use std::ffi::OsString;
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::os::unix::ffi::OsStringExt;
 use std::path::PathBuf;
 
@@ -27,45 +28,56 @@ struct Line {
 enum Flow {
     Continue,
     Quit,
+    /// Standard output is closed: nobody reads the answers.
+    Unread(std::io::Error),
 }
 
-/// Runs the prompt until `quit`, end of input or Ctrl-C; fails only if
-/// there is no prompt to run.
+/// Runs the prompt until `quit`, end of input or Ctrl-C; fails if there
+/// is no prompt to run, when its input cannot be read (not UTF-8), or when
+/// its answers cannot be written (standard output closed): the lines left
+/// are not run.
 pub fn run(kv: &mut Store, server: &str, style: Style) -> Result<(), String> {
     let mut editor =
         rustyline::DefaultEditor::new().map_err(|e| format!("cannot open the prompt: {e}"))?;
-    let history = history_file();
+    let history = history_file().filter(|_| std::io::stdin().is_terminal());
     if let Some(path) = &history {
         // No history yet is the common case, not an error.
         let _ = editor.load_history(path);
     }
     let prompt = format!("{server}> ");
+    let mut ended = Ok(());
     loop {
         match editor.readline(&prompt) {
             Ok(line) if line.trim().is_empty() => {}
             Ok(line) => {
                 let _ = editor.add_history_entry(line.as_str());
-                if let Flow::Quit = answer(kv, &line, style) {
-                    break;
+                match answer(kv, &line, style) {
+                    Flow::Continue => {}
+                    Flow::Quit => break,
+                    Flow::Unread(e) => break ended = Err(format!("writing an answer: {e}")),
                 }
             }
             Err(ReadlineError::Eof | ReadlineError::Interrupted) => break,
-            Err(e) => {
-                eprintln!("kv: reading the prompt: {e}");
-                break;
-            }
+            Err(e) => break ended = Err(format!("reading the prompt: {e}")),
         }
     }
     if let Some(path) = &history {
         let _ = editor.save_history(path);
     }
-    Ok(())
+    ended
 }
 
-/// Prints to standard output; a closed one ends the session at the next
-/// read anyway, so a failed write is not an error here.
-fn say(text: std::fmt::Arguments) {
-    let _ = std::io::stdout().lock().write_fmt(text);
+/// Prints to standard output.
+fn say(text: std::fmt::Arguments) -> std::io::Result<()> {
+    std::io::stdout().lock().write_fmt(text)
+}
+
+/// Goes on after an answer written, or ends the session when nobody reads.
+fn flow_after(written: std::io::Result<()>) -> Flow {
+    match written {
+        Ok(()) => Flow::Continue,
+        Err(e) => Flow::Unread(e),
+    }
 }
 
 fn history_file() -> Option<PathBuf> {
@@ -76,10 +88,7 @@ fn history_file() -> Option<PathBuf> {
 fn answer(kv: &mut Store, line: &str, style: Style) -> Flow {
     let mut words = match quoting::split(line) {
         Ok(w) => w,
-        Err(e) => {
-            print_error(&e.to_string(), style);
-            return Flow::Continue;
-        }
+        Err(e) => return flow_after(print_error(&e.to_string(), style)),
     };
     // Commands are case-insensitive, as in redis-cli.
     if let Some(first) = words.first_mut() {
@@ -87,18 +96,12 @@ fn answer(kv: &mut Store, line: &str, style: Style) -> Flow {
     }
     match words.first().map(Vec::as_slice) {
         Some(b"quit" | b"exit") => return Flow::Quit,
-        Some(b"help") => {
-            show_help(&words[1..]);
-            return Flow::Continue;
-        }
+        Some(b"help") => return flow_after(show_help(&words[1..])),
         _ => {}
     }
     let line = match Line::try_parse_from(words.into_iter().map(OsString::from_vec)) {
         Ok(l) => l,
-        Err(e) => {
-            say(format_args!("{}", e.render()));
-            return Flow::Continue;
-        }
+        Err(e) => return flow_after(say(format_args!("{}", e.render()))),
     };
     if let Command::Put {
         value: None,
@@ -106,17 +109,16 @@ fn answer(kv: &mut Store, line: &str, style: Style) -> Flow {
         ..
     } = line.command
     {
-        print_error("put takes a VALUE (or --value-file) at the prompt", style);
-        return Flow::Continue;
+        let refused = "put takes a VALUE (or --value-file) at the prompt";
+        return flow_after(print_error(refused, style));
     }
-    match execute(kv, line.command) {
+    flow_after(match execute(kv, line.command) {
         Ok(outcome) => print_outcome(outcome, style),
         Err(e) => print_error(&e, style),
-    }
-    Flow::Continue
+    })
 }
 
-fn show_help(topic: &[Vec<u8>]) {
+fn show_help(topic: &[Vec<u8>]) -> std::io::Result<()> {
     let mut help = Line::command().after_help(
         "Also: help COMMAND, quit. Quote values with spaces or binary bytes: \
          put k \"a b\\x00\".",
@@ -142,7 +144,7 @@ pub enum Style {
     Raw,
 }
 
-fn print_outcome(outcome: Outcome, style: Style) {
+fn print_outcome(outcome: Outcome, style: Style) -> std::io::Result<()> {
     let mut out = std::io::stdout().lock();
     let raw = style == Style::Raw;
     let written = match (outcome, raw) {
@@ -157,14 +159,13 @@ fn print_outcome(outcome: Outcome, style: Style) {
         (Outcome::Counter(n), false) => writeln!(out, "(integer) {n}"),
         (Outcome::Report(lines), _) => lines.iter().try_for_each(|l| writeln!(out, "{l}")),
     };
-    // A closed terminal ends the session at the next read anyway.
-    let _ = written;
+    written.and_then(|()| out.flush())
 }
 
-fn print_error(message: &str, style: Style) {
+fn print_error(message: &str, style: Style) -> std::io::Result<()> {
     if style == Style::Raw {
-        say(format_args!("{message}\n"));
+        say(format_args!("{message}\n"))
     } else {
-        say(format_args!("(error) {message}\n"));
+        say(format_args!("(error) {message}\n"))
     }
 }
