@@ -234,6 +234,14 @@ impl Server {
         let path = region_path(&config)?;
         let wanted = Geometry::for_memory(config.memory, config.buckets)
             .map_err(|e| ServerError::Config(e.to_string()))?;
+        // A cap below the index it starts with would show only as "index
+        // full" at some later write.
+        if let Some(cap) = config.max_buckets.filter(|&m| m < wanted.bucket_count) {
+            return Err(ServerError::Config(format!(
+                "--max-buckets {cap} is below the {} buckets the index starts with",
+                wanted.bucket_count
+            )));
+        }
         let max_memory = match config.max_memory {
             Some(m) => m,
             None => file_system_size(&path)?.max(config.memory),

@@ -57,6 +57,17 @@ fn bad_arguments_are_refused_clearly() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("power of two from 8"));
 
+    let out = server(&[
+        "--listen",
+        &region,
+        "--buckets",
+        "256",
+        "--max-buckets",
+        "128",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("below the 256 buckets"));
+
     let out = server(&[]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--listen is required"));

@@ -176,3 +176,20 @@ fn a_line_that_is_not_utf8_ends_a_scripted_session_with_an_error() {
     let mut kv = kv_client::Client::connect(&t.address).expect("client");
     assert_eq!(kv.get(b"b").expect("get"), None, "a line after it ran");
 }
+
+#[test]
+fn a_session_the_server_cut_off_while_idle_still_ends_well() {
+    use std::io::{Read, Write};
+    let t = TestServer::start(|c| c.timeouts.idle = Some(Duration::from_secs(1)));
+    let lines = |mut stdin: std::process::ChildStdin| {
+        let _ = stdin.write_all(b"put a 1\n");
+        // Idle past the server's timeout before the input ends.
+        std::thread::sleep(Duration::from_millis(2500));
+    };
+    let mut answers = String::new();
+    let (code, stderr) = scripted(&t, lines, |mut stdout| {
+        let _ = stdout.read_to_string(&mut answers);
+    });
+    assert_eq!(answers, "OK\n");
+    assert_eq!(code, Some(0), "{stderr}");
+}

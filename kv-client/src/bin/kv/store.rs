@@ -77,9 +77,15 @@ impl Store {
         }
     }
 
+    /// Says goodbye. A connection the server already closed (it cut an
+    /// idle client off, or stopped) has nothing left to say: every
+    /// command was answered.
     pub fn close(self) -> Result<()> {
         match self {
-            Store::Server(kv) => (*kv).close(),
+            Store::Server(kv) => match (*kv).close() {
+                Err(kv_client::Error::Transport(e)) if e.is_connection_lost() => Ok(()),
+                said => said,
+            },
             // Its connections close as it drops.
             Store::Cluster(_) => Ok(()),
         }
