@@ -268,6 +268,8 @@ impl Drop for Membership {
 
 /// Pause between incarnations when etcd cannot be reached.
 const REJOIN_PAUSE: Duration = Duration::from_millis(500);
+/// How often a failure to join that stays the same is logged again.
+const FAILURE_RELOG: Duration = Duration::from_secs(30);
 
 async fn run(
     url: ClusterUrl,
@@ -275,6 +277,9 @@ async fn run(
     events: Sender<MemberEvent>,
     mut controls: Controls,
 ) {
+    // The last failure logged, and when: the same one is logged again only
+    // now and then (the member tries again every REJOIN_PAUSE).
+    let mut logged: Option<(String, Instant)> = None;
     loop {
         let result = incarnation(&url, &spec, &events, &mut controls).await;
         controls.held.set(Hold::Lost);
@@ -288,7 +293,13 @@ async fn run(
             }
             Err(e) => e.to_string(),
         };
-        tracing::warn!(member = %spec.id, "{why}");
+        let repeated = logged
+            .as_ref()
+            .is_some_and(|(last, at)| *last == why && at.elapsed() < FAILURE_RELOG);
+        if !repeated {
+            tracing::warn!(member = %spec.id, "{why} (trying again every {REJOIN_PAUSE:?})");
+            logged = Some((why.clone(), Instant::now()));
+        }
         if events.send(MemberEvent::Fenced { why }).is_err() {
             return;
         }

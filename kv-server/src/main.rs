@@ -574,10 +574,13 @@ impl Member {
                     self.host.follow(map, || membership.holds_lease());
                 }
             }
-            MemberEvent::Fenced { why } => {
+            // Said once per time out of the cluster: a member that cannot
+            // reach etcd tries to join again every half second.
+            MemberEvent::Fenced { why } if self.joined => {
                 tracing::warn!("serving nothing until joined again: {why}");
                 self.leave_serving();
             }
+            MemberEvent::Fenced { why } => tracing::debug!("not joined: {why}"),
             MemberEvent::Refused { why } => return Err(why),
         }
         Ok(())

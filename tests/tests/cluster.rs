@@ -1031,3 +1031,25 @@ fn a_server_told_to_stop_hands_its_shards_over_before_it_leaves() {
         );
     }
 }
+
+/// A member whose etcd is not there tries to join every half second, and
+/// says why once, not twice each try.
+#[test]
+fn a_member_without_etcd_says_so_once() {
+    let dir = region_dir();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let url = format!("etcd://127.0.0.1:{port}/nowhere");
+    let member = start_member(&url, dir.path(), "m0", &[]);
+    // Six tries at least.
+    std::thread::sleep(Duration::from_secs(3));
+    member.signal(libc::SIGTERM);
+    let (_, log) = member.wait_exit(Duration::from_secs(60));
+    let said = log
+        .lines()
+        .filter(|l| l.contains("WARN") && l.contains(&format!("127.0.0.1:{port}")))
+        .count();
+    assert_eq!(said, 1, "{log}");
+}
