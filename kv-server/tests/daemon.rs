@@ -73,16 +73,21 @@ fn bad_arguments_are_refused_clearly() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--listen is required"));
 }
 
+/// A server of a 4 MiB region at `path`.
+fn small_region(path: &std::path::Path) -> kv_server::ServerConfig {
+    kv_server::ServerConfig {
+        memory: 4 << 20,
+        ..kv_server::ServerConfig::new(kv_common::Address::Shm {
+            region: path.to_path_buf(),
+        })
+    }
+}
+
 #[test]
 fn check_reports_a_clean_region_and_refuses_other_files() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("r");
-    let config = kv_server::ServerConfig {
-        memory: 4 << 20,
-        ..kv_server::ServerConfig::new(kv_common::Address::Shm {
-            region: path.clone(),
-        })
-    };
+    let config = small_region(&path);
     drop(kv_server::Server::start(config).unwrap());
     let out = server(&["check", path.to_str().unwrap()]);
     assert_eq!(
@@ -107,12 +112,7 @@ fn check_reports_a_clean_region_and_refuses_other_files() {
 fn a_server_whose_control_socket_was_removed_still_stops() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("r");
-    let config = kv_server::ServerConfig {
-        memory: 4 << 20,
-        ..kv_server::ServerConfig::new(kv_common::Address::Shm {
-            region: path.clone(),
-        })
-    };
+    let config = small_region(&path);
     let server = kv_server::Server::start(config).unwrap();
     std::fs::remove_file(kv_common::Address::shm_socket(&path)).unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
@@ -132,11 +132,8 @@ fn a_start_that_fails_removes_only_the_region_it_made() {
     let path = dir.path().join("r");
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let config = |metrics_listen| kv_server::ServerConfig {
-        memory: 4 << 20,
         metrics_listen,
-        ..kv_server::ServerConfig::new(kv_common::Address::Shm {
-            region: path.clone(),
-        })
+        ..small_region(&path)
     };
     let busy = Some(taken.local_addr().unwrap());
     assert!(kv_server::Server::start(config(busy)).is_err());
